@@ -1,0 +1,114 @@
+"""Loading the compiled extension, fake (meta) kernels for ``torch.compile``, and thin wrappers.
+
+The schemas live in ``csrc/bpclip_fast.cpp``; this module adds nothing but shape propagation and
+argument defaults, so that every op can be traced and checked by ``torch.library.opcheck``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.bpclip_fast.*)
+
+    _LOAD_ERROR: Exception | None = None
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    _LOAD_ERROR = exc
+
+
+def extension_loaded() -> bool:
+    return _LOAD_ERROR is None
+
+
+def require_extension() -> None:
+    if _LOAD_ERROR is not None:
+        raise ImportError(
+            "bpclip_fast's compiled extension (bpclip_fast._C) could not be loaded: "
+            f"{_LOAD_ERROR}. Build it with `make build` (or `pip install --no-build-isolation -e .`)."
+        ) from _LOAD_ERROR
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+if _LOAD_ERROR is None:
+
+    @torch.library.register_fake("bpclip_fast::clip_rows")
+    def _clip_rows_fake(x, nonfinite, bound, norm, clip_fn, gamma):
+        b = x.shape[0]
+        return (
+            torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((b,), dtype=_acc_dtype(x)),
+            x.new_empty((b,), dtype=_acc_dtype(x)),
+        )
+
+    @torch.library.register_fake("bpclip_fast::clip_rows_backward")
+    def _clip_rows_backward_fake(grad, clipped, factor, norm, bound, clip_fn):
+        return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("bpclip_fast::philox_noise_")
+    def _philox_noise_fake(buf, seed, offset, std, accumulate):
+        return None
+
+    @torch.library.register_fake("bpclip_fast::linear_forward")
+    def _linear_forward_fake(x, weight, bias, nonfinite, input_bound, clip_fn, gamma):
+        b = x.shape[0]
+        out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+        acc = _acc_dtype(x)
+        return (out, torch.empty_like(x, memory_format=torch.contiguous_format),
+                x.new_empty((b,), dtype=acc), x.new_empty((b,), dtype=acc))
+
+    def _conv_out_size(size, k, s, p, d):
+        return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+    @torch.library.register_fake("bpclip_fast::conv2d_forward")
+    def _conv2d_forward_fake(x, weight, bias, nonfinite, stride, padding, dilation, groups, input_bound, clip_fn,
+                             gamma):
+        b = x.shape[0]
+        h = _conv_out_size(x.shape[2], weight.shape[2], stride[0], padding[0], dilation[0])
+        w = _conv_out_size(x.shape[3], weight.shape[3], stride[1], padding[1], dilation[1])
+        acc = _acc_dtype(x)
+        return (x.new_empty((b, weight.shape[0], h, w)), torch.empty_like(x, memory_format=torch.contiguous_format),
+                x.new_empty((b,), dtype=acc), x.new_empty((b,), dtype=acc))
+
+    def _layer_backward_fake(x_clipped, weight, has_bias, input_grad):
+        gx = torch.empty_like(x_clipped) if input_grad else x_clipped.new_empty((0,))
+        gw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        gb = weight.new_empty((weight.shape[0],)) if has_bias else weight.new_empty((0,))
+        return gx, gw, gb
+
+    @torch.library.register_fake("bpclip_fast::linear_backward")
+    def _linear_backward_fake(grad_out, x_clipped, x_factor, x_norm, weight, nonfinite, grad_bound, input_bound,
+                              clip_fn, gamma, has_bias, input_grad, seed, offset, noise_std):
+        return _layer_backward_fake(x_clipped, weight, has_bias, input_grad)
+
+    @torch.library.register_fake("bpclip_fast::conv2d_backward")
+    def _conv2d_backward_fake(grad_out, x_clipped, x_factor, x_norm, weight, nonfinite, stride, padding, dilation,
+                              groups, grad_bound, grad_norm, input_bound, clip_fn, gamma, has_bias, input_grad, seed,
+                              offset, noise_std):
+        return _layer_backward_fake(x_clipped, weight, has_bias, input_grad)
+
+
+def build_config() -> dict:
+    """What the extension was compiled with, as reported by the library itself."""
+    require_extension()
+    fields = dict(kv.split("=", 1) for kv in torch.ops.bpclip_fast._build_config().split(";"))
+    archs = [a for a in fields.get("archs", "").split(",") if a]
+    return {"cuda_compiled": fields.get("cuda") == "1", "cuda_archs": archs}
+
+
+def clip_rows(x, nonfinite, bound, norm="l2", clip_fn="clip", gamma=0.01):
+    """Per-example clipping: returns (clipped, factor, norm)."""
+    return torch.ops.bpclip_fast.clip_rows(x, nonfinite, float(bound), norm, clip_fn, float(gamma))
+
+
+def clip_rows_backward(grad, clipped, factor, norm, bound, clip_fn="clip"):
+    """Vector-Jacobian product of the L2 input clipping, from what the forward saved."""
+    return torch.ops.bpclip_fast.clip_rows_backward(grad, clipped, factor, norm, float(bound), clip_fn)
+
+
+def philox_noise_(buf, seed, offset, std, accumulate=False):
+    """``buf = std*z`` (or ``buf += std*z``) with z ~ N(0, 1) from Philox4x32-10 keyed by (seed, offset)."""
+    torch.ops.bpclip_fast.philox_noise_(buf, int(seed), int(offset), float(std), bool(accumulate))
+    return buf

@@ -1,0 +1,67 @@
+"""Autograd Functions of the clipped layers: each forward and backward is one op of the extension.
+
+The layer object passed in supplies the bounds and the noise for its backward (see
+``bpclip_fast.nn``): ``layer._consume_noise(sensitivity)`` hands out (seed, offset, std) once per
+armed step and zeros afterwards, which is what makes the noise exactly-once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops
+
+
+class _ClippedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, sensitivity):
+        out, xc, factor, norm = torch.ops.bpclip_fast.linear_forward(
+            x, weight, bias, layer._nonfinite[0:1], float(layer.input_clip), layer.clip_fn, float(layer.gamma))
+        ctx.save_for_backward(xc, factor, norm, weight)
+        ctx.layer, ctx.sensitivity, ctx.has_bias = layer, sensitivity, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xc, factor, norm, weight = ctx.saved_tensors
+        layer = ctx.layer
+        seed, offset, std = layer._consume_noise(ctx.sensitivity)
+        gx, gw, gb = torch.ops.bpclip_fast.linear_backward(
+            grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], float(layer.grad_clip),
+            float(layer.input_clip), layer.clip_fn, float(layer.gamma), ctx.has_bias, ctx.needs_input_grad[0],
+            seed, offset, std)
+        return (gx if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
+                gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None, None)
+
+
+class _ClippedConv2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, sensitivity, padding):
+        out, xc, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
+            x, weight, bias, layer._nonfinite[0:1], list(layer.stride), list(padding), list(layer.dilation),
+            layer.groups, float(layer.input_clip), layer.clip_fn, float(layer.gamma))
+        ctx.save_for_backward(xc, factor, norm, weight)
+        ctx.layer, ctx.sensitivity, ctx.has_bias, ctx.padding = layer, sensitivity, bias is not None, padding
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xc, factor, norm, weight = ctx.saved_tensors
+        layer = ctx.layer
+        seed, offset, std = layer._consume_noise(ctx.sensitivity)
+        gx, gw, gb = torch.ops.bpclip_fast.conv2d_backward(
+            grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], list(layer.stride), list(ctx.padding),
+            list(layer.dilation), layer.groups, float(layer.grad_clip), layer.norm, float(layer.input_clip),
+            layer.clip_fn, float(layer.gamma), ctx.has_bias, ctx.needs_input_grad[0], seed, offset, std)
+        return (gx if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
+                gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None, None, None)
+
+
+def clipped_linear(x, weight, bias, layer, sensitivity):
+    _ops.require_extension()
+    return _ClippedLinear.apply(x, weight, bias, layer, sensitivity)
+
+
+def clipped_conv2d(x, weight, bias, layer, sensitivity, padding):
+    _ops.require_extension()
+    return _ClippedConv2d.apply(x, weight, bias, layer, sensitivity, padding)

@@ -1,0 +1,416 @@
+"""Drop-in clipped layers, noise arming, the per-step finiteness check and model conversion.
+
+Sensitivity bounds
+------------------
+Every clipped layer bounds the Frobenius norm of one example's contribution to ``[∇W, ∇b]``. With
+clipped input ``x̃`` (``‖x̃‖₂ ≤ C_x`` over all non-batch dims) and clipped upstream gradient ``g̃``:
+
+*Linear*, input ``[B, *, in]`` with ``T`` positions in ``*`` (T = 1 for 2-D input),
+``‖g̃‖₂ ≤ C_g`` over all non-batch dims. ``∇W = Σ_t g̃_t x̃_tᵀ`` so, by the triangle and
+Cauchy–Schwarz inequalities, ``‖∇W‖ ≤ Σ_t ‖g̃_t‖‖x̃_t‖ ≤ ‖g̃‖‖x̃‖ ≤ C_g C_x``; ``∇b = Σ_t g̃_t`` so
+``‖∇b‖ ≤ √T ‖g̃‖ ≤ √T C_g``. Hence ``Δ = C_g √(C_x² + T·[bias])``. Attained: all ``x̃_t`` equal
+(norm ``C_x/√T``) and all ``g̃_t`` equal (norm ``C_g/√T``, one direction).
+
+*Conv2d, norm l15* (``l15(g̃) = √(Σ_c (Σ_hw |g̃_chw|)²) ≤ C_g``), zero padding, any stride,
+dilation and groups. Row ``c`` of ``[∇W, ∇b]`` is ``Σ_hw g̃_chw [P_hw(x̃); 1]`` where the patch
+``P_hw(x̃)`` holds distinct entries of ``x̃`` (of one channel group) or zeros, so
+``‖[P_hw; 1]‖ ≤ √(C_x² + [bias])`` and the triangle inequality gives
+``‖row_c‖ ≤ Σ_hw |g̃_chw| √(C_x² + [bias])``; summing squares over ``c``:
+``Δ = C_g √(C_x² + [bias])``. Attained when the output is 1×1 (the kernel covers the input).
+Other padding modes can repeat an entry inside a patch, so they are refused.
+
+*Conv2d, norm l2* (``‖g̃‖₂ ≤ C_g``). Per group ``j``, ``∇W_j = G_j P_jᵀ`` with ``P_j`` the
+im2col matrix (a column per output position); ``‖G_j P_jᵀ‖_F ≤ ‖G_j‖_F ‖P_j‖₂`` and
+``‖[P_j; 1ᵀ]‖₂² ≤ ‖P_j‖_F² + HW_out = Σ_e mult(e) x̃_e² + HW_out ≤ m‖x̃_j‖² + HW_out`` where
+``mult(e)`` counts the (output position, kernel offset) pairs that read entry ``e`` and ``m`` is
+its maximum. Summing over groups, ``Δ = C_g √(m C_x² + [bias]·HW_out)``.
+
+The three clip functions (clip, global, normalize) all keep the clipped norm ``≤ C``, so the
+bounds hold for each. ``tests/test_sensitivity.py`` checks every bound against exact per-example
+gradients from ``torch.func`` and its attainment.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import secrets
+
+import torch
+from torch import nn
+
+from . import functional
+
+CLIP_FNS = ("clip", "global", "normalize")
+CONV_NORMS = ("l15", "l2")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+_LAYER_BITS = 19  # offset = step << 20 | layer << 1 | (0: weight, 1: bias)
+_MAX_LAYERS = 1 << _LAYER_BITS
+_MAX_STEPS = 1 << (63 - _LAYER_BITS - 1)
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by :func:`check_finite`; ``counts`` maps layer name to (inputs, upstream gradients)."""
+
+    def __init__(self, message: str, counts: dict):
+        super().__init__(message)
+        self.counts = counts
+
+
+def _check_positive(value, what: str, layer: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{layer}: {what} must be a positive number, got {value!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{layer}: {what} must be a positive finite number, got {value!r}")
+    return v
+
+
+class _Clipped:
+    """Clipping configuration, the non-finite counter and the noise state shared by our layers."""
+
+    def _init_clipping(self, input_clip, grad_clip, clip_fn, gamma):
+        kind = type(self).__name__
+        self.input_clip = _check_positive(input_clip, "input_clip", kind)
+        self.grad_clip = _check_positive(grad_clip, "grad_clip", kind)
+        if clip_fn not in CLIP_FNS:
+            raise ValueError(f"{kind}: clip_fn must be one of {CLIP_FNS}, got {clip_fn!r}")
+        self.clip_fn = clip_fn
+        self.gamma = _check_positive(gamma, "gamma", kind)
+        self.noise_multiplier = 0.0
+        # [inputs, upstream gradients] found non-finite since the last check_finite; non-persistent
+        # so that state_dicts load both ways with torch's own layers.
+        self.register_buffer("_nonfinite", torch.zeros(2, dtype=torch.int64, device=self.weight.device),
+                             persistent=False)
+        self._bp_name = None
+        self._armed = None            # (seed, offset) until this step's noise is drawn
+        self._armed_forwards = 0      # grad-enabled forwards since arming
+        self._noised_sensitivity = None  # the Δ this step's noise was scaled to
+        self._last_input_shape = None
+
+    @property
+    def layer_name(self) -> str:
+        return self._bp_name or type(self).__name__
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        name = self.layer_name
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor input, got {type(x).__name__}")
+        if x.device != self.weight.device:
+            raise ValueError(f"{name}: the input is on {x.device} but the layer's parameters are on "
+                             f"{self.weight.device}; move the input or the model (.to(device)) so they match")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: unsupported input dtype {x.dtype}; bpclip_fast layers take float32, "
+                            "float16, bfloat16 (or float64)")
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"{name}: the input is {x.dtype} but the layer's parameters are {self.weight.dtype}; "
+                            "cast one of them (x.to(dtype) or model.to(dtype))")
+
+    def _note_forward(self, x: torch.Tensor) -> float:
+        """Checks the noise state against this forward and returns its sensitivity Δ."""
+        sens = self.sensitivity_for(tuple(x.shape))
+        self._last_input_shape = tuple(x.shape)
+        if not torch.is_grad_enabled():
+            return sens
+        if self._armed is not None:
+            if self._armed_forwards >= 1:
+                raise RuntimeError(
+                    f"{self.layer_name}: used more than once in one forward pass while noise is armed (a shared "
+                    "layer, or a second forward before backward). One example would then move this layer's "
+                    "gradient by k·Δ while the noise is scaled to Δ. Use a separate layer for each use, or run "
+                    "backward after each forward (gradient accumulation).")
+            self._armed_forwards += 1
+        elif self._noised_sensitivity is not None and sens > self._noised_sensitivity * (1 + 1e-12):
+            raise RuntimeError(
+                f"{self.layer_name}: this step's noise was scaled to sensitivity {self._noised_sensitivity:.6g}, "
+                f"but this input shape {tuple(x.shape)} has sensitivity {sens:.6g}; within one step every "
+                "micro-batch must have the shape the noise was drawn for (or a smaller one).")
+        return sens
+
+    def _arm(self, seed: int, offset: int, name: str | None = None) -> None:
+        if name is not None:
+            self._bp_name = name
+        self._armed = (int(seed), int(offset))
+        self._armed_forwards = 0
+        self._noised_sensitivity = None
+
+    def _consume_noise(self, sensitivity: float):
+        if self._armed is None:
+            return 0, 0, 0.0
+        seed, offset = self._armed
+        self._armed = None
+        self._noised_sensitivity = sensitivity
+        std = float(self.noise_multiplier) * sensitivity
+        if not (std >= 0 and math.isfinite(std)):
+            raise ValueError(f"{self.layer_name}: noise_multiplier must be finite and >= 0, "
+                             f"got {self.noise_multiplier!r}")
+        return (seed, offset, std) if std > 0 else (0, 0, 0.0)
+
+    @property
+    def sensitivity(self) -> float:
+        """Δ, the bound on one example's contribution to [∇W, ∇b] (Frobenius), for the last input shape."""
+        return self.sensitivity_for(self._last_input_shape)
+
+    def _clip_repr(self) -> str:
+        return f"input_clip={self.input_clip:g}, grad_clip={self.grad_clip:g}, clip_fn={self.clip_fn!r}"
+
+
+class Linear(_Clipped, nn.Linear):
+    """``nn.Linear`` whose inputs and upstream gradients are clipped per example (L2 norms).
+
+    Input ``[B, *, in_features]``; each example's norm is taken over all its non-batch dims.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, input_clip, grad_clip, clip_fn="clip",
+                 gamma=0.01, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_clipping(input_clip, grad_clip, clip_fn, gamma)
+
+    def sensitivity_for(self, input_shape=None) -> float:
+        """``C_g √(C_x² + T·[bias])``, T the positions between batch and feature dims (module docstring)."""
+        tokens = 1 if input_shape is None else math.prod(input_shape[1:-1])
+        bias = 1 if self.bias is not None else 0
+        return self.grad_clip * math.sqrt(self.input_clip ** 2 + tokens * bias)
+
+    def forward(self, x):
+        self._check_input(x)
+        if x.dim() < 2:
+            raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
+                             f"got shape {tuple(x.shape)}")
+        sens = self._note_forward(x)
+        return functional.clipped_linear(x, self.weight, self.bias, self, sens)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, {self._clip_repr()}"
+
+
+@functools.lru_cache(maxsize=256)
+def _max_patch_multiplicity(size: int, out: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """The most (output position, kernel offset) pairs that read one input position, along one dim."""
+    counts = [0] * size
+    for o in range(out):
+        for k in range(kernel):
+            i = o * stride - padding + k * dilation
+            if 0 <= i < size:
+                counts[i] += 1
+    return max(counts, default=0)
+
+
+class Conv2d(_Clipped, nn.Conv2d):
+    """``nn.Conv2d`` whose inputs (L2) and upstream gradients (``norm``: l15 or l2) are clipped per example.
+
+    Zero padding only: other padding modes can repeat an input entry inside one patch, which the
+    l15 bound does not allow for.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, *, input_clip, grad_clip, norm="l15", clip_fn="clip", gamma=0.01, padding_mode="zeros",
+                 device=None, dtype=None):
+        if padding_mode != "zeros":
+            raise ValueError(f"Conv2d: padding_mode={padding_mode!r} is not supported: only 'zeros' keeps every "
+                             "input entry at most once in a patch, which the sensitivity bound needs")
+        if norm not in CONV_NORMS:
+            raise ValueError(f"Conv2d: norm must be one of {CONV_NORMS}, got {norm!r}")
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
+                         groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
+        self.norm = norm
+        self._init_clipping(input_clip, grad_clip, clip_fn, gamma)
+        self._explicit_padding = self._resolve_padding()
+
+    def _resolve_padding(self):
+        if not isinstance(self.padding, str):
+            return tuple(self.padding)
+        if self.padding == "valid":
+            return (0, 0)
+        pads = []
+        for k, d in zip(self.kernel_size, self.dilation):
+            total = d * (k - 1)
+            if total % 2:
+                raise ValueError(f"Conv2d: padding='same' with kernel {self.kernel_size} and dilation "
+                                 f"{self.dilation} needs asymmetric padding; pass explicit padding instead")
+            pads.append(total // 2)
+        return tuple(pads)
+
+    def _out_hw(self, h, w):
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self._explicit_padding, self.dilation
+        return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+    def sensitivity_for(self, input_shape=None) -> float:
+        """l15: ``C_g √(C_x² + [bias])``; l2: ``C_g √(m C_x² + [bias]·HW_out)`` (module docstring)."""
+        bias = 1 if self.bias is not None else 0
+        if self.norm == "l15":
+            return self.grad_clip * math.sqrt(self.input_clip ** 2 + bias)
+        if input_shape is None:
+            raise RuntimeError(f"{self.layer_name}: with norm='l2' the sensitivity depends on the input's height "
+                               "and width; call sensitivity_for(input_shape) or run a forward pass first")
+        h, w = input_shape[-2], input_shape[-1]
+        oh, ow = self._out_hw(h, w)
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self._explicit_padding, self.dilation
+        m = _max_patch_multiplicity(h, oh, kh, sh, ph, dh) * _max_patch_multiplicity(w, ow, kw, sw, pw, dw)
+        return self.grad_clip * math.sqrt(m * self.input_clip ** 2 + bias * oh * ow)
+
+    def forward(self, x):
+        self._check_input(x)
+        if x.dim() != 4:
+            raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
+        sens = self._note_forward(x)
+        return functional.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, norm={self.norm!r}, {self._clip_repr()}"
+
+
+class TemperedSigmoid(nn.Module):
+    """``s·sigmoid(T·x) − o`` (Papernot et al. 2021); the default (2, 2, 1) is tanh."""
+
+    def __init__(self, s: float = 2.0, T: float = 2.0, o: float = 1.0):
+        super().__init__()
+        self.s, self.T, self.o = float(s), float(T), float(o)
+
+    def forward(self, x):
+        return self.s * torch.sigmoid(self.T * x) - self.o
+
+    def extra_repr(self):
+        return f"s={self.s:g}, T={self.T:g}, o={self.o:g}"
+
+
+def clipped_layers(module: nn.Module):
+    """``[(qualified name, layer)]`` of every clipped layer in ``module``, in ``named_modules`` order."""
+    return [(name or type(m).__name__, m) for name, m in module.named_modules() if isinstance(m, _Clipped)]
+
+
+class NoiseStream:
+    """The (seed, step) that key the Philox noise of a model.
+
+    With ``seed=None`` the seed comes from the operating system's entropy (``secrets``). An explicit
+    seed makes runs reproducible but is insecure: whoever knows it can subtract the noise.
+    """
+
+    def __init__(self, seed: int | None = None):
+        self.secure = seed is None
+        self.seed = secrets.randbits(63) if seed is None else int(seed)
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"NoiseStream: seed must be in [0, 2**63), got {seed}")
+        self.step = 0
+
+    def offset(self, layer_index: int) -> int:
+        if layer_index >= _MAX_LAYERS:
+            raise ValueError(f"NoiseStream: at most {_MAX_LAYERS} clipped layers are supported")
+        if self.step >= _MAX_STEPS:
+            raise RuntimeError("NoiseStream: step counter exhausted; start a new stream")
+        return (self.step << (_LAYER_BITS + 1)) | (layer_index << 1)
+
+    def __repr__(self):
+        return f"NoiseStream(step={self.step}, secure={self.secure})"
+
+
+def arm_noise(module: nn.Module, stream: NoiseStream | None = None) -> NoiseStream:
+    """Arms every clipped layer so that its next backward adds N(0, (noise_multiplier·Δ)²) once.
+
+    Each call is one step of ``stream`` (created on first use and kept on ``module``): layer ``l``
+    of step ``t`` draws from Philox counters (t, l, element), so no two draws ever share numbers.
+    """
+    if stream is None:
+        stream = getattr(module, "_bpclip_noise_stream", None)
+        if stream is None:
+            stream = NoiseStream()
+            module._bpclip_noise_stream = stream
+    layers = clipped_layers(module)
+    if not layers:
+        raise ValueError(f"arm_noise: {type(module).__name__} has no bpclip_fast layers; "
+                         "use bpclip_fast.nn.convert_model first")
+    for index, (name, layer) in enumerate(layers):
+        layer._arm(stream.seed, stream.offset(index), name)
+    stream.step += 1
+    return stream
+
+
+def check_finite(module: nn.Module) -> None:
+    """Raises :class:`NonFiniteError` if any clipped layer met a non-finite example since the last call.
+
+    Such examples were given clip factor 0 (they contributed nothing, so the bounds held); the counts
+    are read with one device sync and reset.
+    """
+    layers = clipped_layers(module)
+    if not layers:
+        return
+    by_device: dict = {}
+    for name, layer in layers:
+        by_device.setdefault(layer._nonfinite.device, []).append((name, layer))
+    bad = {}
+    for group in by_device.values():
+        counts = torch.stack([layer._nonfinite for _, layer in group]).cpu()
+        for (name, layer), (n_in, n_grad) in zip(group, counts.tolist()):
+            if n_in or n_grad:
+                bad[name] = (n_in, n_grad)
+                layer._nonfinite.zero_()
+    if bad:
+        lines = [f"  {name}: {n_in} input(s), {n_grad} upstream gradient(s)" for name, (n_in, n_grad) in bad.items()]
+        raise NonFiniteError(
+            "bpclip_fast: non-finite values (NaN/Inf, or a norm that overflowed) reached these layers; the "
+            "examples concerned were dropped (clip factor 0):\n" + "\n".join(lines) +
+            "\nCheck the data and the loss (e.g. log of 0), or lower the learning rate.", bad)
+
+
+def _unsupported_reason(module: nn.Module) -> str | None:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return ("normalises each example with statistics of the whole batch, so one example moves every "
+                "other example's gradient; use GroupNorm/LayerNorm without affine parameters instead")
+    if isinstance(module, nn.Conv2d) and type(module) is nn.Conv2d and module.padding_mode != "zeros":
+        return (f"has padding_mode={module.padding_mode!r}; only 'zeros' keeps the sensitivity bound "
+                "(pad the input explicitly with F.pad if needed)")
+    if any(p.requires_grad for p in module.parameters(recurse=False)) and type(module) not in (nn.Linear, nn.Conv2d):
+        return ("has trainable parameters that bpclip_fast cannot clip; freeze them (requires_grad_(False)) or "
+                "replace the layer")
+    return None
+
+
+def _convert(layer: nn.Module, *, input_clip, grad_clip, norm, clip_fn, gamma) -> nn.Module:
+    w = layer.weight
+    if type(layer) is nn.Linear:
+        new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, input_clip=input_clip,
+                     grad_clip=grad_clip, clip_fn=clip_fn, gamma=gamma, device="meta", dtype=w.dtype)
+    else:
+        new = Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                     padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
+                     bias=layer.bias is not None, input_clip=input_clip, grad_clip=grad_clip, norm=norm,
+                     clip_fn=clip_fn, gamma=gamma, device="meta", dtype=w.dtype)
+    # The same Parameter objects: an optimizer built before the conversion keeps working.
+    new.weight = layer.weight
+    if layer.bias is not None:
+        new.bias = layer.bias
+    new._nonfinite = torch.zeros(2, dtype=torch.int64, device=w.device)
+    new.train(layer.training)
+    return new
+
+
+def convert_model(model: nn.Module, *, input_clip, grad_clip, norm="l15", clip_fn="clip", gamma=0.01) -> nn.Module:
+    """Swaps every trainable ``nn.Linear``/``nn.Conv2d`` of ``model`` for ours, in place, weights kept.
+
+    Refuses (before changing anything) layers whose gradients it could not bound: BatchNorm, other
+    modules with trainable parameters, non-zero padding modes. Frozen layers are left as they are.
+    Returns ``model`` (a bare ``nn.Linear``/``nn.Conv2d`` is returned converted).
+    """
+    problems = [f"  {name or type(model).__name__} ({type(m).__name__}): {why}"
+                for name, m in model.named_modules() if (why := _unsupported_reason(m)) is not None]
+    if problems:
+        raise ValueError("convert_model: these layers cannot be trained with backpropagation clipping:\n"
+                         + "\n".join(problems))
+    kw = dict(input_clip=input_clip, grad_clip=grad_clip, norm=norm, clip_fn=clip_fn, gamma=gamma)
+
+    def wanted(m):
+        return type(m) in (nn.Linear, nn.Conv2d) and any(p.requires_grad for p in m.parameters())
+
+    if wanted(model):
+        new = _convert(model, **kw)
+        new._bp_name = type(model).__name__
+        return new
+    for name, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if wanted(child):
+                new = _convert(child, **kw)
+                new._bp_name = f"{name}.{child_name}" if name else child_name
+                setattr(m, child_name, new)
+    return model

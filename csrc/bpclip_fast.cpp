@@ -1,0 +1,69 @@
+// The one place where the operator schemas of bpclip_fast live. Backends register their kernels
+// in cpu/, cuda/ and layers.cpp; fake (meta) kernels are registered in bpclip_fast/_ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+#define BPCLIP_STR_(...) #__VA_ARGS__
+#define BPCLIP_STR(...) BPCLIP_STR_(__VA_ARGS__)
+
+namespace {
+
+std::string build_config() {
+#ifdef BPCLIP_WITH_CUDA
+  std::string cfg = "cuda=1;archs=";
+#ifdef BPCLIP_CUDA_ARCHS
+  cfg += BPCLIP_STR(BPCLIP_CUDA_ARCHS);
+#endif
+  return cfg;
+#else
+  return "cuda=0;archs=";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(bpclip_fast, m) {
+  // Per-example clipping: norm ('l2' over all non-batch dims, or 'l15' over [B,C,H,W]), factor
+  // ('clip' | 'global' | 'normalize') and scaling. Returns (clipped, factor, norm); factor and norm
+  // are fp32 (fp64 for fp64 data). Non-finite examples get factor 0 and increment `nonfinite`.
+  m.def(
+      "clip_rows(Tensor x, Tensor(a!) nonfinite, float bound, str norm, str clip_fn, float gamma)"
+      " -> (Tensor, Tensor, Tensor)");
+  // Exact vector-Jacobian product of x -> x * s(x) (L2 input clipping), from the saved forward.
+  m.def(
+      "clip_rows_backward(Tensor grad, Tensor clipped, Tensor factor, Tensor norm, float bound, str clip_fn)"
+      " -> Tensor");
+  // buf = std * z (accumulate=False) or buf += std * z, z from Philox4x32-10 keyed by (seed, offset).
+  m.def("philox_noise_(Tensor(a!) buf, int seed, int offset, float std, bool accumulate) -> ()");
+  // Layer forward: clip the input per example (L2), then ATen's linear / convolution.
+  // Returns (out, x_clipped, x_factor, x_norm).
+  m.def(
+      "linear_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) nonfinite, float input_bound,"
+      " str clip_fn, float gamma) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "conv2d_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) nonfinite, int[2] stride,"
+      " int[2] padding, int[2] dilation, int groups, float input_bound, str clip_fn, float gamma)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
+  // Layer backward: clip the upstream gradient per example, weight/bias gradients through ATen
+  // with the noise (std noise_std, stream offset for the weight, offset+1 for the bias) added,
+  // and the input gradient through the clipped gradient and the clipping Jacobian.
+  // Returns (grad_x, grad_weight, grad_bias); grad_x / grad_bias are empty when not requested.
+  m.def(
+      "linear_backward(Tensor grad_out, Tensor x_clipped, Tensor x_factor, Tensor x_norm, Tensor weight,"
+      " Tensor(a!) nonfinite, float grad_bound, float input_bound, str clip_fn, float gamma, bool has_bias,"
+      " bool input_grad, int seed, int offset, float noise_std) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "conv2d_backward(Tensor grad_out, Tensor x_clipped, Tensor x_factor, Tensor x_norm, Tensor weight,"
+      " Tensor(a!) nonfinite, int[2] stride, int[2] padding, int[2] dilation, int groups, float grad_bound,"
+      " str grad_norm, float input_bound, str clip_fn, float gamma, bool has_bias, bool input_grad, int seed,"
+      " int offset, float noise_std) -> (Tensor, Tensor, Tensor)");
+  m.def("_build_config() -> str", &build_config);
+}
+
+// Importing bpclip_fast._C loads this library, which runs the registrations above.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

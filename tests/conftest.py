@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+import bpclip_fast
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def pytest_report_header(config):
+    info = bpclip_fast.build_info()
+    return (f"bpclip_fast: cuda_compiled={info['cuda_compiled']} archs={info['cuda_archs']} "
+            f"cuda_available={info['cuda_available']} torch={info['torch_version']}")
