@@ -6,7 +6,9 @@
 // The only difference between backends is the rounding of logf/sinf/cosf (a few ulp).
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bpclip_fast/macros.h"
 
@@ -43,6 +45,71 @@ BPCLIP_HD inline U4 philox_block(uint64_t seed, uint64_t offset, uint64_t block)
   return philox4x32_10(ctr, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
+// Branch-free float log and sin/cos (Cephes-style minimax polynomials, about 1 ulp), written so
+// that a compiler can vectorise a loop of them, and shared by both backends so that the CPU and
+// CUDA streams agree to rounding (the only difference left is FMA contraction).
+BPCLIP_HD inline uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+BPCLIP_HD inline float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// log(x) for a positive normal float x.
+BPCLIP_HD inline float log_pos(float x) {
+  const uint32_t bits = float_bits(x);
+  float e = static_cast<float>(static_cast<int>((bits >> 23) & 0xffu) - 126);
+  float m = bits_float((bits & 0x007fffffu) | 0x3f000000u);  // x = m * 2^e, m in [0.5, 1)
+  const float small = static_cast<float>(m < 0.70710678118654752f);  // arithmetic, not a branch
+  e -= small;
+  m = m + m * small - 1.0f;  // m in [sqrt(1/2) - 1, sqrt(2) - 1)
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  return m + y + 0.693359375f * e;
+}
+
+// (cos, sin) of 2*pi*u for u in [0, 1): u*4 splits exactly into a quadrant j and a remainder r in
+// [-1/2, 1/2], so the polynomials only ever see |phi| <= pi/4.
+BPCLIP_HD inline void cos_sin_2pi(float u, float* c_out, float* s_out) {
+  const float q = u * 4.0f;
+  const float j = static_cast<float>(static_cast<int>(q + 0.5f));
+  const float phi = (q - j) * 1.57079632679489662f;
+  const float p2 = phi * phi;
+  float s = -1.9515295891e-4f;
+  s = s * p2 + 8.3321608736e-3f;
+  s = s * p2 - 1.6666654611e-1f;
+  s = phi + phi * p2 * s;
+  float c = 2.443315711809948e-5f;
+  c = c * p2 - 1.388731625493765e-3f;
+  c = c * p2 + 4.166664568298827e-2f;
+  c = 1.0f - 0.5f * p2 + p2 * p2 * c;
+  // cos(j pi/2 + phi), sin(j pi/2 + phi): odd quadrants swap the pair, then sign bits flip.
+  const uint32_t quadrant = static_cast<uint32_t>(static_cast<int>(j)) & 3u;
+  const bool swap = (quadrant & 1u) != 0u;
+  const float base_c = swap ? s : c;
+  const float base_s = swap ? c : s;
+  const float cq = bits_float(float_bits(base_c) ^ (((quadrant + 1u) & 2u) << 30));
+  const float sq = bits_float(float_bits(base_s) ^ ((quadrant & 2u) << 30));
+  *c_out = cq;
+  *s_out = sq;
+}
+
 // Box-Muller on two 32-bit words. u1 = a*2^-32 + 2^-33 lies in (0, 1] and keeps full relative
 // precision near 0 (float is exact there), so the tail reaches sqrt(2*33*ln2) = 6.8 sigma instead
 // of the 5.8 sigma of a 24-bit uniform. u2 takes 24 bits: the angle needs no more.
@@ -50,13 +117,17 @@ BPCLIP_HD inline void box_muller(uint32_t a, uint32_t b, float* z0, float* z1) {
   const float kTwoPow32Inv = 2.3283064365386963e-10f;  // 2^-32
   const float kTwoPow33Inv = 1.1641532182693481e-10f;  // 2^-33
   const float kTwoPow24Inv = 5.9604644775390625e-08f;  // 2^-24
-  const float kTwoPi = 6.2831853071795864769f;
-  const float u1 = static_cast<float>(a) * kTwoPow32Inv + kTwoPow33Inv;
-  const float u2 = static_cast<float>(b >> 8) * kTwoPow24Inv;
-  const float r = sqrtf(-2.0f * logf(u1 < 1.0f ? u1 : 1.0f));
-  const float theta = kTwoPi * u2;
-  *z0 = r * cosf(theta);
-  *z1 = r * sinf(theta);
+  // a >> 1 is exact in float's sign range; the dropped bit is below float's precision near 1 and
+  // restored exactly near 0, where u1 is small and precision matters.
+  const float u1 = static_cast<float>(static_cast<int32_t>(a >> 1)) * (2.0f * kTwoPow32Inv) +
+                   static_cast<float>(a & 1u) * kTwoPow32Inv + kTwoPow33Inv;
+  const float u2 = static_cast<float>(static_cast<int32_t>(b >> 8)) * kTwoPow24Inv;
+  const float l = log_pos(u1 < 1.0f ? u1 : 1.0f);
+  const float r = sqrtf(-2.0f * l > 0.0f ? -2.0f * l : 0.0f);
+  float c, s;
+  cos_sin_2pi(u2, &c, &s);
+  *z0 = r * c;
+  *z1 = r * s;
 }
 
 // The four standard normals of counter block `block`.
