@@ -1,0 +1,92 @@
+# bpclip_fast developer entry points. On a fresh clone `make test` / `make demo` do everything:
+# create .venv, install the pinned dependencies, build the extension, run.
+#
+#   make venv       .venv + requirements-dev.txt (stamp file: re-runs are instant)
+#   make build      build bpclip_fast._C (incremental; rebuilt when csrc/, setup.py or switches change)
+#   make test       build, pytest, then the C++ tests (cmake + ctest in build/cmake)
+#   make cpp-test   only the C++ tests
+#   make demo       build, then python -m bpclip_fast.demo
+#   make clean      remove build outputs (keeps .venv);  make distclean also removes .venv
+#
+# Switches (environment or make variables): BPCLIP_CPU_ONLY=1, BPCLIP_FORCE_CUDA=1,
+# TORCH_CUDA_ARCH_LIST (default 8.0;9.0), CUDA_HOME, MAX_JOBS (default 2),
+# BPCLIP_CMAKE_CUDA=ON (CUDA in the cmake/ctest build; default OFF), CMAKE_ARGS (extra cmake
+# options, e.g. CMAKE_ARGS=-DBPCLIP_BUILD_LIBRARY=OFF to build only the header-only C++ tests).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := build
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+VENV_STAMP := $(VENV)/.deps-installed
+BUILD_STAMP := build/.ext-built
+EDITABLE_STAMP := $(VENV)/.bpclip-editable
+BUILD_CONFIG := build/.ext-config
+CMAKE_DIR := build/cmake
+BPCLIP_CMAKE_CUDA ?= OFF
+
+export MAX_JOBS ?= 2
+ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
+export CUDA_HOME ?= /usr/local/cuda
+endif
+export BPCLIP_CPU_ONLY BPCLIP_FORCE_CUDA TORCH_CUDA_ARCH_LIST BPCLIP_DEBUG
+
+# Directories too: their mtime changes when a file is added or removed.
+CSRC_FILES := $(shell find csrc -type f -o -type d 2>/dev/null)
+
+.PHONY: venv build test pytest cpp-test demo clean distclean FORCE
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): requirements-dev.txt
+	@test -x $(PY) || { echo "creating $(VENV) with $$($(PYTHON) --version)"; $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -r requirements-dev.txt
+	@touch $@
+
+# The switches that change what setup.py builds; the file is rewritten only when they change,
+# so flipping BPCLIP_CPU_ONLY (etc.) triggers a rebuild and nothing else does.
+$(BUILD_CONFIG): FORCE
+	@mkdir -p $(@D)
+	@cfg="CPU_ONLY=$(BPCLIP_CPU_ONLY) FORCE_CUDA=$(BPCLIP_FORCE_CUDA) ARCHS=$(TORCH_CUDA_ARCH_LIST) CUDA_HOME=$(CUDA_HOME) DEBUG=$(BPCLIP_DEBUG)"; \
+	  [ -f $@ ] && [ "$$(cat $@)" = "$$cfg" ] || echo "$$cfg" > $@
+
+build: $(BUILD_STAMP) $(EDITABLE_STAMP)
+
+# Incremental: ninja keeps its objects in build/ext-{cpu,cuda} (see setup.py) and recompiles only
+# what changed; bpclip_fast/_C*.so is written in place.
+$(BUILD_STAMP): $(VENV_STAMP) $(BUILD_CONFIG) setup.py pyproject.toml $(CSRC_FILES)
+	$(PY) setup.py build_ext --inplace
+	@touch $@
+
+# Once per venv (and when the metadata changes): register the package in .venv as an editable
+# install, so `import bpclip_fast` works from any directory. It reuses the objects above, so
+# nothing is recompiled.
+$(EDITABLE_STAMP): pyproject.toml | $(BUILD_STAMP)
+	$(PY) -m pip install --no-build-isolation --no-deps -q -e .
+	@touch $@
+
+pytest: build
+	$(PY) -m pytest -q tests
+
+test: pytest cpp-test
+
+cpp-test: $(VENV_STAMP)
+	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+	  -DPython3_EXECUTABLE="$(abspath $(PY))" \
+	  -DBPCLIP_CUDA=$(BPCLIP_CMAKE_CUDA) $(CMAKE_ARGS)
+	cmake --build $(CMAKE_DIR) -j $(MAX_JOBS)
+	cd $(CMAKE_DIR) && ctest --output-on-failure
+
+demo: build
+	$(PY) -m bpclip_fast.demo
+
+clean:
+	rm -rf build dist *.egg-info bpclip_fast/_C*.so .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
+
+FORCE:
