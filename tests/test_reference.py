@@ -8,8 +8,16 @@ from torch import nn
 
 from bpclip_fast import reference as ref
 
-torch.set_default_dtype(torch.float64)
 NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(autouse=True)
+def _float64_default():
+    """Hand-derived values are compared in float64; restored so no other test module sees it."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 def hand_clip_rows(x, bound):
