@@ -73,6 +73,19 @@ acc_t row_total(const acc_t* partial, const RowGeometry& r, int64_t b, bool squa
   return total;
 }
 
+// Calls fn(b, lo, hi) for every tile [lo, hi) of at most kTile elements of every row b, in parallel.
+template <typename Fn>
+void for_each_row_tile(const RowGeometry& r, const Fn& fn) {
+  const int64_t tiles = (r.N + kTile - 1) / kTile;
+  at::parallel_for(0, r.B * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / tiles;
+      const int64_t lo = b * r.N + (t % tiles) * kTile;
+      fn(b, lo, std::min(lo + kTile, (b + 1) * r.N));
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_rows_cpu(const at::Tensor& x_in, at::Tensor& nonfinite,
                                                               double bound, c10::string_view norm_s,
                                                               c10::string_view clip_fn_s, double gamma) {
@@ -103,19 +116,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_rows_cpu(const at::Tensor& x
     if (bad) nonfinite.add_(bad);
 
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    const int64_t tiles = (r.N + kTile - 1) / kTile;
-    at::parallel_for(0, r.B * tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / tiles;
-        const int64_t lo = b * r.N + (t % tiles) * kTile;
-        const int64_t hi = std::min(lo + kTile, (b + 1) * r.N);
-        const acc_t f = fp[b];
-        // A zero factor writes zeros, never 0 * x: x may hold the NaN/Inf that caused it.
-        if (f == acc_t(0)) {
-          for (int64_t i = lo; i < hi; ++i) op[i] = scalar_t(0);
-        } else {
-          for (int64_t i = lo; i < hi; ++i) op[i] = static_cast<scalar_t>(static_cast<acc_t>(xp[i]) * f);
-        }
+    for_each_row_tile(r, [&](int64_t b, int64_t lo, int64_t hi) {
+      const acc_t f = fp[b];
+      // A zero factor writes zeros, never 0 * x: x may hold the NaN/Inf that caused it.
+      if (f == acc_t(0)) {
+        for (int64_t i = lo; i < hi; ++i) op[i] = scalar_t(0);
+      } else {
+        for (int64_t i = lo; i < hi; ++i) op[i] = static_cast<scalar_t>(static_cast<acc_t>(xp[i]) * f);
       }
     });
   });
@@ -145,19 +152,13 @@ at::Tensor clip_rows_backward_cpu(const at::Tensor& grad_in, const at::Tensor& c
       coef[b] = clip_jvp_kappa<acc_t>(np[b], fp[b], static_cast<acc_t>(bound), fn) * row_total(partial.data(), r, b, false);
     }
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    const int64_t tiles = (r.N + kTile - 1) / kTile;
-    at::parallel_for(0, r.B * tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / tiles;
-        const int64_t lo = b * r.N + (t % tiles) * kTile;
-        const int64_t hi = std::min(lo + kTile, (b + 1) * r.N);
-        const acc_t s = fp[b], c = coef[b];
-        if (s == acc_t(0)) {
-          for (int64_t i = lo; i < hi; ++i) op[i] = scalar_t(0);
-        } else {
-          for (int64_t i = lo; i < hi; ++i)
-            op[i] = static_cast<scalar_t>(s * static_cast<acc_t>(gp[i]) - c * static_cast<acc_t>(xp[i]));
-        }
+    for_each_row_tile(r, [&](int64_t b, int64_t lo, int64_t hi) {
+      const acc_t sb = fp[b], c = coef[b];
+      if (sb == acc_t(0)) {
+        for (int64_t i = lo; i < hi; ++i) op[i] = scalar_t(0);
+      } else {
+        for (int64_t i = lo; i < hi; ++i)
+          op[i] = static_cast<scalar_t>(sb * static_cast<acc_t>(gp[i]) - c * static_cast<acc_t>(xp[i]));
       }
     });
   });
