@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "bpclip_fast/clip.h"
+#include "bpclip_fast/rows.h"
 
 namespace bpclip {
 
@@ -50,31 +51,14 @@ inline at::ScalarType acc_type_of(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// A row (one example) of N elements is reduced as G groups of S elements, each split into K chunks
-// of at most `chunk` elements: partial[(b*G + g)*K + k]. For l2 the groups are one row (q(a) = a);
-// for l15 the groups are channels (q(a) = a^2) and the per-group sums are L1 norms.
-struct RowGeometry {
-  int64_t B, N, G, S, K, chunk;
-};
-
 inline RowGeometry row_geometry(const at::Tensor& x, int norm, int64_t chunk) {
-  RowGeometry r{};
-  r.B = x.size(0);
-  r.N = r.B == 0 ? 0 : x.numel() / r.B;
+  const int64_t B = x.size(0);
+  const int64_t N = B == 0 ? 0 : (x.dim() == 1 ? 1 : x.numel() / B);
   if (norm == kL15) {
     TORCH_CHECK(x.dim() == 4, "bpclip_fast: the l15 norm needs a [B, C, H, W] tensor, got ", x.dim(), " dims");
-    r.G = x.size(1);
-    r.S = x.size(2) * x.size(3);
-  } else {
-    if (x.dim() == 1) {
-      r.N = 1;
-    }
-    r.G = 1;
-    r.S = r.N;
+    return make_row_geometry(B, N, x.size(1), x.size(2) * x.size(3), chunk);
   }
-  r.chunk = chunk;
-  r.K = r.S == 0 ? 0 : (r.S + chunk - 1) / chunk;
-  return r;
+  return make_row_geometry(B, N, 1, N, chunk);
 }
 
 // Validation of clip_rows' arguments, shared by the backends; returns the parsed (norm, clip_fn).
