@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -24,3 +26,9 @@ def pytest_report_header(config):
     info = bpclip_fast.build_info()
     return (f"bpclip_fast: cuda_compiled={info['cuda_compiled']} archs={info['cuda_archs']} "
             f"cuda_available={info['cuda_available']} torch={info['torch_version']}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    harness = sys.modules.get("harness")  # tests/emulator/harness.py, if the emulator tests ran
+    if harness is not None and harness.SESSION:
+        terminalreporter.write_line(harness.summary(harness.SESSION[0]))

@@ -1,0 +1,113 @@
+// Runs the unmodified device code and launch sequences of csrc/cuda under the emulator, behind a
+// C ABI for tests/test_emulator.py (ctypes). Buffers are host memory owned by the caller.
+#include "simt.h"
+
+#include <climits>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace bpclip {
+namespace cuda {
+
+// The emulator's version of launch.h's launch(): same signature, same early return, same check.
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... args) {
+  if (blocks <= 0) return;
+  if (blocks > INT_MAX) simt::fail("bpclip_fast: tensor too large for one launch");
+  simt::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0,
+               std::forward<Args>(args)...);
+}
+
+}  // namespace cuda
+}  // namespace bpclip
+
+#include "clip_launch.cuh"
+#include "noise_launch.cuh"
+
+namespace {
+
+using namespace bpclip;
+using namespace bpclip::cuda;
+
+enum Dtype : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+
+// Calls fn.template operator()<T, acc_t>() for the dtype code, as AT_DISPATCH does in the launchers.
+template <typename Fn>
+int dispatch(int dtype, Fn&& fn) {
+  switch (dtype) {
+    case kF32: fn.template operator()<float, float>(); break;
+    case kF64: fn.template operator()<double, double>(); break;
+    case kF16: fn.template operator()<__half, float>(); break;
+    case kBF16: fn.template operator()<__nv_bfloat16, float>(); break;
+    default: return 2;  // not a dtype the launchers dispatch
+  }
+  return simt::has_error() ? 1 : 0;
+}
+
+// Workspace the launchers would take from the caching allocator, poisoned with NaN here so that
+// a partial sum that is read but never written shows up.
+template <typename acc_t>
+std::vector<acc_t> poisoned(int64_t n) {
+  return std::vector<acc_t>(static_cast<size_t>(n > 0 ? n : 1), acc_t(NAN));
+}
+
+}  // namespace
+
+extern "C" {
+
+int simt_clip_rows(int dtype, const void* x, int64_t B, int64_t N, int64_t G, int64_t S, int l15, double bound,
+                   int fn, double gamma, void* out, void* factor, void* norm, int64_t* nonfinite) {
+  const RowGeometry r = make_row_geometry(B, N, G, S, kReduceChunk);
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    auto partial = poisoned<acc_t>(partial_count(r));
+    clip_rows_device<T, acc_t>(static_cast<const T*>(x), r, l15 != 0, static_cast<acc_t>(bound), fn,
+                               static_cast<acc_t>(gamma), partial.data(), static_cast<acc_t*>(norm),
+                               static_cast<acc_t*>(factor), reinterpret_cast<unsigned long long*>(nonfinite),
+                               static_cast<T*>(out));
+  });
+}
+
+int simt_clip_rows_backward(int dtype, const void* g, const void* xc, const void* factor, const void* norm, int64_t B,
+                            int64_t N, double bound, int fn, void* out) {
+  const RowGeometry r = make_row_geometry(B, N, 1, N, kReduceChunk);
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    auto partial = poisoned<acc_t>(partial_count(r));
+    auto dot = poisoned<acc_t>(B);
+    clip_rows_backward_device<T, acc_t>(static_cast<const T*>(g), static_cast<const T*>(xc),
+                                        static_cast<const acc_t*>(factor), static_cast<const acc_t*>(norm), r,
+                                        static_cast<acc_t>(bound), fn, partial.data(), dot.data(),
+                                        static_cast<T*>(out));
+  });
+}
+
+// blocks <= 0: the launcher's own grid (noise_launch.cuh); otherwise this grid, to exercise the
+// kernel's grid-stride loop on small buffers.
+int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, int accumulate,
+                      int64_t blocks, int threads) {
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    if (blocks <= 0) {
+      philox_noise_device<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0);
+    } else {
+      launch(philox_noise_kernel<T>, blocks, threads, static_cast<T*>(buf), n, seed, offset, stdv, accumulate);
+    }
+  });
+}
+
+// The conversions of the half/bfloat16 stand-ins, for comparison with torch's.
+void simt_f32_to_f16(const float* in, uint16_t* out, int64_t n, int rz) {
+  for (int64_t i = 0; i < n; ++i) out[i] = (rz ? __float2half_rz(in[i]) : __float2half_rn(in[i])).__x;
+}
+void simt_f16_to_f32(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = __half2float(__half{in[i]});
+}
+void simt_f32_to_bf16(const float* in, uint16_t* out, int64_t n, int rz) {
+  for (int64_t i = 0; i < n; ++i) out[i] = (rz ? __float2bfloat16_rz(in[i]) : __float2bfloat16_rn(in[i])).__x;
+}
+void simt_bf16_to_f32(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = __bfloat162float(__nv_bfloat16{in[i]});
+}
+
+}  // extern "C"

@@ -1,0 +1,324 @@
+"""Builds the SIMT emulator library and runs csrc/cuda's kernels through it (ctypes).
+
+The library is compiled here with the host compiler from tests/emulator/*.cpp and the unmodified
+headers of csrc/cuda (or a mutated copy of them, for the planted-bug tests), cached under
+build/simt by a hash of every input. ``compare_*`` run one op both through the emulator and
+through the CPU op of the extension and return the list of disagreements (empty = agree), so the
+parametrised tests and the planted-bug sweep share one definition of "agrees".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+CSRC_CUDA = ROOT / "csrc" / "cuda"
+BUILD = ROOT / "build" / "simt"
+
+# -fsanitize=bounds checks indexing of fixed-size (shared) arrays; the library defines the
+# handler itself, so the UBSan runtime is not linked. -ffp-contract=off: no FMA contraction, as
+# in the CPU kernels, so that the emulated and CPU noise streams can be compared bit for bit.
+CXXFLAGS = ["-std=c++20", "-O2", "-g0", "-fPIC", "-fno-extern-tls-init", "-ffp-contract=off",
+            "-fsanitize=bounds", "-Wall", "-Wextra", "-Werror"]
+ALL_SOURCES = ("simt.cpp", "bpclip_kernels.cpp", "selftest_kernels.cpp", "selftest_shared.cpp")
+KERNEL_SOURCES = ("simt.cpp", "bpclip_kernels.cpp")
+
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+CLIP_FNS = {"clip": 0, "global": 1, "normalize": 2}
+POLICIES = {"in_order": 0, "reverse": 1, "random": 2}
+
+
+SESSION: list = []  # the emulator libraries the test session loaded (the first is summarised)
+
+
+class SimtError(RuntimeError):
+    """A launch error reported by the emulator (bounds, collectives, barriers, deadlock)."""
+
+
+def _digest(paths, extra=()) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(str(p.name).encode())
+        h.update(p.read_bytes())
+    for e in extra:
+        h.update(str(e).encode())
+    return h.hexdigest()[:16]
+
+
+def build_library(kernel_dir: Path = CSRC_CUDA, sources=ALL_SOURCES) -> Path:
+    """Compiles (or reuses) the emulator library over the kernel headers in ``kernel_dir``."""
+    cxx = os.environ.get("CXX", "c++")
+    includes = [HERE / "include", ROOT / "csrc" / "include", kernel_dir]
+    headers = [p for d in (HERE, HERE / "include", ROOT / "csrc" / "include" / "bpclip_fast", kernel_dir)
+               for p in d.iterdir() if p.suffix in (".h", ".cuh")]
+    flags = CXXFLAGS + [f"-I{d}" for d in includes]
+    objdir = BUILD / "obj"
+    objdir.mkdir(parents=True, exist_ok=True)
+
+    def compile_one(src: str) -> Path:
+        path = HERE / src
+        obj = objdir / f"{path.stem}-{_digest([path, *headers], [cxx, *CXXFLAGS])}.o"
+        if not obj.exists():
+            tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+            run = subprocess.run([cxx, *flags, "-c", str(path), "-o", str(tmp)], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"compiling {src} for the emulator failed:\n{run.stderr[-4000:]}")
+            tmp.replace(obj)
+        return obj
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        objects = list(pool.map(compile_one, sources))
+    lib = BUILD / f"libsimt-{_digest(objects)}.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        # -Bsymbolic: the library's own bounds handler, whatever else is loaded in the process.
+        run = subprocess.run([cxx, "-shared", "-o", str(tmp), *map(str, objects), "-ldl", "-Wl,-Bsymbolic"],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"linking the emulator failed:\n{run.stderr[-4000:]}")
+        tmp.replace(lib)
+    return lib
+
+
+def mutated_kernel_dir(dest: Path, file: str, old: str, new: str) -> Path:
+    """A copy of csrc/cuda with ``old`` replaced by ``new`` in ``file`` (``old`` must occur once)."""
+    text = (CSRC_CUDA / file).read_text()
+    count = text.count(old)
+    if count != 1:
+        raise AssertionError(f"planted bug: {old!r} occurs {count} times in csrc/cuda/{file}, expected once; "
+                             "update the mutation to the current kernel code")
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(CSRC_CUDA, dest)
+    (dest / file).write_text(text.replace(old, new))
+    return dest
+
+
+def global_kernels() -> set[str]:
+    """Names of the ``__global__`` functions defined in csrc/cuda."""
+    names = set()
+    for p in CSRC_CUDA.iterdir():
+        if p.suffix in (".cu", ".cuh"):
+            names |= set(re.findall(r"__global__\s+void\s+(\w+)", p.read_text()))
+    return names
+
+
+def kernel_base_name(demangled: str) -> str:
+    """``void bpclip::cuda::scale_rows_kernel<float, float>(...)`` -> ``scale_rows_kernel``."""
+    head = demangled.split("(")[0].split("<")[0]
+    return head.split()[-1].split("::")[-1]
+
+
+def _ptr(t: torch.Tensor):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def summary(sim: "Simt") -> str:
+    """One line: how many of csrc/cuda's kernels, instantiations and launches ``sim`` executed."""
+    ours = global_kernels()
+    stats = {k: v for k, v in sim.stats().items() if kernel_base_name(k) in ours}
+    names = {kernel_base_name(k) for k in stats}
+    launches, blocks, threads = (sum(v[i] for v in stats.values()) for i in range(3))
+    return (f"SIMT emulator: executed {len(names)} of {len(ours)} CUDA kernels of csrc/cuda "
+            f"({len(stats)} instantiations) in {launches} launches, {blocks} blocks, {threads} threads")
+
+
+class Simt:
+    """ctypes view of one emulator library."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.simt_take_error.restype = ctypes.c_char_p
+        lib.simt_stats.restype = ctypes.c_char_p
+        i64, dbl, vp, i32, u64 = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
+        lib.simt_clip_rows.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp]
+        lib.simt_clip_rows_backward.argtypes = [i32, vp, vp, vp, vp, i64, i64, dbl, i32, vp]
+        lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32]
+        lib.simt_set_schedule.argtypes = [i32, u64]
+        for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
+            getattr(lib, name).argtypes = [vp, vp, i64, i32]
+        for name in ("simt_f16_to_f32", "simt_bf16_to_f32"):
+            getattr(lib, name).argtypes = [vp, vp, i64]
+        self.lib = lib
+
+    # -- plumbing --
+    def schedule(self, policy: str, seed: int = 0) -> None:
+        self.lib.simt_set_schedule(POLICIES[policy], seed)
+
+    def check(self, rc: int) -> None:
+        err = self.lib.simt_take_error().decode()
+        if rc or err:
+            raise SimtError(err or f"emulator call failed (code {rc})")
+
+    def stats(self) -> dict:
+        return json.loads(self.lib.simt_stats().decode())
+
+    def call(self, name: str, *args) -> None:
+        self.check(getattr(self.lib, name)(*args))
+
+    # -- the ops, over caller-owned CPU tensors (outputs poisoned by the caller) --
+    def clip_rows(self, x, out, factor, norm, nonfinite, *, l15, bound, clip_fn, gamma):
+        B = x.shape[0]
+        N = x[0].numel() if B else 0
+        G, S = (x.shape[1], x.shape[2] * x.shape[3]) if l15 else (1, N)
+        self.call("simt_clip_rows", DTYPES[x.dtype], _ptr(x), B, N, G, S, int(l15), bound, CLIP_FNS[clip_fn], gamma,
+                  _ptr(out), _ptr(factor), _ptr(norm), _ptr(nonfinite))
+
+    def clip_rows_backward(self, g, xc, factor, norm, out, *, bound, clip_fn):
+        B = g.shape[0]
+        N = g[0].numel() if B else 0
+        self.call("simt_clip_rows_backward", DTYPES[g.dtype], _ptr(g), _ptr(xc), _ptr(factor), _ptr(norm), B, N,
+                  bound, CLIP_FNS[clip_fn], _ptr(out))
+
+    def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256):
+        self.call("simt_philox_noise", DTYPES[buf.dtype], _ptr(buf), n, seed, offset, std, int(accumulate), blocks,
+                  threads)
+
+
+# ---- comparisons with the CPU ops --------------------------------------------------------------
+# Elements after every buffer: a kernel that writes past an output's end changes them (and does not
+# corrupt the heap: more than a whole scale tile), one that reads past an input's end reads NaN.
+GUARD = 4096 + 37
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def guarded(n: int, dtype, fill=float("nan")):
+    """(flat buffer of n + GUARD elements filled with ``fill``, a view of its first n)."""
+    buf = torch.full((n + GUARD,), fill, dtype=dtype)
+    return buf, buf[:n]
+
+
+def guarded_copy(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in a buffer followed by GUARD NaNs (or 0x7f.. for integers)."""
+    buf, view = guarded(x.numel(), x.dtype)
+    view.copy_(x.reshape(-1))
+    return view.view(x.shape)
+
+
+def _guard_intact(buf, n, fill) -> bool:
+    tail = buf[n:]
+    return bool(torch.isnan(tail).all()) if fill != fill else bool((tail == fill).all())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _rtol(dtype):
+    # Reductions accumulate in fp32 (fp64 for fp64) in a different order than the CPU kernel.
+    return 1e-12 if dtype == torch.float64 else 2e-6
+
+
+def _storage_tol(dtype):
+    # One rounding of the output to its dtype, from accumulators that agree to _rtol.
+    return {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+
+
+def _close(a, b, rtol, atol=0.0):
+    return bool(torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True))
+
+
+def compare_clip_rows(sim: Simt, x: torch.Tensor, norm: str, clip_fn: str, bound: float, gamma: float = 0.01):
+    """Emulated clip_rows vs the CPU op on ``x``; returns a list of problems."""
+    l15 = norm == "l15"
+    acc = acc_dtype(x.dtype)
+    B = x.shape[0]
+    obuf, out = guarded(x.numel(), x.dtype)
+    fbuf, factor = guarded(B, acc)
+    nbuf, nrm = guarded(B, acc)
+    count = torch.zeros(1, dtype=torch.int64)
+    sim.clip_rows(guarded_copy(x), out, factor, nrm, count, l15=l15, bound=bound, clip_fn=clip_fn, gamma=gamma)
+    ref_count = torch.zeros(1, dtype=torch.int64)
+    ref_out, ref_factor, ref_norm = torch.ops.bpclip_fast.clip_rows(x, ref_count, bound, norm, clip_fn, gamma)
+    problems = []
+    for name, buf, n in (("out", obuf, x.numel()), ("factor", fbuf, B), ("norm", nbuf, B)):
+        if not _guard_intact(buf, n, float("nan")):
+            problems.append(f"{name}: written past its end")
+    if not _close(nrm, ref_norm, _rtol(x.dtype)):
+        rows = (~torch.isclose(nrm.double(), ref_norm.double(), rtol=_rtol(x.dtype), equal_nan=True)).sum().item()
+        problems.append(f"norm differs in {rows} of {B} rows")
+    if not _close(factor, ref_factor, _rtol(x.dtype) * 4):
+        problems.append("factor differs")
+    if int(count) != int(ref_count):
+        problems.append(f"non-finite count {int(count)} != {int(ref_count)}")
+    # The scaling itself is exact given the kernel's own factor: out = round(x * factor), 0 where factor = 0.
+    f = factor.reshape((B,) + (1,) * (x.dim() - 1))
+    expect = torch.where(f == 0, torch.zeros((), dtype=acc), x.to(acc) * f).to(x.dtype)
+    if not torch.equal(out.reshape(x.shape), expect):
+        bad = (out.reshape(x.shape) != expect).sum().item()
+        problems.append(f"out != round(x * factor) at {bad} elements")
+    if not _close(out.reshape(x.shape), ref_out, _storage_tol(x.dtype), _storage_tol(x.dtype) * 1e-3):
+        problems.append("out differs from the CPU op")
+    return problems
+
+
+def compare_clip_rows_backward(sim: Simt, x: torch.Tensor, g: torch.Tensor, clip_fn: str, bound: float,
+                               gamma: float = 0.01):
+    """Emulated clip_rows_backward vs the CPU op, at the CPU forward of ``x``; returns problems."""
+    cnt = torch.zeros(1, dtype=torch.int64)
+    xc, factor, nrm = torch.ops.bpclip_fast.clip_rows(x, cnt, bound, "l2", clip_fn, gamma)
+    obuf, out = guarded(g.numel(), g.dtype)
+    sim.clip_rows_backward(guarded_copy(g), guarded_copy(xc), guarded_copy(factor), guarded_copy(nrm), out, bound=bound, clip_fn=clip_fn)
+    ref = torch.ops.bpclip_fast.clip_rows_backward(g, xc, factor, nrm, bound, clip_fn)
+    problems = []
+    if not _guard_intact(obuf, g.numel(), float("nan")):
+        problems.append("out: written past its end")
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    if not _close(out.reshape(g.shape), ref, _storage_tol(g.dtype), _storage_tol(g.dtype) * 1e-2 * scale):
+        problems.append(f"grad differs: max abs {(out.reshape(g.shape).double() - ref.double()).abs().max():.3g}")
+    return problems
+
+
+def compare_noise(sim: Simt, n: int, dtype, seed: int, offset: int, std: float, accumulate: bool, blocks: int = 0,
+                  threads: int = 256):
+    """Emulated philox_noise_ vs the CPU op: bit-identical, and nothing written past n."""
+    start = torch.linspace(-3, 3, n, dtype=torch.float32).to(dtype) if accumulate else None
+    fill = 7.0
+    buf, view = guarded(n, dtype, fill)
+    if accumulate:
+        view.copy_(start)
+    sim.philox_noise(view, n, seed, offset, std, accumulate, blocks, threads)
+    ref = start.clone() if accumulate else torch.empty(n, dtype=dtype)
+    torch.ops.bpclip_fast.philox_noise_(ref, seed, offset, std, accumulate)
+    problems = []
+    if not _guard_intact(buf, n, fill):
+        problems.append("noise written past the end of the buffer")
+    if not torch.equal(_bits(view), _bits(ref)):
+        problems.append(f"noise differs at {(view != ref).sum().item()} of {n} elements")
+    return problems
+
+
+def sweep(sim: Simt) -> list[str]:
+    """A small run of every op, dtype and kernel path; the problems it finds, labelled."""
+    problems = []
+    gen = torch.Generator().manual_seed(5)
+    for dtype in DTYPES:
+        for shape in ((9, 100), (3, 4097), (1, 70000)):
+            x = torch.randn(shape, generator=gen).to(dtype)
+            x[0, 0] = float("nan") if shape[0] > 1 else x[0, 0]
+            bound = 0.5 * shape[1] ** 0.5
+            problems += [f"clip_rows l2 {dtype} {shape}: {p}" for p in compare_clip_rows(sim, x, "l2", "clip", bound)]
+            g = torch.randn(shape, generator=gen).to(dtype)
+            xg = torch.randn(shape, generator=gen).to(dtype)
+            problems += [f"backward {dtype} {shape}: {p}" for p in compare_clip_rows_backward(sim, xg, g, "clip", bound)]
+        x = torch.randn((3, 40, 9, 13), generator=gen).to(dtype)
+        problems += [f"clip_rows l15 {dtype}: {p}" for p in compare_clip_rows(sim, x, "l15", "clip", 30.0)]
+        for n, blocks in ((1001, 0), (4099, 3)):
+            problems += [f"noise {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks)]
+            problems += [f"noise+ {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks)]
+    return problems

@@ -1,0 +1,348 @@
+"""Every CUDA kernel of csrc/cuda, executed on the CPU by the SIMT emulator (tests/emulator) and
+compared with the CPU implementation of the same op; the emulator's own planted-bug tests.
+
+The emulator library is compiled from the unmodified kernel headers and launch sequences
+(csrc/cuda/*_launch.cuh), so what runs here is what runs on a GPU, thread by thread, with CUDA's
+execution model (see tests/emulator/simt.h). Comparisons: bit-identical for the Philox stream and
+for ``round(x * factor)``, to accumulation rounding for norms, factors and the clipping VJP.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bpclip_fast  # noqa: F401  (loads the CPU ops)
+
+sys.path.insert(0, str(Path(__file__).parent / "emulator"))
+import harness  # noqa: E402
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DT_IDS = ["f32", "f64", "f16", "bf16"]
+
+# Shapes chosen for the kernels' edges: one example and one element; a row shorter than, equal to
+# and one past a warp; rows of exactly one reduction chunk / scale tile (4096) and one past it;
+# many chunks per row (70000 = 17 chunks + a tail); more rows than a block has warps (8) and
+# than a warp has lanes (finalize reads rows warp by warp).
+L2_SHAPES = [(1, 1), (1, 5), (3, 31), (2, 32), (4, 33), (5, 4095), (2, 4096), (3, 4097), (2, 9000), (9, 100),
+             (33, 7), (1, 70000), (2, 3, 5)]
+# l15: channels (groups) above and below a warp, spatial sizes across a chunk boundary.
+L15_SHAPES = [(1, 1, 1, 1), (2, 3, 5, 7), (3, 16, 8, 8), (2, 2, 70, 70), (9, 40, 3, 3), (1, 33, 1, 1)]
+
+
+@pytest.fixture(scope="session")
+def sim():
+    s = harness.Simt(harness.build_library())
+    harness.SESSION.append(s)  # for the run's summary line (tests/conftest.py)
+    return s
+
+
+def _schedule(sim, request):
+    # A seeded-random schedule per test: thread and block orders differ from test to test.
+    sim.schedule("random", abs(hash(request.node.nodeid)) % (1 << 32))
+
+
+def _data(shape, dtype, seed, nonfinite=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * torch.rand(shape[0], *([1] * (len(shape) - 1)), generator=gen) * 3)
+    if nonfinite and shape[0] > 1:
+        x.view(shape[0], -1)[1, -1] = float("inf")
+        x.view(shape[0], -1)[0, 0] = float("nan")
+    return x.to(dtype)
+
+
+def _bound_between_norms(x, norm):
+    """A bound that some rows exceed and some do not, well away from every row's norm."""
+    flat = x.double().reshape(x.shape[0], -1)
+    if norm == "l15":
+        n = x.double().abs().sum(dim=(2, 3)).pow(2).sum(1).sqrt()
+    else:
+        n = flat.pow(2).sum(1).sqrt()
+    n = n[torch.isfinite(n)]
+    if n.numel() == 0:
+        return 1.0
+    bound = float(n.median()) * 0.9 + 1e-3
+    assert ((n - bound).abs() > 1e-3 * bound).all(), "test data: a norm sits on the bound"
+    return bound
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", L2_SHAPES, ids=str)
+@pytest.mark.parametrize("clip_fn", ["clip", "global", "normalize"])
+def test_clip_rows_l2(sim, request, shape, dtype, clip_fn):
+    _schedule(sim, request)
+    x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
+    assert harness.compare_clip_rows(sim, x, "l2", clip_fn, _bound_between_norms(x, "l2")) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", L15_SHAPES, ids=str)
+@pytest.mark.parametrize("clip_fn", ["clip", "global", "normalize"])
+def test_clip_rows_l15(sim, request, shape, dtype, clip_fn):
+    _schedule(sim, request)
+    x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
+    assert harness.compare_clip_rows(sim, x, "l15", clip_fn, _bound_between_norms(x, "l15")) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", L2_SHAPES, ids=str)
+@pytest.mark.parametrize("clip_fn", ["clip", "global", "normalize"])
+def test_clip_rows_backward(sim, request, shape, dtype, clip_fn):
+    _schedule(sim, request)
+    x = _data(shape, dtype, seed=len(request.node.nodeid))
+    g = _data(shape, dtype, seed=len(request.node.nodeid) + 1)
+    assert harness.compare_clip_rows_backward(sim, x, g, clip_fn, _bound_between_norms(x, "l2")) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 1023, 1025, 4 * 256 + 1, 40001])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_philox_noise_matches_cpu_bit_for_bit(sim, request, n, dtype, accumulate):
+    _schedule(sim, request)
+    assert harness.compare_noise(sim, n, dtype, seed=2**61 + n, offset=(7 << 20) | 6, std=0.9,
+                                 accumulate=accumulate) == []
+
+
+@pytest.mark.parametrize("blocks,threads", [(1, 32), (3, 64), (2, 256)])
+def test_philox_noise_grid_stride_loop(sim, request, blocks, threads):
+    # Grids far smaller than the buffer: every thread strides over several counter blocks.
+    _schedule(sim, request)
+    assert harness.compare_noise(sim, 10007, torch.float32, seed=11, offset=1, std=1.0, accumulate=False,
+                                 blocks=blocks, threads=threads) == []
+
+
+@pytest.mark.parametrize("policy", ["in_order", "reverse", "random"])
+def test_results_do_not_depend_on_the_schedule(sim, policy):
+    # Our reductions have a fixed order (no float atomics), so every schedule gives the same bits.
+    x = _data((5, 9000), torch.float32, seed=3)
+    outs = []
+    for p in ("in_order", policy):
+        sim.schedule(p, 99)
+        out, factor, nrm = torch.full_like(x, float("nan")), torch.empty(5), torch.empty(5)
+        sim.clip_rows(x, out, factor, nrm, torch.zeros(1, dtype=torch.int64), l15=False, bound=50.0, clip_fn="clip",
+                      gamma=0.01)
+        outs.append((out, factor, nrm))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_every_global_kernel_is_launched(sim):
+    """Fails when csrc/cuda has a __global__ kernel that the emulator tests never launch."""
+    kernels = harness.global_kernels()
+    assert {"row_partial_kernel", "finalize_rows_kernel", "scale_rows_kernel", "clip_jvp_kernel",
+            "philox_noise_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
+    sim.schedule("random", 7)
+    assert harness.sweep(sim) == []
+    launched = {harness.kernel_base_name(name) for name in sim.stats()}
+    missing = kernels - launched
+    assert not missing, f"kernels in csrc/cuda that no emulator test launches: {sorted(missing)}"
+
+
+# ---- the emulator's conversions -------------------------------------------------------------------
+
+def _floats_around_half_edges():
+    """Every half value, the midpoints between neighbours (ties), their float neighbours, the
+    subnormal and overflow ranges, and random floats of every exponent."""
+    h = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    h = h[torch.isfinite(h)].double().sort().values
+    mids = ((h[1:] + h[:-1]) / 2).float()
+    f = torch.cat([h.float(), mids, torch.nextafter(mids, torch.tensor(float("inf"))),
+                   torch.nextafter(mids, torch.tensor(-float("inf")))])
+    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (200000,), generator=torch.Generator().manual_seed(0),
+                         dtype=torch.int64).to(torch.int32).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e30, -1e30, float("inf"), -float("inf"),
+                            2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25, 2.0 ** -26, 1e-45, 3.4e38])
+    return torch.cat([f, bits[torch.isfinite(bits)], special, -f]).contiguous()
+
+
+def test_half_conversions_match_torch(sim):
+    x = _floats_around_half_edges()
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    sim.lib.simt_f32_to_f16(harness._ptr(x), harness._ptr(out), x.numel(), 0)
+    assert torch.equal(out, x.to(torch.float16).view(torch.int16))
+    back = torch.empty(x.numel(), dtype=torch.float32)
+    allh = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    back = torch.empty(allh.numel(), dtype=torch.float32)
+    sim.lib.simt_f16_to_f32(harness._ptr(allh), harness._ptr(back), allh.numel())
+    ref = allh.view(torch.float16).float()
+    finite = torch.isfinite(ref) | torch.isinf(ref)
+    assert torch.equal(back[finite], ref[finite]) and torch.isnan(back[~finite]).all()
+    # toward zero never increases the magnitude and stays within one half ulp
+    rz = torch.empty(x.numel(), dtype=torch.int16)
+    sim.lib.simt_f32_to_f16(harness._ptr(x), harness._ptr(rz), x.numel(), 1)
+    rzf = rz.view(torch.float16).float()
+    ok = torch.isfinite(x)
+    assert (rzf[ok].abs() <= x[ok].abs()).all()
+
+
+def test_bfloat16_conversions_match_torch(sim):
+    x = _floats_around_half_edges()
+    mids = (x.view(torch.int32) & ~0xFFFF) | 0x8000  # exact ties between two bf16 values
+    x = torch.cat([x, mids.view(torch.float32)])
+    x = x[~torch.isnan(x)].contiguous()
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    sim.lib.simt_f32_to_bf16(harness._ptr(x), harness._ptr(out), x.numel(), 0)
+    assert torch.equal(out, x.to(torch.bfloat16).view(torch.int16))
+    allb = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    back = torch.empty(allb.numel(), dtype=torch.float32)
+    sim.lib.simt_bf16_to_f32(harness._ptr(allb), harness._ptr(back), allb.numel())
+    ref = allb.view(torch.bfloat16).float()
+    nan = torch.isnan(ref)
+    assert torch.equal(back[~nan], ref[~nan]) and torch.isnan(back[nan]).all()
+
+
+# ---- the emulator itself: features, and the planted bugs it must expose -------------------------
+
+def _f32(t):
+    return harness._ptr(t)
+
+
+@pytest.mark.parametrize("policy", ["in_order", "reverse", "random"])
+def test_selftest_collectives(sim, policy):
+    sim.schedule(policy, 3)
+    blocks, threads = 2, 96
+    x = torch.randint(-10, 11, (blocks * threads,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    out = torch.full((blocks * threads, 8), -999, dtype=torch.int64)
+    sim.call("simt_selftest_collectives", _f32(x), blocks, threads, _f32(out))
+    v = x.view(blocks, threads // 32, 32).long()
+    lane = torch.arange(32)
+    ballot = ((v > 0).long() << lane).sum(-1, keepdim=True).expand_as(v)
+    anyv = (v > 5).any(-1, keepdim=True).long().expand_as(v)
+    allv = (v > -100).all(-1, keepdim=True).long().expand_as(v)
+    up = torch.where(lane >= 3, v.roll(3, -1), v)
+    idx = v.flip(-1)
+    seg = v.view(blocks, threads // 32, 4, 8)
+    down = torch.where(torch.arange(8) + 5 < 8, seg.roll(-5, -1), seg).view_as(v)
+    count = (x.view(blocks, threads) > 0).sum(-1, keepdim=True).expand(blocks, threads).reshape_as(v)
+    orv = (x.view(blocks, threads) == 7).any(-1, keepdim=True).long().expand(blocks, threads).reshape_as(v)
+    expect = torch.stack([ballot, anyv, allv, up, idx, down, count, orv], -1).reshape(-1, 8)
+    assert torch.equal(out, expect)
+
+
+def test_selftest_atomics_and_3d_ids(sim):
+    sim.schedule("random", 5)
+    n = 1000
+    x = torch.arange(n, dtype=torch.float32) / 8  # exact in fp32 whatever the order
+    bins = (torch.arange(n, dtype=torch.int32) * 7) % 13
+    s = torch.zeros(1)
+    hist = torch.zeros(13, dtype=torch.int32)
+    mx = torch.full((1,), -1, dtype=torch.int32)
+    sim.call("simt_selftest_atomics", _f32(x), _f32(bins), n, _f32(s), _f32(hist), _f32(mx))
+    assert s.item() == x.sum().item()
+    assert torch.equal(hist, torch.bincount(bins, minlength=13).int()) and mx.item() == 12
+    grid, block = (3, 2, 2), (4, 3, 2)
+    g = torch.tensor(grid, dtype=torch.int32)
+    b = torch.tensor(block, dtype=torch.int32)
+    out = torch.full((12 * 24, 6), -1, dtype=torch.int32)
+    sim.call("simt_selftest_ids", _f32(g), _f32(b), _f32(out))
+    bz, by, bx, tz, ty, tx = torch.meshgrid(*[torch.arange(d) for d in (2, 2, 3, 2, 3, 4)], indexing="ij")
+    expect = torch.stack([tx, ty, tz, bx, by, bz], -1).reshape(-1, 6).int()
+    assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("which,message", [(0, "divergent barrier"), (1, "exited"),
+                                           (2, "does not name the calling lane"),
+                                           (3, "different collectives")])
+def test_selftest_misuse_is_reported(sim, which, message):
+    sim.schedule("in_order", 0)
+    with pytest.raises(harness.SimtError, match=message):
+        sim.call("simt_selftest_misuse", which)
+    # The error was taken: the next launch runs.
+    test_selftest_collectives(sim, "in_order")
+
+
+# Planted bugs in the self-test kernels (tests/emulator/selftest_kernels.cpp): (bug id, runner).
+def _block_sum(sim, bug):
+    n = 1000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    out = torch.full((4,), 12345.0)
+    sim.call("simt_selftest_block_sum", _f32(x), n, _f32(out), bug)
+    return torch.allclose(out, torch.nn.functional.pad(x, (0, 24)).view(4, 256).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def _half_warp_sum(sim, bug):
+    x = torch.randn(256, generator=torch.Generator().manual_seed(3))
+    out = torch.zeros(256)
+    sim.call("simt_selftest_half_warp_sum", _f32(x), 256, _f32(out), bug)
+    return torch.allclose(out, x.view(16, 16).sum(1, keepdim=True).expand(16, 16).reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def _reverse_block(sim, bug):
+    x = torch.randn(3 * 128, generator=torch.Generator().manual_seed(4))
+    out = torch.zeros(3 * 128)
+    sim.call("simt_selftest_reverse_block", _f32(x), 3, 128, _f32(out), bug)
+    return torch.equal(out, x.view(3, 128).flip(1).reshape(-1))
+
+
+PLANTED = {
+    "missing_syncthreads": (1, _block_sum),
+    "shared_index_out_of_range": (2, _block_sum),
+    "wrong_shuffle_lane": (3, _half_warp_sum),
+    "missing_syncthreads_dynamic_shared": (4, _reverse_block),
+}
+
+
+@pytest.mark.parametrize("planted", [True, False], ids=["bug_in", "bug_out"])
+@pytest.mark.parametrize("bug", list(PLANTED))
+@pytest.mark.parametrize("policy,seed", [("in_order", 0), ("random", 1), ("random", 2), ("random", 3)])
+def test_planted_bug_in_emulator_kernels(sim, bug, planted, policy, seed):
+    """With the bug, the emulator reports an error or the result is wrong; without it, correct."""
+    bug_id, runner = PLANTED[bug]
+    sim.schedule(policy, seed)
+    if planted:
+        try:
+            correct = runner(sim, bug_id)
+        except harness.SimtError:
+            correct = False
+        assert not correct, f"planted bug {bug} went unnoticed under the {policy} schedule"
+    else:
+        assert runner(sim, 0)
+
+
+def test_reverse_schedule_alone_would_miss_a_missing_barrier(sim):
+    # Why the tests use seeded-random schedules: running threads last-to-first happens to order
+    # this tree reduction's loads correctly even without the barrier.
+    sim.schedule("reverse", 0)
+    assert _block_sum(sim, PLANTED["missing_syncthreads"][0])
+
+
+def test_out_of_range_shared_index_names_the_place(sim):
+    sim.schedule("in_order", 0)
+    with pytest.raises(harness.SimtError, match=r"out-of-bounds index 256 into 'float \[256\]' at selftest_kernels"):
+        _block_sum(sim, PLANTED["shared_index_out_of_range"][0])
+
+
+# Planted bugs in the real kernels: each is a one-line change to a copy of csrc/cuda, compiled into
+# its own emulator library; the comparison sweep must catch it.
+MUTANTS = {
+    "warp_sum_skips_upper_lanes": ("clip_kernels.cuh", "for (int off = kWarpSize / 2; off > 0; off >>= 1)",
+                                   "for (int off = kWarpSize / 4; off > 0; off >>= 1)"),
+    "reduction_forgets_chunk_tail": ("clip_kernels.cuh", "for (int64_t j = lane; j < len; j += kWarpSize)",
+                                     "for (int64_t j = lane; j < len - 1; j += kWarpSize)"),
+    "scale_tile_runs_into_next_row": ("clip_kernels.cuh",
+                                      "const int64_t hi = min64(lo + kScaleTile, (b + 1) * N);\n  const acc_t f",
+                                      "const int64_t hi = lo + kScaleTile;\n  const acc_t f"),
+    "half_rounds_toward_zero": ("dtypes.cuh", "return __float2half_rn(v);", "return __float2half_rz(v);"),
+    "noise_writes_past_the_end": ("noise_kernels.cuh", "if (base + l >= n) break;", "if (base + l > n) break;"),
+    "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<acc_t>, warp_blocks(r.B),",
+                                  "launch(finalize_rows_kernel<acc_t>, r.B / kWarpsPerBlock,"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_planted_bug_in_real_kernels_is_caught(sim, mutant, tmp_path):
+    file, old, new = MUTANTS[mutant]
+    kernel_dir = harness.mutated_kernel_dir(tmp_path / "cuda", file, old, new)
+    bad = harness.Simt(harness.build_library(kernel_dir, harness.KERNEL_SOURCES))
+    bad.schedule("random", 11)
+    try:
+        problems = harness.sweep(bad)
+    except harness.SimtError as e:
+        problems = [str(e)]
+    assert problems, f"the emulator sweep did not notice the planted bug {mutant}"
+    # Taken out again (the real kernels), the same sweep is clean.
+    sim.schedule("random", 11)
+    assert harness.sweep(sim) == []
