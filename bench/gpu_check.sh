@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU check, for a machine with a GPU, PyTorch and nvcc but no network:
+#   bash bench/gpu_check.sh [OUT_DIR]
+# builds the CUDA extension, runs every CUDA test (the device-parametrised op/layer tests and the
+# emulator-vs-device agreement of tests/test_emulator_vs_cuda.py), the emulator tests, and the GPU
+# kernel bandwidth benchmark, and writes every log and result into OUT_DIR (default
+# gpu_check_<date>). Exit status: non-zero if the build or any test failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_check_$(date +%Y%m%d_%H%M%S)}
+mkdir -p "$OUT"
+if [[ -n "${PYTHON:-}" ]]; then PY=$PYTHON; elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+status=0
+step() {  # step NAME CMD...: run, log to OUT/NAME.log, remember failure
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/summary.txt"
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc" | tee -a "$OUT/summary.txt"
+  [[ $rc -eq 0 ]] || status=1
+  return $rc
+}
+{ nvidia-smi; nvcc --version; "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; } >"$OUT/machine.txt" 2>&1
+step build env BPCLIP_FORCE_CUDA=1 MAX_JOBS="${MAX_JOBS:-8}" "$PY" setup.py build_ext --inplace || { echo "build failed; see $OUT/build.log"; exit 1; }
+step build_info "$PY" -c 'import bpclip_fast, json; print(json.dumps(bpclip_fast.build_info(), indent=1))'
+step pytest_cuda "$PY" -m pytest -q -rs -m cuda tests --junitxml="$OUT/pytest_cuda.xml"
+step pytest_emulator "$PY" -m pytest -q tests/test_emulator.py
+step bandwidth "$PY" bench/kernel_bandwidth.py --device cuda
+tail -n 3 "$OUT"/pytest_*.log >>"$OUT/summary.txt" 2>/dev/null
+echo "results in $OUT (summary.txt)"
+exit $status
