@@ -215,7 +215,9 @@ nvcc_defines = [f"-DBPCLIP_CUDA_ARCHS={ARCHS_DEF.replace(',', chr(92) + ',')}"] 
 # -g0 cancels the -g that Python's sysconfig CFLAGS put first: debug info for the ATen headers
 # doubles compile time (measured 38 s -> 19 s for one kernel file). BPCLIP_DEBUG=1 keeps it.
 debug_flags = ["-g"] if _flag("BPCLIP_DEBUG") else ["-g0"]
-cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math"] + debug_flags + cxx_defines
+# -ffp-contract=off: GCC would otherwise fuse a*b+c in the AVX-512 clones (csrc/cpu/vector_clones.h),
+# so machines with and without AVX-512 would round differently (and the noise would differ).
+cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"] + debug_flags + cxx_defines
 nvcc_flags = [
     "-O3", "-std=c++20", "-lineinfo",
     "--expt-relaxed-constexpr", "--extended-lambda",

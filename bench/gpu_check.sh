@@ -26,7 +26,8 @@ step build env BPCLIP_FORCE_CUDA=1 MAX_JOBS="${MAX_JOBS:-8}" "$PY" setup.py buil
 step build_info "$PY" -c 'import bpclip_fast, json; print(json.dumps(bpclip_fast.build_info(), indent=1))'
 step pytest_cuda "$PY" -m pytest -q -rs -m cuda tests --junitxml="$OUT/pytest_cuda.xml"
 step pytest_emulator "$PY" -m pytest -q tests/test_emulator.py
-step bandwidth "$PY" bench/kernel_bandwidth.py --device cuda
+step bandwidth "$PY" -m pytest bench/test_kernels.py --benchmark-only -q -p no:cacheprovider --bench-device cuda \
+  --bench-sizes-mb 1,32,512,2048 --benchmark-json="$OUT/bandwidth.json"
 tail -n 3 "$OUT"/pytest_*.log >>"$OUT/summary.txt" 2>/dev/null
 echo "results in $OUT (summary.txt)"
 exit $status

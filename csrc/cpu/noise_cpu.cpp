@@ -16,11 +16,7 @@
 #include "../common.h"
 #include "bpclip_fast/philox.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BPCLIP_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define BPCLIP_VECTOR_CLONES
-#endif
+#include "vector_clones.h"
 
 namespace bpclip {
 namespace {
