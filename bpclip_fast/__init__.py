@@ -21,3 +21,4 @@ def build_info() -> dict:
 
 
 from . import functional, nn, reference  # noqa: E402,F401
+from .engine import DPOptimizer, InsecureSeedWarning, PrivacyEngine  # noqa: E402,F401

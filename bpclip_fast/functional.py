@@ -26,10 +26,12 @@ class _ClippedLinear(torch.autograd.Function):
         xc, factor, norm, weight = ctx.saved_tensors
         layer = ctx.layer
         seed, offset, std = layer._consume_noise(ctx.sensitivity)
+        d, scale = layer._backward_scaling(grad_out.shape[0])
         gx, gw, gb = torch.ops.bpclip_fast.linear_backward(
-            grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], float(layer.grad_clip),
-            float(layer.input_clip), layer.clip_fn, float(layer.gamma), ctx.has_bias, ctx.needs_input_grad[0],
-            seed, offset, std)
+            grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], float(layer.grad_clip) / d,
+            float(layer.input_clip), layer.clip_fn, float(layer.gamma) / d, ctx.has_bias, ctx.needs_input_grad[0],
+            seed, offset, std / d)
+        gw, gb = _rescale(gw, gb, scale, ctx.has_bias)
         return (gx if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
                 gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None, None)
 
@@ -49,12 +51,23 @@ class _ClippedConv2d(torch.autograd.Function):
         xc, factor, norm, weight = ctx.saved_tensors
         layer = ctx.layer
         seed, offset, std = layer._consume_noise(ctx.sensitivity)
+        d, scale = layer._backward_scaling(grad_out.shape[0])
         gx, gw, gb = torch.ops.bpclip_fast.conv2d_backward(
             grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], list(layer.stride), list(ctx.padding),
-            list(layer.dilation), layer.groups, float(layer.grad_clip), layer.norm, float(layer.input_clip),
-            layer.clip_fn, float(layer.gamma), ctx.has_bias, ctx.needs_input_grad[0], seed, offset, std)
+            list(layer.dilation), layer.groups, float(layer.grad_clip) / d, layer.norm, float(layer.input_clip),
+            layer.clip_fn, float(layer.gamma) / d, ctx.has_bias, ctx.needs_input_grad[0], seed, offset, std / d)
+        gw, gb = _rescale(gw, gb, scale, ctx.has_bias)
         return (gx if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
                 gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None, None, None)
+
+
+def _rescale(gw, gb, scale, has_bias):
+    """``[∇W, ∇b]·scale`` (the engine's mean-loss reduction; ``scale == 1`` otherwise: untouched)."""
+    if scale != 1.0:
+        gw = gw.mul_(scale)
+        if has_bias:
+            gb = gb.mul_(scale)
+    return gw, gb
 
 
 def clipped_linear(x, weight, bias, layer, sensitivity):

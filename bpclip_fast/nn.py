@@ -89,6 +89,10 @@ class _Clipped:
         self._armed_forwards = 0      # grad-enabled forwards since arming
         self._noised_sensitivity = None  # the Δ this step's noise was scaled to
         self._last_input_shape = None
+        # Set by bpclip_fast.PrivacyEngine (see engine.py for the proofs):
+        self._mean_loss_batch = None  # loss_reduction="mean": the expected batch size B̄ (None: sum)
+        self._step_key = None         # (seed, offset) of the current step, kept after it is consumed
+        self._renoise_if_cleared = False  # engine-managed steps: re-add a discarded draw (below)
 
     @property
     def layer_name(self) -> str:
@@ -133,12 +137,19 @@ class _Clipped:
         if name is not None:
             self._bp_name = name
         self._armed = (int(seed), int(offset))
+        self._step_key = self._armed
         self._armed_forwards = 0
         self._noised_sensitivity = None
 
     def _consume_noise(self, sensitivity: float):
         if self._armed is None:
-            return 0, 0, 0.0
+            # Under the privacy engine a step's noise lives in the gradients; if they were discarded
+            # (set to None, e.g. model.zero_grad()) after this step's draw, the draw was never released
+            # and this backward would otherwise be noise-free: draw the same numbers again.
+            if not (self._renoise_if_cleared and self._step_key is not None
+                    and all(p.grad is None for p in self.parameters(recurse=False) if p.requires_grad)):
+                return 0, 0, 0.0
+            self._armed = self._step_key
         seed, offset = self._armed
         self._armed = None
         self._noised_sensitivity = sensitivity
@@ -147,6 +158,16 @@ class _Clipped:
             raise ValueError(f"{self.layer_name}: noise_multiplier must be finite and >= 0, "
                              f"got {self.noise_multiplier!r}")
         return (seed, offset, std) if std > 0 else (0, 0, 0.0)
+
+    def _backward_scaling(self, batch: int):
+        """``(d, s)``: clip the upstream gradient at ``grad_clip/d`` (``gamma/d``), add noise of std
+        ``σΔ/d``, multiply ``[∇W, ∇b]`` by ``s``. ``(1, 1)`` for a sum loss; for a mean loss over a batch
+        of ``B`` rows, ``d = max(B, 1)`` and ``s = d/B̄`` (proof: ``bpclip_fast.engine``, loss reduction).
+        """
+        if self._mean_loss_batch is None:
+            return 1.0, 1.0
+        d = float(max(int(batch), 1))
+        return d, d / float(self._mean_loss_batch)
 
     @property
     def sensitivity(self) -> float:

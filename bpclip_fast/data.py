@@ -1,0 +1,176 @@
+"""The private data loaders of :class:`bpclip_fast.PrivacyEngine`: Poisson and shuffled batches.
+
+Both samplers are *counter-based*: batch ``t`` of a run is a function of (seed, t) only, so
+
+- the batches of a run do not depend on the number of processes: with ``W`` ranks, rank ``r``
+  gets the members of the global batch whose dataset index is ``≡ r (mod W)``, and the union over
+  the ranks is exactly the batch a single process draws with the same seed;
+- the sampler's whole state is one integer, the number of batches delivered (``BatchCounter``),
+  which the engine checkpoints: a resumed run continues with batch ``t``, neither replaying nor
+  skipping one, whatever the data loader's workers had prefetched.
+
+Poisson (``PoissonBatchSampler``): every example joins batch ``t`` independently with probability
+``q``; its coin is ``u_t[i] < q`` with ``u_t`` a vector of ``N`` uniforms drawn from a generator
+seeded by (seed, t). Batches may be empty; the loader then yields tensors of shape ``[0, ...]``.
+
+Shuffle (``ShuffleBatchSampler``, the zCDP setting): epoch ``e`` is a random permutation of the
+``N`` indices (seeded by (seed, e)) cut into ``N // B`` disjoint batches of ``B``; the remainder is
+left out of that epoch. Every example is in at most one batch of an epoch, whatever the data.
+
+The seed must be secret: whoever knows it knows which examples were in which batch, and the
+amplification by sampling is lost. The engine derives it from the noise seed (OS entropy unless
+an explicit, insecure seed was given). Generators are torch's Mersenne Twister, as in Opacus'
+non-secure mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+def derive_seed(seed: int, *labels) -> int:
+    """A 63-bit seed derived from ``seed`` and ``labels`` (SHA-256), independent across labels."""
+    text = ":".join(str(x) for x in (int(seed),) + labels).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+class BatchCounter:
+    """The number of batches a private loader has delivered to the training loop (its whole state)."""
+
+    def __init__(self, delivered: int = 0):
+        self.delivered = int(delivered)
+
+    def __repr__(self):
+        return f"BatchCounter(delivered={self.delivered})"
+
+
+class _CountedSampler(Sampler):
+    """Common part: ``__iter__`` yields this rank's indices of batches ``start .. start+len-1``."""
+
+    def __init__(self, num_samples: int, steps_per_epoch: int, seed: int, rank: int, world_size: int,
+                 counter: BatchCounter):
+        if num_samples <= 0:
+            raise ValueError("the private data loader needs a non-empty dataset")
+        self.num_samples = int(num_samples)
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.seed = int(seed)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.counter = counter
+
+    def __len__(self):
+        return self.steps_per_epoch
+
+    def __iter__(self):
+        start = self.counter.delivered
+        for t in range(start, start + self.steps_per_epoch):
+            yield self.indices(t)
+
+    def global_batch(self, t: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def indices(self, t: int) -> list[int]:
+        """This rank's share of batch ``t``: the members with index ≡ rank (mod world size)."""
+        batch = self.global_batch(t)
+        if self.world_size > 1:
+            batch = batch[batch % self.world_size == self.rank]
+        return batch.tolist()
+
+
+class PoissonBatchSampler(_CountedSampler):
+    """Each example joins batch ``t`` independently with probability ``sample_rate``."""
+
+    def __init__(self, num_samples, sample_rate, steps_per_epoch, seed, rank=0, world_size=1, counter=None):
+        super().__init__(num_samples, steps_per_epoch, seed, rank, world_size, counter or BatchCounter())
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        self.sample_rate = float(sample_rate)
+
+    def global_batch(self, t: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "poisson", t))
+        coins = torch.rand(self.num_samples, generator=gen, dtype=torch.float64)
+        return torch.nonzero(coins < self.sample_rate).flatten()
+
+
+class ShuffleBatchSampler(_CountedSampler):
+    """Disjoint batches of ``batch_size`` (global) from a fresh random permutation each epoch."""
+
+    def __init__(self, num_samples, batch_size, seed, rank=0, world_size=1, counter=None):
+        steps = num_samples // batch_size
+        if steps < 1:
+            raise ValueError(f"the batch size {batch_size} exceeds the dataset size {num_samples}")
+        super().__init__(num_samples, steps, seed, rank, world_size, counter or BatchCounter())
+        self.batch_size = int(batch_size)
+        self._perm = (None, None)
+
+    def global_batch(self, t: int) -> torch.Tensor:
+        epoch, j = divmod(t, self.steps_per_epoch)
+        if self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, "shuffle", epoch))
+            self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
+        return self._perm[1][j * self.batch_size:(j + 1) * self.batch_size]
+
+
+def _empty_like_batch(batch):
+    """The structure of a collated batch with every tensor cut to 0 rows."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_empty_like_batch(b) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like_batch(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _empty_like_batch(v) for k, v in batch.items()}
+    return batch
+
+
+class EmptyBatchCollate:
+    """Wraps a ``collate_fn`` so that an empty index list gives tensors of shape ``[0, ...]``.
+
+    The template is the collation of the dataset's first example, cut to zero rows; a model can
+    then run forward and backward on the empty batch (zero gradient, plus the step's noise).
+    """
+
+    def __init__(self, collate_fn, dataset):
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+        self._template = None
+
+    def __call__(self, batch):
+        if len(batch) > 0:
+            return self.collate_fn(batch)
+        if self._template is None:
+            self._template = _empty_like_batch(self.collate_fn([self.dataset[0]]))
+        return self._template
+
+
+class DPDataLoader(DataLoader):
+    """A ``DataLoader`` over a counter-based private batch sampler; counts the batches it delivers.
+
+    ``len(loader)`` is the number of batches of one pass (an "epoch"). Iterating starts at the
+    batch after the last one delivered, so a new ``for`` loop (or a resumed run) continues the
+    sequence of batches instead of restarting it.
+    """
+
+    def __init__(self, dataset, batch_sampler: _CountedSampler, *, collate_fn, num_workers=0, pin_memory=False,
+                 timeout=0, worker_init_fn=None, multiprocessing_context=None, persistent_workers=False,
+                 prefetch_factor=None):
+        kwargs = {}
+        if num_workers > 0 and prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
+        super().__init__(dataset, batch_sampler=batch_sampler, collate_fn=EmptyBatchCollate(collate_fn, dataset),
+                         num_workers=num_workers, pin_memory=pin_memory, timeout=timeout,
+                         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                         persistent_workers=persistent_workers and num_workers > 0, **kwargs)
+        self.counter = batch_sampler.counter
+
+    @property
+    def sample_rate(self):
+        return getattr(self.batch_sampler, "sample_rate", None)
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.counter.delivered += 1
+            yield batch

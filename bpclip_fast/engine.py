@@ -1,0 +1,688 @@
+"""``PrivacyEngine``: backpropagation-clipping DP training in Opacus' three lines.
+
+    engine = PrivacyEngine()                       # accountant="rdp" | "pld" | "zcdp"
+    model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                   noise_multiplier=1.1, input_clip=1.0, grad_clip=1.0)
+    ... train as usual ...
+    engine.get_epsilon(delta)
+
+What ``make_private`` does: validates the model (listing every problem at once), converts its
+``nn.Linear``/``nn.Conv2d`` to clipped layers (same ``Parameter`` objects), sets every layer's noise
+multiplier, replaces the loader by a private one (:mod:`bpclip_fast.data`) and wraps the optimizer
+in :class:`DPOptimizer`, whose ``step()`` is the step boundary of the privacy analysis.
+
+Sampling and accounting must match (DESIGN.md §2)
+-------------------------------------------------
+``poisson_sampling=True`` (each example joins a batch independently with rate ``q = batch_size/N``,
+``batch_size·W/N`` with ``W`` processes) is what the RDP and PLD accountants analyse (add/remove
+one example). ``poisson_sampling=False`` gives disjoint fixed-size batches of a data-independent
+shuffle, which only the zCDP accountant analyses (parallel composition within an epoch). Any other
+pairing raises: the ε printed would not be a bound for the batches actually drawn.
+
+The accountant is stepped once per optimizer step with the effective noise multiplier of the
+per-layer Gaussians, ``σ_eff = (Σ_l σ_l⁻²)^(-1/2) = σ/√L`` (one Gaussian mechanism on all L layers
+concatenated: layer ``l`` adds ``N(0, σ²Δ_l²)`` to a sum whose per-example contribution is at most
+``Δ_l``; rescaling each layer by ``1/Δ_l`` gives sensitivity ``√L`` against noise ``σ`` per coordinate).
+
+Noise exactly once per step
+---------------------------
+Every layer's noise is drawn inside its backward from the Philox stream at counters (seed, t,
+layer), ``t`` = number of steps taken. The engine arms all layers for step ``t`` when the model is
+made private, after every ``step()`` and on every ``optimizer.zero_grad()``; the first backward
+through a layer consumes the draw, later backward passes of the same step (gradient accumulation,
+``retain_graph``) add none. Re-arming inside a step only repeats draw ``t``, which is released at
+most once because only ``step()`` releases anything. Three more cases close the loop:
+
+- gradients discarded after the draw by other means (``model.zero_grad()``, ``p.grad = None``):
+  the layer sees its gradients are ``None`` in the next backward and draws ``t`` again
+  (``nn._Clipped._consume_noise``);
+- no backward reached a layer in this step (an empty batch the loop skipped, an unused branch):
+  ``step()`` adds the same draw ``t`` to that layer's gradient itself, with the same std;
+- ``step()`` refused (budget, non-finite values, batch count): the gradients are discarded and
+  step ``t`` is re-armed; nothing was released.
+
+Loss reduction: why the layers clip at ``grad_clip/B`` with the *actual* ``B``
+-------------------------------------------------------------------------------
+With ``loss_reduction="sum"`` the upstream gradient of example ``i`` at a layer is ``v_i``, a
+function of example ``i`` and the public parameters only, and the layer clips it at ``C_g``.
+
+With ``loss_reduction="mean"`` the loss of a backward over ``B`` rows is ``(1/B) Σ_i ℓ_i``, so the
+upstream gradient is ``u_i = v_i/B``, and ``B`` is random under Poisson sampling. Clipping at the
+fixed ``C_g/B̄`` (``B̄`` the expected batch size) would clip ``v_i`` at ``C_g·B/B̄``: a data-dependent
+bound, so adding one example (``B → B+1``) would change the clipped contribution of *every other*
+example in the batch, and no per-example bound ``Δ`` would cover the change
+(``tests/test_engine.py::test_fixed_mean_scaling_would_move_other_examples`` exhibits it). Instead each
+clipped layer uses ``d = max(B, 1)`` of the backward it is in: it clips at ``C_g/d`` (and, for
+``normalize``, ``γ/d``), adds noise of std ``σΔ/d`` and multiplies ``[∇W, ∇b]`` by ``d/B̄``.
+
+*Claim.* For a mean loss, every layer returns ``(1/B̄)(Σ_i c_i + N(0, σ²Δ²))`` where ``c_i`` is the
+contribution the layer computes for example ``i`` with the *sum* loss and bounds ``(C_x, C_g)``:
+a function of example ``i`` alone, ``‖c_i‖ ≤ Δ``. So the noise is exactly ``σ`` times the
+sensitivity ``Δ = layer.sensitivity`` of the released sum, and ``1/B̄`` (a public constant) is
+post-processing. *Proof.* The clip factors are invariant under a common positive scale ``a``:
+``min(1, aC/(a n)) = min(1, C/n)``, ``1[a n ≤ aC] = 1[n ≤ C]``, ``aC/(a n + a γ) = C/(n + γ)``.
+Induction from the loss down: the upstream gradient reaching a clipped layer is ``v_i/B`` (at the
+top by the chain rule; below, because every backward map — activations, pooling, the clipped
+layer's input gradient with its clipping Jacobian, which depends on ``x_i`` only — is linear in the
+upstream gradient). With ``a = 1/B`` the layer's clipped upstream gradient is ``(1/B)·clip(v_i; C_g,
+γ)``, so its weight gradient is ``(1/B)Σ_i c_i + N(0, (σΔ/B)²)``, and its input gradient is ``1/B``
+times the sum-loss one, which completes the induction. Multiplying by ``B/B̄`` gives the claim.
+For ``B = 0`` there is no term and ``d = 1`` gives ``N(0, σ²Δ²)/B̄``. Under gradient accumulation
+each backward carries its own mean over its own rows; the sum over the micro-batches of a step is
+``(1/B̄)(Σ_all c_i + N(0, σ²Δ²))`` (noise in the first only). ∎
+
+The claim needs what ``loss_reduction="mean"`` declares (as in Opacus): the loss of each backward
+is the mean over the batch dimension of per-example losses, with no other factor depending on the
+batch. ``B̄`` is the loader's ``batch_size`` (``= q·N``; per process under DDP, see below).
+
+Multi-process training (DistributedDataParallel)
+------------------------------------------------
+``W`` processes, rank ``r`` drawing the members of the global Poisson batch with index ``≡ r (mod
+W)`` (:mod:`bpclip_fast.data`: the global batch is a Poisson sample at rate ``q`` whatever ``W``),
+each with ``B̄_r = batch_size`` (the loader's per-process batch size), ``q = W·batch_size/N``. Only
+rank 0's layers draw noise (``σ``; the other ranks' layers have noise multiplier 0), with the seed
+broadcast from rank 0. DDP all-reduces and divides by ``W``, so every rank holds
+
+    (1/W) Σ_r (1/B̄_r)(Σ_{i∈batch_r} c_i + [r = 0]·N(0, σ²Δ²)) = (1/(W·B̄_r))(Σ_{i∈batch} c_i + N(0, σ²Δ²)),
+
+exactly one Gaussian of std ``σΔ`` per layer on the global clipped sum, as the accountant assumes
+(one accountant, stepped identically on every rank), and exactly what a single process computes
+on the union batch with ``batch_size·W`` and the same seed (``tests/test_distributed.py``). A
+layer rank 0's backward did not reach gets the draw in ``step()`` on every rank, divided by ``W``,
+after rank 0 broadcasts which layers those are: the same post-all-reduce value on every rank.
+With ``loss_reduction="sum"`` the released gradient is the same divided by ``W`` (DDP's average),
+as for any DDP model.
+
+Budget
+------
+With ``max_epsilon``, ``step()`` computes the ε the accountant would report *after* this step and
+refuses (``PrivacyBudgetError``) if it exceeds ``max_epsilon``: that step's gradient is discarded,
+nothing is updated, no noise is released; every allowed step, the last included, is taken (with
+PLD's discretised ε, possibly one step early, never late). The
+number of steps left is found once by bisection on the accountant (``Accountant.max_steps``: ε
+grows with the number of steps) and cached while (σ, q, max_epsilon, δ) do not change.
+
+Checkpoints
+-----------
+``engine.state_dict()`` (also stored inside ``optimizer.state_dict()``, so saving the optimizer is
+enough) holds the accountant's history, the step counter, the seed (noise and sampling) and the
+number of batches delivered. ``load_state_dict`` after ``make_private`` restores them: the
+resumed run reports the ε of all steps so far and continues the noise and batch sequences at step
+``t`` (the counters are the keys of the draws, so nothing is replayed or skipped). The state holds
+the secret seed: keep checkpoints as private as the training data.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import _ops, data
+from . import nn as bnn
+from . import validate as _validate
+
+__all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning"]
+
+_STATE_FORMAT = "bpclip_fast.PrivacyEngine/1"
+_OPT_KEY = "bpclip_fast_privacy_engine"
+
+
+class InsecureSeedWarning(UserWarning):
+    """An explicit noise seed: reproducible, and whoever knows it can subtract the noise."""
+
+
+def _accounting():
+    from . import accounting  # imported lazily: the accounting package is optional at import time
+
+    return accounting
+
+
+def _distributed():
+    """(rank, world size, is distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def _ddp_class():
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def _positive(value, what):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"PrivacyEngine: {what} must be a positive number, got {value!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"PrivacyEngine: {what} must be a positive finite number, got {value!r}")
+    return v
+
+
+def _first_input(batch):
+    """The model input of a collated batch: its first element if it is a tuple/list (Opacus' convention)."""
+    if isinstance(batch, (tuple, list)) and batch and not isinstance(batch, torch.Tensor):
+        return batch[0]
+    return batch
+
+
+def _to_device(batch, model):
+    """``batch`` with its floating tensors on the device (and dtype) of ``model``'s first parameter."""
+    p = next(model.parameters(), None)
+    if p is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(p.device, p.dtype) if batch.is_floating_point() else batch.to(p.device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, model) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, model) for k, v in batch.items()}
+    return batch
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer; ``step()`` is one step of the privacy analysis (see the module docstring).
+
+    Delegates ``param_groups``, ``state``, ``defaults`` to ``original_optimizer``, so learning-rate
+    schedulers work. ``state_dict()`` also holds the engine's state (accountant, counters, seed).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: "PrivacyEngine"):
+        # torch.optim.Optimizer.__init__ is deliberately not called: the wrapped optimizer owns the state.
+        self.original_optimizer = optimizer
+        self.engine = engine
+
+    # -- delegation
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    def add_param_group(self, param_group):
+        raise RuntimeError("DPOptimizer: parameter groups cannot be added after make_private (they would be "
+                           "trained without clipping or noise); build the optimizer with all of them first")
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __repr__(self):
+        return f"DPOptimizer({self.original_optimizer!r})"
+
+    # -- the step
+    def zero_grad(self, set_to_none: bool = True):
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.engine._arm()  # whatever was drawn for this step is gone with the gradients: draw it again
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine._step(self.original_optimizer)
+        return loss
+
+    def state_dict(self):
+        sd = dict(self.original_optimizer.state_dict())
+        sd[_OPT_KEY] = self.engine.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        privacy = state_dict.pop(_OPT_KEY, None)
+        self.original_optimizer.load_state_dict(state_dict)
+        if privacy is not None:
+            self.engine.load_state_dict(privacy)
+
+
+class PrivacyEngine:
+    """Opacus-style entry point: ``make_private``, ``make_private_with_epsilon``, ``get_epsilon``.
+
+    ``accountant``: ``"rdp"`` or ``"pld"`` (Poisson sampling, add/remove one example) or ``"zcdp"``
+    (shuffled disjoint batches; ``adjacency="replace_one"`` or ``"add_remove"`` is passed to it).
+    """
+
+    def __init__(self, accountant: str = "rdp", *, adjacency: str | None = None):
+        acc = _accounting()
+        kwargs = {} if adjacency is None else {"adjacency": adjacency}
+        self.accountant = acc.make_accountant(accountant, **kwargs)
+        self.accountant_name = accountant
+        self._accountant_kwargs = kwargs
+        self._made_private = False
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def validate(model: nn.Module, example_input=None) -> list[str]:
+        """Every problem that stops ``model`` from being trained privately, as a list of messages.
+
+        Trainable parameters outside Linear/Conv2d (or our layers), batch-mixing layers (BatchNorm in
+        any mode, InstanceNorm with running statistics; see ``bpclip_fast.validate``), ``padding_mode``
+        other than zeros; with ``example_input``, a forward
+        pass also finds layers reached more than once (without it, the layers refuse that at
+        training time). Empty list: nothing found.
+        """
+        if isinstance(model, _ddp_class()):
+            model = model.module
+        return _validate.validate(model, example_input)
+
+    # ------------------------------------------------------------------ make_private
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, input_clip: float, grad_clip: float, conv_norm: str = "l15",
+                     clip_fn: str = "clip", gamma: float = 0.01, loss_reduction: str = "mean",
+                     poisson_sampling: bool = True, noise_seed: int | None = None,
+                     max_epsilon: float | None = None, delta: float | None = None):
+        """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
+
+        ``noise_multiplier`` σ: every layer adds ``N(0, σ²Δ_l²)`` per step. ``input_clip``/``grad_clip``:
+        per-example bounds (``grad_clip`` for the per-example loss, whatever ``loss_reduction``).
+        ``max_epsilon`` (with ``delta``): ``step()`` refuses any step after which ε would exceed it.
+        """
+        if self._made_private:
+            raise RuntimeError("PrivacyEngine: make_private was already called on this engine; use one engine "
+                               "per model (its accountant belongs to that training run)")
+        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._renoise_if_cleared
+                                                      for m in module.modules()):
+            raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"make_private: module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"make_private: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"make_private: data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+        sigma = _positive(noise_multiplier, "noise_multiplier")
+        _positive(input_clip, "input_clip")
+        _positive(grad_clip, "grad_clip")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"make_private: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self._check_pairing(poisson_sampling)
+        if max_epsilon is not None:
+            _positive(max_epsilon, "max_epsilon")
+            if delta is None or not 0 < float(delta) < 1:
+                raise ValueError("make_private: max_epsilon needs delta in (0, 1), the δ at which ε is measured")
+
+        rank, world, distributed = _distributed()
+        ddp = _ddp_class()
+        inner = module.module if isinstance(module, ddp) else module
+        if not distributed and isinstance(module, ddp):
+            raise RuntimeError("make_private: the module is DistributedDataParallel but torch.distributed is not "
+                               "initialised with more than one process")
+
+        dataset = data_loader.dataset
+        batch_size = data_loader.batch_size
+        if batch_size is None:
+            batch_size = getattr(data_loader.batch_sampler, "batch_size", None)
+        if not batch_size:
+            raise ValueError("make_private: the data loader has no batch_size (a custom batch_sampler?); build it "
+                             "with DataLoader(dataset, batch_size=...)")
+        try:
+            n = len(dataset)
+        except TypeError:
+            raise TypeError("make_private: the dataset must have a length (an IterableDataset cannot be sampled "
+                            "privately)") from None
+
+        # 1. Validation: every problem at once, before anything is changed.
+        problems = _validate.static_problems(inner)
+        shapes = {}
+        try:
+            example = _to_device(_first_input(data_loader.collate_fn([dataset[0]])), inner)
+        except Exception as exc:  # noqa: BLE001 - the probe is optional
+            example = None
+            warnings.warn(f"make_private: could not build a probe input from the dataset ({exc}); layers reached "
+                          "twice per forward will be refused at training time instead", stacklevel=2)
+        if example is not None:
+            try:
+                twice, shapes = _validate.probe(inner, example)
+                problems += twice
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"make_private: the probe forward on one example failed ({exc!r}); layers reached "
+                              "twice per forward will be refused at training time instead", stacklevel=2)
+        owned = {id(p) for m in inner.modules() if type(m) in (nn.Linear, nn.Conv2d) or isinstance(m, bnn._Clipped)
+                 for p in m.parameters(recurse=False)}
+        names = {id(p): name for name, p in inner.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in owned and id(p) in names:
+                    continue  # reported by the static checks (trainable outside our layers) or frozen
+                if id(p) not in names:
+                    problems.append(f"optimizer: a parameter of shape {tuple(p.shape)} is not part of the module; "
+                                    "it would be trained without clipping or noise")
+        if problems:
+            raise ValueError("make_private: the model cannot be trained privately as it is:\n  - "
+                             + "\n  - ".join(problems))
+
+        # 2. Conversion (same Parameter objects) and per-layer configuration.
+        converted = bnn.convert_model(inner, input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm,
+                                      clip_fn=clip_fn, gamma=gamma)
+        if converted is not inner:  # a bare nn.Linear / nn.Conv2d
+            if isinstance(module, ddp):
+                raise ValueError("make_private: wrap a container module in DDP, not a bare Linear/Conv2d")
+            inner = module = converted
+        layers = bnn.clipped_layers(inner)
+        if not layers:
+            raise ValueError("make_private: the model has no trainable Linear/Conv2d layer to clip")
+        for name, layer in layers:
+            if name in shapes:  # from the probe: the Δ of a step no forward reaches (see _fallback_noise)
+                layer._last_input_shape = shapes[name]
+            layer._bp_name = name
+            layer._renoise_if_cleared = True
+            layer.noise_multiplier = sigma if rank == 0 else 0.0
+            layer._mean_loss_batch = float(batch_size) if loss_reduction == "mean" else None
+        self._layers = [layer for _, layer in layers]
+        self.noise_multiplier = sigma
+        self.loss_reduction = loss_reduction
+        self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
+
+        # 3. Seeds: OS entropy unless explicit; one seed for all processes.
+        self._secure = noise_seed is None
+        if noise_seed is None:
+            seed = secrets.randbits(63)
+        else:
+            seed = int(noise_seed)
+            if not 0 <= seed < 2 ** 63:
+                raise ValueError(f"make_private: noise_seed must be in [0, 2**63), got {noise_seed}")
+            warnings.warn("PrivacyEngine: an explicit noise_seed makes the noise and the batch sampling "
+                          "reproducible, and is for that only: whoever knows the seed can subtract the noise, "
+                          "and the privacy guarantee is void. Use noise_seed=None (OS entropy) for a real run.",
+                          InsecureSeedWarning, stacklevel=2)
+        self.rank, self.world_size, self.distributed = rank, world, distributed
+        if distributed:
+            seed = self._broadcast_int(seed, inner)
+        self._seed = seed
+        self._stream = bnn.NoiseStream(seed)
+        self._stream.secure = self._secure
+
+        # 4. Data: Poisson (rate q = W·batch_size/N) or shuffled disjoint batches of W·batch_size.
+        global_batch = batch_size * world
+        self.expected_batch_size = batch_size
+        self._counter = data.BatchCounter()
+        sampler_seed = data.derive_seed(seed, "sampler")
+        if poisson_sampling:
+            q = global_batch / n
+            if q > 1:
+                raise ValueError(f"make_private: batch_size·world_size = {global_batch} exceeds the dataset size {n}")
+            steps_per_epoch = max(1, round(n / global_batch))
+            sampler = data.PoissonBatchSampler(n, q, steps_per_epoch, sampler_seed, rank, world, self._counter)
+            self.sample_rate = q
+            self._accounting_rate = q
+        else:
+            sampler = data.ShuffleBatchSampler(n, global_batch, sampler_seed, rank, world, self._counter)
+            steps_per_epoch = sampler.steps_per_epoch
+            self.sample_rate = global_batch / n
+            # One epoch is steps_per_epoch disjoint batches (the remainder sits out), so the zCDP
+            # accountant is told 1/steps_per_epoch: steps·rate is then the exact number of passes.
+            self._accounting_rate = 1.0 / steps_per_epoch
+        self.steps_per_epoch = steps_per_epoch
+        self.poisson_sampling = bool(poisson_sampling)
+        loader = data.DPDataLoader(
+            dataset, sampler, collate_fn=data_loader.collate_fn, num_workers=data_loader.num_workers,
+            pin_memory=data_loader.pin_memory, timeout=data_loader.timeout, worker_init_fn=data_loader.worker_init_fn,
+            multiprocessing_context=data_loader.multiprocessing_context,
+            persistent_workers=data_loader.persistent_workers, prefetch_factor=data_loader.prefetch_factor)
+
+        # 5. DDP (our counters are per process: not broadcast by DDP), optimizer, first arming.
+        if distributed and not isinstance(module, ddp):
+            ddp._set_params_and_buffers_to_ignore_for_model(
+                module, [f"{name}._nonfinite" for name, _ in bnn.clipped_layers(module)])
+            module = ddp(module)
+        self.module = module
+        self._inner = inner
+        self.steps = 0
+        self._delivered_at_step = 0
+        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self.delta = None if delta is None else float(delta)
+        self._budget_cache = None
+        self.optimizer = DPOptimizer(optimizer, self)
+        self.data_loader = loader
+        self._made_private = True
+        self._arm()
+        return module, self.optimizer, loader
+
+    def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon: float,
+                                  target_delta: float, epochs: int, **kwargs):
+        """``make_private`` with the smallest noise multiplier that keeps ε ≤ ``target_epsilon`` at
+        ``target_delta`` after ``epochs`` passes (``epochs · len(private loader)`` steps).
+
+        The accountant's ``get_noise_multiplier`` returns the *effective* σ of one step; every layer
+        gets ``σ = σ_eff·√L`` (L clipped layers). ``kwargs`` as ``make_private``.
+        """
+        if "noise_multiplier" in kwargs:
+            raise TypeError("make_private_with_epsilon: noise_multiplier is computed, do not pass it")
+        _positive(target_epsilon, "target_epsilon")
+        if not 0 < float(target_delta) < 1:
+            raise ValueError(f"make_private_with_epsilon: target_delta must be in (0, 1), got {target_delta}")
+        if int(epochs) != epochs or epochs < 1:
+            raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
+        inner = module.module if isinstance(module, _ddp_class()) else module
+        n_layers = sum(1 for m in inner.modules()
+                       if isinstance(m, bnn._Clipped) or (type(m) in (nn.Linear, nn.Conv2d)
+                                                          and any(p.requires_grad for p in m.parameters())))
+        if n_layers == 0:
+            raise ValueError("make_private_with_epsilon: the model has no trainable Linear/Conv2d layer to clip")
+        _, world, _ = _distributed()
+        n = len(data_loader.dataset)
+        batch_size = data_loader.batch_size or getattr(data_loader.batch_sampler, "batch_size", None)
+        if not batch_size:
+            raise ValueError("make_private_with_epsilon: the data loader has no batch_size")
+        poisson = kwargs.get("poisson_sampling", True)
+        self._check_pairing(poisson)
+        global_batch = batch_size * world
+        if poisson:
+            rate, steps = global_batch / n, int(epochs) * max(1, round(n / global_batch))
+        else:
+            spe = n // global_batch
+            if spe < 1:
+                raise ValueError(f"make_private_with_epsilon: batch size {global_batch} exceeds the dataset size {n}")
+            rate, steps = 1.0 / spe, int(epochs) * spe
+        acc = _accounting()
+        sigma_eff = acc.get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                             sample_rate=rate, steps=steps, accountant=self.accountant_name,
+                                             **self._accountant_kwargs)
+        self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 noise_multiplier=float(sigma_eff) * math.sqrt(n_layers), **kwargs)
+
+    def _check_pairing(self, poisson_sampling: bool):
+        sampling = getattr(self.accountant, "sampling", None)
+        if poisson_sampling and sampling != "poisson":
+            raise ValueError(
+                f"PrivacyEngine: the {self.accountant_name!r} accountant analyses shuffled disjoint batches "
+                f"(sampling={sampling!r}), not Poisson sampling; use PrivacyEngine(accountant='rdp' or 'pld') with "
+                "poisson_sampling=True, or keep this accountant with poisson_sampling=False")
+        if not poisson_sampling and sampling != "shuffle":
+            raise ValueError(
+                f"PrivacyEngine: poisson_sampling=False (shuffled disjoint batches) cannot be accounted for by the "
+                f"{self.accountant_name!r} accountant, which assumes Poisson sampling (its ε would not bound this "
+                "run); use PrivacyEngine(accountant='zcdp') for shuffled batches, or poisson_sampling=True")
+
+    # ------------------------------------------------------------------ epsilon and budget
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """``(Σ_l σ_l⁻²)^(-1/2)``: the noise multiplier of one step's single Gaussian on all layers."""
+        return float(_accounting().effective_noise_multiplier([self.noise_multiplier] * len(self._layers)))
+
+    def get_epsilon(self, delta: float) -> float:
+        """ε at ``delta`` of every step taken so far (including steps before a checkpoint was loaded)."""
+        if len(self.accountant) == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta))
+
+    def _steps_left(self) -> int:
+        """How many more steps keep ε ≤ max_epsilon (the accountant's bisection, cached)."""
+        key = (self.effective_noise_multiplier, self._accounting_rate, self.max_epsilon, self.delta)
+        base = len(self.accountant)
+        cache = self._budget_cache
+        if cache is not None and cache[0] == key and cache[1] <= base <= cache[1] + cache[2]:
+            return cache[2] - (base - cache[1])
+        left = self.accountant.max_steps(self.max_epsilon, self.delta, noise_multiplier=key[0],
+                                         sample_rate=key[1])
+        self._budget_cache = (key, base, left)
+        return left
+
+    # ------------------------------------------------------------------ the step
+    def _arm(self):
+        """Arms every layer with the draw of step ``self.steps`` (idempotent within a step)."""
+        self._stream.step = self.steps
+        bnn.arm_noise(self._inner, self._stream)
+
+    def _discard(self, optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self._delivered_at_step = self._counter.delivered
+        self._arm()
+
+    def _step(self, optimizer):
+        delivered = self._counter.delivered - self._delivered_at_step
+        if delivered != 1:
+            self._discard(optimizer)
+            raise RuntimeError(
+                f"DPOptimizer.step(): {delivered} batches were drawn from the private data loader since the last "
+                "step; every step must use exactly one (the accountant assumes one fresh sampled batch per step). "
+                "To accumulate gradients, split one batch into micro-batches (for x_mb in x.split(m): "
+                "loss(model(x_mb)).backward()) and step once; for a larger batch raise the loader's batch_size. "
+                "The gradients of this step were discarded.")
+        if self.max_epsilon is not None and self._steps_left() < 1:
+            eps_now = self.get_epsilon(self.delta)
+            self._discard(optimizer)
+            raise _accounting().PrivacyBudgetError(
+                f"DPOptimizer.step() refused: after this step ε would exceed max_epsilon={self.max_epsilon:g} at "
+                f"δ={self.delta:g} (spent so far: ε={eps_now:.4g} over {self.steps} steps). The gradients of this "
+                "step were discarded and nothing was updated.")
+        self._fallback_noise()
+        try:
+            self._check_finite()
+        except bnn.NonFiniteError:
+            self._discard(optimizer)
+            raise
+        optimizer.step()
+        self.accountant.step(noise_multiplier=self.effective_noise_multiplier, sample_rate=self._accounting_rate)
+        self.steps += 1
+        self._delivered_at_step = self._counter.delivered
+        self._arm()
+
+    def _fallback_noise(self):
+        """Adds draw ``t`` to the layers no backward reached in this step (e.g. a skipped empty batch)."""
+        pending = [layer._armed is not None for layer in self._layers]
+        if self.distributed:
+            flags = torch.tensor(pending, dtype=torch.uint8, device=self._collective_device())
+            import torch.distributed as dist
+
+            dist.broadcast(flags, 0)
+            pending = [bool(v) for v in flags.tolist()]
+        for layer, todo in zip(self._layers, pending):
+            if not todo:
+                layer._armed = None  # rank != 0: rank 0 drew it (inside its backward)
+                continue
+            if layer._last_input_shape is None and not (isinstance(layer, bnn.Conv2d) and layer.norm == "l15"):
+                raise RuntimeError(f"{layer.layer_name}: no forward pass has run yet, so its sensitivity (which "
+                                   "depends on the input shape) is unknown; run the model on the step's batch, even "
+                                   "an empty one, before optimizer.step()")
+            sens = layer.sensitivity
+            seed, offset = layer._step_key
+            layer._armed = None
+            layer._noised_sensitivity = sens
+            std = self.noise_multiplier * sens
+            if layer._mean_loss_batch is not None:
+                std /= layer._mean_loss_batch
+            std /= self.world_size
+            for p, off in ((layer.weight, offset), (layer.bias, offset + 1)):
+                if p is None or not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _ops.philox_noise_(p.grad, seed, off, std, accumulate=True)
+
+    def _check_finite(self):
+        if self.distributed:
+            import torch.distributed as dist
+
+            counts = torch.stack([layer._nonfinite for layer in self._layers])
+            dist.all_reduce(counts)
+            for layer, c in zip(self._layers, counts):
+                layer._nonfinite.copy_(c)
+        bnn.check_finite(self._inner)
+
+    def _collective_device(self):
+        import torch.distributed as dist
+
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _broadcast_int(self, value: int, inner) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        dist.broadcast(t, 0)
+        return int(t.item())
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything the guarantee depends on (module docstring: Checkpoints). Contains the secret seed."""
+        self._require_private("state_dict")
+        return {"format": _STATE_FORMAT, "accountant": self.accountant_name,
+                "accountant_state": self.accountant.state_dict(), "steps": self.steps, "seed": self._seed,
+                "secure": self._secure, "batches_delivered": self._counter.delivered,
+                "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                "poisson_sampling": self.poisson_sampling, "loss_reduction": self.loss_reduction,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a checkpoint into an engine that ``make_private`` has set up (same model and settings)."""
+        self._require_private("load_state_dict")
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"PrivacyEngine.load_state_dict: not a PrivacyEngine state (format "
+                             f"{state.get('format')!r}, expected {_STATE_FORMAT!r})")
+        if state["accountant"] != self.accountant_name:
+            raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint was accounted with "
+                             f"{state['accountant']!r}, this engine uses {self.accountant_name!r}")
+        if state["poisson_sampling"] != self.poisson_sampling:
+            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint used a different sampling "
+                             "(poisson_sampling) than this engine")
+        self.accountant.load_state_dict(state["accountant_state"])
+        self.steps = int(state["steps"])
+        self._seed = int(state["seed"])
+        self._secure = bool(state["secure"])
+        self._stream = bnn.NoiseStream(self._seed)
+        self._stream.secure = self._secure
+        sampler = self.data_loader.batch_sampler
+        sampler.seed = data.derive_seed(self._seed, "sampler")
+        if hasattr(sampler, "_perm"):
+            sampler._perm = (None, None)
+        self._counter.delivered = int(state["batches_delivered"])
+        self._delivered_at_step = self._counter.delivered
+        self._budget_cache = None
+        self._arm()
+
+    def _require_private(self, what):
+        if not self._made_private:
+            raise RuntimeError(f"PrivacyEngine.{what}: call make_private first")
