@@ -158,13 +158,7 @@ def _ddp_class():
 
 
 def _positive(value, what):
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"PrivacyEngine: {what} must be a positive number, got {value!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"PrivacyEngine: {what} must be a positive finite number, got {value!r}")
-    return v
+    return bnn._check_positive(value, what, "PrivacyEngine")
 
 
 def _first_input(batch):

@@ -260,36 +260,22 @@ inline float __logf(float a) { return logf(a); }
 inline float __sinf(float a) { return sinf(a); }
 inline float __cosf(float a) { return cosf(a); }
 inline float __saturatef(float a) { return a < 0.0f ? 0.0f : (a > 1.0f ? 1.0f : (a == a ? a : 0.0f)); }
-inline unsigned __float_as_uint(float a) {
-  unsigned u;
-  memcpy(&u, &a, 4);
-  return u;
+// Bit casts (memcpy: defined behaviour, compiled to a register move).
+namespace simt {
+template <typename To, typename From>
+inline To bit_cast(From v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To out;
+  memcpy(&out, &v, sizeof(To));
+  return out;
 }
-inline int __float_as_int(float a) {
-  int u;
-  memcpy(&u, &a, 4);
-  return u;
-}
-inline float __uint_as_float(unsigned u) {
-  float a;
-  memcpy(&a, &u, 4);
-  return a;
-}
-inline float __int_as_float(int u) {
-  float a;
-  memcpy(&a, &u, 4);
-  return a;
-}
-inline long long __double_as_longlong(double a) {
-  long long u;
-  memcpy(&u, &a, 8);
-  return u;
-}
-inline double __longlong_as_double(long long u) {
-  double a;
-  memcpy(&a, &u, 8);
-  return a;
-}
+}  // namespace simt
+inline unsigned __float_as_uint(float a) { return simt::bit_cast<unsigned>(a); }
+inline int __float_as_int(float a) { return simt::bit_cast<int>(a); }
+inline float __uint_as_float(unsigned u) { return simt::bit_cast<float>(u); }
+inline float __int_as_float(int u) { return simt::bit_cast<float>(u); }
+inline long long __double_as_longlong(double a) { return simt::bit_cast<long long>(a); }
+inline double __longlong_as_double(long long u) { return simt::bit_cast<double>(u); }
 inline unsigned __umulhi(unsigned a, unsigned b) {
   return static_cast<unsigned>((static_cast<uint64_t>(a) * b) >> 32);
 }

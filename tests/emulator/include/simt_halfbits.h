@@ -5,18 +5,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../simt.h"
+
 namespace simt {
 
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+inline uint32_t f32_bits(float f) { return bit_cast<uint32_t>(f); }
+inline float bits_f32(uint32_t u) { return bit_cast<float>(u); }
 
 // Shift right by s (1..31) rounding to nearest even (rz = false) or toward zero (rz = true).
 inline uint32_t shift_round(uint32_t v, int s, bool rz) {
