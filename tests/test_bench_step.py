@@ -1,0 +1,72 @@
+"""Smoke test of the step benchmark (bench/step.py): one tiny grid, every method, valid records."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIELDS = ("model", "method", "batch_size", "device", "step_ms_median", "step_ms_min", "step_ms_max",
+          "step_ms_iqr", "peak_mem_mb", "mem_increase_mb", "status", "n_steps", "threads", "versions")
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    pytest.importorskip("opacus")
+    import bpclip_fast
+
+    if not bpclip_fast._ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    out = tmp_path_factory.mktemp("bench_step")
+    cmd = [sys.executable, "-m", "bench.step", "--models", "mnist", "--batch-sizes", "8", "--reps", "2",
+           "--warmup", "1", "--warmup-time", "0", "--steps", "2", "--min-time", "0", "--threads", "1",
+           "--timeout", "60", "--json", str(out / "r.json"), "--md", str(out / "r.md"),
+           "--plot", str(out / "r.png")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_records(bench_run):
+    out, _ = bench_run
+    sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
+    from bench.step import METHODS
+
+    records = json.loads((out / "r.json").read_text())
+    assert sorted(r["method"] for r in records) == sorted(METHODS)
+    for r in records:
+        missing = [f for f in FIELDS if f not in r]
+        assert not missing, (r["method"], missing)
+        assert r["model"] == "mnist" and r["batch_size"] == 8 and r["device"] == "cpu" and r["threads"] == 1
+        assert r["status"] == "ok", (r["method"], r.get("errors"))
+        assert r["n_steps"] == 4 and r["n_reps"] == 2 and len(r["rep_medians_ms"]) == 2
+        assert 0 < r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"] and math.isfinite(r["step_ms_max"])
+        assert r["step_ms_iqr"] >= 0
+        assert r["peak_mem_mb"] > r["mem_base_mb"] > 0 and r["mem_increase_mb"] > 0
+        assert r["versions"]["torch"] and r["versions"]["opacus"]
+
+
+def test_table_and_plot(bench_run):
+    out, stdout = bench_run
+    md = (out / "r.md").read_text()
+    for method in ("nonprivate", "bpclip_fast", "opacus_ghost"):
+        assert f"| mnist | 8 | {method} |" in md and f"| mnist | 8 | {method} |" in stdout
+    assert "| mnist | 8 | nonprivate |" in md and "1.00× (1.00×)" in md
+    assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failures_are_recorded(tmp_path):
+    """A child that runs past --timeout becomes a record with status 'timeout', not a missing row."""
+    cmd = [sys.executable, "-m", "bench.step", "--models", "cifar10", "--batch-sizes", "4", "--methods",
+           "nonprivate", "--reps", "2", "--threads", "1", "--timeout", "0.05", "--json", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = json.loads((tmp_path / "r.json").read_text())
+    assert rec["status"] == "timeout" and rec["step_ms_median"] is None and rec["n_reps"] == 1
+    assert "| cifar10 | 4 | nonprivate |" in proc.stdout and "timeout" in proc.stdout
