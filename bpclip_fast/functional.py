@@ -17,13 +17,14 @@ class _ClippedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer, sensitivity):
         out, xc, factor, norm = torch.ops.bpclip_fast.linear_forward(
             x, weight, bias, layer._nonfinite[0:1], float(layer.input_clip), layer.clip_fn, float(layer.gamma))
-        ctx.save_for_backward(xc, factor, norm, weight)
+        ctx.save_for_backward(x, factor, norm, weight)  # x, not xc: see _reclip
         ctx.layer, ctx.sensitivity, ctx.has_bias = layer, sensitivity, bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xc, factor, norm, weight = ctx.saved_tensors
+        x, factor, norm, weight = ctx.saved_tensors
+        xc = _reclip(x, factor)
         layer = ctx.layer
         seed, offset, std = layer._consume_noise(ctx.sensitivity)
         d, scale = layer._backward_scaling(grad_out.shape[0])
@@ -42,13 +43,14 @@ class _ClippedConv2d(torch.autograd.Function):
         out, xc, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
             x, weight, bias, layer._nonfinite[0:1], list(layer.stride), list(padding), list(layer.dilation),
             layer.groups, float(layer.input_clip), layer.clip_fn, float(layer.gamma))
-        ctx.save_for_backward(xc, factor, norm, weight)
+        ctx.save_for_backward(x, factor, norm, weight)  # x, not xc: see _reclip
         ctx.layer, ctx.sensitivity, ctx.has_bias, ctx.padding = layer, sensitivity, bias is not None, padding
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xc, factor, norm, weight = ctx.saved_tensors
+        x, factor, norm, weight = ctx.saved_tensors
+        xc = _reclip(x, factor)
         layer = ctx.layer
         seed, offset, std = layer._consume_noise(ctx.sensitivity)
         d, scale = layer._backward_scaling(grad_out.shape[0])
@@ -59,6 +61,21 @@ class _ClippedConv2d(torch.autograd.Function):
         gw, gb = _rescale(gw, gb, scale, ctx.has_bias)
         return (gx if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
                 gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None, None, None)
+
+
+def _reclip(x, factor):
+    """The clipped input ``x̃ = s·x`` again, bit for bit as ``clip_rows`` wrote it in the forward (one
+    rounding of ``x·s`` in the accumulation type; zeros where ``s = 0``, whatever ``x`` holds).
+
+    Why recompute rather than save ``x̃``: the layer's input ``x`` is usually saved anyway by the op
+    that produced it (tanh and ReLU save their output), so saving ``x`` costs nothing, while ``x̃`` is
+    a second copy of every layer input — measured as +24–32% peak memory on the CIFAR-10 net over
+    non-private training. Recomputing costs one elementwise pass in the backward.
+    """
+    f = factor.view(-1, *([1] * (x.dim() - 1)))
+    xc = x.to(factor.dtype) * f
+    xc.masked_fill_(f == 0, 0)
+    return xc.to(x.dtype).contiguous()
 
 
 def _rescale(gw, gb, scale, has_bias):
