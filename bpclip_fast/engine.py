@@ -523,6 +523,22 @@ class PrivacyEngine:
         """``(Σ_l σ_l⁻²)^(-1/2)``: the noise multiplier of one step's single Gaussian on all layers."""
         return float(_accounting().effective_noise_multiplier([self.noise_multiplier] * len(self._layers)))
 
+    @property
+    def clipped_layers(self) -> list:
+        """``(name, layer)`` of every clipped layer of the private module, in forward order."""
+        return bnn.clipped_layers(self._inner)
+
+    @property
+    def accounting_sample_rate(self) -> float:
+        """The rate the accountant is stepped with: ``q`` under Poisson sampling, ``1/steps_per_epoch``
+        (one disjoint batch of the epoch) under shuffling."""
+        return self._accounting_rate
+
+    @property
+    def secure_noise_seed(self) -> bool:
+        """False when the noise seed was given explicitly (reproducible, not secret)."""
+        return self._secure
+
     def get_epsilon(self, delta: float) -> float:
         """ε at ``delta`` of every step taken so far (including steps before a checkpoint was loaded)."""
         if len(self.accountant) == 0:

@@ -1,0 +1,338 @@
+"""The four training methods the trainer compares, behind one small interface.
+
+* ``bpclip``: backpropagation clipping through :class:`bpclip_fast.PrivacyEngine` (ours).
+* ``dpsgd``: DP-SGD with per-example gradient clipping through Opacus' own ``PrivacyEngine``
+  (Abadi et al.; the anchor of every comparison, not reimplemented here). Opacus runs in its
+  default, non-secure mode (noise and Poisson sampling from torch's global generator, which the
+  trainer seeds from ``--seed``): fine for experiments, not for releasing a model.
+* ``clip-only``: our clipped layers without any noise (the paper's "non-private clipping"): what
+  the clipping alone costs in accuracy. No ε.
+* ``nonprivate``: plain training. No ε.
+
+Every method is built by :func:`build_method` and offers ``train_step(x, y)``, ``epsilon(delta)``,
+``privacy()`` (σ, sample rate, steps, the accountant history) and ``state_dict()`` /
+``load_state_dict()`` for checkpoints.
+
+Accounting of ``dpsgd``. The noise multiplier for ``--epsilon`` is calibrated with the same
+accountant as ``bpclip`` (:func:`bpclip_fast.accounting.get_noise_multiplier`, on the sample rate
+and number of steps of Opacus' loader), and every step taken is recorded in one of our
+accountants (``rdp``/``pld`` with Poisson sampling, ``zcdp`` with shuffled batches: a step of
+DP-SGD with noise ``σ·C`` on per-example gradients clipped to ``C`` is one Gaussian mechanism
+with noise multiplier ``σ``), so both methods' ε come from the same code. Opacus' own RDP ε is
+reported beside it (Poisson sampling only; it must agree).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from .. import accounting
+from .. import nn as bnn
+
+__all__ = ["METHODS", "PRIVATE_METHODS", "build_method", "make_optimizer"]
+
+METHODS = ("bpclip", "dpsgd", "clip-only", "nonprivate")
+PRIVATE_METHODS = ("bpclip", "dpsgd")
+
+
+def make_optimizer(params, cfg):
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adam or sgd")
+
+
+def _steps_for(cfg, n, batch_size, poisson):
+    """(sample rate used by the accountant, steps per epoch) of the loaders below."""
+    if poisson:
+        return batch_size / n, max(1, round(n / batch_size))
+    spe = n // batch_size
+    return 1.0 / spe, spe
+
+
+class _Method:
+    name = ""
+    private = False
+
+    def __init__(self, cfg, model, train_ds, generator):
+        self.cfg = cfg
+        self.model = model
+        self.train_ds = train_ds
+        self.generator = generator  # seeds the shuffle of non-private loaders (reseeded every epoch)
+
+    # -- training
+    def train_step(self, x, y):
+        """One optimizer step on the batch; returns (summed loss, number correct)."""
+        raise NotImplementedError
+
+    def epsilon(self, delta):
+        return None
+
+    def privacy(self) -> dict:
+        return {"private": False}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def model_state_dict(self):
+        return self.model.state_dict()
+
+    def load_model_state_dict(self, state):
+        self.model.load_state_dict(state)
+
+    @property
+    def eval_model(self):
+        return self.model
+
+
+def _stats(out, y, loss_sum):
+    return float(loss_sum), int((out.argmax(1) == y).sum()) if len(y) else 0
+
+
+class NonPrivate(_Method):
+    name = "nonprivate"
+
+    def __init__(self, cfg, model, train_ds, generator):
+        super().__init__(cfg, model, train_ds, generator)
+        self.optimizer = make_optimizer(model.parameters(), cfg)
+        self.loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, generator=generator)
+
+    def train_step(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.model(x)
+        loss = F.cross_entropy(out, y, reduction="sum")
+        (loss / len(y)).backward()
+        self.optimizer.step()
+        return _stats(out, y, loss.item())
+
+
+class ClipOnly(NonPrivate):
+    """Our clipped layers (``input_clip``, ``grad_clip`` per example's loss) and no noise."""
+
+    name = "clip-only"
+
+    def __init__(self, cfg, model, train_ds, generator):
+        model = bnn.convert_model(model, input_clip=cfg.input_clip, grad_clip=cfg.grad_clip,
+                                  norm=cfg.conv_norm, clip_fn=cfg.clip_fn)
+        super().__init__(cfg, model, train_ds, generator)
+
+    def train_step(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.model(x)
+        # A sum loss: each example's upstream gradient is then that of its own loss, which is what
+        # grad_clip bounds (as under the engine); the mean is taken on the clipped gradients.
+        loss = F.cross_entropy(out, y, reduction="sum")
+        loss.backward()
+        bnn.check_finite(self.model)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(len(y))
+        self.optimizer.step()
+        return _stats(out, y, loss.item())
+
+
+def _n_layers(model):
+    return sum(1 for m in model.modules() if type(m) in (torch.nn.Linear, torch.nn.Conv2d)
+               and any(p.requires_grad for p in m.parameters()))
+
+
+class BPClip(_Method):
+    """Backpropagation clipping through :class:`bpclip_fast.PrivacyEngine`."""
+
+    name = "bpclip"
+    private = True
+
+    def __init__(self, cfg, model, train_ds, generator, sigma=None):
+        super().__init__(cfg, model, train_ds, generator)
+        from ..engine import PrivacyEngine
+
+        self.engine = PrivacyEngine(accountant=cfg.accountant)
+        optimizer = make_optimizer(model.parameters(), cfg)
+        loader = DataLoader(train_ds, batch_size=cfg.batch_size)
+        kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, input_clip=cfg.input_clip,
+                      grad_clip=cfg.grad_clip, conv_norm=cfg.conv_norm, clip_fn=cfg.clip_fn,
+                      poisson_sampling=cfg.sampling == "poisson", noise_seed=cfg.noise_seed)
+        sigma = cfg.sigma if sigma is None else sigma
+        if sigma is None:
+            out = self.engine.make_private_with_epsilon(target_epsilon=cfg.epsilon, target_delta=cfg.delta,
+                                                        epochs=cfg.epochs, **kwargs)
+        else:
+            out = self.engine.make_private(noise_multiplier=sigma, **kwargs)
+        self.model, self.optimizer, self.loader = out
+
+    def train_step(self, x, y):
+        self.optimizer.zero_grad()
+        if len(y):
+            out = self.model(x)
+            loss = F.cross_entropy(out, y)  # mean: the engine's loss_reduction="mean"
+            loss.backward()
+            stats = _stats(out, y, loss.item() * len(y))
+        else:  # an empty Poisson batch: still a (noise-only) step, added by the engine in step()
+            stats = (0.0, 0)
+        self.optimizer.step()
+        return stats
+
+    def epsilon(self, delta):
+        return self.engine.get_epsilon(delta)
+
+    def privacy(self) -> dict:
+        e = self.engine
+        return {"private": True, "noise_multiplier": e.noise_multiplier,
+                "effective_noise_multiplier": e.effective_noise_multiplier, "n_layers": len(e.clipped_layers),
+                "sample_rate": e.sample_rate, "accounting_sample_rate": e.accounting_sample_rate,
+                "steps": e.steps, "steps_per_epoch": e.steps_per_epoch, "sampling": self.cfg.sampling,
+                "accountant": e.accountant_name, "accountant_state": e.accountant.state_dict(),
+                "secure_noise_seed": e.secure_noise_seed,
+                "sensitivities": {name: layer.sensitivity for name, layer in e.clipped_layers}}
+
+    # the engine's state travels inside the optimizer's state_dict
+
+
+class DPSGD(_Method):
+    """DP-SGD with per-example clipping: Opacus' ``PrivacyEngine`` (flat clipping, mean loss)."""
+
+    name = "dpsgd"
+    private = True
+
+    def __init__(self, cfg, model, train_ds, generator, sigma=None):
+        super().__init__(cfg, model, train_ds, generator)
+        try:
+            from opacus import PrivacyEngine as OpacusEngine
+        except ImportError as exc:  # pragma: no cover - opacus is in the dev requirements
+            raise ImportError("--method dpsgd needs Opacus: pip install opacus") from exc
+        poisson = cfg.sampling == "poisson"
+        n, B = len(train_ds), cfg.batch_size
+        if poisson:
+            # Opacus' Poisson loader: sample rate 1/len(loader) = 1/ceil(N/B), len(loader) steps per epoch
+            spe = math.ceil(n / B)
+            rate = 1.0 / spe
+        else:
+            spe = n // B
+            if spe < 1:
+                raise ValueError(f"batch size {B} exceeds the training set ({n})")
+            rate = 1.0 / spe
+        self.rate, self.steps_per_epoch = rate, spe
+        self.accountant = accounting.make_accountant(cfg.accountant)
+        sigma = cfg.sigma if sigma is None else sigma
+        if sigma is None:
+            sigma = accounting.get_noise_multiplier(target_epsilon=cfg.epsilon, target_delta=cfg.delta,
+                                                    sample_rate=rate, steps=cfg.epochs * spe,
+                                                    accountant=cfg.accountant)
+        self.sigma = float(sigma)
+        optimizer = make_optimizer(model.parameters(), cfg)
+        # shuffle: disjoint fixed-size batches of a fresh permutation each epoch (what zCDP analyses)
+        loader = DataLoader(train_ds, batch_size=B, shuffle=not poisson, drop_last=not poisson,
+                            generator=None if poisson else generator)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Ss]ecure.*")
+            self.opacus = OpacusEngine(accountant="rdp", secure_mode=False)
+            self.model, self.optimizer, self.loader = self.opacus.make_private(
+                module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=self.sigma,
+                max_grad_norm=cfg.max_grad_norm, poisson_sampling=poisson, loss_reduction="mean")
+        self.steps = 0
+        # Opacus' hooks on the first layer (whose input needs no gradient) make torch warn every step
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+    def train_step(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.model(x)
+        loss_sum = F.cross_entropy(out, y, reduction="sum")
+        # the mean (Opacus' loss_reduction="mean"); an empty Poisson batch gives 0, not NaN, and still
+        # goes through backward so that Opacus adds the step's noise
+        (loss_sum / max(len(y), 1)).backward()
+        self.optimizer.step()
+        if not self.optimizer._is_last_step_skipped:
+            self.accountant.step(noise_multiplier=self.sigma, sample_rate=self.rate)
+            self.steps += 1
+        return _stats(out, y, loss_sum.item())
+
+    def epsilon(self, delta):
+        return float(self.accountant.get_epsilon(delta)) if len(self.accountant) else 0.0
+
+    def opacus_epsilon(self, delta):
+        if self.cfg.sampling != "poisson" or not len(self.opacus.accountant):
+            return None
+        return float(self.opacus.get_epsilon(delta))
+
+    def privacy(self) -> dict:
+        return {"private": True, "noise_multiplier": self.sigma, "effective_noise_multiplier": self.sigma,
+                "max_grad_norm": self.cfg.max_grad_norm, "sample_rate": self.rate,
+                "accounting_sample_rate": self.rate, "steps": self.steps,
+                "steps_per_epoch": self.steps_per_epoch, "sampling": self.cfg.sampling,
+                "accountant": self.cfg.accountant, "accountant_state": self.accountant.state_dict()}
+
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(), "accountant": self.accountant.state_dict(),
+                "opacus_accountant": self.opacus.accountant.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.opacus.accountant.load_state_dict(state["opacus_accountant"])
+        self.steps = int(state["steps"])
+
+    def model_state_dict(self):
+        return self.model._module.state_dict()
+
+    def load_model_state_dict(self, state):
+        self.model._module.load_state_dict(state)
+
+
+_CLASSES = {"bpclip": BPClip, "dpsgd": DPSGD, "clip-only": ClipOnly, "nonprivate": NonPrivate}
+
+
+def build_method(cfg, model, train_ds, generator, sigma=None):
+    """The method ``cfg.method`` set up on ``model`` and ``train_ds``.
+
+    ``sigma``: a noise multiplier that overrides calibration (used when resuming a run whose σ was
+    calibrated for its whole length at the start).
+    """
+    if cfg.method not in _CLASSES:
+        raise ValueError(f"unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
+    cls = _CLASSES[cfg.method]
+    if cls.private:
+        return cls(cfg, model, train_ds, generator, sigma=sigma)
+    return cls(cfg, model, train_ds, generator)
+
+
+def epsilon_report(history_state: dict, sampling: str, delta: float) -> dict:
+    """ε at ``delta`` of one run's step history under every accountant and conversion that applies.
+
+    Poisson sampling (add/remove adjacency): RDP with the improved and the basic conversion, and
+    PLD. Shuffled disjoint batches: zCDP (replace-one, the paper's relation) with the exact Gaussian,
+    Canonne-Kamath-Steinke and Bun-Steinke conversions, zCDP under add/remove (zero-out) adjacency,
+    and the figure the paper's code would have printed (labelled: not a sound bound for replace-one).
+    """
+    history = [tuple(h) for h in history_state["history"]]
+    if not history:
+        return {}
+    out = {}
+    if sampling == "poisson":
+        rdp = accounting.RDPAccountant()
+        rdp.load_state_dict({"mechanism": "rdp", "history": history})
+        out["rdp"] = rdp.get_epsilon(delta, "improved")
+        out["rdp_basic_conversion"] = rdp.get_epsilon(delta, "basic")
+        pld = accounting.PLDAccountant()
+        pld.load_state_dict({"mechanism": "pld", "history": history})
+        out["pld"] = pld.get_epsilon(delta)
+    else:
+        z = accounting.ZCDPAccountant(adjacency="replace_one")
+        z.load_state_dict({"mechanism": "zcdp", "history": history})
+        for conv, e in z.epsilons(delta).items():
+            out[f"zcdp_{conv}"] = e
+        za = accounting.ZCDPAccountant(adjacency="add_remove")
+        za.load_state_dict({"mechanism": "zcdp", "history": history})
+        out["zcdp_add_remove_gaussian"] = za.get_epsilon(delta, "gaussian")
+        out["zcdp_rho"] = z.rho
+        out["paper_convention_UNSOUND_for_replace_one"] = z.paper_epsilon(delta)
+    return {k: float(v) for k, v in out.items()}

@@ -1,0 +1,389 @@
+"""One training run: configuration, loop, evaluation, ``run.json``, ``curves.png``, checkpoints.
+
+``run(Config(...))`` is what ``bpclip-train`` calls and what ``bpclip-sweep`` calls once per grid
+point; it returns the same dictionary it writes to ``run.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import models
+from . import data as data_mod
+from . import methods as methods_mod
+
+__all__ = ["Config", "run", "MODELS", "expected_calibration_error", "default_model"]
+
+#: --model names -> (builder, input channels); "auto" picks by data set (see default_model)
+MODELS = {
+    "mnist": models.mnist_net,                    # the paper's Fig. 3 net (no biases)
+    "cifar10": models.cifar10_net,                # the paper's Fig. 4 net, as reconstructed (29.6M)
+    "papernot-mnist": models.papernot_mnist_net,  # Papernot et al. 2021, Table 1
+    "papernot-cifar10": models.papernot_cifar10_net,  # Papernot et al. 2021, Table 2
+}
+
+# Settings that must not change between a checkpoint and its resumption.
+_RESUME_KEYS = ("data", "val_size", "limit", "model", "activation", "tempered", "method", "epsilon", "sigma",
+                "delta", "accountant", "sampling", "clip_fn", "conv_norm", "input_clip", "grad_clip",
+                "max_grad_norm", "batch_size", "optimizer", "lr", "momentum", "seed")
+
+
+@dataclass
+class Config:
+    """Every setting of a run (the CLI's options; see ``bpclip-train --help``).
+
+    The defaults of the clipping bounds, batch size and learning rate were chosen for ``bpclip`` on
+    digits: the validation-selected setting at ε = 3 of ``bpclip-sweep --preset digits``
+    (``docs/results.md``)."""
+
+    data: str = "digits"
+    data_dir: str = "data"
+    download: bool = False
+    val_size: int = 5000
+    limit: int | None = None
+    model: str = "auto"
+    activation: str = "tanh"
+    tempered: str = "2,2,1"
+    method: str = "bpclip"
+    epsilon: float | None = None
+    sigma: float | None = None
+    delta: float = 1e-5
+    accountant: str | None = None
+    sampling: str | None = None
+    clip_fn: str = "clip"
+    conv_norm: str = "l15"
+    input_clip: float = 2.0
+    grad_clip: float = 1.0
+    max_grad_norm: float = 1.0
+    batch_size: int = 256
+    epochs: int = 15
+    optimizer: str = "adam"
+    lr: float = 0.03
+    momentum: float = 0.9
+    seed: int = 0
+    noise_seed: int | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    out: str | None = None
+    checkpoint: str | None = None
+    resume: bool = False
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # free-form labels (the sweep's), copied into run.json
+
+    def resolved(self) -> "Config":
+        """A copy with the defaults that depend on other settings filled in, validated."""
+        c = dataclasses.replace(self, extra=dict(self.extra))
+        if c.model == "auto":
+            c.model = default_model(c.data)
+        if c.model not in MODELS:
+            raise ValueError(f"unknown model {c.model!r}; choose auto or one of {', '.join(MODELS)}")
+        if c.method not in methods_mod.METHODS:
+            raise ValueError(f"unknown method {c.method!r}; choose one of {', '.join(methods_mod.METHODS)}")
+        if c.accountant is None:
+            c.accountant = "zcdp" if c.sampling == "shuffle" else "rdp"
+        if c.sampling is None:
+            c.sampling = "shuffle" if c.accountant == "zcdp" else "poisson"
+        if c.accountant not in ("rdp", "pld", "zcdp") or c.sampling not in ("poisson", "shuffle"):
+            raise ValueError(f"unknown accountant {c.accountant!r} or sampling {c.sampling!r}")
+        if (c.sampling == "poisson") != (c.accountant in ("rdp", "pld")):
+            raise ValueError(f"--accountant {c.accountant} does not analyse --sampling {c.sampling}: use rdp or pld "
+                             "with poisson (add/remove one example), zcdp with shuffle (disjoint batches of a "
+                             "shuffle); any other pairing would print an epsilon that does not bound the run")
+        if c.method in methods_mod.PRIVATE_METHODS:
+            if c.epsilon is not None and c.sigma is not None:
+                raise ValueError("give --epsilon (the noise is calibrated to it) or --sigma, not both")
+            if c.epsilon is None and c.sigma is None:
+                c.epsilon = 3.0
+            if not 0 < c.delta < 1:
+                raise ValueError(f"--delta must be in (0, 1), got {c.delta}")
+        else:  # no noise: ε and σ do not apply
+            c.epsilon = c.sigma = None
+        if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
+            raise ValueError("--epochs, --batch-size and --lr must be positive")
+        if c.resume and not c.checkpoint:
+            raise ValueError("--resume needs --checkpoint PATH")
+        parse_tempered(c.tempered)
+        return c
+
+
+def default_model(data: str) -> str:
+    return "cifar10" if data == "cifar10" else "mnist"
+
+
+def parse_tempered(text) -> tuple:
+    try:
+        s, T, o = (float(v) for v in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"--tempered takes three numbers s,T,o (s*sigmoid(T*x)-o), got {text!r}") from None
+    return s, T, o
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> float:
+    """ECE: ``Σ_b (|b|/n)·|accuracy(b) − confidence(b)|`` over ``n_bins`` equal-width bins of the
+    top-class probability (Guo et al. 2017)."""
+    if len(labels) == 0:
+        return float("nan")
+    conf, pred = probs.max(1)
+    correct = (pred == labels).float()
+    bins = torch.clamp((conf * n_bins).long(), max=n_bins - 1)
+    ece = 0.0
+    for b in range(n_bins):
+        mask = bins == b
+        if mask.any():
+            ece += mask.float().mean().item() * abs(correct[mask].mean().item() - conf[mask].mean().item())
+    return float(ece)
+
+
+@torch.no_grad()
+def evaluate(model, dataset, device, batch_size=1024) -> dict:
+    was_training = model.training
+    model.eval()
+    X, y = dataset.tensors
+    logits = torch.cat([model(X[i:i + batch_size].to(device)).float().cpu()
+                        for i in range(0, len(X), batch_size)]) if len(X) else torch.zeros(0, 10)
+    model.train(was_training)
+    probs = logits.softmax(1)
+    return {"accuracy": float((logits.argmax(1) == y).float().mean()) if len(y) else float("nan"),
+            "loss": float(F.cross_entropy(logits, y)) if len(y) else float("nan"),
+            "ece": expected_calibration_error(probs, y)}
+
+
+# --------------------------------------------------------------------------- environment
+
+def environment(device) -> dict:
+    import bpclip_fast
+
+    versions = {"python": sys.version.split()[0], "bpclip_fast": bpclip_fast.__version__,
+                "torch": torch.__version__, "numpy": np.__version__}
+    for name, mod in (("opacus", "opacus"), ("dp_accounting", "dp_accounting"), ("scikit_learn", "sklearn")):
+        try:
+            versions[name] = getattr(__import__(mod), "__version__", "unknown")
+        except ImportError:
+            versions[name] = None
+    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        machine["build"] = bpclip_fast.build_info()
+    except Exception:  # noqa: BLE001 - informational
+        pass
+    return {"machine": machine, "versions": versions}
+
+
+# --------------------------------------------------------------------------- progress
+
+class _Bar:
+    """A tqdm bar over one epoch's batches, or nothing (--quiet / tqdm missing)."""
+
+    def __init__(self, iterable, total, desc, enabled):
+        self.bar = None
+        self.iterable = iterable
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(iterable, total=total, desc=desc, leave=True, dynamic_ncols=True, file=sys.stderr)
+                self.iterable = self.bar
+            except ImportError:
+                pass
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def postfix(self, **kw):
+        if self.bar is not None:
+            self.bar.set_postfix(kw, refresh=False)
+
+    def close(self, **kw):
+        if self.bar is not None:
+            self.bar.set_postfix(kw)
+            self.bar.close()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _save_checkpoint(path, cfg, method, epoch, history, elapsed):
+    state = {"format": "bpclip_fast.train/1", "config": dataclasses.asdict(cfg), "epoch": epoch,
+             "history": history, "elapsed_s": elapsed, "model": method.model_state_dict(),
+             "method": method.state_dict(), "sigma": (method.privacy().get("noise_multiplier")
+                                                      if method.private else None)}
+    tmp = f"{path}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # never a half-written checkpoint
+
+
+def _load_checkpoint(path, cfg):
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("format") != "bpclip_fast.train/1":
+        raise ValueError(f"{path}: not a bpclip-train checkpoint")
+    saved = state["config"]
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in _RESUME_KEYS
+            if saved.get(k) != getattr(cfg, k)]
+    if diff:
+        raise ValueError(f"--resume: {path} was written by a run with other settings:\n  " + "\n  ".join(diff))
+    return state
+
+
+# --------------------------------------------------------------------------- the run
+
+def _epoch_seed(seed, epoch):
+    return (int(seed) * 1_000_003 + int(epoch)) % (2 ** 63)
+
+
+def run(cfg: Config) -> dict:
+    """Trains, evaluates and reports one configuration; returns the ``run.json`` dictionary."""
+    t_start = time.perf_counter()
+    cfg = cfg.resolved()
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed % (2 ** 32))
+
+    splits = data_mod.load_dataset(cfg.data, cfg.data_dir, val_size=cfg.val_size, download=cfg.download,
+                                   limit=cfg.limit)
+    act = models.activation(cfg.activation, parse_tempered(cfg.tempered))
+    net = MODELS[cfg.model](act=act)
+    if splits.input_shape[0] != net[0].in_channels:
+        raise ValueError(f"--model {cfg.model} takes {net[0].in_channels}-channel images but {cfg.data} has "
+                         f"{splits.input_shape[0]}; use --model auto")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    elif device.type == "cpu" and sum(p.numel() for p in net.parameters()) < 1_000_000:
+        # small nets: one thread is faster (thread start-up dominates the tiny kernels) and leaves
+        # the other cores alone; --threads overrides
+        torch.set_num_threads(1)
+    net = net.to(device)
+    train_ds = splits.train
+    generator = torch.Generator().manual_seed(cfg.seed)
+
+    state = None
+    if cfg.resume and os.path.exists(cfg.checkpoint):
+        state = _load_checkpoint(cfg.checkpoint, cfg)
+    elif cfg.resume:
+        warnings.warn(f"--resume: no checkpoint at {cfg.checkpoint} yet; starting from scratch", stacklevel=2)
+
+    # (an explicit --noise-seed warns here, InsecureSeedWarning: deliberately left visible)
+    method = methods_mod.build_method(cfg, net, train_ds, generator,
+                                      sigma=state["sigma"] if state is not None else None)
+    history, start_epoch, elapsed_before = [], 1, 0.0
+    if state is not None:
+        method.load_model_state_dict(state["model"])
+        method.load_state_dict(state["method"])
+        history, start_epoch, elapsed_before = list(state["history"]), state["epoch"] + 1, state["elapsed_s"]
+
+    model = method.model
+    model.train()
+    t_train = time.perf_counter()
+    for epoch in range(start_epoch, cfg.epochs + 1):
+        torch.manual_seed(_epoch_seed(cfg.seed, epoch))  # Opacus' sampling and noise (non-secure mode)
+        generator.manual_seed(_epoch_seed(cfg.seed, epoch))  # the shuffle of non-private loaders
+        bar = _Bar(method.loader, len(method.loader), f"epoch {epoch}/{cfg.epochs}", cfg.progress)
+        loss_sum, correct, seen = 0.0, 0, 0
+        steps_done = history[-1]["steps"] if history else 0
+        # ε spent before this epoch (evaluated once per epoch: a PLD evaluation can take a second)
+        eps_so_far = {"eps": f"{history[-1]['epsilon'] if history else 0.0:.2f}"} if method.private else {}
+        for x, y in bar:
+            steps_done += 1
+            x, y = x.to(device), y.to(device)
+            ls, c = method.train_step(x, y)
+            loss_sum, correct, seen = loss_sum + ls, correct + c, seen + len(y)
+            bar.postfix(loss=f"{loss_sum / max(seen, 1):.3f}", acc=f"{correct / max(seen, 1):.3f}", **eps_so_far)
+        val = evaluate(method.eval_model, splits.val, device)
+        eps = method.epsilon(cfg.delta) if method.private else None
+        record = {"epoch": epoch, "train_loss": loss_sum / max(seen, 1), "train_accuracy": correct / max(seen, 1),
+                  "val_accuracy": val["accuracy"], "val_loss": val["loss"], "epsilon": eps,
+                  "steps": method.privacy()["steps"] if method.private else steps_done,
+                  "time_s": elapsed_before + time.perf_counter() - t_train}
+        history.append(record)
+        post = {"loss": f"{record['train_loss']:.3f}", "acc": f"{record['train_accuracy']:.3f}",
+                "val": f"{val['accuracy']:.3f}"}
+        if eps is not None:
+            post["eps"] = f"{eps:.2f}"
+        bar.close(**post)
+        if cfg.checkpoint:
+            _save_checkpoint(cfg.checkpoint, cfg, method, epoch, history,
+                             elapsed_before + time.perf_counter() - t_train)
+
+    test = evaluate(method.eval_model, splits.test, device)
+    val = evaluate(method.eval_model, splits.val, device)
+    result = {"config": dataclasses.asdict(cfg), "data": {"name": splits.name, **splits.sizes(),
+                                                          "input_shape": list(splits.input_shape)},
+              "model_parameters": sum(p.numel() for p in model.parameters()),
+              "history": history, "val_accuracy": val["accuracy"], "val_ece": val["ece"],
+              "test_accuracy": test["accuracy"], "test_loss": test["loss"], "ece": test["ece"]}
+    if method.private:
+        priv = method.privacy()
+        result["epsilon"] = method.epsilon(cfg.delta)
+        result["delta"] = cfg.delta
+        result["accountant"] = cfg.accountant
+        result["epsilons"] = methods_mod.epsilon_report(priv["accountant_state"], cfg.sampling, cfg.delta)
+        if cfg.method == "dpsgd":
+            ops = method.opacus_epsilon(cfg.delta)
+            if ops is not None:
+                result["epsilons"]["opacus_rdp"] = ops
+        result["sigma"] = priv["noise_multiplier"]
+        result["effective_sigma"] = priv["effective_noise_multiplier"]
+        result["steps"] = priv["steps"]
+        result["privacy"] = {k: v for k, v in priv.items() if k != "accountant_state"}
+        result["privacy"]["accountant_history"] = [list(h) for h in priv["accountant_state"]["history"]]
+        result["target_epsilon"] = cfg.epsilon
+    else:
+        result.update({"epsilon": None, "delta": None, "accountant": None, "epsilons": {}, "sigma": None,
+                       "effective_sigma": None, "target_epsilon": None,
+                       "steps": history[-1]["steps"] if history else 0})
+    result["wall_time_s"] = elapsed_before + time.perf_counter() - t_start
+    result.update(environment(device))
+
+    if cfg.out:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "run.json"), "w") as f:
+            json.dump(_jsonable(result), f, indent=2)
+        try:
+            from .report import plot_curves
+
+            plot_curves(result, os.path.join(cfg.out, "curves.png"))
+        except ImportError as exc:  # matplotlib missing: run.json is still written
+            warnings.warn(f"curves.png not written ({exc}); pip install matplotlib", stacklevel=2)
+    return _jsonable(result)
+
+
+def summary_line(result: dict) -> str:
+    c = result["config"]
+    parts = [f"{c['method']} on {c['data']}: test accuracy {result['test_accuracy']:.4f}"]
+    if result.get("epsilon") is not None:
+        parts.append(f"epsilon {result['epsilon']:.3f} at delta {result['delta']:g} ({result['accountant']}, "
+                     f"sigma {result['sigma']:.3f}, {result['steps']} steps)")
+    else:
+        parts.append("epsilon inf (no noise: not private)")
+    parts.append(f"ECE {result['ece']:.3f}")
+    parts.append(f"wall time {result['wall_time_s']:.1f} s")
+    return " | ".join(parts)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return x

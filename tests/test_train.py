@@ -1,0 +1,260 @@
+"""The reference trainer (bpclip_fast.train): every method, run.json, ε against the accountants,
+the data-set readers on files in the torchvision formats, checkpoint/resume, the sweep."""
+
+import json
+import math
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from bpclip_fast import accounting
+from bpclip_fast.train import Config, cli, data, expected_calibration_error, run, sweep
+
+pytest.importorskip("sklearn")
+
+TINY = dict(data="digits", limit=160, epochs=1, batch_size=32, progress=False, threads=1)
+
+
+def tiny(tmp_path=None, **kw):
+    cfg = Config(**{**TINY, **kw})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # explicit noise seeds, Opacus' non-secure mode
+        return run(cfg)
+
+
+# ---------------------------------------------------------------- every method, run.json
+
+@pytest.mark.parametrize("method", ["bpclip", "dpsgd", "clip-only", "nonprivate"])
+def test_each_method_runs_and_writes_run_json(method, tmp_path):
+    if method == "dpsgd":
+        pytest.importorskip("opacus")
+    out = tmp_path / "run"
+    r = tiny(method=method, epochs=2, sigma=1.0 if method in ("bpclip", "dpsgd") else None, out=str(out))
+    on_disk = json.loads((out / "run.json").read_text())
+    assert (out / "curves.png").stat().st_size > 0
+    assert on_disk["test_accuracy"] == r["test_accuracy"]
+    for key in ("config", "history", "test_accuracy", "test_loss", "ece", "val_accuracy", "epsilon", "epsilons",
+                "sigma", "steps", "machine", "versions", "wall_time_s", "data"):
+        assert key in on_disk, key
+    assert on_disk["config"]["method"] == method and on_disk["config"]["lr"] == Config().lr
+    assert [h["epoch"] for h in on_disk["history"]] == [1, 2]
+    for h in on_disk["history"]:
+        assert math.isfinite(h["train_loss"]) and 0 <= h["val_accuracy"] <= 1
+    assert 0 <= on_disk["test_accuracy"] <= 1 and 0 <= on_disk["ece"] <= 1
+    assert on_disk["versions"]["torch"] == torch.__version__
+    assert on_disk["machine"]["cpu_count"] == os.cpu_count()
+    assert on_disk["steps"] > 0
+    if method in ("bpclip", "dpsgd"):
+        assert on_disk["sigma"] == 1.0
+        assert set(on_disk["epsilons"]) >= {"rdp", "rdp_basic_conversion", "pld"}
+        assert 0 < on_disk["epsilons"]["pld"] <= on_disk["epsilons"]["rdp"] <= on_disk["epsilons"]["rdp_basic_conversion"]
+        assert on_disk["epsilon"] == on_disk["epsilons"]["rdp"]
+        assert on_disk["history"][0]["epsilon"] < on_disk["history"][1]["epsilon"] == on_disk["epsilon"]
+    else:
+        assert on_disk["epsilon"] is None and on_disk["sigma"] is None and on_disk["epsilons"] == {}
+
+
+# ---------------------------------------------------------------- ε is the accountant's
+
+def test_bpclip_epsilon_equals_the_accountants():
+    r = tiny(method="bpclip", sigma=2.0, epochs=2)
+    n, B, L = 160, 32, 4  # the mnist net has 4 clipped layers
+    steps = 2 * round(n / B)
+    assert r["steps"] == steps and r["privacy"]["n_layers"] == L
+    acc = accounting.RDPAccountant()
+    for _ in range(steps):
+        acc.step(noise_multiplier=2.0 / math.sqrt(L), sample_rate=B / n)
+    assert r["effective_sigma"] == pytest.approx(2.0 / math.sqrt(L), rel=1e-12)
+    assert r["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert r["epsilons"]["rdp_basic_conversion"] == pytest.approx(acc.get_epsilon(1e-5, "basic"), rel=1e-12)
+    pld = accounting.PLDAccountant()
+    for _ in range(steps):
+        pld.step(noise_multiplier=2.0 / math.sqrt(L), sample_rate=B / n)
+    assert r["epsilons"]["pld"] == pytest.approx(pld.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_calibrated_epsilon_meets_the_target_and_zcdp_with_shuffle():
+    r = tiny(method="bpclip", epsilon=4.0, epochs=2)
+    assert 4.0 - 0.05 <= r["epsilon"] <= 4.0 and r["target_epsilon"] == 4.0
+    z = tiny(method="bpclip", sigma=3.0, epochs=2, accountant="zcdp")  # --sampling shuffle follows
+    assert z["config"]["sampling"] == "shuffle"
+    acc = accounting.ZCDPAccountant()
+    for _ in range(z["steps"]):
+        acc.step(noise_multiplier=3.0 / 2.0, sample_rate=1.0 / (160 // 32))
+    assert z["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    # ρ = 2L/σ² per epoch (replace-one), 2 epochs
+    assert z["epsilons"]["zcdp_rho"] == pytest.approx(2 * 2 * 4 / 9.0, rel=1e-12)
+    assert {"zcdp_gaussian", "zcdp_cks", "zcdp_bun_steinke"} <= set(z["epsilons"])
+
+
+def test_dpsgd_epsilon_equals_ours_and_opacus():
+    pytest.importorskip("opacus")
+    r = tiny(method="dpsgd", sigma=1.3, epochs=2)
+    q = 1 / math.ceil(160 / 32)
+    acc = accounting.RDPAccountant()
+    for _ in range(r["steps"]):
+        acc.step(noise_multiplier=1.3, sample_rate=q)
+    assert r["steps"] == 2 * math.ceil(160 / 32)
+    assert r["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert r["epsilons"]["opacus_rdp"] == pytest.approx(r["epsilon"], rel=2e-3)
+
+
+def test_bad_pairings_and_options_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--accountant", "rdp", "--sampling", "shuffle"])
+    assert "does not analyse" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--epsilon", "1", "--sigma", "1"])
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    assert "--method" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- data readers (torchvision formats)
+
+def _write_idx_set(folder, n_train, n_test, seed, gz):
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    arrays = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        x = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        y = rng.integers(0, 10, size=n).astype(np.uint8)
+        ext = ".gz" if gz else ""
+        data.write_idx(os.path.join(folder, f"{prefix}-images-idx3-ubyte{ext}"), x)
+        data.write_idx(os.path.join(folder, f"{prefix}-labels-idx1-ubyte{ext}"), y)
+        arrays[prefix] = (x, y)
+    return arrays
+
+
+@pytest.mark.parametrize("name,sub,gz", [("mnist", "MNIST/raw", True), ("fmnist", "", False)])
+def test_idx_loaders(tmp_path, name, sub, gz):
+    arrays = _write_idx_set(str(tmp_path / sub), 40, 12, seed=1, gz=gz)
+    s = data.load_dataset(name, str(tmp_path), val_size=10)
+    assert (len(s.train), len(s.val), len(s.test)) == (30, 10, 12) and s.input_shape == (1, 28, 28)
+    xt, yt = s.test.tensors
+    assert torch.equal(xt, torch.from_numpy(arrays["t10k"][0][:, None].astype(np.float32) / 255))
+    assert torch.equal(yt, torch.from_numpy(arrays["t10k"][1].astype(np.int64)))
+    # train + val are a split of the training file
+    x_all = torch.cat([s.train.tensors[0], s.val.tensors[0]]).flatten(1)
+    want = torch.from_numpy(arrays["train"][0].astype(np.float32) / 255).flatten(1)
+    assert sorted(map(tuple, x_all.tolist())) == sorted(map(tuple, want.tolist()))
+
+
+def test_idx_header_is_checked(tmp_path):
+    p = tmp_path / "bad"
+    p.write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x05abc")  # says 5 bytes, holds 3
+    with pytest.raises(ValueError, match="idx"):
+        data.read_idx(str(p))
+
+
+def test_cifar10_loader(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(2)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        x = rng.integers(0, 256, size=(6, 3, 32, 32), dtype=np.uint8)
+        y = rng.integers(0, 10, size=6)
+        data.write_cifar10_batch(str(folder / name), x, y)
+        batches[name] = (x, y)
+    s = data.load_dataset("cifar10", str(tmp_path), val_size=5)
+    assert (len(s.train), len(s.val), len(s.test)) == (25, 5, 6) and s.input_shape == (3, 32, 32)
+    assert torch.equal(s.test.tensors[0], torch.from_numpy(batches["test_batch"][0].astype(np.float32) / 255))
+    assert s.test.tensors[1].tolist() == list(batches["test_batch"][1])
+    # a whole run on it: the Papernot CIFAR-10 net
+    r = tiny(data="cifar10", data_dir=str(tmp_path), val_size=5, limit=None, model="papernot-cifar10",
+             method="bpclip", sigma=1.0, batch_size=8)
+    assert r["data"]["train"] == 25 and r["model_parameters"] == 550570
+
+
+def test_missing_files_name_what_is_expected(tmp_path, capsys):
+    with pytest.raises(data.DatasetNotFound, match="train-images-idx3-ubyte.*t10k-labels-idx1-ubyte"):
+        data.load_dataset("mnist", str(tmp_path))
+    with pytest.raises(data.DatasetNotFound, match="data_batch_1.*test_batch.*cifar-10-python.tar.gz"):
+        data.load_dataset("cifar10", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--data", "fmnist", "--data-dir", str(tmp_path), "--quiet"])
+    assert exc.value.code == 2 and "fashion-mnist" in capsys.readouterr().err
+
+
+def test_cli_trains_on_written_mnist_files(tmp_path, capsys):
+    _write_idx_set(str(tmp_path / "MNIST" / "raw"), 60, 20, seed=3, gz=False)
+    cli.main(["--data", "mnist", "--data-dir", str(tmp_path), "--val-size", "20", "--method", "nonprivate",
+              "--epochs", "1", "--batch-size", "16", "--quiet", "--activation", "tempered", "--tempered", "1.5,2,0.5"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("nonprivate on mnist: test accuracy") and "wall time" in line
+
+
+# ---------------------------------------------------------------- checkpoint and resume
+
+def test_bpclip_resume_continues_from_the_checkpoint(tmp_path):
+    ck = str(tmp_path / "ck.pt")
+    common = dict(method="bpclip", sigma=1.5, noise_seed=1234, seed=7)
+    whole = tiny(epochs=3, **common)
+    first = tiny(epochs=2, checkpoint=ck, **common)
+    assert first["steps"] == 2 * 5
+    resumed = tiny(epochs=3, checkpoint=ck, resume=True, **common)
+    assert resumed["steps"] == whole["steps"] == 15
+    assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-12)
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2, 3]
+    assert resumed["history"][:2] == first["history"]
+    # same batches, noise and optimizer state: the resumed run is the uninterrupted one
+    assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
+    assert resumed["history"][2]["train_loss"] == pytest.approx(whole["history"][2]["train_loss"], rel=1e-5)
+    # another configuration cannot resume this checkpoint
+    with pytest.raises(ValueError, match="other settings"):
+        tiny(epochs=3, checkpoint=ck, resume=True, **{**common, "sigma": 2.0})
+
+
+def test_dpsgd_resume_keeps_the_spent_budget(tmp_path):
+    pytest.importorskip("opacus")
+    ck = str(tmp_path / "ck.pt")
+    tiny(method="dpsgd", sigma=1.2, epochs=1, checkpoint=ck)
+    r = tiny(method="dpsgd", sigma=1.2, epochs=2, checkpoint=ck, resume=True)
+    assert r["steps"] == 2 * 5
+    acc = accounting.RDPAccountant()
+    for _ in range(10):
+        acc.step(noise_multiplier=1.2, sample_rate=1 / 5)
+    assert r["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert r["epsilons"]["opacus_rdp"] == pytest.approx(r["epsilon"], rel=2e-3)
+
+
+# ---------------------------------------------------------------- ECE, sweep
+
+def test_expected_calibration_error():
+    labels = torch.tensor([0, 1, 0, 1])
+    sure = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    assert expected_calibration_error(sure, labels) == pytest.approx(0.0)
+    wrong = sure.flip(1)  # confident and always wrong
+    assert expected_calibration_error(wrong, labels) == pytest.approx(1.0)
+    half = torch.full((4, 2), 0.5)  # accuracy 1/2 at confidence 1/2 (argmax picks class 0)
+    assert expected_calibration_error(half, labels) == pytest.approx(0.0)
+
+
+def test_sweep_smoke_preset(tmp_path, capsys):
+    pytest.importorskip("opacus")
+    out = tmp_path / "sweep"
+    best = sweep.cli_run(["--preset", "smoke", "--out", str(out), "--limit", "96", "--seeds", "0,1"])
+    lines = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    assert len(lines) == len(sweep.expand(sweep.load_spec(sweep.build_parser().parse_args(
+        ["--preset", "smoke", "--seeds", "0,1"])))) == 2 * (2 * 2 + 1 * 2) + 2 + 2
+    assert all(0 <= r["test_accuracy"] <= 1 for r in lines)
+    assert (out / "accuracy_vs_epsilon.png").stat().st_size > 0
+    table = (out / "results.md").read_text()
+    assert "| bpclip | 1 |" in table and "∞ (not private)" in table
+    # selection is by validation accuracy, never test
+    bp = [b for b in best if b["label"] == "bpclip" and b["epsilon_budget"] == 1.0][0]
+    by_hp = {}
+    for r in lines:
+        if r["label"] == "bpclip" and r["epsilon_budget"] == 1.0:
+            by_hp.setdefault(r["hparams"]["lr"], []).append(r["val_accuracy"])
+    assert np.mean(by_hp[bp["hparams"]["lr"]]) == max(np.mean(v) for v in by_hp.values())
+    # started again: nothing is re-run
+    capsys.readouterr()
+    assert sweep.main(["--preset", "smoke", "--out", str(out), "--limit", "96", "--seeds", "0,1"]) == 0
+    assert "already in" in capsys.readouterr().err
+    assert len((out / "runs.jsonl").read_text().splitlines()) == len(lines)
