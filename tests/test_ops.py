@@ -190,13 +190,43 @@ def test_philox_matches_known_answer_via_uniforms():
         return r * math.cos(2 * math.pi * u2), r * math.sin(2 * math.pi * u2)
 
     seed, offset = 0x0123456789ABCDEF, (5 << 20) | (3 << 1)
-    buf = torch.zeros(11)
+    # 35 counter blocks: two full batches of the vectorised path (16 blocks each), then a ragged tail
+    buf = torch.zeros(139)
     _ops.philox_noise_(buf, seed, offset, 1.0, False)
     expect = []
-    for blk in range(3):
+    for blk in range(35):
         w = philox([blk & mask, blk >> 32, offset & mask, offset >> 32], [seed & mask, seed >> 32])
         expect += [*box_muller(w[0], w[1]), *box_muller(w[2], w[3])]
-    torch.testing.assert_close(buf.double(), torch.tensor(expect[:11], dtype=torch.float64), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(buf.double(), torch.tensor(expect[:139], dtype=torch.float64), rtol=2e-6, atol=2e-6)
+
+
+def test_cpu_noise_is_the_same_with_and_without_the_avx512_philox(tmp_path):
+    """The AVX-512 Philox rounds (chosen at load time where the CPU has them) and the portable lane
+    loops (BPCLIP_NO_AVX512=1) must give the same bits: a seed means one stream on every machine."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, bpclip_fast\n"
+        "from bpclip_fast import _ops\n"
+        "torch.set_num_threads(2)\n"
+        "a = torch.zeros(300_007)\n"
+        "_ops.philox_noise_(a, 0x0123456789ABCDEF, 12345, 1.5, False)\n"
+        "b = torch.ones(70_001)\n"
+        "_ops.philox_noise_(b, 7, (1 << 33) + 5, 0.25, True)\n"
+        "torch.save([a, b], sys.argv[1])\n")
+    outs = []
+    for flag in ("0", "1"):
+        path = tmp_path / f"noise{flag}.pt"
+        env = dict(os.environ, BPCLIP_NO_AVX512=flag)
+        proc = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(torch.load(path))
+    for fast, portable in zip(*outs):
+        assert torch.equal(fast, portable)
+        assert fast.std() > 0.2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
