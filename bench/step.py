@@ -110,6 +110,52 @@ def _self_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+class _LiveBytes:
+    """CPU: the peak of live tensor bytes, the counterpart of ``torch.cuda.max_memory_allocated``.
+
+    Peak RSS also holds what the C allocator keeps after tensors are freed (glibc raises its mmap
+    threshold after a large free and then serves big tensors from a heap it rarely returns), which
+    depends on the order of allocations more than on their sizes. PyTorch's profiler with
+    ``profile_memory=True`` reports every CPU tensor allocation and free with its size; summing them
+    in time order from before the model is built gives the exact peak of live bytes. Run over the
+    warm-up steps only (never the timed ones). ``None`` where the profiler's event tree (a private
+    API of torch) is unavailable.
+    """
+
+    def __init__(self, enabled: bool):
+        self.prof, self.peak_mb = None, None
+        if enabled:
+            try:
+                import torch.profiler as tp
+
+                self.prof = tp.profile(activities=[tp.ProfilerActivity.CPU], profile_memory=True)
+                self.prof.__enter__()
+            except Exception:  # noqa: BLE001 -- an optional measurement
+                self.prof = None
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        try:
+            prof.__exit__(None, None, None)
+            from torch._C._profiler import _EventType
+
+            allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+            while stack:
+                node = stack.pop()
+                if node.typed[0] == _EventType.Allocation:
+                    allocs.append((node.start_time_ns, node.typed[1].alloc_size))
+                stack.extend(node.children)
+            live = peak = 0
+            for _, size in sorted(allocs):
+                live += size
+                peak = max(peak, live)
+            self.peak_mb = peak / 2 ** 20
+        except Exception:  # noqa: BLE001
+            self.peak_mb = None
+
+
 def _build_step(method: str, model, x, y, seed: int):
     """The method's training step over ``model`` (wrapped here) as a zero-argument callable."""
     import torch
@@ -233,6 +279,7 @@ def run_one(spec: dict) -> dict:
             torch.cuda.synchronize()
 
     stage = "setup"
+    live = _LiveBytes(not cuda and spec.get("live_mem", True))
     try:
         factory, shape, classes = MODELS[spec["model"]]
         act = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[spec.get("act", "tanh")]
@@ -256,6 +303,8 @@ def run_one(spec: dict) -> dict:
             sync()
             n += 1
         rec["warmup_steps"] = n
+        live.stop()
+        rec["live_peak_mb"] = live.peak_mb
         stage = "timed steps"
         busy0, self0, wall0 = _cpu_busy_s(), _self_cpu_s(), time.perf_counter()
         # `steps` timed steps; more while under `min_time` seconds (fast configs get more samples),
@@ -279,9 +328,11 @@ def run_one(spec: dict) -> dict:
         rec["status"] = _classify(exc)
         rec["error"] = f"{stage}: {type(exc).__name__}: {str(exc).strip()[:600]}"
         rec["traceback"] = traceback.format_exc()[-2000:]
+    live.stop()  # after a failure in set-up or warm-up (no peak is recorded then)
     if cuda:
         rec["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
         rec["mem_increase_mb"] = rec["peak_mem_mb"] - rec["mem_base_mb"]
+        rec["live_peak_mb"] = rec["peak_mem_mb"]  # the same measure: live tensor bytes
     else:
         rec["peak_mem_mb"] = _peak_rss_mb()
         # File-backed pages faulted in since the baseline are library code and data touched for the
@@ -430,8 +481,10 @@ def aggregate(key, reps: list, common: dict) -> dict:
         rec["mem_increase_mb"] = max(r["mem_increase_mb"] for r in mem)
         rec["mem_setup_mb"] = max((r["mem_setup_mb"] for r in mem if r.get("mem_setup_mb") is not None),
                                   default=None)
+        live = [r["live_peak_mb"] for r in mem if r.get("live_peak_mb") is not None]
+        rec["live_peak_mb"] = max(live) if live else None
     else:
-        rec.update(peak_mem_mb=None, mem_base_mb=None, mem_increase_mb=None, mem_setup_mb=None)
+        rec.update(peak_mem_mb=None, mem_base_mb=None, mem_increase_mb=None, mem_setup_mb=None, live_peak_mb=None)
     rec["params"] = next((r["params"] for r in reps if r.get("params")), None)
     rec["threads"] = next((r["threads"] for r in reps if r.get("threads")), common.get("threads"))
     rec["peak_reset_ok"] = all(r.get("hwm_reset") is not False for r in src)
@@ -456,11 +509,13 @@ def markdown_table(records: list) -> str:
     """Per (model, batch size): every method's step time and memory, and their ratios to nonprivate.
 
     Time ratios use the medians (and, in brackets, the minima); the memory ratio uses Δ peak, the
-    peak memory above the child's baseline after imports (see docs/benchmarks.md).
+    peak memory above the child's baseline after imports; "live peak" is the peak of live tensor
+    bytes (on CPU from the profiler over the warm-up steps, on CUDA max_memory_allocated), which
+    leaves out what the C allocator keeps (see docs/benchmarks.md).
     """
     lines = ["| model | batch | method | median ms | min ms | IQR ms | × nonprivate time (min) | "
-             "peak MB | Δ peak MB | × nonprivate Δ mem | others' cores | status |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "peak MB | Δ peak MB | × nonprivate Δ mem | live peak MB | × nonprivate live | others' cores | status |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     groups = {}
     for r in records:
         groups.setdefault((r["model"], r["batch_size"]), []).append(r)
@@ -474,11 +529,15 @@ def markdown_table(records: list) -> str:
                            f"({r['step_ms_min'] / base['step_ms_min']:.2f}×)")
             if base and has_t and r.get("mem_increase_mb") is not None and base.get("mem_increase_mb"):
                 m_ratio = f"{r['mem_increase_mb'] / base['mem_increase_mb']:.2f}×"
+            l_ratio = None
+            if base and has_t and r.get("live_peak_mb") is not None and base.get("live_peak_mb"):
+                l_ratio = f"{r['live_peak_mb'] / base['live_peak_mb']:.2f}×"
             lines.append(
                 f"| {model} | {bs} | {r['method']} | {_fmt(r['step_ms_median'])} | {_fmt(r['step_ms_min'])} | "
                 f"{_fmt(r['step_ms_iqr'])} | {t_ratio or '–'} | "
                 f"{_fmt(r.get('peak_mem_mb'), '.0f') if has_t else '–'} | "
                 f"{_fmt(r.get('mem_increase_mb'), '.0f') if has_t else '–'} | {m_ratio or '–'} | "
+                f"{_fmt(r.get('live_peak_mb'), '.0f') if has_t else '–'} | {l_ratio or '–'} | "
                 f"{_fmt(r.get('foreign_cores_max'), '.2f')} | {r['status']} |")
     return "\n".join(lines)
 

@@ -49,6 +49,8 @@ def test_records(bench_run):
         assert 0 < r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"] and math.isfinite(r["step_ms_max"])
         assert r["step_ms_iqr"] >= 0
         assert r["peak_mem_mb"] > r["mem_base_mb"] > 0 and r["mem_increase_mb"] > 0
+        # live tensor bytes: at least the parameters and their gradients (fp32)
+        assert r["live_peak_mb"] >= 2 * 4 * r["params"] / 2 ** 20, r
         assert r["versions"]["torch"] and r["versions"]["opacus"]
 
 
@@ -70,3 +72,25 @@ def test_failures_are_recorded(tmp_path):
     (rec,) = json.loads((tmp_path / "r.json").read_text())
     assert rec["status"] == "timeout" and rec["step_ms_median"] is None and rec["n_reps"] == 1
     assert "| cifar10 | 4 | nonprivate |" in proc.stdout and "timeout" in proc.stdout
+
+
+def test_live_bytes_is_the_peak_of_live_tensors():
+    """_LiveBytes sums allocations and frees in time order: 8 MB + 16 MB live together, then 4 MB."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench.step import _LiveBytes
+
+    live = _LiveBytes(True)
+    if live.prof is None:
+        pytest.skip("torch.profiler cannot record memory here")
+    mb = 2 ** 20
+    a = torch.empty(8 * mb, dtype=torch.uint8)
+    b = torch.empty(16 * mb, dtype=torch.uint8)
+    del a
+    c = torch.empty(4 * mb, dtype=torch.uint8)
+    del b, c
+    live.stop()
+    if live.peak_mb is None:
+        pytest.skip("torch's profiler event tree is unavailable")
+    assert 24.0 <= live.peak_mb < 24.1
