@@ -73,9 +73,15 @@ def _reclip(x, factor):
     non-private training. Recomputing costs one elementwise pass in the backward.
     """
     f = factor.view(-1, *([1] * (x.dim() - 1)))
-    xc = x.to(factor.dtype) * f
-    xc.masked_fill_(f == 0, 0)
-    return xc.to(x.dtype).contiguous()
+    # One pass into a row-major buffer (the layout clip_rows wrote), whatever the layout of x.
+    xc = torch.empty(x.shape, dtype=factor.dtype, device=x.device)
+    torch.mul(x.to(factor.dtype), f, out=xc)
+    # x·0 is NaN for a non-finite x and -0 for a negative one; clip_rows wrote +0. On the CPU the
+    # test is free and the pass over x̃ is skipped when no example was zeroed (the usual case); on
+    # a GPU the host sync would cost more than the pass.
+    if x.device.type != "cpu" or bool((factor == 0).any()):
+        xc.masked_fill_(f == 0, 0)
+    return xc.to(x.dtype)
 
 
 def _rescale(gw, gb, scale, has_bias):
