@@ -110,6 +110,20 @@ def _self_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _fix_mmap_threshold(mb: float) -> bool:
+    """glibc: serve every allocation of ``mb`` MB or more by its own mmap, returned to the system on
+    free, and stop the dynamic threshold (which after a large free rises to that size, so later big
+    tensors come from the heap, whose freed space RSS keeps). Makes peak RSS follow live tensors."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        M_MMAP_THRESHOLD = -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(mb * 2 ** 20)))
+    except (OSError, AttributeError):
+        return False
+
+
 class _LiveBytes:
     """CPU: the peak of live tensor bytes, the counterpart of ``torch.cuda.max_memory_allocated``.
 
@@ -264,6 +278,8 @@ def run_one(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         rec["mem_base_mb"] = torch.cuda.memory_allocated() / 2 ** 20
     else:
+        if spec.get("mmap_threshold_mb"):
+            rec["mallopt_ok"] = _fix_mmap_threshold(spec["mmap_threshold_mb"])
         rec["mem_base_mb"] = _rss_mb()
         file_base = _proc_status("RssFile").get("RssFile")
         rec["hwm_reset"] = _reset_peak_rss()
@@ -488,6 +504,8 @@ def aggregate(key, reps: list, common: dict) -> dict:
     rec["params"] = next((r["params"] for r in reps if r.get("params")), None)
     rec["threads"] = next((r["threads"] for r in reps if r.get("threads")), common.get("threads"))
     rec["peak_reset_ok"] = all(r.get("hwm_reset") is not False for r in src)
+    if any("mallopt_ok" in r for r in src):
+        rec["mallopt_ok"] = all(r.get("mallopt_ok") for r in src)
     if bad:
         rec["errors"] = sorted({r.get("error", "")[:400] for r in bad})
     rec["child_wall_s"] = sum(r.get("child_wall_s", 0.0) for r in reps)
@@ -678,6 +696,9 @@ def parse_args(argv=None):
     p.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"), default="passive",
                    help="OMP_WAIT_POLICY for the children (default passive: stable timings on a shared "
                         "machine; inherit: leave the environment as it is)")
+    p.add_argument("--mmap-threshold-mb", type=float, default=0.0, metavar="MB",
+                   help="CPU: fix glibc's mmap threshold at MB in every child (mallopt), so that freed large "
+                        "tensors leave RSS at once; 0 (default): glibc's dynamic threshold, as users run")
     p.add_argument("--act", choices=("tanh", "relu"), default="tanh", help="activation of every model")
     p.add_argument("--seed", type=int, default=0, help="weights, data and noise seed (same for every method)")
     p.add_argument("--json", dest="json_path", default=None, help="write the records here")
@@ -744,6 +765,7 @@ def main(argv=None) -> list:
               "warmup_time_s": warmup_time, "min_time_s": min_time, "max_time_s": max_time,
               "mem_limit_mb": mem_limit, "launch": launch_mode, "act": args.act, "seed": args.seed,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+              "mmap_threshold_mb": args.mmap_threshold_mb or None,
               "versions": _versions(), "machine": _machine(),
               "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
               "memory_metric": "cuda max_memory_allocated" if cuda else "peak RSS (VmHWM, reset after imports)"}
@@ -771,7 +793,7 @@ def main(argv=None) -> list:
                 spec = {"model": model, "method": method, "batch_size": bs, "device": args.device,
                         "warmup": warmup, "steps": steps, "threads": threads, "seed": args.seed,
                         "warmup_time": warmup_time, "min_time": min_time, "max_time": max_time,
-                        "mem_limit_mb": mem_limit, "act": args.act}
+                        "mem_limit_mb": mem_limit, "act": args.act, "mmap_threshold_mb": args.mmap_threshold_mb}
                 waited = wait_quiet(args.wait_quiet) if args.wait_quiet else 0.0
                 load_before = os.getloadavg()[0]
                 rec = launch(spec, timeout, launch_mode)

@@ -94,3 +94,15 @@ def test_live_bytes_is_the_peak_of_live_tensors():
     if live.peak_mb is None:
         pytest.skip("torch's profiler event tree is unavailable")
     assert 24.0 <= live.peak_mb < 24.1
+
+
+def test_fixed_mmap_threshold_is_applied(tmp_path):
+    """--mmap-threshold-mb reaches the child's allocator (mallopt succeeds) and is recorded."""
+    pytest.importorskip("opacus")
+    cmd = [sys.executable, "-m", "bench.step", "--models", "mnist", "--batch-sizes", "8", "--methods", "nonprivate",
+           "--reps", "1", "--warmup", "1", "--warmup-time", "0", "--steps", "2", "--min-time", "0", "--threads", "1",
+           "--mmap-threshold-mb", "1", "--json", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = json.loads((tmp_path / "r.json").read_text())
+    assert rec["status"] == "ok" and rec["mmap_threshold_mb"] == 1.0 and rec["mallopt_ok"] is True

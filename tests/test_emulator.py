@@ -70,21 +70,13 @@ def _bound_between_norms(x, norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("shape", L2_SHAPES, ids=str)
+@pytest.mark.parametrize("norm,shape", [("l2", s) for s in L2_SHAPES] + [("l15", s) for s in L15_SHAPES],
+                         ids=str)
 @pytest.mark.parametrize("clip_fn", ["clip", "global", "normalize"])
-def test_clip_rows_l2(sim, request, shape, dtype, clip_fn):
+def test_clip_rows(sim, request, norm, shape, dtype, clip_fn):
     _schedule(sim, request)
     x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
-    assert harness.compare_clip_rows(sim, x, "l2", clip_fn, _bound_between_norms(x, "l2")) == []
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("shape", L15_SHAPES, ids=str)
-@pytest.mark.parametrize("clip_fn", ["clip", "global", "normalize"])
-def test_clip_rows_l15(sim, request, shape, dtype, clip_fn):
-    _schedule(sim, request)
-    x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
-    assert harness.compare_clip_rows(sim, x, "l15", clip_fn, _bound_between_norms(x, "l15")) == []
+    assert harness.compare_clip_rows(sim, x, norm, clip_fn, _bound_between_norms(x, norm)) == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

@@ -183,35 +183,33 @@ inline int __all_sync(unsigned mask, int p, simt_where w = simt_where::current()
 }
 
 // Atomics: fibers switch only at synchronisation points, so a plain read-modify-write is atomic.
+namespace simt {
+template <typename T, typename F>
+T atomic_update(T* p, F new_value) {
+  const T old = *p;
+  *p = new_value(old);
+  return old;
+}
+}  // namespace simt
 template <typename T>
 T atomicAdd(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old + v;
-  return old;
+  return simt::atomic_update(p, [v](T old) -> T { return old + v; });
 }
 template <typename T>
 T atomicSub(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old - v;
-  return old;
+  return simt::atomic_update(p, [v](T old) -> T { return old - v; });
 }
 template <typename T>
 T atomicExch(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = v;
-  return old;
+  return simt::atomic_update(p, [v](T) -> T { return v; });
 }
 template <typename T>
 T atomicMin(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = v < old ? v : old;
-  return old;
+  return simt::atomic_update(p, [v](T old) -> T { return v < old ? v : old; });
 }
 template <typename T>
 T atomicMax(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = v > old ? v : old;
-  return old;
+  return simt::atomic_update(p, [v](T old) -> T { return v > old ? v : old; });
 }
 template <typename T>
 T atomicCAS(T* p, std::type_identity_t<T> compare, std::type_identity_t<T> v) {
