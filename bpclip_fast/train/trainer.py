@@ -197,13 +197,17 @@ class _Bar:
             try:
                 from tqdm.auto import tqdm
 
-                self.bar = tqdm(iterable, total=total, desc=desc, leave=True, dynamic_ncols=True, file=sys.stderr)
-                self.iterable = self.bar
+                # Not tqdm(iterable): tqdm closes itself when the iteration ends, and the epoch's
+                # validation accuracy and ε, known only after it, would never be shown.
+                self.bar = tqdm(total=total, desc=desc, leave=True, dynamic_ncols=True, file=sys.stderr)
             except ImportError:
                 pass
 
     def __iter__(self):
-        return iter(self.iterable)
+        for item in self.iterable:
+            yield item
+            if self.bar is not None:
+                self.bar.update(1)  # the step on `item` is done
 
     def postfix(self, **kw):
         if self.bar is not None:
