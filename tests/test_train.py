@@ -258,3 +258,17 @@ def test_sweep_smoke_preset(tmp_path, capsys):
     assert sweep.main(["--preset", "smoke", "--out", str(out), "--limit", "96", "--seeds", "0,1"]) == 0
     assert "already in" in capsys.readouterr().err
     assert len((out / "runs.jsonl").read_text().splitlines()) == len(lines)
+
+
+@pytest.mark.parametrize("preset", sorted(sweep.PRESETS))
+def test_every_preset_expands_to_valid_configs(preset):
+    """A preset that cannot run (a misspelt setting, an impossible pairing) fails here, not hours in:
+    figure1 needs the MNIST files and is never run by the tests."""
+    runs = sweep.expand(sweep.PRESETS[preset])
+    spec = sweep.PRESETS[preset]
+    private = sum(1 for a in spec["arms"] if a["settings"].get("method", "bpclip") in ("bpclip", "dpsgd"))
+    assert {r["epsilon_budget"] for r in runs if r["method"] in ("bpclip", "dpsgd")} == set(spec["epsilons"])
+    assert len({r["id"] for r in runs}) == len(runs) and private >= 2
+    for r in runs:
+        cfg = Config(**r["config"]).resolved()
+        assert cfg.method == r["method"] and (cfg.epsilon is not None) == (r["epsilon_budget"] is not None)
