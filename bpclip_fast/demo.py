@@ -4,7 +4,7 @@
 
 is ``bpclip-train --method bpclip --data digits --epsilon 3`` (the paper's MNIST net with tanh,
 Poisson sampling, RDP accountant, δ = 1e-5); it prints the test accuracy and the ε spent. Later
-options override these. Under a minute on a 2-core CPU. See ``bpclip-train --help``.
+options override these. About 10 s on a 2-core CPU. See ``bpclip-train --help``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ Tune hyperparameters on the validation accuracy the run prints, never on the tes
 
 EXAMPLES = """\
 examples:
-  bpclip-train                                   # bpclip on digits at epsilon 3 (about a minute on a CPU)
+  bpclip-train                                   # bpclip on digits at epsilon 3 (seconds on a CPU)
   bpclip-train --method dpsgd --activation tanh --epsilon 1 --out runs/dpsgd
   bpclip-train --method bpclip --sigma 2 --epochs 5 --checkpoint ck.pt        # then add --resume
   bpclip-train --data mnist --data-dir ~/data --accountant pld --epsilon 2 --epochs 30
