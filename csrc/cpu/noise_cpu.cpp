@@ -129,6 +129,7 @@ using PhiloxBatchFn = void (*)(uint64_t, uint64_t, uint64_t, uint32_t[4][kLanes]
 PhiloxBatchFn choose_philox_batch() {
 #ifdef BPCLIP_PHILOX_AVX512
   const char* off = std::getenv("BPCLIP_NO_AVX512");
+  __builtin_cpu_init();  // idempotent; guarantees the CPU model is filled in whatever the load order
   if (__builtin_cpu_supports("avx512f") && !(off && *off && std::strcmp(off, "0") != 0)) return philox_batch_avx512;
 #endif
   return philox_batch_generic;
