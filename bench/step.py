@@ -295,7 +295,7 @@ def run_one(spec: dict) -> dict:
             torch.cuda.synchronize()
 
     stage = "setup"
-    live = _LiveBytes(not cuda and spec.get("live_mem", True))
+    live = _LiveBytes(not cuda)
     try:
         factory, shape, classes = MODELS[spec["model"]]
         act = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[spec.get("act", "tanh")]
@@ -523,6 +523,12 @@ def _fmt(v, spec=".1f"):
     return "–" if v is None else format(v, spec)
 
 
+def _mem_ratio(r: dict, base: dict | None, key: str) -> str | None:
+    if base and r.get(key) is not None and base.get(key):
+        return f"{r[key] / base[key]:.2f}×"
+    return None
+
+
 def markdown_table(records: list) -> str:
     """Per (model, batch size): every method's step time and memory, and their ratios to nonprivate.
 
@@ -541,15 +547,12 @@ def markdown_table(records: list) -> str:
         base = next((r for r in rs if r["method"] == "nonprivate" and r["step_ms_median"] is not None), None)
         for r in sorted(rs, key=lambda r: METHODS.index(r["method"]) if r["method"] in METHODS else 99):
             has_t = r["step_ms_median"] is not None
-            t_ratio = m_ratio = None
+            t_ratio = None
             if base and has_t:
                 t_ratio = (f"{r['step_ms_median'] / base['step_ms_median']:.2f}× "
                            f"({r['step_ms_min'] / base['step_ms_min']:.2f}×)")
-            if base and has_t and r.get("mem_increase_mb") is not None and base.get("mem_increase_mb"):
-                m_ratio = f"{r['mem_increase_mb'] / base['mem_increase_mb']:.2f}×"
-            l_ratio = None
-            if base and has_t and r.get("live_peak_mb") is not None and base.get("live_peak_mb"):
-                l_ratio = f"{r['live_peak_mb'] / base['live_peak_mb']:.2f}×"
+            m_ratio, l_ratio = (_mem_ratio(r, base, key) if has_t else None
+                                for key in ("mem_increase_mb", "live_peak_mb"))
             lines.append(
                 f"| {model} | {bs} | {r['method']} | {_fmt(r['step_ms_median'])} | {_fmt(r['step_ms_min'])} | "
                 f"{_fmt(r['step_ms_iqr'])} | {t_ratio or '–'} | "

@@ -145,8 +145,8 @@ void box_muller_batch(const uint32_t r[4][kLanes], float z[4][kLanes]) {
   }
 }
 
-void normals_batch(uint64_t seed, uint64_t offset, uint64_t first, float z[4][kLanes]) {
-  static const PhiloxBatchFn philox_batch = choose_philox_batch();
+void normals_batch(PhiloxBatchFn philox_batch, uint64_t seed, uint64_t offset, uint64_t first,
+                   float z[4][kLanes]) {
   uint32_t r[4][kLanes];
   philox_batch(seed, offset, first, r);
   box_muller_batch(r, z);
@@ -167,14 +167,14 @@ void store_batch_f32(float* out, const float z[4][kLanes], float stdv, bool accu
 }
 
 template <typename scalar_t>
-void noise_span(scalar_t* p, int64_t n, uint64_t seed, uint64_t offset, float stdv, bool accumulate, int64_t blo,
-                int64_t bhi) {
+void noise_span(PhiloxBatchFn philox_batch, scalar_t* p, int64_t n, uint64_t seed, uint64_t offset, float stdv,
+                bool accumulate, int64_t blo, int64_t bhi) {
   using acc_t = at::opmath_type<scalar_t>;
   float z[4][kLanes];
   for (int64_t first = blo; first < bhi; first += kLanes) {
     const int64_t lanes = std::min<int64_t>(kLanes, bhi - first);
     if (lanes == kLanes) {
-      normals_batch(seed, offset, static_cast<uint64_t>(first), z);
+      normals_batch(philox_batch, seed, offset, static_cast<uint64_t>(first), z);
     } else {
       for (int64_t l = 0; l < lanes; ++l) {
         float q[4];
@@ -207,11 +207,12 @@ void philox_noise_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double stdv
   // The stream is indexed by the contiguous (row-major) position, whatever the strides of buf.
   at::Tensor work = buf.is_contiguous() ? buf : buf.contiguous();
   const int64_t blocks = (n + 3) / 4;
+  static const PhiloxBatchFn philox_batch = choose_philox_batch();  // once per process, not per batch
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, work.scalar_type(), "philox_noise_cpu", [&] {
     scalar_t* p = work.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t blo, int64_t bhi) {
-      noise_span<scalar_t>(p, n, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), static_cast<float>(stdv),
-                           accumulate, blo, bhi);
+      noise_span<scalar_t>(philox_batch, p, n, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                           static_cast<float>(stdv), accumulate, blo, bhi);
     });
   });
   if (!work.is_same(buf)) buf.copy_(work);
