@@ -21,4 +21,5 @@ def build_info() -> dict:
 
 
 from . import functional, nn, reference  # noqa: E402,F401
+from .boundary import StepRefused  # noqa: E402,F401
 from .engine import DPOptimizer, InsecureSeedWarning, PrivacyEngine  # noqa: E402,F401

@@ -125,10 +125,11 @@ from torch.utils.data import DataLoader
 from . import _ops, data
 from . import nn as bnn
 from . import validate as _validate
+from .boundary import DistributedRecorder, LayerStep, StepRefused
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
 
-_STATE_FORMAT = "bpclip_fast.PrivacyEngine/1"
+_STATE_FORMAT = "bpclip_fast.PrivacyEngine/2"
 _OPT_KEY = "bpclip_fast_privacy_engine"
 
 
@@ -235,7 +236,7 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- the step
     def zero_grad(self, set_to_none: bool = True):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
-        self.engine._arm()  # whatever was drawn for this step is gone with the gradients: draw it again
+        self.engine._after_zero_grad(self.original_optimizer)
 
     def step(self, closure=None):
         loss = None
@@ -253,9 +254,13 @@ class DPOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         privacy = state_dict.pop(_OPT_KEY, None)
+        if privacy is None:
+            raise ValueError("DPOptimizer.load_state_dict: the state has no privacy state (it comes from a plain "
+                             "optimizer); loading it would forget the budget already spent. Load a state saved from "
+                             "a DPOptimizer, or load a non-private optimizer state into the optimizer before "
+                             "make_private")
         self.original_optimizer.load_state_dict(state_dict)
-        if privacy is not None:
-            self.engine.load_state_dict(privacy)
+        self.engine.load_state_dict(privacy)
 
 
 class PrivacyEngine:
@@ -293,18 +298,26 @@ class PrivacyEngine:
                      noise_multiplier: float, input_clip: float, grad_clip: float, conv_norm: str = "l15",
                      clip_fn: str = "clip", gamma: float = 0.01, loss_reduction: str = "mean",
                      poisson_sampling: bool = True, noise_seed: int | None = None,
-                     max_epsilon: float | None = None, delta: float | None = None):
+                     max_epsilon: float | None = None, delta: float | None = None,
+                     max_input_shape=None, nonfinite: str = "drop", probe: bool = True):
         """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
 
         ``noise_multiplier`` σ: every layer adds ``N(0, σ²Δ_l²)`` per step. ``input_clip``/``grad_clip``:
         per-example bounds (``grad_clip`` for the per-example loss, whatever ``loss_reduction``).
         ``max_epsilon`` (with ``delta``): ``step()`` refuses any step after which ε would exceed it.
+        ``max_input_shape``: the largest per-example shape of the model's input tensor (no batch dim);
+        every layer's Δ is fixed from a probe forward at that shape. Required when some layer's Δ
+        depends on its input shape (a biased Linear over ``[B, T, in]``, Conv2d with ``conv_norm="l2"``);
+        otherwise Δ is fixed from the shapes of a probe forward of one example.
+        ``nonfinite``: ``"drop"`` (an example with a NaN/Inf value gets clip factor 0 and the step goes on;
+        ``nonfinite_counts()`` reports them) or ``"raise"`` (such a step is refused, and charged).
+        ``probe``: run :func:`bpclip_fast.validate.dynamic_problems` on the loader's first batch.
         """
         if self._made_private:
             raise RuntimeError("PrivacyEngine: make_private was already called on this engine; use one engine "
                                "per model (its accountant belongs to that training run)")
-        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._renoise_if_cleared
-                                                      for m in module.modules()):
+        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
+                                                      and m._step.enforce for m in module.modules()):
             raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
         if not isinstance(module, nn.Module):
             raise TypeError(f"make_private: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -317,6 +330,8 @@ class PrivacyEngine:
         _positive(grad_clip, "grad_clip")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"make_private: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if nonfinite not in ("drop", "raise"):
+            raise ValueError(f"make_private: nonfinite must be 'drop' or 'raise', got {nonfinite!r}")
         self._check_pairing(poisson_sampling)
         if max_epsilon is not None:
             _positive(max_epsilon, "max_epsilon")
@@ -345,20 +360,27 @@ class PrivacyEngine:
 
         # 1. Validation: every problem at once, before anything is changed.
         problems = _validate.static_problems(inner)
-        shapes = {}
-        try:
-            example = _to_device(_first_input(data_loader.collate_fn([dataset[0]])), inner)
-        except Exception as exc:  # noqa: BLE001 - the probe is optional
-            example = None
-            warnings.warn(f"make_private: could not build a probe input from the dataset ({exc}); layers reached "
-                          "twice per forward will be refused at training time instead", stacklevel=2)
+        shapes, example = {}, None
+        if max_input_shape is not None:
+            max_input_shape = tuple(int(s) for s in max_input_shape)
+            p0 = next(inner.parameters(), None)
+            example = torch.zeros((1, *max_input_shape), dtype=p0.dtype if p0 is not None else None,
+                                  device=p0.device if p0 is not None else None)
+        else:
+            try:
+                example = _to_device(_first_input(data_loader.collate_fn([dataset[0]])), inner)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"make_private: could not build a probe input from the dataset's first example "
+                                f"({exc!r}); pass max_input_shape=(per-example input shape) instead")
         if example is not None:
             try:
                 twice, shapes = _validate.probe(inner, example)
                 problems += twice
             except Exception as exc:  # noqa: BLE001
-                warnings.warn(f"make_private: the probe forward on one example failed ({exc!r}); layers reached "
-                              "twice per forward will be refused at training time instead", stacklevel=2)
+                problems.append(f"make_private: the probe forward failed ({exc!r}); the sensitivity of each layer "
+                                "is fixed from it, so the model must run on one example (or on max_input_shape)")
+        if probe:
+            problems += self._dynamic_problems(inner, data_loader)
         owned = {id(p) for m in inner.modules() if type(m) in (nn.Linear, nn.Conv2d) or isinstance(m, bnn._Clipped)
                  for p in m.parameters(recurse=False)}
         names = {id(p): name for name, p in inner.named_parameters()}
@@ -373,7 +395,7 @@ class PrivacyEngine:
             raise ValueError("make_private: the model cannot be trained privately as it is:\n  - "
                              + "\n  - ".join(problems))
 
-        # 2. Conversion (same Parameter objects) and per-layer configuration.
+        # 2. Conversion (same Parameter objects), per-layer configuration and a data-independent Δ.
         converted = bnn.convert_model(inner, input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm,
                                       clip_fn=clip_fn, gamma=gamma)
         if converted is not inner:  # a bare nn.Linear / nn.Conv2d
@@ -383,16 +405,23 @@ class PrivacyEngine:
         layers = bnn.clipped_layers(inner)
         if not layers:
             raise ValueError("make_private: the model has no trainable Linear/Conv2d layer to clip")
+        self._fix_sensitivities(layers, shapes, max_input_shape is not None)
+        mean_batch = float(batch_size) if loss_reduction == "mean" else None
+        self._steps_of = []
+        recorder = DistributedRecorder() if distributed else None
         for name, layer in layers:
-            if name in shapes:  # from the probe: the Δ of a step no forward reaches (see _fallback_noise)
-                layer._last_input_shape = shapes[name]
             layer._bp_name = name
-            layer._renoise_if_cleared = True
             layer.noise_multiplier = sigma if rank == 0 else 0.0
-            layer._mean_loss_batch = float(batch_size) if loss_reduction == "mean" else None
+            st = LayerStep(layer, name, enforce=True, mean_loss_batch=mean_batch)
+            st.on_refuse = self._refuse_in_forward
+            st.after_backward = recorder
+            layer._step = st
+            self._steps_of.append(st)
         self._layers = [layer for _, layer in layers]
         self.noise_multiplier = sigma
         self.loss_reduction = loss_reduction
+        self.nonfinite = nonfinite
+        self.max_input_shape = max_input_shape
         self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
 
         # 3. Seeds: OS entropy unless explicit; one seed for all processes.
@@ -408,17 +437,18 @@ class PrivacyEngine:
                           "and the privacy guarantee is void. Use noise_seed=None (OS entropy) for a real run.",
                           InsecureSeedWarning, stacklevel=2)
         self.rank, self.world_size, self.distributed = rank, world, distributed
+        # The sampling seed is drawn separately: a checkpoint may need it (shuffled batches, see
+        # Checkpoints), the noise seed never leaves the process.
+        sampler_seed = secrets.randbits(63) if noise_seed is None else data.derive_seed(seed, "sampler")
         if distributed:
             seed = self._broadcast_int(seed, inner)
-        self._seed = seed
-        self._stream = bnn.NoiseStream(seed)
-        self._stream.secure = self._secure
+            sampler_seed = self._broadcast_int(sampler_seed, inner)
+        self._set_noise_seed(seed)
 
         # 4. Data: Poisson (rate q = W·batch_size/N) or shuffled disjoint batches of W·batch_size.
         global_batch = batch_size * world
         self.expected_batch_size = batch_size
         self._counter = data.BatchCounter()
-        sampler_seed = data.derive_seed(seed, "sampler")
         if poisson_sampling:
             q = global_batch / n
             if q > 1:
@@ -506,6 +536,13 @@ class PrivacyEngine:
 
     def _check_pairing(self, poisson_sampling: bool):
         sampling = getattr(self.accountant, "sampling", None)
+        adjacency = getattr(self.accountant, "adjacency", None)
+        if not poisson_sampling and adjacency not in (None, "replace_one"):
+            raise ValueError(
+                f"PrivacyEngine: shuffled disjoint batches (poisson_sampling=False) are analysed only under "
+                f"replace-one adjacency, not {adjacency!r}: adding one example re-packs every batch of the "
+                "epoch, so one example moves the release by 2Δ while add/remove zCDP charges Δ. Use "
+                "PrivacyEngine(accountant='zcdp') (replace_one), or Poisson sampling with 'rdp'/'pld'")
         if poisson_sampling and sampling != "poisson":
             raise ValueError(
                 f"PrivacyEngine: the {self.accountant_name!r} accountant analyses shuffled disjoint batches "
@@ -557,18 +594,104 @@ class PrivacyEngine:
         self._budget_cache = (key, base, left)
         return left
 
+    # ------------------------------------------------------------------ set-up helpers
+    def _set_noise_seed(self, seed: int) -> None:
+        self._seed = int(seed)
+        self._stream = bnn.NoiseStream(self._seed)
+        self._stream.secure = self._secure
+
+    @staticmethod
+    def _fix_sensitivities(layers, shapes: dict, declared: bool) -> None:
+        """Fixes every layer's Δ before training (``nn._Clipped.set_max_input_shape``), from the probe
+        shapes: a Δ taken from each batch would make the noise std depend on the data."""
+        problems = []
+        for name, layer in layers:
+            if layer.max_input_shape is not None:
+                continue  # declared on the layer itself
+            shape = shapes.get(name)
+            if shape is None:
+                if layer._shape_dependent(None):
+                    problems.append(f"{name}: no probe forward reached it, and its sensitivity depends on its input "
+                                    f"shape ({layer._shape_rule()}); call {name}.set_max_input_shape(...) first")
+                continue
+            if layer._shape_dependent(shape) and not declared:
+                problems.append(f"{name}: its sensitivity depends on its input shape ({layer._shape_rule()}), so it "
+                                "must not be taken from a sampled example; pass max_input_shape=(largest per-example "
+                                "input shape) to make_private, and pad or truncate inputs to at most that shape")
+                continue
+            layer.set_max_input_shape(shape[1:])
+        if problems:
+            raise ValueError("make_private: the noise scale would depend on the data:\n  - " + "\n  - ".join(problems))
+
+    @staticmethod
+    def _dynamic_problems(inner, data_loader) -> list[str]:
+        """:func:`bpclip_fast.validate.dynamic_problems` on the first batch of the user's loader (its
+        structure and shapes only: the probes replace floating-point values by random ones)."""
+        try:
+            batch = next(iter(data_loader))
+        except Exception as exc:  # noqa: BLE001
+            return [f"make_private: could not draw a first batch for the dynamic probes ({exc!r}); pass "
+                    "probe=False to skip them"]
+        fn = getattr(_validate, "dynamic_problems", None)  # TEMP until the validate merge
+        return [] if fn is None else fn(inner, _to_device(_first_input(batch), inner))
+
+    # ------------------------------------------------------------------ non-finite values
+    def nonfinite_counts(self) -> dict:
+        """``{layer: (inputs, upstream gradients)}`` found non-finite (and dropped: clip factor 0)
+        since the last call; resets the counts (one device sync). A data-dependent diagnostic: reading
+        it is a release that the ε of this engine does not cover."""
+        self._require_private("nonfinite_counts")
+        counts = torch.stack([layer._nonfinite for layer in self._layers])
+        if self.distributed:
+            import torch.distributed as dist
+
+            counts = counts.to(self._collective_device())
+            dist.all_reduce(counts)
+        out = {st.name: tuple(int(v) for v in c) for st, c in zip(self._steps_of, counts.cpu())}
+        for layer in self._layers:
+            layer._nonfinite.zero_()
+        return out
+
     # ------------------------------------------------------------------ the step
     def _arm(self):
-        """Arms every layer with the draw of step ``self.steps`` (idempotent within a step)."""
+        """Arms every layer with the draw of step ``self.steps``."""
         self._stream.step = self.steps
-        bnn.arm_noise(self._inner, self._stream)
+        for index, st in enumerate(self._steps_of):
+            st.arm((self._stream.seed, self._stream.offset(index)))
+
+    def _after_zero_grad(self, optimizer):
+        """``zero_grad`` through the private optimizer: every layer whose gradients it cleared starts
+        afresh (its draw is added again by its next backward); no device check is needed for them."""
+        cleared = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for st in self._steps_of:
+            trainable = [p for p in st.params if p.requires_grad]
+            if trainable and all(id(p) in cleared for p in trainable):
+                st.cleared()
+
+    def _charge(self):
+        self.accountant.step(noise_multiplier=self.effective_noise_multiplier, sample_rate=self._accounting_rate)
 
     def _discard(self, optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+        for st in self._steps_of:
+            st.discard()
         self._delivered_at_step = self._counter.delivered
         self._arm()
+
+    def _refuse(self, problems, charged=True):
+        """Discards the step's gradients, charges it (see ``bpclip_fast.boundary``) and raises."""
+        if charged:
+            self._charge()
+        self._discard(self.optimizer.original_optimizer)
+        rule = problems[0][0]
+        details = "; ".join(d for _, d, _ in problems)
+        names = list(dict.fromkeys(n for _, _, ns in problems for n in ns))
+        raise StepRefused(rule, details, names, charged=charged)
+
+    def _refuse_in_forward(self, rule, details, names):
+        self._refuse([(rule, details, names)])
 
     def _step(self, optimizer):
         delivered = self._counter.delivered - self._delivered_at_step
@@ -579,7 +702,8 @@ class PrivacyEngine:
                 "step; every step must use exactly one (the accountant assumes one fresh sampled batch per step). "
                 "To accumulate gradients, split one batch into micro-batches (for x_mb in x.split(m): "
                 "loss(model(x_mb)).backward()) and step once; for a larger batch raise the loader's batch_size. "
-                "The gradients of this step were discarded.")
+                "The gradients of this step were discarded (this refusal depends only on the loop, not on the "
+                "data, and is not charged).")
         if self.max_epsilon is not None and self._steps_left() < 1:
             eps_now = self.get_epsilon(self.delta)
             self._discard(optimizer)
@@ -587,42 +711,81 @@ class PrivacyEngine:
                 f"DPOptimizer.step() refused: after this step ε would exceed max_epsilon={self.max_epsilon:g} at "
                 f"δ={self.delta:g} (spent so far: ε={eps_now:.4g} over {self.steps} steps). The gradients of this "
                 "step were discarded and nothing was updated.")
-        self._fallback_noise()
-        try:
-            self._check_finite()
-        except bnn.NonFiniteError:
-            self._discard(optimizer)
-            raise
+        problems, pending = self._verify(optimizer)
+        if problems:
+            self._refuse(problems)
+        self._fallback_noise(pending)
         optimizer.step()
-        self.accountant.step(noise_multiplier=self.effective_noise_multiplier, sample_rate=self._accounting_rate)
+        self._charge()
         self.steps += 1
         self._delivered_at_step = self._counter.delivered
+        for st in self._steps_of:
+            st.record_released()
         self._arm()
 
-    def _fallback_noise(self):
-        """Adds draw ``t`` to the layers no backward reached in this step (e.g. a skipped empty batch)."""
-        pending = [layer._armed is not None for layer in self._layers]
+    def _verify(self, optimizer):
+        """Every check of the step boundary (``bpclip_fast.boundary``): ``(problems, pending)`` with
+        problems as ``(rule, details, names)`` and ``pending[l]`` whether layer ``l`` still needs its
+        draw (no backward reached it, or its gradient was cleared since)."""
+        problems = []
+        clipped = {id(p) for st in self._steps_of for p in st.params}
+        names = {id(p): name for name, p in self._inner.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in clipped:
+                    name = names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+                    problems.append(("unclipped-param", f"{name} has a gradient but is not in a clipped layer made "
+                                     "private (frozen at make_private and unfrozen since?)", [name]))
+        rows = getattr(self._counter, "last_rows", None)  # TEMP until data merge
+        pending, zero_checks = [], []
+        for st in self._steps_of:
+            holds = st.sync_with_grads()
+            pending.append(not (holds and st.noised))
+            if rows is not None and st.rows not in (0, rows):  # first: a reused layer also mixes its gradient
+                problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, the "
+                                 f"batch drawn for it has {rows}", [st.name]))
+            for rule, details in st.violations:
+                problems.append((rule, details, [st.name]))
+            zero_checks += [(st.name, flag) for flag in st.zero_checks]
+        if zero_checks:  # one sync, only when a gradient was edited or replaced since our last write
+            nonzero = torch.stack([flag.to("cpu", non_blocking=False) for _, flag in zero_checks]).tolist()
+            for (name, _), bad in zip(zero_checks, nonzero):
+                if bad:
+                    problems.append(("grad-edit", f"{name}'s gradient was changed in place or replaced (not zeroed) "
+                                     "since its backward wrote it", [name]))
+        if self.nonfinite == "raise":
+            counts = self.nonfinite_counts()
+            bad = [name for name, c in counts.items() if any(c)]
+            if bad:
+                problems.append(("nonfinite", "non-finite values reached "
+                                 + ", ".join(f"{n} {counts[n]}" for n in bad), bad))
+        if self.distributed:  # every process takes the same decision
+            import torch.distributed as dist
+
+            flag = torch.tensor([1 if problems else 0], device=self._collective_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not problems:
+                problems.append(("rows", "another process refused this step", []))
+        return problems, pending
+
+    def _fallback_noise(self, pending):
+        """Adds draw ``t`` to the layers whose gradient does not hold it (no backward reached them in
+        this step, e.g. a skipped empty batch, or their gradient was cleared after the backward)."""
         if self.distributed:
             flags = torch.tensor(pending, dtype=torch.uint8, device=self._collective_device())
             import torch.distributed as dist
 
             dist.broadcast(flags, 0)
             pending = [bool(v) for v in flags.tolist()]
-        for layer, todo in zip(self._layers, pending):
+        for st, todo in zip(self._steps_of, pending):
             if not todo:
-                layer._armed = None  # rank != 0: rank 0 drew it (inside its backward)
                 continue
-            if layer._last_input_shape is None and not (isinstance(layer, bnn.Conv2d) and layer.norm == "l15"):
-                raise RuntimeError(f"{layer.layer_name}: no forward pass has run yet, so its sensitivity (which "
-                                   "depends on the input shape) is unknown; run the model on the step's batch, even "
-                                   "an empty one, before optimizer.step()")
-            sens = layer.sensitivity
-            seed, offset = layer._step_key
-            layer._armed = None
-            layer._noised_sensitivity = sens
-            std = self.noise_multiplier * sens
-            if layer._mean_loss_batch is not None:
-                std /= layer._mean_loss_batch
+            # Every rank adds the same draw divided by W: the value DDP's average would have given.
+            layer = st.layer
+            seed, offset = st.key
+            std = self.noise_multiplier * layer.sensitivity
+            if st.mean_loss_batch is not None:
+                std /= st.mean_loss_batch
             std /= self.world_size
             for p, off in ((layer.weight, offset), (layer.bias, offset + 1)):
                 if p is None or not p.requires_grad:
@@ -630,16 +793,7 @@ class PrivacyEngine:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 _ops.philox_noise_(p.grad, seed, off, std, accumulate=True)
-
-    def _check_finite(self):
-        if self.distributed:
-            import torch.distributed as dist
-
-            counts = torch.stack([layer._nonfinite for layer in self._layers])
-            dist.all_reduce(counts)
-            for layer, c in zip(self._layers, counts):
-                layer._nonfinite.copy_(c)
-        bnn.check_finite(self._inner)
+            st.noised = True
 
     def _collective_device(self):
         import torch.distributed as dist
@@ -656,18 +810,30 @@ class PrivacyEngine:
         return int(t.item())
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """Everything the guarantee depends on (module docstring: Checkpoints). Contains the secret seed."""
+    def state_dict(self, include_secrets: bool = False) -> dict:
+        """The accountant, the step and batch counters and the settings (module docstring:
+        Checkpoints). Never the noise seed, unless ``include_secrets=True``: an explicit, insecure
+        opt-in for a bit-for-bit reproducible resume (whoever holds that state can subtract the noise
+        of every step, past and future)."""
         self._require_private("state_dict")
-        return {"format": _STATE_FORMAT, "accountant": self.accountant_name,
-                "accountant_state": self.accountant.state_dict(), "steps": self.steps, "seed": self._seed,
-                "secure": self._secure, "batches_delivered": self._counter.delivered,
-                "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                "poisson_sampling": self.poisson_sampling, "loss_reduction": self.loss_reduction,
-                "world_size": self.world_size}
+        state = {"format": _STATE_FORMAT, "accountant": self.accountant_name,
+                 "accountant_state": self.accountant.state_dict(), "steps": self.steps, "secure": self._secure,
+                 "batches_delivered": self._counter.delivered, "noise_multiplier": self.noise_multiplier,
+                 "sample_rate": self.sample_rate, "poisson_sampling": self.poisson_sampling,
+                 "loss_reduction": self.loss_reduction, "world_size": self.world_size}
+        sampler = self.data_loader.batch_sampler
+        if not self.poisson_sampling:
+            # Shuffled batches: the rest of the current epoch must come from the same permutation (an
+            # example is in one batch per epoch). The zCDP analysis does not need it secret.
+            state["shuffle_seed"] = sampler.seed
+        if include_secrets:
+            state["secrets"] = {"noise_seed": self._seed, "sampler_seed": sampler.seed}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores a checkpoint into an engine that ``make_private`` has set up (same model and settings)."""
+        """Restores a checkpoint into an engine that ``make_private`` has set up (same model and
+        settings): the accountant and the batch counter continue; the noise (and Poisson sampling)
+        seed is fresh from the OS unless the state holds secrets (``state_dict(include_secrets=True)``)."""
         self._require_private("load_state_dict")
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"PrivacyEngine.load_state_dict: not a PrivacyEngine state (format "
@@ -680,17 +846,30 @@ class PrivacyEngine:
                              "(poisson_sampling) than this engine")
         self.accountant.load_state_dict(state["accountant_state"])
         self.steps = int(state["steps"])
-        self._seed = int(state["seed"])
-        self._secure = bool(state["secure"])
-        self._stream = bnn.NoiseStream(self._seed)
-        self._stream.secure = self._secure
         sampler = self.data_loader.batch_sampler
-        sampler.seed = data.derive_seed(self._seed, "sampler")
+        secrets_ = state.get("secrets")
+        if secrets_ is not None:
+            warnings.warn("PrivacyEngine.load_state_dict: the state holds the noise seed (include_secrets=True); "
+                          "the resumed run is reproducible and insecure", InsecureSeedWarning, stacklevel=2)
+            noise_seed, sampler_seed = int(secrets_["noise_seed"]), int(secrets_["sampler_seed"])
+            self._secure = False
+        else:
+            noise_seed, sampler_seed = secrets.randbits(63), secrets.randbits(63)
+            self._secure = bool(state["secure"]) and self._secure
+        if not self.poisson_sampling:
+            sampler_seed = int(state["shuffle_seed"])
+        if self.distributed:
+            noise_seed = self._broadcast_int(noise_seed, self._inner)
+            sampler_seed = self._broadcast_int(sampler_seed, self._inner)
+        self._set_noise_seed(noise_seed)
+        sampler.seed = sampler_seed
         if hasattr(sampler, "_perm"):
             sampler._perm = (None, None)
         self._counter.delivered = int(state["batches_delivered"])
         self._delivered_at_step = self._counter.delivered
         self._budget_cache = None
+        for st in self._steps_of:
+            st.discard()
         self._arm()
 
     def _require_private(self, what):

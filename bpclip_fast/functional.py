@@ -1,8 +1,8 @@
 """Autograd Functions of the clipped layers: each forward and backward is one op of the extension.
 
-The layer object passed in supplies the bounds and the noise for its backward (see
-``bpclip_fast.nn``): ``layer._consume_noise(sensitivity)`` hands out (seed, offset, std) once per
-armed step and zeros afterwards, which is what makes the noise exactly-once per step.
+The layer object passed in supplies the bounds; its step state (``layer._step``, a
+:class:`bpclip_fast.boundary.LayerStep`) supplies the noise draw, the mean-loss scaling and the row
+count of each backward, and learns which gradient tensors the backward returned.
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ class _ClippedLinear(torch.autograd.Function):
         x, factor, norm, weight = ctx.saved_tensors
         xc = _reclip(x, factor)
         layer = ctx.layer
-        seed, offset, std = layer._consume_noise(ctx.sensitivity)
-        d, scale = layer._backward_scaling(grad_out.shape[0])
+        seed, offset, std, d, scale = _step_args(layer, grad_out.shape[0], ctx.sensitivity)
         gx, gw, gb = torch.ops.bpclip_fast.linear_backward(
             grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], float(layer.grad_clip) / d,
             float(layer.input_clip), layer.clip_fn, float(layer.gamma) / d, ctx.has_bias, ctx.needs_input_grad[0],
-            seed, offset, std / d)
-        gw, gb = _rescale(gw, gb, scale, ctx.has_bias)
-        return (gx if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
-                gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None, None)
+            seed, offset, std)
+        gw, gb = _outputs(layer, ctx, gw, gb, scale)
+        return (gx if ctx.needs_input_grad[0] else None, gw, gb, None, None)
 
 
 class _ClippedConv2d(torch.autograd.Function):
@@ -52,15 +50,13 @@ class _ClippedConv2d(torch.autograd.Function):
         x, factor, norm, weight = ctx.saved_tensors
         xc = _reclip(x, factor)
         layer = ctx.layer
-        seed, offset, std = layer._consume_noise(ctx.sensitivity)
-        d, scale = layer._backward_scaling(grad_out.shape[0])
+        seed, offset, std, d, scale = _step_args(layer, grad_out.shape[0], ctx.sensitivity)
         gx, gw, gb = torch.ops.bpclip_fast.conv2d_backward(
             grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], list(layer.stride), list(ctx.padding),
             list(layer.dilation), layer.groups, float(layer.grad_clip) / d, layer.norm, float(layer.input_clip),
-            layer.clip_fn, float(layer.gamma) / d, ctx.has_bias, ctx.needs_input_grad[0], seed, offset, std / d)
-        gw, gb = _rescale(gw, gb, scale, ctx.has_bias)
-        return (gx if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
-                gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None, None, None)
+            layer.clip_fn, float(layer.gamma) / d, ctx.has_bias, ctx.needs_input_grad[0], seed, offset, std)
+        gw, gb = _outputs(layer, ctx, gw, gb, scale)
+        return (gx if ctx.needs_input_grad[0] else None, gw, gb, None, None, None)
 
 
 def _reclip(x, factor):
@@ -84,12 +80,25 @@ def _reclip(x, factor):
     return xc.to(x.dtype)
 
 
-def _rescale(gw, gb, scale, has_bias):
-    """``[∇W, ∇b]·scale`` (the engine's mean-loss reduction; ``scale == 1`` otherwise: untouched)."""
-    if scale != 1.0:
-        gw = gw.mul_(scale)
-        if has_bias:
-            gb = gb.mul_(scale)
+def _step_args(layer, rows, sensitivity):
+    """``(seed, offset, std, d, scale)`` of this backward (``boundary.LayerStep.begin_backward``);
+    no noise and no scaling for a layer that was never armed."""
+    if layer._step is None:
+        return 0, 0, 0.0, 1.0, 1.0
+    return layer._step.begin_backward(rows, sensitivity)
+
+
+def _outputs(layer, ctx, gw, gb, scale):
+    """The (weight, bias) gradients to return: ``[∇W, ∇b]·scale`` (the engine's mean-loss reduction;
+    untouched when ``scale == 1``), ``None`` where not needed; the step state records them."""
+    gw = gw.mul_(scale) if ctx.needs_input_grad[1] and scale != 1.0 else gw
+    gw = gw if ctx.needs_input_grad[1] else None
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        gb = gb.mul_(scale) if scale != 1.0 else gb
+    else:
+        gb = None
+    if layer._step is not None:
+        layer._step.produced((gw, gb))
     return gw, gb
 
 

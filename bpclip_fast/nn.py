@@ -69,7 +69,11 @@ def _check_positive(value, what: str, layer: str) -> float:
 
 
 class _Clipped:
-    """Clipping configuration, the non-finite counter and the noise state shared by our layers."""
+    """Clipping configuration, the non-finite counter and the fixed sensitivity shared by our layers.
+
+    The layer's part of a training step (its noise draw, row count and gradient records) lives in
+    ``self._step``, a :class:`bpclip_fast.boundary.LayerStep` (``None`` until armed).
+    """
 
     def _init_clipping(self, input_clip, grad_clip, clip_fn, gamma):
         kind = type(self).__name__
@@ -85,14 +89,8 @@ class _Clipped:
         self.register_buffer("_nonfinite", torch.zeros(2, dtype=torch.int64, device=self.weight.device),
                              persistent=False)
         self._bp_name = None
-        self._armed = None            # (seed, offset) until this step's noise is drawn
-        self._armed_forwards = 0      # grad-enabled forwards since arming
-        self._noised_sensitivity = None  # the Δ this step's noise was scaled to
-        self._last_input_shape = None
-        # Set by bpclip_fast.PrivacyEngine (see engine.py for the proofs):
-        self._mean_loss_batch = None  # loss_reduction="mean": the expected batch size B̄ (None: sum)
-        self._step_key = None         # (seed, offset) of the current step, kept after it is consumed
-        self._renoise_if_cleared = False  # engine-managed steps: re-add a discarded draw (below)
+        self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
+        self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
 
     @property
     def layer_name(self) -> str:
@@ -112,67 +110,59 @@ class _Clipped:
             raise TypeError(f"{name}: the input is {x.dtype} but the layer's parameters are {self.weight.dtype}; "
                             "cast one of them (x.to(dtype) or model.to(dtype))")
 
-    def _note_forward(self, x: torch.Tensor) -> float:
-        """Checks the noise state against this forward and returns its sensitivity Δ."""
-        sens = self.sensitivity_for(tuple(x.shape))
-        self._last_input_shape = tuple(x.shape)
-        if not torch.is_grad_enabled():
-            return sens
-        if self._armed is not None:
-            if self._armed_forwards >= 1:
-                raise RuntimeError(
-                    f"{self.layer_name}: used more than once in one forward pass while noise is armed (a shared "
-                    "layer, or a second forward before backward). One example would then move this layer's "
-                    "gradient by k·Δ while the noise is scaled to Δ. Use a separate layer for each use, or run "
-                    "backward after each forward (gradient accumulation).")
-            self._armed_forwards += 1
-        elif self._noised_sensitivity is not None and sens > self._noised_sensitivity * (1 + 1e-12):
-            raise RuntimeError(
-                f"{self.layer_name}: this step's noise was scaled to sensitivity {self._noised_sensitivity:.6g}, "
-                f"but this input shape {tuple(x.shape)} has sensitivity {sens:.6g}; within one step every "
-                "micro-batch must have the shape the noise was drawn for (or a smaller one).")
-        return sens
+    # ------------------------------------------------------------------ a data-independent Δ
+    def set_max_input_shape(self, shape) -> None:
+        """Fixes Δ to its value for per-example input ``shape`` (without the batch dim), the largest
+        this layer will be trained on. Needed where Δ depends on the shape (a biased Linear over
+        ``[B, *, in]``, Conv2d with norm ``l2``): a Δ taken from each batch's shape would make the
+        noise std depend on the data (padding to the longest sampled example). Training forwards
+        whose Δ would be larger are then refused."""
+        shape = tuple(int(s) for s in shape)
+        self.sensitivity_for((1, *shape))  # validates the shape
+        self._max_shape = shape
 
-    def _arm(self, seed: int, offset: int, name: str | None = None) -> None:
-        if name is not None:
-            self._bp_name = name
-        self._armed = (int(seed), int(offset))
-        self._step_key = self._armed
-        self._armed_forwards = 0
-        self._noised_sensitivity = None
-
-    def _consume_noise(self, sensitivity: float):
-        if self._armed is None:
-            # Under the privacy engine a step's noise lives in the gradients; if they were discarded
-            # (set to None, e.g. model.zero_grad()) after this step's draw, the draw was never released
-            # and this backward would otherwise be noise-free: draw the same numbers again.
-            if not (self._renoise_if_cleared and self._step_key is not None
-                    and all(p.grad is None for p in self.parameters(recurse=False) if p.requires_grad)):
-                return 0, 0, 0.0
-            self._armed = self._step_key
-        seed, offset = self._armed
-        self._armed = None
-        self._noised_sensitivity = sensitivity
-        std = float(self.noise_multiplier) * sensitivity
-        if not (std >= 0 and math.isfinite(std)):
-            raise ValueError(f"{self.layer_name}: noise_multiplier must be finite and >= 0, "
-                             f"got {self.noise_multiplier!r}")
-        return (seed, offset, std) if std > 0 else (0, 0, 0.0)
-
-    def _backward_scaling(self, batch: int):
-        """``(d, s)``: clip the upstream gradient at ``grad_clip/d`` (``gamma/d``), add noise of std
-        ``σΔ/d``, multiply ``[∇W, ∇b]`` by ``s``. ``(1, 1)`` for a sum loss; for a mean loss over a batch
-        of ``B`` rows, ``d = max(B, 1)`` and ``s = d/B̄`` (proof: ``bpclip_fast.engine``, loss reduction).
-        """
-        if self._mean_loss_batch is None:
-            return 1.0, 1.0
-        d = float(max(int(batch), 1))
-        return d, d / float(self._mean_loss_batch)
+    @property
+    def max_input_shape(self):
+        return self._max_shape
 
     @property
     def sensitivity(self) -> float:
-        """Δ, the bound on one example's contribution to [∇W, ∇b] (Frobenius), for the last input shape."""
-        return self.sensitivity_for(self._last_input_shape)
+        """Δ, the bound on one example's contribution to [∇W, ∇b] (Frobenius): fixed by
+        :meth:`set_max_input_shape`, or shape-free (bias-free Linear, Conv2d l15). Raises where it
+        would depend on a shape not declared."""
+        if self._max_shape is not None:
+            return self.sensitivity_for((1, *self._max_shape))
+        if self._shape_dependent(None):
+            raise RuntimeError(
+                f"{self.layer_name}: its sensitivity depends on the input shape ({self._shape_rule()}), which is not "
+                "known yet; call layer.set_max_input_shape(largest per-example input shape) (make_private does this "
+                "from max_input_shape), or use sensitivity_for(input_shape)")
+        return self.sensitivity_for(None)
+
+    def _noise_sensitivity(self, x: torch.Tensor) -> float:
+        """The Δ this forward's backward scales its noise to: the fixed Δ (refusing a larger input
+        in training), or the shape-free Δ. A shape-dependent Δ with no declared maximum is refused
+        when noise is to be drawn, since the std would then follow the batch's shape."""
+        shape = tuple(x.shape)
+        sens = self.sensitivity_for(shape)
+        training = torch.is_grad_enabled()
+        if self._max_shape is not None:
+            fixed = self.sensitivity_for((1, *self._max_shape))
+            if training and sens > fixed * (1 + 1e-12):
+                details = (f"input shape {shape} has sensitivity {sens:.6g}, above the {fixed:.6g} fixed for "
+                           f"max_input_shape {self._max_shape}")
+                if self._step is not None:
+                    self._step.refuse("max-shape", details)
+                from .boundary import StepRefused
+                raise StepRefused("max-shape", details, [self.layer_name], charged=False)
+            return fixed
+        if (training and self._shape_dependent(shape) and self._step is not None and self._step.key is not None
+                and self.noise_multiplier > 0):
+            raise RuntimeError(
+                f"{self.layer_name}: its sensitivity depends on the input shape ({self._shape_rule()}), so noise scaled "
+                f"to this batch's shape {shape} would reveal the shape; call layer.set_max_input_shape(largest "
+                "per-example input shape) first (make_private: max_input_shape=...)")
+        return sens
 
     def _clip_repr(self) -> str:
         return f"input_clip={self.input_clip:g}, grad_clip={self.grad_clip:g}, clip_fn={self.clip_fn!r}"
@@ -189,6 +179,12 @@ class Linear(_Clipped, nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_clipping(input_clip, grad_clip, clip_fn, gamma)
 
+    def _shape_dependent(self, input_shape) -> bool:
+        return self.bias is not None and (input_shape is None or len(input_shape) > 2)
+
+    def _shape_rule(self) -> str:
+        return "a biased Linear's Δ grows with the positions T of a [B, T, in] input"
+
     def sensitivity_for(self, input_shape=None) -> float:
         """``C_g √(C_x² + T·[bias])``, T the positions between batch and feature dims (module docstring)."""
         tokens = 1 if input_shape is None else math.prod(input_shape[1:-1])
@@ -200,7 +196,7 @@ class Linear(_Clipped, nn.Linear):
         if x.dim() < 2:
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
-        sens = self._note_forward(x)
+        sens = self._noise_sensitivity(x)
         return functional.clipped_linear(x, self.weight, self.bias, self, sens)
 
     def extra_repr(self):
@@ -258,6 +254,12 @@ class Conv2d(_Clipped, nn.Conv2d):
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self._explicit_padding, self.dilation
         return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
 
+    def _shape_dependent(self, input_shape) -> bool:
+        return self.norm == "l2"
+
+    def _shape_rule(self) -> str:
+        return "with norm='l2' Δ grows with the input's height and width"
+
     def sensitivity_for(self, input_shape=None) -> float:
         """l15: ``C_g √(C_x² + [bias])``; l2: ``C_g √(m C_x² + [bias]·HW_out)`` (module docstring)."""
         bias = 1 if self.bias is not None else 0
@@ -276,7 +278,7 @@ class Conv2d(_Clipped, nn.Conv2d):
         self._check_input(x)
         if x.dim() != 4:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
-        sens = self._note_forward(x)
+        sens = self._noise_sensitivity(x)
         return functional.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 
     def extra_repr(self):
@@ -332,7 +334,11 @@ def arm_noise(module: nn.Module, stream: NoiseStream | None = None) -> NoiseStre
 
     Each call is one step of ``stream`` (created on first use and kept on ``module``): layer ``l``
     of step ``t`` draws from Philox counters (t, l, element), so no two draws ever share numbers.
+    This is the bare-layer protocol: nothing else is checked. :class:`bpclip_fast.PrivacyEngine`
+    arms its layers itself and verifies every step (``bpclip_fast.boundary``).
     """
+    from .boundary import LayerStep
+
     if stream is None:
         stream = getattr(module, "_bpclip_noise_stream", None)
         if stream is None:
@@ -343,7 +349,12 @@ def arm_noise(module: nn.Module, stream: NoiseStream | None = None) -> NoiseStre
         raise ValueError(f"arm_noise: {type(module).__name__} has no bpclip_fast layers; "
                          "use bpclip_fast.nn.convert_model first")
     for index, (name, layer) in enumerate(layers):
-        layer._arm(stream.seed, stream.offset(index), name)
+        if layer._step is not None and layer._step.enforce:
+            raise RuntimeError(f"arm_noise: {name} belongs to a PrivacyEngine, which arms its layers itself")
+        if layer._step is None:
+            layer._step = LayerStep(layer, name, enforce=False)
+        layer._bp_name = name
+        layer._step.arm((stream.seed, stream.offset(index)))
     stream.step += 1
     return stream
 

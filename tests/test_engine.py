@@ -14,6 +14,7 @@ from bpclip_fast import _ops, data, models
 from bpclip_fast import nn as bnn
 from bpclip_fast.accounting import (PrivacyBudgetError, effective_noise_multiplier, get_noise_multiplier,
                                     make_accountant)
+from bpclip_fast.boundary import LayerStep, StepRefused
 from bpclip_fast.engine import InsecureSeedWarning, PrivacyEngine
 
 DELTA = 1e-5
@@ -140,8 +141,8 @@ def zero_data_setup(seed=123, sigma=2.0, n=40, batch_size=8, loss_reduction="mea
 def one_draw_update(engine, step, layer_index, weight):
     layer = engine._layers[layer_index]
     std = engine.noise_multiplier * layer.sensitivity
-    if layer._mean_loss_batch is not None:
-        std /= layer._mean_loss_batch
+    if engine.loss_reduction == "mean":
+        std /= engine.expected_batch_size
     return expected_draw(weight, engine._seed, step, layer_index, std)
 
 
@@ -166,9 +167,10 @@ def _single_batch_iter(loader):
 
 
 def test_noise_once_when_gradients_are_cleared_mid_step():
-    """model.zero_grad() / optimizer.zero_grad() after a backward drop that draw; the step still has exactly one."""
+    """model.zero_grad() / optimizer.zero_grad() after a backward drop that draw; the step still has exactly one.
+    Without the clearing, the second backward over the same rows is refused (each example would count twice)."""
     results = []
-    for clear in ("none", "model", "optimizer", "optimizer_inplace"):
+    for clear in ("none", "model", "model_inplace", "tensor_inplace", "optimizer", "optimizer_inplace"):
         engine, model, opt, loader = zero_data_setup(seed=77)
         x, y = next(iter(loader))
         before = model[0].weight.detach().clone()
@@ -180,7 +182,18 @@ def test_noise_once_when_gradients_are_cleared_mid_step():
             opt.zero_grad()
         elif clear == "optimizer_inplace":
             opt.zero_grad(set_to_none=False)
+        elif clear == "model_inplace":
+            model.zero_grad(set_to_none=False)
+        elif clear == "tensor_inplace":
+            for p in model.parameters():
+                p.grad.zero_()
         nn.functional.cross_entropy(model(x), y).backward()
+        if clear == "none":
+            with pytest.raises(StepRefused, match="rows") as err:
+                opt.step()
+            assert err.value.rule == "rows" and err.value.charged and len(engine.accountant) == 1
+            assert torch.equal(before, model[0].weight) and all(p.grad is None for p in model.parameters())
+            continue
         opt.step()
         results.append((before - model[0].weight).detach())
         torch.testing.assert_close(results[-1], one_draw_update(engine, 0, 0, before), rtol=1e-5, atol=1e-7)
@@ -269,7 +282,7 @@ def test_mean_reduction_is_the_sum_reduction_over_expected_batch_size():
 def _one_linear(grad_clip, mean_batch):
     torch.manual_seed(0)
     layer = bnn.Linear(3, 1, bias=False, input_clip=1.0, grad_clip=grad_clip)
-    layer._mean_loss_batch = mean_batch
+    layer._step = LayerStep(layer, "lin", enforce=False, mean_loss_batch=mean_batch)  # unarmed: scaling only
     return layer
 
 
@@ -441,8 +454,10 @@ def test_layer_reused_where_the_probe_cannot_see_it_is_refused_in_training():
                                             data_loader=DataLoader(ds, batch_size=16), noise_multiplier=1.0,
                                             input_clip=1.0, grad_clip=1.0, noise_seed=0)
     x, y = next(x for x in loader if len(x[0]) > 1)
-    with pytest.raises(RuntimeError, match="lin: used more than once in one forward pass"):
-        model(x)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(StepRefused, match=r"lin's backward passes saw \d+ example rows") as err:
+        opt.step()
+    assert err.value.rule == "rows" and err.value.layers == ["lin"] and len(engine.accountant) == 1
 
 
 def test_optimizer_parameters_outside_the_model_are_refused():
@@ -511,7 +526,7 @@ def test_max_epsilon_stops_at_the_last_step_within_budget():
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters())) and engine.steps == taken
 
 
-def _resumable_run(steps, seed=31, state=None, stop_after=None):
+def _resumable_run(steps, seed=31, state=None, stop_after=None, secrets=None):
     torch.manual_seed(4)
     model = small_net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -522,7 +537,10 @@ def _resumable_run(steps, seed=31, state=None, stop_after=None):
                                             noise_seed=None if state else seed)
     if state is not None:
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])  # also restores the engine's state
+        opt.load_state_dict(state["optimizer"])  # also restores the engine's state (fresh noise seed)
+    if secrets is not None:
+        with pytest.warns(InsecureSeedWarning, match="reproducible and insecure"):
+            engine.load_state_dict(secrets)  # the opt-in: the seeds too
     done = engine.steps
     while done < steps:
         for x, y in loader:
@@ -537,7 +555,7 @@ def _resumable_run(steps, seed=31, state=None, stop_after=None):
     return engine, model, opt
 
 
-def test_checkpoint_kill_resume_equals_uninterrupted_run(tmp_path):
+def test_checkpoint_kill_resume_continues_the_budget_with_fresh_noise(tmp_path):
     full_engine, full_model, _ = _resumable_run(12)
     # Interrupted after 7 steps (mid-epoch: 5 steps per epoch), checkpointed, resumed with new objects.
     engine, model, opt = _resumable_run(12, stop_after=7)
@@ -545,7 +563,26 @@ def test_checkpoint_kill_resume_equals_uninterrupted_run(tmp_path):
     eps_at_7 = engine.get_epsilon(DELTA)
     del engine, model, opt
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    resumed_engine, resumed_model, _ = _resumable_run(12, state=state)
+    resumed = [_resumable_run(12, state=state) for _ in range(2)]
+    for resumed_engine, resumed_model, _ in resumed:
+        assert resumed_engine.steps == 12 and len(resumed_engine.accountant) == 12
+        assert resumed_engine.get_epsilon(DELTA) == pytest.approx(full_engine.get_epsilon(DELTA), rel=1e-12)
+        assert resumed_engine.get_epsilon(DELTA) > eps_at_7
+        assert not resumed_engine.secure_noise_seed  # the first 7 steps used an explicit seed
+    # A fresh noise seed each time: neither continuation repeats the other's (or the original's) noise.
+    assert not torch.allclose(resumed[0][1][0].weight, resumed[1][1][0].weight)
+    assert not torch.allclose(resumed[0][1][0].weight, full_model[0].weight)
+
+
+def test_checkpoint_with_secrets_resumes_bit_for_bit(tmp_path):
+    full_engine, full_model, _ = _resumable_run(12)
+    engine, model, opt = _resumable_run(12, stop_after=7)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "secrets": engine.state_dict(include_secrets=True)}, tmp_path / "ckpt.pt")
+    eps_at_7 = engine.get_epsilon(DELTA)
+    del engine, model, opt
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed_engine, resumed_model, _ = _resumable_run(12, state=state, secrets=state["secrets"])
     assert resumed_engine.steps == 12 and len(resumed_engine.accountant) == 12
     assert resumed_engine.get_epsilon(DELTA) == pytest.approx(full_engine.get_epsilon(DELTA), rel=1e-12)
     assert resumed_engine.get_epsilon(DELTA) > eps_at_7
@@ -559,8 +596,12 @@ def test_checkpoint_kill_resume_equals_uninterrupted_run(tmp_path):
 def test_engine_state_dict_round_trip_and_refusals():
     engine, model, opt = _resumable_run(3)
     sd = engine.state_dict()
-    assert {"accountant_state", "steps", "seed", "batches_delivered"} <= sd.keys()
+    assert {"accountant_state", "steps", "batches_delivered"} <= sd.keys()
+    assert not any("seed" in k for k in sd) and "secrets" not in sd  # never the noise seed
     assert sd["steps"] == 3 == sd["batches_delivered"]
+    assert engine.state_dict(include_secrets=True)["secrets"]["noise_seed"] == 31
+    with pytest.raises(ValueError, match="has no privacy state"):
+        opt.load_state_dict(opt.original_optimizer.state_dict())
     other = PrivacyEngine("pld")
     with pytest.raises(RuntimeError, match="call make_private first"):
         other.load_state_dict(sd)
@@ -619,17 +660,37 @@ def test_zcdp_with_shuffled_batches():
     assert acc.epochs == 2  # a partial epoch costs a full one
 
 
-def test_nonfinite_example_refuses_the_step():
+def test_nonfinite_example_is_dropped_and_the_step_goes_on():
     engine, model, opt, loader = zero_data_setup()
     x, y = next(iter(loader))
     x = x.clone()
     x[0, 0] = float("nan")
     before = model[0].weight.detach().clone()
     nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(bnn.NonFiniteError, match="0: 1 input"):
+    opt.step()
+    assert len(engine.accountant) == 1 and bool(torch.isfinite(model[0].weight).all())
+    torch.testing.assert_close(before - model[0].weight, one_draw_update(engine, 0, 0, before), rtol=1e-5, atol=1e-7)
+    assert engine.nonfinite_counts() == {"0": (1, 0), "2": (0, 0)}
+    assert engine.nonfinite_counts() == {"0": (0, 0), "2": (0, 0)}  # read and reset
+
+
+def test_nonfinite_strict_mode_refuses_and_charges_the_step():
+    ds = TensorDataset(torch.zeros(8, 6), torch.zeros(8, dtype=torch.long))
+    model = nn.Sequential(nn.Linear(6, 5, bias=False), nn.Tanh(), nn.Linear(5, 3, bias=False))
+    engine = PrivacyEngine()
+    model, opt, loader = quiet_make_private(
+        engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.0, input_clip=1.0, grad_clip=1.0,
+        noise_seed=3, nonfinite="raise")
+    x, y = next(iter(loader))
+    x = x.clone()
+    x[0, 0] = float("nan")
+    before = model[0].weight.detach().clone()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(StepRefused, match=r"nonfinite.*0 \(1, 0\)") as err:
         opt.step()
-    assert torch.equal(before, model[0].weight) and len(engine.accountant) == 0
-    assert all(p.grad is None for p in model.parameters())
+    assert err.value.rule == "nonfinite" and err.value.charged and len(engine.accountant) == 1
+    assert torch.equal(before, model[0].weight) and all(p.grad is None for p in model.parameters())
 
 
 def test_make_private_twice_is_refused():

@@ -205,6 +205,17 @@ def test_bpclip_resume_continues_from_the_checkpoint(tmp_path):
     # same batches, noise and optimizer state: the resumed run is the uninterrupted one
     assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
     assert resumed["history"][2]["train_loss"] == pytest.approx(whole["history"][2]["train_loss"], rel=1e-5)
+    # a run with a secret (OS) seed checkpoints no seed, and its resume draws fresh noise
+    secret_ck = str(tmp_path / "secret.pt")
+    tiny(epochs=1, checkpoint=secret_ck, method="bpclip", sigma=1.5, seed=7)
+    saved = torch.load(secret_ck, weights_only=False)
+
+    def keys(obj):
+        if isinstance(obj, dict):
+            return [k for k, v in obj.items() for k in [str(k)] + keys(v)]
+        return [k for v in obj for k in keys(v)] if isinstance(obj, (list, tuple)) else []
+    assert saved["config"]["noise_seed"] is None  # the config's own seed is the public model-init seed
+    assert not any("seed" in k or "secret" in k for k in keys({k: v for k, v in saved.items() if k != "config"}))
     # another configuration cannot resume this checkpoint
     with pytest.raises(ValueError, match="other settings"):
         tiny(epochs=3, checkpoint=ck, resume=True, **{**common, "sigma": 2.0})

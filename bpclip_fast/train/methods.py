@@ -195,7 +195,19 @@ class BPClip(_Method):
                 "secure_noise_seed": e.secure_noise_seed,
                 "sensitivities": {name: layer.sensitivity for name, layer in e.clipped_layers}}
 
-    # the engine's state travels inside the optimizer's state_dict
+    # The engine's state travels inside the optimizer's state_dict, without the noise seed (a resume
+    # draws a fresh one). A run given an explicit, insecure --noise-seed asked for reproducibility:
+    # its checkpoint also holds the seeds, so that a resume is bit for bit the uninterrupted run.
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.cfg.noise_seed is not None:
+            state["insecure_engine_secrets"] = self.engine.state_dict(include_secrets=True)
+        return state
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        if "insecure_engine_secrets" in state:
+            self.engine.load_state_dict(state["insecure_engine_secrets"])
 
 
 class DPSGD(_Method):

@@ -1,0 +1,298 @@
+"""The step boundary: the one place that decides whether a private step may be released.
+
+A step's release is, per clipped layer, ``Σ_i c_i + N(0, σ²Δ²)`` with ``‖c_i‖ ≤ Δ`` a function of
+example ``i`` alone (DESIGN.md §5). This module owns every piece of state that sentence depends on,
+so that ``DPOptimizer.step()`` can verify it before anything is released:
+
+* **One draw per gradient.** Each clipped layer holds this step's Philox key ``(seed, offset)``.
+  The first backward that writes a *fresh* gradient (none, or one that was zeroed) adds the draw;
+  later backward passes into the same gradient add none.
+* **The gradient is exactly the layer's own backward outputs.** After every accumulation a
+  post-accumulate-grad hook records the gradient tensor (weak reference) and its version counter.
+  Any other write — an in-place edit (version), a replacement (identity) — is seen by the next
+  backward or by ``step()``. The only edit allowed is zeroing (``zero_grad(set_to_none=False)``,
+  ``p.grad.zero_()``): the layer then starts afresh, the draw is added again, and ``step()``
+  verifies on the device that the gradient really was zero (one ``any()`` per edited gradient,
+  read with one sync, only when such an edit happened). A pre-hook on each parameter's
+  ``AccumulateGrad`` node checks that what is accumulated is the very tensor (same object, same
+  version) the layer's backward returned: a contribution from plain code (a tied weight used in
+  ``F.linear``) or from a tensor hook makes a different tensor.
+* **Row accounting.** Each layer counts the example rows of its backward passes since its
+  gradient was created. The count must be 0 (no contribution) or the number of rows of the batch
+  drawn for the step: two backward passes over one forward, the same rows fed twice, a layer
+  reused within or across micro-batches, a data-dependent subset of the rows (which breaks the
+  mean-loss rule), ``flatten(0, 1)`` or a sequence-first layout all give another count.
+  (Counting cannot see the same *half* of a batch fed twice: the dynamic probes of
+  :mod:`bpclip_fast.validate` and the user's loop are what exclude that.)
+
+Refusals and the accountant
+---------------------------
+A refused step releases no gradient (every ``.grad`` is set to ``None``), but the refusal itself is
+observable. A refusal that can depend on the values of the batch is therefore *charged*: the
+accountant is stepped as if the step had been taken, so the ε reported covers the step's sampling
+and Gaussian mechanism. (The one bit "refused" is not itself noised; the charged rules exist to
+catch broken training loops, which should fail on the first step for every batch alike.) Only two
+refusals are provably independent of the data and not charged: the number of batches the loop
+drew since the last step (a count of ``next()`` calls) and the privacy budget (a function of the
+public accountant). Every :class:`StepRefused` is charged.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+__all__ = ["StepRefused", "LayerStep", "DistributedRecorder", "RULES"]
+
+# rule -> what it protects and what to do instead (the second half of every message).
+RULES = {
+    "rows": ("each example reaches each clipped layer's backward exactly once per step",
+             "run one backward per micro-batch of the step's batch (no retain_graph second loss, no batch fed "
+             "twice), use a separate layer for each use, and keep every layer on all rows of the batch in the "
+             "example dimension (no masking, flatten(0, 1) or sequence-first [T, B, d] layouts)"),
+    "grad-edit": ("a clipped layer's gradient is exactly the sum of its own backward passes plus one noise draw",
+                  "do not edit .grad of a private model except by zeroing it or setting it to None (zero_grad); "
+                  "transform gradients inside the optimizer instead"),
+    "weight-reuse": ("a clipped parameter receives gradient only from its own clipped layer",
+                     "do not use a clipped layer's weight in other code (tied weights: use separate layers) and do "
+                     "not register tensor hooks on private parameters"),
+    "unclipped-param": ("only parameters of clipped layers are trained",
+                        "freeze the parameter (requires_grad_(False)) or make the model private with it trainable "
+                        "so that its layer is clipped"),
+    "max-shape": ("the sensitivity Δ (and the noise std) is fixed at make_private and does not depend on the data",
+                  "pad or truncate inputs to at most the declared max_input_shape, or make the model private with "
+                  "a larger max_input_shape"),
+    "nonfinite": ("strict non-finite mode: no example may be non-finite",
+                  "clean the data, or use nonfinite='drop' (the default), which gives such examples clip factor 0"),
+}
+
+
+class StepRefused(RuntimeError):
+    """A private step that could not be released. ``rule`` names the broken assumption (see
+    :data:`RULES`), ``layers`` the layers or parameters concerned, ``charged`` whether the accountant
+    was stepped for it (module docstring: every StepRefused is charged when an accountant exists)."""
+
+    def __init__(self, rule: str, details: str, layers=(), charged: bool = True):
+        why, instead = RULES[rule]
+        names = ", ".join(layers) if layers else "the model"
+        super().__init__(f"step refused ({rule}): {details} [{names}]. The privacy guarantee assumes that {why}; "
+                         f"{instead}. Nothing was released"
+                         + (" and the step was charged to the accountant." if charged else "."))
+        self.rule, self.details, self.layers, self.charged = rule, details, list(layers), charged
+
+
+def _same_tensor(record, t) -> bool:
+    """Whether ``t`` is the tensor ``record = (weakref, version)`` describes, unmodified."""
+    return record is not None and t is not None and record[0]() is t and t._version == record[1]
+
+
+def _record(t):
+    return (weakref.ref(t), t._version)
+
+
+class LayerStep:
+    """One clipped layer's part of the current step (see the module docstring).
+
+    ``enforce=False`` (layers armed by :func:`bpclip_fast.nn.arm_noise` without the engine): only
+    the noise is managed — once per arming — and nothing is checked.
+    """
+
+    def __init__(self, layer, name: str, *, enforce: bool, mean_loss_batch: float | None = None):
+        self.layer = layer
+        self.name = name
+        self.enforce = enforce
+        self.mean_loss_batch = mean_loss_batch  # loss_reduction="mean": B̄ (see engine.py); None: sum
+        self.key = None           # (seed, offset) of this step's draw
+        self.noised = False       # the current gradient holds the draw
+        self.rows = 0             # example rows of the backward passes since the gradient was created
+        self.violations: list[tuple[str, str]] = []
+        self.zero_checks: list[torch.Tensor] = []  # device bools: "a gradient we restarted from was non-zero"
+        self._expected: dict[int, tuple] = {}      # param index -> record of .grad after our last write
+        self._produced: dict[int, tuple] = {}      # param index -> record of what our backward returned
+        self._nodes = []
+        self._handles = []
+        self._hooked = None
+        self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
+        self.after_backward = None  # DistributedRecorder under DDP
+
+    # ------------------------------------------------------------------ parameters and hooks
+    @property
+    def params(self):
+        return [p for p in (self.layer.weight, self.layer.bias) if p is not None]
+
+    def _trainable(self):
+        return tuple(p.requires_grad for p in self.params)
+
+    def install_hooks(self) -> None:
+        """Post-accumulate hooks (record what .grad holds) and AccumulateGrad pre-hooks (check what
+        is accumulated is our own output). The AccumulateGrad nodes are kept alive here: autograd
+        reuses a live node for every later graph, so the hooks stay attached."""
+        self.remove_hooks()
+        self._hooked = self._trainable()
+        for i, p in enumerate(self.params):
+            if not p.requires_grad:
+                continue
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+            self._nodes.append(node)
+            self._handles.append(node.register_prehook(self._make_prehook(i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_posthook(i)))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._nodes = [], []
+
+    def _make_prehook(self, i):
+        def prehook(grad_outputs):
+            incoming = grad_outputs[0]
+            if incoming is not None and not _same_tensor(self._produced.pop(i, None), incoming):
+                self.violations.append((
+                    "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
+                    "(the parameter is used outside the layer, or a tensor hook changed its gradient)"))
+            return None
+        return prehook
+
+    def _make_posthook(self, i):
+        def posthook(p):
+            self._expected[i] = _record(p.grad)
+            if self.after_backward is not None:
+                self.after_backward.touched(self, i)
+        return posthook
+
+    def _param_name(self, i) -> str:
+        return f"{self.name}.{'weight' if i == 0 else 'bias'}"
+
+    # ------------------------------------------------------------------ the gradient's state
+    def _grad_states(self):
+        """Per trainable parameter: 'none', 'ours' (exactly what we left) or 'foreign'."""
+        states = []
+        for i, p in enumerate(self.params):
+            if not p.requires_grad:
+                continue
+            g = p.grad
+            states.append((i, p, "none" if g is None else "ours" if _same_tensor(self._expected.get(i), g)
+                           else "foreign"))
+        return states
+
+    def _restart(self) -> None:
+        self.rows = 0
+        self.noised = False
+
+    def sync_with_grads(self) -> bool:
+        """Brings the bookkeeping in line with the gradients as they are now. Returns True if the
+        layer holds a contribution (its gradients are ours), False if it starts afresh."""
+        states = self._grad_states()
+        kinds = {k for _, _, k in states}
+        if kinds <= {"ours"} and kinds:
+            return True
+        if "ours" in kinds:  # some gradients kept, others edited or dropped: no consistent state
+            self.violations.append(("grad-edit", f"only some of {self.name}'s gradients were cleared or edited"))
+            return True
+        for i, p, k in states:  # all None or edited: start afresh; an edited one must have been zeroed
+            if k == "foreign":
+                self.zero_checks.append(p.grad.ne(0).any())
+                self._expected[i] = _record(p.grad)
+        self._restart()
+        return False
+
+    # ------------------------------------------------------------------ called by the layer
+    def begin_backward(self, rows: int, sensitivity: float):
+        """``(seed, offset, std, d, scale)`` for one backward pass over ``rows`` example rows:
+        clip at ``C/d``, add noise of std ``std`` (0: none), multiply ``[∇W, ∇b]`` by ``scale``."""
+        if self.enforce:
+            self.sync_with_grads()
+        self.rows += int(rows)
+        if self.mean_loss_batch is None:
+            d, scale = 1.0, 1.0
+        else:
+            # loss_reduction="mean": proof in bpclip_fast.engine (clip at C/d, noise σΔ/d, times d/B̄).
+            d = float(max(int(rows), 1))
+            scale = d / float(self.mean_loss_batch)
+        if self.noised or self.key is None:
+            return 0, 0, 0.0, d, scale
+        std = float(self.layer.noise_multiplier) * float(sensitivity)
+        if not (std >= 0 and math.isfinite(std)):
+            raise ValueError(f"{self.name}: noise_multiplier must be finite and >= 0, got "
+                             f"{self.layer.noise_multiplier!r}")
+        self.noised = True
+        if std == 0:
+            return 0, 0, 0.0, d, scale
+        seed, offset = self.key
+        return seed, offset, std / d, d, scale
+
+    def produced(self, grads) -> None:
+        """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check."""
+        if not self.enforce:
+            return
+        for i, g in enumerate(grads):
+            if g is not None:
+                self._produced[i] = _record(g)
+
+    def refuse(self, rule: str, details: str) -> None:
+        """A refusal found inside a forward (the input is larger than the fixed Δ allows)."""
+        if self.on_refuse is not None:
+            self.on_refuse(rule, details, [self.name])
+
+    # ------------------------------------------------------------------ called at the step boundary
+    def arm(self, key) -> None:
+        """This step's draw; a new step starts with no rows counted and the draw pending."""
+        if self.enforce and self._hooked != self._trainable():
+            self.install_hooks()  # a parameter was frozen or unfrozen since: hook what trains now
+        self.key = key
+        self._restart()
+        self.violations.clear()
+        self.zero_checks.clear()
+        self._produced.clear()
+
+    def cleared(self) -> None:
+        """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._expected[i] = _record(p.grad)
+        self._restart()
+
+    def record_released(self) -> None:
+        """After a release: the gradients as they are now are public; accumulating onto them later is
+        post-processing of a release."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._expected[i] = _record(p.grad)
+
+    def discard(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self._expected.clear()
+        self._produced.clear()
+
+
+class DistributedRecorder:
+    """Under DistributedDataParallel the reducer writes the averaged gradient into ``.grad`` at the
+    end of each backward, after our post-accumulate hooks: that write is DDP's own, not an edit.
+    The records of the gradients this backward touched are therefore taken again once DDP is done.
+
+    DDP queues its finalize callback when its last bucket is ready; ours is queued at the first
+    accumulation and queues a second one, which the autograd engine runs after every callback
+    queued before it (final callbacks run in order, and may add more)."""
+
+    def __init__(self):
+        self._touched = {}
+        self._queued = False
+
+    def touched(self, step: LayerStep, i: int) -> None:
+        self._touched[(id(step), i)] = (step, i)
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
+
+    def _requeue(self):
+        torch.autograd.Variable._execution_engine.queue_callback(self._record)
+
+    def _record(self):
+        for step, i in self._touched.values():
+            g = step.params[i].grad
+            if g is not None:
+                step._expected[i] = _record(g)
+        self._touched.clear()
+        self._queued = False
