@@ -5,9 +5,33 @@ Both samplers are *counter-based*: batch ``t`` of a run is a function of (seed, 
 - the batches of a run do not depend on the number of processes: with ``W`` ranks, rank ``r``
   gets the members of the global batch whose dataset index is ``≡ r (mod W)``, and the union over
   the ranks is exactly the batch a single process draws with the same seed;
-- the sampler's whole state is one integer, the number of batches delivered (``BatchCounter``),
-  which the engine checkpoints: a resumed run continues with batch ``t``, neither replaying nor
-  skipping one, whatever the data loader's workers had prefetched.
+- the sampler's state is one integer, the number of batches *claimed* (``BatchCounter.claimed``):
+  every batch takes the next value of ``t`` when the sampler's iterator produces its indices, so
+  no two batches ever share a ``t``, whether they come from two live iterators over the loader,
+  from workers prefetching ahead of the training loop, or from a loader whose persistent workers
+  were reset. The engine checkpoints it: a resumed run continues with batch ``claimed``.
+
+Claimed is not delivered. Workers prefetch batches (``prefetch_factor · num_workers`` of them);
+when a training loop stops early (``break``, an exception, a checkpoint), the batches they had
+prefetched were claimed but never handed to the loop. They are skipped, never replayed: the next
+loop (or the resumed run) starts at ``claimed``. Skipping is harmless to the sampling itself,
+because which values of ``t`` are skipped depends only on how far the workers had read ahead,
+never on the content of the batches:
+
+- Poisson: every batch is an independent sample (its coins are keyed by ``t`` alone), so the
+  batches the loop does use are still independent Poisson samples at rate ``q``.
+- Shuffle: batch ``t`` of epoch ``e = t // steps_per_epoch`` is a fixed slice of epoch ``e``'s
+  permutation, so an example is still in at most one batch of each epoch; a skipped slice only
+  leaves its examples out of that epoch.
+
+Caveat for accounting in shuffle mode: the zCDP accountant charges one epoch per
+``steps_per_epoch`` consecutive *steps*, which is sound only if those steps' batches come from
+one permutation epoch. After a skip (or a delivered batch whose step was refused) they need not:
+an example can then be in several batches that are charged as one epoch. Sound accounting must
+follow the permutation epoch (``t // steps_per_epoch``) of each step's batch.
+
+``BatchCounter.delivered`` counts the batches handed to the training loop (the engine allows one
+per step).
 
 Poisson (``PoissonBatchSampler``): every example joins batch ``t`` independently with probability
 ``q``; its coin is ``u_t[i] < q`` with ``u_t`` a vector of ``N`` uniforms drawn from a generator
@@ -26,6 +50,7 @@ non-secure mode.
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -38,17 +63,43 @@ def derive_seed(seed: int, *labels) -> int:
 
 
 class BatchCounter:
-    """The number of batches a private loader has delivered to the training loop (its whole state)."""
+    """The state of a private loader's sequence of batches.
 
-    def __init__(self, delivered: int = 0):
+    - ``claimed``: the number of batches the samplers' iterators have produced; the next batch
+      produced is batch ``t = claimed`` (:meth:`claim`). This is the resume point a checkpoint
+      stores: batches claimed but never delivered (prefetched when the loop stopped) are skipped.
+    - ``delivered``: the number of batches :class:`DPDataLoader` has handed to the training loop.
+
+    ``BatchCounter(delivered=k)`` starts both counts at ``k``.
+    """
+
+    def __init__(self, delivered: int = 0, claimed: int | None = None):
         self.delivered = int(delivered)
+        self.claimed = self.delivered if claimed is None else int(claimed)
+        self._lock = threading.Lock()
+
+    def claim(self) -> int:
+        """Takes the next batch index ``t`` (thread-safe); no two calls return the same value."""
+        with self._lock:
+            t = self.claimed
+            self.claimed = t + 1
+        return t
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self):
-        return f"BatchCounter(delivered={self.delivered})"
+        return f"BatchCounter(delivered={self.delivered}, claimed={self.claimed})"
 
 
 class _CountedSampler(Sampler):
-    """Common part: ``__iter__`` yields this rank's indices of batches ``start .. start+len-1``."""
+    """Common part: ``__iter__`` yields this rank's indices of ``len`` batches, each claiming its ``t``."""
 
     def __init__(self, num_samples: int, steps_per_epoch: int, seed: int, rank: int, world_size: int,
                  counter: BatchCounter):
@@ -64,9 +115,9 @@ class _CountedSampler(Sampler):
         return self.steps_per_epoch
 
     def __iter__(self):
-        start = self.counter.delivered
-        for t in range(start, start + self.steps_per_epoch):
-            yield self.indices(t)
+        """One pass of ``len(self)`` batches; each claims its ``t`` when the pass produces it."""
+        for _ in range(self.steps_per_epoch):
+            yield self.indices(self.counter.claim())
 
     def global_batch(self, t: int) -> torch.Tensor:
         raise NotImplementedError
@@ -150,8 +201,9 @@ class DPDataLoader(DataLoader):
     """A ``DataLoader`` over a counter-based private batch sampler; counts the batches it delivers.
 
     ``len(loader)`` is the number of batches of one pass (an "epoch"). Iterating starts at the
-    batch after the last one delivered, so a new ``for`` loop (or a resumed run) continues the
-    sequence of batches instead of restarting it.
+    first batch not yet claimed, so a new ``for`` loop (or a resumed run) continues the sequence
+    of batches instead of restarting it; batches prefetched by the workers of a loop that stopped
+    early are skipped (module docstring). ``counter.delivered`` counts the batches it delivers.
     """
 
     def __init__(self, dataset, batch_sampler: _CountedSampler, *, collate_fn, num_workers=0, pin_memory=False,

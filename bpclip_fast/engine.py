@@ -818,7 +818,8 @@ class PrivacyEngine:
         self._require_private("state_dict")
         state = {"format": _STATE_FORMAT, "accountant": self.accountant_name,
                  "accountant_state": self.accountant.state_dict(), "steps": self.steps, "secure": self._secure,
-                 "batches_delivered": self._counter.delivered, "noise_multiplier": self.noise_multiplier,
+                 "batches_delivered": self._counter.delivered,
+                 "batches_claimed": self._counter.claimed, "noise_multiplier": self.noise_multiplier,
                  "sample_rate": self.sample_rate, "poisson_sampling": self.poisson_sampling,
                  "loss_reduction": self.loss_reduction, "world_size": self.world_size}
         sampler = self.data_loader.batch_sampler
@@ -866,6 +867,7 @@ class PrivacyEngine:
         if hasattr(sampler, "_perm"):
             sampler._perm = (None, None)
         self._counter.delivered = int(state["batches_delivered"])
+        self._counter.claimed = int(state.get("batches_claimed", state["batches_delivered"]))
         self._delivered_at_step = self._counter.delivered
         self._budget_cache = None
         for st in self._steps_of:
