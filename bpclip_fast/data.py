@@ -28,10 +28,11 @@ Caveat for accounting in shuffle mode: the zCDP accountant charges one epoch per
 ``steps_per_epoch`` consecutive *steps*, which is sound only if those steps' batches come from
 one permutation epoch. After a skip (or a delivered batch whose step was refused) they need not:
 an example can then be in several batches that are charged as one epoch. Sound accounting must
-follow the permutation epoch (``t // steps_per_epoch``) of each step's batch.
+follow the permutation epoch of each step's batch, ``BatchCounter.last_t // steps_per_epoch``.
 
 ``BatchCounter.delivered`` counts the batches handed to the training loop (the engine allows one
-per step).
+per step), and ``BatchCounter.last_rows`` is the number of examples (this process's share) in the
+last one delivered.
 
 Poisson (``PoissonBatchSampler``): every example joins batch ``t`` independently with probability
 ``q``; its coin is ``u_t[i] < q`` with ``u_t`` a vector of ``N`` uniforms drawn from a generator
@@ -49,8 +50,10 @@ non-secure mode.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
+import weakref
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -69,6 +72,9 @@ class BatchCounter:
       produced is batch ``t = claimed`` (:meth:`claim`). This is the resume point a checkpoint
       stores: batches claimed but never delivered (prefetched when the loop stopped) are skipped.
     - ``delivered``: the number of batches :class:`DPDataLoader` has handed to the training loop.
+    - ``last_rows``: the number of examples in the last batch delivered (this process's share of
+      the global batch; 0 for an empty Poisson batch, and 0 before any batch is delivered).
+    - ``last_t``: the counter value ``t`` of the last batch delivered (``None`` before any).
 
     ``BatchCounter(delivered=k)`` starts both counts at ``k``.
     """
@@ -76,6 +82,8 @@ class BatchCounter:
     def __init__(self, delivered: int = 0, claimed: int | None = None):
         self.delivered = int(delivered)
         self.claimed = self.delivered if claimed is None else int(claimed)
+        self.last_rows = 0
+        self.last_t = None
         self._lock = threading.Lock()
 
     def claim(self) -> int:
@@ -95,7 +103,36 @@ class BatchCounter:
         self._lock = threading.Lock()
 
     def __repr__(self):
-        return f"BatchCounter(delivered={self.delivered}, claimed={self.claimed})"
+        return (f"BatchCounter(delivered={self.delivered}, claimed={self.claimed}, last_rows={self.last_rows}, "
+                f"last_t={self.last_t})")
+
+
+class _Pass:
+    """An iterator over ``len(sampler)`` batches of a counted sampler (what ``iter(sampler)`` returns).
+
+    Nothing is claimed until ``next`` is called; each ``next`` claims ``t`` and returns this rank's
+    indices of batch ``t``, and records ``(t, number of indices)`` in a FIFO that
+    :class:`DPDataLoader` pops once per batch it delivers (a DataLoader with ``in_order=True``, the
+    default and what DPDataLoader uses, delivers batches in the order its sampler iterator
+    produced them, whatever its workers).
+    """
+
+    def __init__(self, sampler: "_CountedSampler"):
+        self.sampler = sampler
+        self.left = sampler.steps_per_epoch
+        self.produced = collections.deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        if self.left <= 0:
+            raise StopIteration
+        self.left -= 1
+        t = self.sampler.counter.claim()
+        indices = self.sampler.indices(t)
+        self.produced.append((t, len(indices)))
+        return indices
 
 
 class _CountedSampler(Sampler):
@@ -110,14 +147,16 @@ class _CountedSampler(Sampler):
         self.seed = int(seed)
         self.rank, self.world_size = int(rank), int(world_size)
         self.counter = counter
+        self._newest_pass = None
 
     def __len__(self):
         return self.steps_per_epoch
 
     def __iter__(self):
         """One pass of ``len(self)`` batches; each claims its ``t`` when the pass produces it."""
-        for _ in range(self.steps_per_epoch):
-            yield self.indices(self.counter.claim())
+        it = _Pass(self)
+        self._newest_pass = it
+        return it
 
     def global_batch(self, t: int) -> torch.Tensor:
         raise NotImplementedError
@@ -203,7 +242,8 @@ class DPDataLoader(DataLoader):
     ``len(loader)`` is the number of batches of one pass (an "epoch"). Iterating starts at the
     first batch not yet claimed, so a new ``for`` loop (or a resumed run) continues the sequence
     of batches instead of restarting it; batches prefetched by the workers of a loop that stopped
-    early are skipped (module docstring). ``counter.delivered`` counts the batches it delivers.
+    early are skipped (module docstring). For every batch it delivers, the loader sets the
+    counter's ``delivered`` (+1), ``last_rows`` and ``last_t``.
     """
 
     def __init__(self, dataset, batch_sampler: _CountedSampler, *, collate_fn, num_workers=0, pin_memory=False,
@@ -217,12 +257,37 @@ class DPDataLoader(DataLoader):
                          worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                          persistent_workers=persistent_workers and num_workers > 0, **kwargs)
         self.counter = batch_sampler.counter
+        # torch's iterator -> the sampler pass it reads. With persistent workers every ``iter(loader)``
+        # resets the one shared torch iterator onto a new pass, so the pass is looked up per batch.
+        self._pass_of = weakref.WeakKeyDictionary()
 
     @property
     def sample_rate(self):
         return getattr(self.batch_sampler, "sample_rate", None)
 
     def __iter__(self):
-        for batch in super().__iter__():
+        sampler = self.batch_sampler
+        before = sampler._newest_pass
+        batches = super().__iter__()  # creates (persistent workers: resets) the torch iterator and its pass
+        if sampler._newest_pass is before:
+            raise RuntimeError("DPDataLoader: the DataLoader did not create a sampler iterator when iterated; "
+                               "cannot tell which batches it delivers")
+        self._pass_of[batches] = sampler._newest_pass
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except BaseException:
+                # Whether the failed batch was consumed is unknown: nothing may pop this pass again.
+                self._pass_of.pop(batches, None)
+                raise
+            current = self._pass_of.get(batches)
+            if current is None or not current.produced:
+                raise RuntimeError("DPDataLoader: a batch arrived from a loader iterator that failed or was reset; "
+                                   "start a new loop over the loader")
+            t, rows = current.produced.popleft()
             self.counter.delivered += 1
+            self.counter.last_rows = rows
+            self.counter.last_t = t
             yield batch

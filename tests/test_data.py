@@ -1,5 +1,6 @@
 """The private data loaders (bpclip_fast.data): every batch claims its own counter value (no batch is
-ever produced twice: two live iterators, prefetching workers, persistent-worker resets, resumed runs)."""
+ever produced twice: two live iterators, prefetching workers, persistent-worker resets, resumed runs),
+and the counter reports the number of examples of each delivered batch (``last_rows``)."""
 
 import warnings
 
@@ -18,6 +19,12 @@ def indexed_dataset(n=N):
     """Example i is (features [i, i, i], label i): a batch's labels are its dataset indices."""
     idx = torch.arange(n)
     return TensorDataset(idx.float().unsqueeze(1).expand(n, FEATURES).contiguous(), idx)
+
+
+def transposed_collate(samples):
+    """A custom collate that puts the batch in the last dimension: x is [FEATURES, rows], y is [rows]."""
+    x, y = default_collate(samples)
+    return x.T.contiguous(), y
 
 
 def make_sampler(kind, n=N, seed=5, rank=0, world_size=1, counter=None, rate=0.25, batch=8):
@@ -145,11 +152,134 @@ def test_checkpoint_resumes_at_the_first_unclaimed_batch():
     assert resumed._counter.claimed == resumed._counter.delivered == 3
 
 
+# ---------------------------------------------------------------- defect 2: last_rows
+
+
 def test_counter_fields_and_constructor():
     c = data.BatchCounter(delivered=5)
-    assert (c.delivered, c.claimed) == (5, 5)
+    assert (c.delivered, c.claimed, c.last_rows, c.last_t) == (5, 5, 0, None)
     assert [c.claim(), c.claim()] == [5, 6] and c.claimed == 7 and c.delivered == 5
     assert data.BatchCounter(delivered=2, claimed=9).claimed == 9
     import copy
     import pickle
     assert pickle.loads(pickle.dumps(c)).claim() == copy.deepcopy(c).claim() == 7
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["poisson", "shuffle"])
+def test_last_rows_is_the_size_of_the_delivered_batch(kind, num_workers):
+    sampler = make_sampler(kind, rate=0.2)
+    loader = make_loader(sampler, num_workers)
+    sizes, ts = set(), []
+    for _ in range(3):
+        for x, y in loader:
+            assert sampler.counter.last_rows == len(y) == x.shape[0]
+            assert members((x, y)) == batch_t(sampler, sampler.counter.last_t)
+            sizes.add(len(y))
+            ts.append(sampler.counter.last_t)
+    assert ts == list(range(len(ts))) and sampler.counter.delivered == len(ts)  # full passes: nothing skipped
+    if kind == "poisson":
+        assert len(sizes) > 2  # the sizes vary: last_rows follows them
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_last_rows_whatever_the_collate_returns(num_workers):
+    sampler = make_sampler("poisson", rate=0.3)
+    loader = make_loader(sampler, num_workers, collate=transposed_collate)
+    rows = []
+    for xt, y in loader:
+        assert xt.shape[0] == FEATURES
+        assert sampler.counter.last_rows == xt.shape[1] == len(y)
+        rows.append(sampler.counter.last_rows)
+    assert len(set(rows)) > 1 and FEATURES not in rows  # the batch dimension is not the first one
+
+
+@pytest.mark.parametrize("kind", ["poisson", "shuffle"])
+def test_last_rows_with_persistent_workers(kind):
+    sampler = make_sampler(kind, n=96, rate=0.2)
+    produced = spy(sampler)
+    loader = make_loader(sampler, num_workers=2, persistent=True)
+    delivered = []
+
+    def check(batch):
+        assert sampler.counter.last_rows == len(batch[1])
+        assert members(batch) == batch_t(sampler, sampler.counter.last_t)
+        delivered.append(sampler.counter.last_t)
+
+    for stop in (1, None, 0, None):  # broken loops and full passes over the same workers
+        for i, batch in enumerate(loader):
+            check(batch)
+            if i == stop:
+                break
+    # Two live iterators share the loader's one torch iterator: the second resets it under the first.
+    it1 = iter(loader)
+    check(next(it1))
+    it2 = iter(loader)
+    for _ in range(2):
+        check(next(it2))
+        check(next(it1))
+    assert len(set(delivered)) == len(delivered) == sampler.counter.delivered
+    assert len(set(produced)) == len(produced) == sampler.counter.claimed
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_empty_poisson_batches_have_zero_rows(num_workers):
+    sampler = make_sampler("poisson", n=20, rate=0.04)
+    loader = make_loader(sampler, num_workers)
+    rows = []
+    for _ in range(4):
+        for x, y in loader:
+            assert sampler.counter.last_rows == len(y) == x.shape[0]
+            rows.append(sampler.counter.last_rows)
+            if not rows[-1]:
+                assert x.shape == (0, FEATURES) and y.shape == (0,)
+    assert 0 in rows and any(rows)
+
+
+@pytest.mark.parametrize("kind", ["poisson", "shuffle"])
+def test_two_ranks_last_rows_are_their_shares_of_the_global_batch(kind):
+    # Simulated DDP: one loader per rank (rank/world_size of the samplers), each with its own counter.
+    single = make_sampler(kind, rate=0.3)
+    loaders = [make_loader(make_sampler(kind, rate=0.3, rank=r, world_size=2)) for r in (0, 1)]
+    shares = []
+    for _ in range(2):
+        for b0, b1 in zip(*loaders):
+            c0, c1 = (loader.counter for loader in loaders)
+            assert c0.last_t == c1.last_t
+            glob = single.global_batch(c0.last_t).tolist()
+            for r, (batch, c) in enumerate(((b0, c0), (b1, c1))):
+                assert c.last_rows == len(batch[1])
+                assert all(i % 2 == r for i in batch[1].tolist())
+            assert c0.last_rows + c1.last_rows == len(glob)
+            assert sorted(members(b0) + members(b1)) == sorted(glob)
+            shares.append((c0.last_rows, c1.last_rows))
+    assert len(shares) == 2 * len(loaders[0])
+    assert any(a != b for a, b in shares)  # the shares are not a fixed split
+
+
+class _FailsOnce(TensorDataset):
+    def __init__(self, bad):
+        ds = indexed_dataset()
+        super().__init__(*ds.tensors)
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            self.bad = None
+            raise KeyError("transient failure")
+        return super().__getitem__(i)
+
+
+def test_a_failed_batch_is_skipped_and_the_rows_stay_in_step():
+    sampler = make_sampler("shuffle")
+    bad = sampler.indices(1)[0]  # a member of batch 1
+    loader = make_loader(sampler, dataset=_FailsOnce(bad))
+    it = iter(loader)
+    next(it)
+    with pytest.raises(KeyError, match="transient failure"):
+        next(it)
+    assert sampler.counter.delivered == 1 and sampler.counter.claimed == 2
+    for x, y in loader:
+        assert sampler.counter.last_rows == len(y)
+        assert members((x, y)) == batch_t(sampler, sampler.counter.last_t)
+        assert sampler.counter.last_t >= 2
