@@ -1,19 +1,72 @@
-"""What :meth:`bpclip_fast.PrivacyEngine.validate` checks, and the probe forward it can run.
+"""What :meth:`bpclip_fast.PrivacyEngine.validate` checks: static checks, and probes that run the model.
 
-Every check names the module (its qualified name and type) and says what to do. The checks are
-static, except "a layer reached twice per forward", which needs an input: ``validate(model,
-example_input)`` runs one forward pass under ``torch.no_grad()`` (buffers and the random number
-generators restored afterwards) and counts the calls of every module that owns trainable
-parameters. Without an input that check is left to training time, where our layers refuse a
-second grad-enabled forward while the step's noise is armed (``bpclip_fast.nn``): the engine arms
-every step, so a shared layer is refused before its gradient can be released either way.
+The privacy argument (DESIGN.md section 5) assumes that each example reaches each clipped layer once
+per step, that a layer's first dimension is the example dimension, that examples do not mix before
+(or, through the gradient, after) a layer, that a clipped layer's parameter gradient is exactly its
+own clipped contribution, and that nothing data-dependent is released through buffers. Every
+problem message names the module (qualified name and type) and the rule, and says what to do.
+
+``static_problems(model)``
+    Found without running the model: BatchNorm in any mode, InstanceNorm with running statistics,
+    ``padding_mode`` other than zeros, trainable parameters outside Linear/Conv2d.
+
+``probe(model, example_input)``
+    What the engine runs on one example today: a ``torch.no_grad()`` forward (buffers and random
+    number generators restored) that counts the calls of every module owning trainable parameters
+    (rule *reuse*) and records each one's input shape.
+
+``dynamic_problems(model, example_input)``
+    Runs the model on a probe batch of ``B`` rows built from ``example_input`` (its rows repeated,
+    floating-point values replaced by seeded random normals so that the outcome does not depend on
+    the private data; integer tensors such as token indices are kept). Everything runs on a
+    ``copy.deepcopy`` of the model in training mode, under a forked random number generator; if the
+    model cannot be deep-copied it runs in place and the training modes, buffers and ``.grad`` are
+    restored (Python attributes that ``forward`` itself changes are not). Gradients are taken with
+    ``torch.autograd.grad`` of a fixed loss on the outputs (a random projection plus a square), so no
+    ``.grad`` is ever written. The probes:
+
+    1. *example rows*: every trainable layer's input has first dimension ``B``. ``B >= 3`` is chosen
+       to differ from every dimension of the input and, after a first pass, of every layer input,
+       so a ``[T, B, d]`` layout cannot pass by coincidence. Catches ``flatten(0, 1)`` and
+       sequence-first layouts inside the model.
+    2. *batch independence*: changing the first (then the last) example changes no other example's
+       model output, trainable-layer input or trainable-layer output gradient. Catches
+       ``h - h.mean(0)``, ``F.batch_norm`` with batch statistics, attention across the batch.
+       Skipped when the input has no floating-point tensor (nothing to perturb without changing
+       indices).
+    3. *buffers*: no buffer changes in one training-mode forward (an EMA, running statistics, a
+       counter): it would be updated from the data and released without noise.
+    4. *gradient ownership*: each trainable layer's parameter gradient equals the one the layer
+       computes from its own inputs and output gradients. Catches a weight also used in plain code
+       (a tied decoder ``F.linear(z, enc.weight.t())``), by another module, or by two layers.
+    5. *reuse*: no module owning trainable parameters is reached more than once per forward.
+
+    What they cannot see: only what this one probe batch exercises. A layer that sees a subset of
+    the rows, mixes rows or is reused only for some data (data-dependent control flow, a branch taken
+    for large batches only) passes; so does mixing through an example that is neither the first nor
+    the last (``h + h[1]``), a weight used elsewhere with a contribution below rounding error, a
+    buffer or Python attribute changed only in some steps or outside ``forward``, Python attributes
+    of the model (never compared), and anything the training loop does outside the model (a
+    sequence-first input built by the loop, a loss that mixes examples, two backward passes). Values
+    that are not finite on the probe batch (a ``log`` of the random inputs) give no verdict.
+    Modules already reported statically (BatchNorm, InstanceNorm with running statistics) are put in
+    eval mode for the probes, so that their problem is reported once. Our own layers
+    (``bpclip_fast.nn.Linear``/``Conv2d``) are probed as their torch base class.
+
+Without an input, reuse is left to training time, where our layers refuse a second grad-enabled
+forward while the step's noise is armed (``bpclip_fast.nn``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
+import types
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import nn as bnn
@@ -76,13 +129,34 @@ def static_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+# ------------------------------------------------------------ probe(): the engine's one-example forward
+
+
+def _owns_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def _call(model: nn.Module, example_input):
+    """``model`` called the way a training loop would: tuple/list -> ``model(*x)``, dict -> ``model(**x)``."""
+    if isinstance(example_input, (tuple, list)):
+        return model(*example_input)
+    if isinstance(example_input, dict):
+        return model(**example_input)
+    return model(example_input)
+
+
+def _reuse_problems(calls: dict[str, int], model: nn.Module) -> list[str]:
+    modules = dict(model.named_modules())
+    return [f"{_label(name, modules[name], model)}: reached {k} times in one forward pass (rule: reuse); one example "
+            f"would then move its gradient by {k}·Δ while the noise is scaled to Δ; use a separate layer per use"
+            for name, k in calls.items() if k > 1]
+
+
 @contextlib.contextmanager
 def _preserved_state(model: nn.Module):
     """Restores the model's buffers and the random number generators after a probe forward."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({b.device.index for b in list(model.parameters()) + list(model.buffers())
-                      if b.device.type == "cuda" and b.device.index is not None})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
         try:
             yield
         finally:
@@ -98,7 +172,7 @@ def probe(model: nn.Module, example_input) -> tuple[list[str], dict[str, tuple]]
     shapes: dict[str, tuple] = {}
     handles = []
     for name, m in model.named_modules():
-        if not any(p.requires_grad for p in m.parameters(recurse=False)):
+        if not _owns_trainable(m):
             continue
 
         def hook(mod, args, _name=name):
@@ -109,25 +183,480 @@ def probe(model: nn.Module, example_input) -> tuple[list[str], dict[str, tuple]]
         handles.append(m.register_forward_pre_hook(hook))
     try:
         with _preserved_state(model), torch.no_grad():
-            if isinstance(example_input, (tuple, list)):
-                model(*example_input)
-            elif isinstance(example_input, dict):
-                model(**example_input)
-            else:
-                model(example_input)
+            _call(model, example_input)
     finally:
         for h in handles:
             h.remove()
-    modules = dict(model.named_modules())
-    problems = [f"{_label(name, modules[name], model)}: reached {k} times in one forward pass; one example would "
-                f"then move its gradient by {k}·Δ while the noise is scaled to Δ; use a separate layer per use"
-                for name, k in calls.items() if k > 1]
-    return problems, shapes
+    return _reuse_problems(calls, model), shapes
+
+
+# ------------------------------------------------------------------------------- the probe batch
+
+# One fixed seed for the probe values, the perturbations, the output projection and the random
+# layers (dropout): the probes' outcome depends neither on the private data nor on the global RNG.
+_SEED = 0x5EED
+
+
+def _map_tensors(obj, fn):
+    """``obj`` (a tensor, or tuples/lists/dicts of them, as a model call takes) with ``fn`` applied to every tensor."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        items = [_map_tensors(o, fn) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples take fields
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
+def _random_like(shape, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    # Drawn on the CPU from our own generator, so the values are the same on every device.
+    return torch.randn(tuple(shape), generator=generator).to(dtype=like.dtype, device=like.device)
+
+
+def _probe_input(example_input, batch: int):
+    """``batch`` rows: the given rows repeated along the first dimension, floating-point values replaced
+    by seeded normals (the outcome must not depend on the private values), integer tensors (indices,
+    masks) kept as they are."""
+    generator = torch.Generator().manual_seed(_SEED)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        if t.shape[0] == 0:
+            raise ValueError(f"the example input has a tensor of shape {tuple(t.shape)} without rows")
+        t = t[torch.arange(batch, device=t.device) % t.shape[0]]
+        return _random_like(t.shape, t, generator) if t.is_floating_point() else t
+
+    return _map_tensors(example_input, rows)
+
+
+def _perturbed(probe_input, row: int):
+    """``probe_input`` with the floating-point values of one example (``row``) drawn afresh."""
+    generator = torch.Generator().manual_seed(_SEED + 1 + row)
+
+    def change(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or not t.is_floating_point():
+            return t
+        t = t.clone()
+        t[row] = _random_like(t.shape[1:], t, generator)
+        return t
+
+    return _map_tensors(probe_input, change)
+
+
+def _has_rows_to_perturb(probe_input) -> bool:
+    return any(t.dim() > 0 and t.is_floating_point() for t in _tensors(probe_input))
+
+
+def _smallest_batch(excluded: set[int]) -> int:
+    batch = 3  # 1 and 2 rows hide too much: with 3, every example has two others to be compared with
+    while batch in excluded:
+        batch += 1
+    return batch
+
+
+# ------------------------------------------------------------------------------ one probe pass
+
+
+def _trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers the engine clips: Linear/Conv2d (our subclasses included) with a trainable parameter."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _CONVERTIBLE) and _owns_trainable(m)]
+
+
+@dataclass
+class _Call:
+    """One call of a trainable layer: its input, and (after the backward) the gradient of its output."""
+    name: str
+    input: torch.Tensor | None
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class _Pass:
+    calls: list[_Call] = field(default_factory=list)         # trainable-layer calls, in forward order
+    counts: dict[str, int] = field(default_factory=dict)     # calls of every module owning trainable parameters
+    outputs: list[torch.Tensor] = field(default_factory=list)  # the model output's floating-point tensors
+    grads: dict[int, torch.Tensor | None] = field(default_factory=dict)  # id(parameter) -> its gradient
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    return sorted({t.device.index for t in list(model.parameters()) + list(model.buffers())
+                   if t.device.type == "cuda" and t.device.index is not None})
+
+
+def _seed(devices: list[int]) -> None:
+    """Seeds the generators the model's random layers use, and only those (inside a fork_rng)."""
+    torch.random.default_generator.manual_seed(_SEED)
+    for d in devices:
+        torch.cuda.default_generators[d].manual_seed(_SEED)
+
+
+def _record(model: nn.Module, record: _Pass) -> list:
+    """Hooks that fill ``record`` during a forward (and the backward after it); returns their handles."""
+    layers = {id(m) for _, m in _trainable_layers(model)}
+    handles = []
+    for name, m in model.named_modules():
+        if not _owns_trainable(m):
+            continue
+        is_layer = id(m) in layers
+
+        def before(mod, args, _name=name, _is_layer=is_layer):
+            record.counts[_name] = record.counts.get(_name, 0) + 1
+            if _is_layer:
+                x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                # A copy: later in-place operations must not change what probe 4 recomputes from.
+                record.calls.append(_Call(_name, None if x is None else x.detach().clone()))
+
+        def after(mod, args, out, _name=name):
+            call = next(c for c in reversed(record.calls) if c.name == _name)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                # A tensor hook gets the gradient of the layer's own output even if a later in-place
+                # operation (ReLU(inplace=True)) rewrites it; a module backward hook would refuse those.
+                out.register_hook(lambda g, _call=call: setattr(_call, "grad", g.detach().clone()))
+
+        handles.append(m.register_forward_pre_hook(before))
+        if is_layer:
+            handles.append(m.register_forward_hook(after))
+    return handles
+
+
+def _parameter_gradients(model: nn.Module, outputs: list[torch.Tensor], batch: int) -> dict[int, torch.Tensor | None]:
+    """The trainable layers' parameter gradients, by ``autograd.grad`` (no ``.grad`` is written), of a
+    loss ``Σ r·y + y²/2`` over the outputs ``y``: ``r`` a fixed random projection (a plain sum could
+    vanish: softmax rows sum to 1), the square so that the gradient depends on the outputs as a real
+    loss's does (a linear loss would make the backward of a linear mixing step data-independent).
+    The square only for outputs with one row per example: squaring an output that sums over the
+    examples (a model that returns its mean loss) would itself couple them."""
+    generator = torch.Generator().manual_seed(_SEED)
+    terms = []
+    for t in outputs:
+        if t.requires_grad:
+            per_example = t.dim() > 0 and t.shape[0] == batch
+            terms.append(((_random_like(t.shape, t, generator) + (0.5 * t if per_example else 0)) * t).sum())
+    params = list({id(p): p for _, m in _trainable_layers(model)
+                   for p in m.parameters(recurse=False) if p.requires_grad}.values())
+    if not terms or not params:
+        return {}
+    grads = torch.autograd.grad(sum(terms), params, allow_unused=True)
+    return {id(p): g for p, g in zip(params, grads)}
+
+
+def _run(model: nn.Module, probe_input, batch: int, devices: list[int], backward: bool = True) -> _Pass:
+    """One forward (and, with ``backward``, one backward) of ``probe_input``, recorded."""
+    record = _Pass()
+    handles = _record(model, record)
+    try:
+        _seed(devices)  # the same dropout masks in every pass, so that only the perturbation differs
+        with torch.set_grad_enabled(backward):
+            outputs = [t for t in _tensors(_call(model, probe_input)) if t.is_floating_point()]
+        record.outputs = [t.detach() for t in outputs]
+        if backward:
+            record.grads = _parameter_gradients(model, outputs, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return record
+
+
+def _probe_batch(example_input, run) -> int:
+    """The probe's number of rows: >= 3, and unlike every other dimension of the input and, after a
+    first pass, of every layer input, so that a layer whose first dimension is not the examples' (a
+    [T, B, d] layout) cannot show B rows by coincidence."""
+    excluded = {d for t in _tensors(example_input) for d in t.shape[1:]}
+    candidate = _smallest_batch(excluded)
+    first = run(_probe_input(example_input, candidate), candidate, backward=False)
+    excluded |= {d for c in first.calls if c.input is not None for d in c.input.shape}
+    return _smallest_batch(excluded)
+
+
+# --------------------------------------------------------------------------------- the probes
+
+
+def _example_rows_problems(reference: _Pass, batch: int, labels: dict[str, str]) -> list[str]:
+    """Probe 1: every trainable layer's input has the probe's examples as its first dimension."""
+    problems, reported = [], set()
+    for c in reference.calls:
+        if c.input is None or c.name in reported or (c.input.dim() > 0 and c.input.shape[0] == batch):
+            continue
+        reported.add(c.name)
+        first = c.input.shape[0] if c.input.dim() else "none"
+        problems.append(
+            f"{labels[c.name]}: its input has shape {tuple(c.input.shape)}, whose first dimension ({first}) is not "
+            f"the {batch} examples of the probe batch (rule: example rows); the layer clips each row of its first "
+            "dimension as one example, so an example spread over several rows gets the bound once per row (or one "
+            "row holds several examples); keep the examples in the first dimension: a Linear takes [B, *, d] "
+            "directly (no flatten(0, 1) of the batch), and sequences stay batch-first ([B, T, d], not [T, B, d])")
+    return problems
+
+
+# Probe 2 compares the other examples' values between two passes that differ in one example. Both
+# passes run the same kernels on tensors of the same shapes (and the same dropout masks), and a
+# GEMM or convolution computes each row from that row alone, so the other rows would be bitwise
+# equal but for the summation order, which may depend on memory alignment (CPU BLAS) or on atomics
+# (GPU backward): a difference of a few rounding errors of the tensor's largest entry. An example
+# that really reaches another one moves it by a fraction 1/B of its scale (B is small here).
+_ROW_TOLERANCE = 64  # in units of the dtype's machine epsilon, relative to the tensor's largest entry
+
+
+def _rows_differ(a: torch.Tensor | None, b: torch.Tensor | None, changed_row: int, batch: int) -> bool:
+    """Whether any row but ``changed_row`` of ``a`` and ``b`` differs beyond rounding."""
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    if a.shape != b.shape:
+        return True
+    if a.dim() == 0 or a.shape[0] != batch or a.numel() == 0:
+        return False  # rows that are not examples: probe 1 reports the layer
+    if not a.is_floating_point():
+        a, b = a.long(), b.long()
+    diff = (a - b).abs()
+    diff[changed_row] = 0
+    tolerance = _ROW_TOLERANCE * torch.finfo(a.dtype).eps * torch.maximum(a.abs().max(), b.abs().max()) \
+        if a.is_floating_point() else 0
+    return bool(diff.max() > tolerance)
+
+
+def _mixing_problems(probe_input, reference: _Pass, batch: int, run, labels: dict[str, str]) -> list[str]:
+    """Probe 2: changing one example (the first, then the last) changes nothing of the other examples."""
+    found: dict[tuple[int, int], tuple[str, str]] = {}  # (call index, 0 input / 1 gradient) -> (layer, what)
+    output_mixes = False
+    for row in sorted({0, batch - 1}):
+        changed = run(_perturbed(probe_input, row), batch)
+        for index, (a, b) in enumerate(zip(reference.calls, changed.calls)):
+            if a.name != b.name:  # another example decided which layers run
+                found.setdefault((index, 0), (a.name, "input"))
+                break
+            if _rows_differ(a.input, b.input, row, batch):
+                found.setdefault((index, 0), (a.name, "input"))
+            if _rows_differ(a.grad, b.grad, row, batch):
+                found.setdefault((index, 1), (a.name, "output gradient"))
+        output_mixes |= len(reference.outputs) != len(changed.outputs) or any(
+            _rows_differ(a, b, row, batch) for a, b in zip(reference.outputs, changed.outputs))
+    advice = ("compute every statistic within one example (GroupNorm/LayerNorm without affine parameters instead "
+              "of batch statistics, attention within a sequence, nothing like h - h.mean(0) over the batch)")
+    if found:
+        (name, what), *rest = [found[k] for k in sorted(found)]
+        where = "before this layer" if what == "input" else "after this layer (the backward brings it back here)"
+        also = list(dict.fromkeys(f"{labels[n]} {w}" for n, w in rest))
+        more = f"; also affected: {', '.join(also[:4])}{', ...' if len(also) > 4 else ''}" if also else ""
+        return [f"{labels[name]}: its {what} changed when another example of the probe batch changed (rule: batch "
+                f"independence); examples mix {where}, so one example moves the other examples' clipped "
+                f"contributions and the per-example bound no longer holds{more}; {advice}"]
+    if output_mixes:
+        return [f"{labels['']} (model output): an example's output changed when another example of the probe batch "
+                "changed (rule: batch independence); examples mix after the last trainable layer, so a loss on "
+                f"these outputs mixes examples' gradients; {advice}"]
+    return []
+
+
+def _buffer_snapshot(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor]]:
+    return [(name, m, key, b, b.detach().clone()) for name, m in model.named_modules()
+            for key, b in m._buffers.items() if b is not None]
+
+
+def _restore_buffers(snapshot) -> None:
+    with torch.no_grad():
+        for _, m, key, b, saved in snapshot:
+            m._buffers[key] = b  # the same tensor object, in case forward assigned a new one
+            b.copy_(saved)
+
+
+def _buffer_problems(snapshot, labels: dict[str, str]) -> list[str]:
+    """Probe 3: no buffer changes in one training-mode forward (and backward)."""
+    problems = []
+    for name, m, key, _, saved in snapshot:
+        now = m._buffers.get(key)
+        if now is not None and now.shape == saved.shape and now.dtype == saved.dtype and torch.equal(now, saved):
+            continue
+        problems.append(
+            f"{labels[name]}: buffer {name + '.' if name else ''}{key} changed in one training-mode forward pass "
+            "(rule: buffers); it is updated from the data in forward and released (with the model or its "
+            "state_dict) without noise; keep it constant during private training (compute it from public data, "
+            "or update it only outside training mode) or drop it")
+    return problems
+
+
+def _layer_function(layer: nn.Module, x: torch.Tensor, weight, bias) -> torch.Tensor:
+    if isinstance(layer, nn.Conv2d):
+        return nn.Conv2d._conv_forward(layer, x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _own_gradients(layer: nn.Module, calls: list[_Call]):
+    """``(own, scale, terms)``: the parameter gradients the layer computes from its own calls' inputs
+    and output gradients; for each, a bound on the Frobenius norm of ``Σ|gradient|·|input|``
+    (``√taps·‖g‖·‖x‖`` for the weight, taps the kernel positions; ``√rows·‖g‖`` for the bias); and
+    the number of terms each entry sums (rows, or batch·positions, per call, plus one per call)."""
+    names = [n for n in ("weight", "bias") if getattr(layer, n, None) is not None]
+    own = {n: torch.zeros_like(getattr(layer, n)) for n in names}
+    scale = dict.fromkeys(names, 0.0)
+    taps = layer.weight[0, 0].numel() if isinstance(layer, nn.Conv2d) else 1
+    terms = 0
+    for c in calls:
+        if c.input is None or c.grad is None:
+            continue  # the output did not reach the loss: no gradient from this call
+        with torch.enable_grad():
+            leaves = {n: getattr(layer, n).detach().requires_grad_() for n in names}
+            out = _layer_function(layer, c.input, leaves["weight"], leaves.get("bias"))
+            grads = torch.autograd.grad((out * c.grad).sum(), list(leaves.values()), allow_unused=True)
+        for n, gr in zip(names, grads):
+            if gr is not None:
+                own[n] += gr
+        rows = c.grad.numel() // max(layer.weight.shape[0], 1)
+        g_norm, x_norm = float(c.grad.double().norm()), float(c.input.double().norm())
+        scale["weight"] += math.sqrt(taps) * g_norm * x_norm
+        if "bias" in scale:
+            scale["bias"] += math.sqrt(rows) * g_norm
+        terms += rows + 1
+    return own, scale, terms
+
+
+def _rounding(p: torch.Tensor) -> float:
+    """The unit roundoff for ``p``'s gradients; on a GPU float32 GEMMs and convolutions may use TF32."""
+    eps = torch.finfo(p.dtype).eps
+    return max(eps, 2.0 ** -10) if p.device.type == "cuda" and p.dtype == torch.float32 else eps
+
+
+def _ownership_problems(model: nn.Module, reference: _Pass, labels: dict[str, str]) -> list[str]:
+    """Probe 4: each trainable layer's parameter gradient is exactly what it computes from its own calls.
+
+    Both sides sum the same products ``gradient·input``, in possibly different orders: each entry is
+    within ``terms·u·Σ|gradient|·|input|`` of the exact sum (recursive summation bound, u the unit
+    roundoff), so their difference has a Frobenius norm below ``2·terms·u`` times the scale of
+    ``_own_gradients`` (with a factor 2 of margin here). A use of the parameter elsewhere adds a
+    contribution of the gradient's own size, orders of magnitude above that.
+    """
+    if not reference.grads:
+        return []  # nothing reached the output with a gradient
+    problems = []
+    for name, layer in _trainable_layers(model):
+        calls = [c for c in reference.calls if c.name == name]
+        own, scale, terms = _own_gradients(layer, calls)
+        foreign = []
+        for pname, p in layer.named_parameters(recurse=False):
+            if not p.requires_grad or pname not in own:
+                continue
+            total = reference.grads.get(id(p))
+            total = torch.zeros_like(p) if total is None else total
+            tolerance = 4 * (terms + 1) * _rounding(p) * scale[pname]
+            if float((total - own[pname]).norm()) > tolerance:  # NaN (a model non-finite on the probe): no verdict
+                foreign.append(f"{name + '.' if name else ''}{pname}")
+        if foreign:
+            problems.append(
+                f"{labels[name]}: the gradient of {', '.join(foreign)} is not the layer's own (rule: gradient "
+                "ownership): it differs from what the layer computes from its own inputs and output gradients, so "
+                "the parameter is also used outside this layer's forward (in plain code such as "
+                "F.linear(h, enc.weight.t()), by another module, or by a second layer sharing it), and that use "
+                "would be released without clipping; give each use its own layer with its own parameters "
+                "(untie the weights)")
+    return problems
+
+
+# ------------------------------------------------------------------------------ isolation
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _isolated(model: nn.Module):
+    """The model the probes may change: a deep copy (tied parameters stay tied in it); if the model
+    cannot be copied, the model itself, with its training modes, buffers and ``.grad`` restored after."""
+    try:
+        work = copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - an attribute that cannot be copied (a lock, a file, a C object)
+        work = None
+    if work is not None:
+        yield work
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = _buffer_snapshot(model)
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+        _restore_buffers(buffers)
+        for p, g in grads:
+            p.grad = g
+
+
+@contextlib.contextmanager
+def _as_torch_layers(model: nn.Module):
+    """Our layers clip in their backward (and may draw a step's noise), so their parameter gradient is
+    not the plain one probe 4 recomputes: the probes run their torch base class's forward instead."""
+    patched = []
+    for m in model.modules():
+        if isinstance(m, bnn._Clipped):
+            base = nn.Conv2d if isinstance(m, nn.Conv2d) else nn.Linear
+            patched.append((m, m.__dict__.get("forward", _MISSING)))
+            m.forward = types.MethodType(base.forward, m)
+    try:
+        yield
+    finally:
+        for m, previous in patched:
+            if previous is _MISSING:
+                del m.forward
+            else:
+                m.forward = previous
+
+
+# ------------------------------------------------------------------------------ entry points
+
+
+def dynamic_problems(model: nn.Module, example_input) -> list[str]:
+    """Problems found by running the model on a probe batch built from ``example_input`` (a tensor, or a
+    tuple/list/dict of tensors as the model takes them; its first dimension is the examples'): rules
+    *example rows*, *batch independence* (skipped when the input has no floating-point tensor),
+    *buffers*, *gradient ownership* and *reuse*; see the module docstring.
+
+    The model, its parameters, ``.grad``, buffers, training modes and the global random number
+    generators are left as they were. Modules reported by :func:`static_problems` for batch
+    statistics (BatchNorm, InstanceNorm with running statistics) run in eval mode here, so each
+    problem is reported once. Raises whatever the model raises on the probe batch.
+    """
+    if example_input is None:
+        raise ValueError("dynamic_problems: needs an example input (one batch as the model takes it)")
+    with _isolated(model) as work, _as_torch_layers(work), torch.random.fork_rng(devices=_cuda_devices(work)):
+        return _probe(work, example_input)
+
+
+def _probe(model: nn.Module, example_input) -> list[str]:
+    labels = {name: _label(name, m, model) for name, m in model.named_modules()}
+    model.train()  # private training runs in training mode: dropout active, buffers updated
+    for m in model.modules():
+        if _batch_mixing_reason(m) is not None:
+            m.eval()  # already a static problem; in eval mode it neither mixes examples nor updates buffers
+    buffers = _buffer_snapshot(model)
+    devices = _cuda_devices(model)
+
+    def run(probe_input, batch: int, backward: bool = True) -> _Pass:
+        _restore_buffers(buffers)  # every pass starts from the same buffers (an EMA used in forward)
+        return _run(model, probe_input, batch, devices, backward)
+
+    batch = _probe_batch(example_input, run)
+    probe_input = _probe_input(example_input, batch)
+    reference = run(probe_input, batch)
+    buffer_problems = _buffer_problems(buffers, labels)  # before the next pass restores them
+    problems = _example_rows_problems(reference, batch, labels)
+    if _has_rows_to_perturb(probe_input):
+        problems += _mixing_problems(probe_input, reference, batch, run, labels)
+    problems += buffer_problems
+    problems += _ownership_problems(model, reference, labels)
+    problems += _reuse_problems(reference.counts, model)
+    return problems
 
 
 def validate(model: nn.Module, example_input=None) -> list[str]:
-    """Static problems, plus (with ``example_input``) layers reached more than once in a forward pass."""
+    """Static problems, plus (with ``example_input``) the problems the probes find (module docstring)."""
     problems = static_problems(model)
     if example_input is not None:
-        problems += probe(model, example_input)[0]
+        problems += dynamic_problems(model, example_input)
     return problems
