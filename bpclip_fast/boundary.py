@@ -107,6 +107,11 @@ class LayerStep:
         self.key = None           # (seed, offset) of this step's draw
         self.noised = False       # the current gradient holds the draw
         self.rows = 0             # example rows of the backward passes since the gradient was created
+        # The backward pass in progress (autograd graph task): its rows and draw count once its
+        # output lands in .grad (a pass of torch.autograd.grad(loss, x) never lands).
+        self._task = None
+        self._pass_rows = 0
+        self._pass_noised = False
         self.violations: list[tuple[str, str]] = []
         self.zero_checks: list[torch.Tensor] = []  # device bools: "a gradient we restarted from was non-zero"
         self._expected: dict[int, tuple] = {}      # param index -> record of .grad after our last write
@@ -151,8 +156,15 @@ class LayerStep:
                 self.violations.append((
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
                     "(the parameter is used outside the layer, or a tensor hook changed its gradient)"))
+            if i == self._anchor():  # the pass's contribution lands now: its rows and draw count
+                self.rows += self._pass_rows
+                self.noised = self.noised or self._pass_noised
+                self._pass_rows, self._pass_noised = 0, False
             return None
         return prehook
+
+    def _anchor(self):
+        return next((i for i, p in enumerate(self.params) if p.requires_grad), None)
 
     def _make_posthook(self, i):
         def posthook(p):
@@ -179,6 +191,7 @@ class LayerStep:
     def _restart(self) -> None:
         self.rows = 0
         self.noised = False
+        self._task = None
 
     def sync_with_grads(self) -> bool:
         """Brings the bookkeeping in line with the gradients as they are now. Returns True if the
@@ -202,21 +215,29 @@ class LayerStep:
         """``(seed, offset, std, d, scale)`` for one backward pass over ``rows`` example rows:
         clip at ``C/d``, add noise of std ``std`` (0: none), multiply ``[∇W, ∇b]`` by ``scale``."""
         if self.enforce:
-            self.sync_with_grads()
-        self.rows += int(rows)
+            task = torch._C._current_graph_task_id()
+            if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
+                self.sync_with_grads()
+                self._task, self._pass_rows, self._pass_noised = task, 0, False
+            self._pass_rows += int(rows)
+        else:
+            self.rows += int(rows)
         if self.mean_loss_batch is None:
             d, scale = 1.0, 1.0
         else:
             # loss_reduction="mean": proof in bpclip_fast.engine (clip at C/d, noise σΔ/d, times d/B̄).
             d = float(max(int(rows), 1))
             scale = d / float(self.mean_loss_batch)
-        if self.noised or self.key is None:
+        if self.noised or self._pass_noised or self.key is None:
             return 0, 0, 0.0, d, scale
         std = float(self.layer.noise_multiplier) * float(sensitivity)
         if not (std >= 0 and math.isfinite(std)):
             raise ValueError(f"{self.name}: noise_multiplier must be finite and >= 0, got "
                              f"{self.layer.noise_multiplier!r}")
-        self.noised = True
+        if self.enforce:
+            self._pass_noised = True
+        else:
+            self.noised = True
         if std == 0:
             return 0, 0, 0.0, d, scale
         seed, offset = self.key

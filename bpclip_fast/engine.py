@@ -375,7 +375,8 @@ class PrivacyEngine:
         if example is not None:
             try:
                 twice, shapes = _validate.probe(inner, example)
-                problems += twice
+                if not probe:
+                    problems += twice  # the dynamic probes report reuse themselves
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"make_private: the probe forward failed ({exc!r}); the sensitivity of each layer "
                                 "is fixed from it, so the model must run on one example (or on max_input_shape)")
@@ -632,8 +633,7 @@ class PrivacyEngine:
         except Exception as exc:  # noqa: BLE001
             return [f"make_private: could not draw a first batch for the dynamic probes ({exc!r}); pass "
                     "probe=False to skip them"]
-        fn = getattr(_validate, "dynamic_problems", None)  # TEMP until the validate merge
-        return [] if fn is None else fn(inner, _to_device(_first_input(batch), inner))
+        return _validate.dynamic_problems(inner, _to_device(_first_input(batch), inner))
 
     # ------------------------------------------------------------------ non-finite values
     def nonfinite_counts(self) -> dict:
@@ -669,7 +669,21 @@ class PrivacyEngine:
                 st.cleared()
 
     def _charge(self):
-        self.accountant.step(noise_multiplier=self.effective_noise_multiplier, sample_rate=self._accounting_rate)
+        """One step of the accountant for the batch delivered last (taken or refused).
+
+        Shuffled batches: the zCDP accountant charges each group of ``steps_per_epoch`` consecutive
+        steps as one epoch, which is sound only if a group's batches come from one permutation
+        epoch. Batches claimed but never used (prefetched when a loop stopped, a refused step)
+        would shift the groups, so the accountant is kept at length ``t + 1`` for batch ``t``:
+        skipped batches are charged as steps of their own epoch (same σ: no more than that
+        epoch's cost), and a second charge for the same batch is not added (same group, same σ:
+        it would not change ρ)."""
+        kw = dict(noise_multiplier=self.effective_noise_multiplier, sample_rate=self._accounting_rate)
+        if self.poisson_sampling:
+            self.accountant.step(**kw)
+            return
+        for _ in range(self._counter.last_t + 1 - len(self.accountant)):
+            self.accountant.step(**kw)
 
     def _discard(self, optimizer):
         for group in optimizer.param_groups:
@@ -736,12 +750,12 @@ class PrivacyEngine:
                     name = names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
                     problems.append(("unclipped-param", f"{name} has a gradient but is not in a clipped layer made "
                                      "private (frozen at make_private and unfrozen since?)", [name]))
-        rows = getattr(self._counter, "last_rows", None)  # TEMP until data merge
+        rows = self._counter.last_rows
         pending, zero_checks = [], []
         for st in self._steps_of:
             holds = st.sync_with_grads()
             pending.append(not (holds and st.noised))
-            if rows is not None and st.rows not in (0, rows):  # first: a reused layer also mixes its gradient
+            if st.rows not in (0, rows):  # first: a reused layer also mixes its gradient
                 problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, the "
                                  f"batch drawn for it has {rows}", [st.name]))
             for rule, details in st.violations:

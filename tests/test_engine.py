@@ -448,11 +448,14 @@ def test_layer_reused_where_the_probe_cannot_see_it_is_refused_in_training():
             return self.head(h)
 
     ds = TensorDataset(torch.randn(32, 6), torch.zeros(32, dtype=torch.long))
+    kw = dict(data_loader=DataLoader(ds, batch_size=16), noise_multiplier=1.0, input_clip=1.0, grad_clip=1.0,
+              noise_seed=0)
     model = SometimesShared()
+    with pytest.raises(ValueError, match=r"lin \(Linear\): reached 2 times"):  # the dynamic probe's batch has B > 1
+        quiet_make_private(PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1), **kw)
     engine = PrivacyEngine()
     model, opt, loader = quiet_make_private(engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1),
-                                            data_loader=DataLoader(ds, batch_size=16), noise_multiplier=1.0,
-                                            input_clip=1.0, grad_clip=1.0, noise_seed=0)
+                                            probe=False, **kw)
     x, y = next(x for x in loader if len(x[0]) > 1)
     nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(StepRefused, match=r"lin's backward passes saw \d+ example rows") as err:

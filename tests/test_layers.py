@@ -374,10 +374,10 @@ def test_check_finite_names_layers_and_resets(device):
 
 def test_sensitivity_needs_a_declared_shape_where_it_depends_on_one():
     conv = bnn.Conv2d(1, 1, 3, input_clip=1.0, grad_clip=1.0, norm="l2")
-    with pytest.raises(RuntimeError, match="depends on the input's height"):
+    with pytest.raises(RuntimeError, match="grows with the input's height"):
         conv.sensitivity
     conv(torch.randn(1, 1, 5, 5))  # a forward does not fix it: the next batch may be larger
-    with pytest.raises(RuntimeError, match="depends on the input's height"):
+    with pytest.raises(RuntimeError, match="grows with the input's height"):
         conv.sensitivity
     conv.set_max_input_shape((1, 5, 5))
     assert conv.sensitivity == conv.sensitivity_for((1, 1, 5, 5))
