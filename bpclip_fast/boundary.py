@@ -58,6 +58,10 @@ RULES = {
     "weight-reuse": ("a clipped parameter receives gradient only from its own clipped layer",
                      "do not use a clipped layer's weight in other code (tied weights: use separate layers) and do "
                      "not register tensor hooks on private parameters"),
+    "param-edit": ("the parameters do not change within a step: every backward pass of a step sees the same "
+                   "weights, and only DPOptimizer.step() updates them",
+                   "update the weights only through the private optimizer's step() (no manual updates, no stepping "
+                   "optimizer.original_optimizer, no SAM/lookahead-style perturbation between backward passes)"),
     "unclipped-param": ("only parameters of clipped layers are trained",
                         "freeze the parameter (requires_grad_(False)) or make the model private with it trainable "
                         "so that its layer is clipped"),
@@ -92,6 +96,12 @@ def _record(t):
     return (weakref.ref(t), t._version)
 
 
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """The wrapping sum of the tensor's bit patterns (device scalar): any ordinary edit changes it."""
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
+    return t.detach().reshape(-1).view(bits).sum(dtype=torch.int64)
+
+
 class LayerStep:
     """One clipped layer's part of the current step (see the module docstring).
 
@@ -113,8 +123,13 @@ class LayerStep:
         self._pass_rows = 0
         self._pass_noised = False
         self.violations: list[tuple[str, str]] = []
-        self.zero_checks: list[torch.Tensor] = []  # device bools: "a gradient we restarted from was non-zero"
+        # Device bools, read at step() with one sync: "a gradient we restarted from was not zero",
+        # "a gradient changed between two passes without a version change (a .data write)".
+        self.edit_checks: list[torch.Tensor] = []
         self._expected: dict[int, tuple] = {}      # param index -> record of .grad after our last write
+        self._fingerprints: dict[int, torch.Tensor] = {}  # param index -> bits of .grad after a partial pass
+        self._param_versions = None  # the parameters' versions at the step's first backward pass
+        self.batch_rows = None       # callable: rows of the batch drawn for the step (set by the engine)
         self._produced: dict[int, tuple] = {}      # param index -> record of what our backward returned
         self._nodes = []
         self._handles = []
@@ -168,10 +183,22 @@ class LayerStep:
 
     def _make_posthook(self, i):
         def posthook(p):
-            self._expected[i] = _record(p.grad)
+            self.landed(i)
             if self.after_backward is not None:
                 self.after_backward.touched(self, i)
         return posthook
+
+    def landed(self, i) -> None:
+        """Records ``.grad`` of parameter ``i`` as written by its layer (or by DDP's reducer)."""
+        g = self.params[i].grad
+        self._expected[i] = _record(g)
+        # Micro-batching: more passes will add to this gradient. A write through ``p.grad.data``
+        # bypasses the version counter, so the bits are summed now and compared when the next pass
+        # starts (one read of the gradient, only in steps of several passes).
+        if self.batch_rows is not None and 0 < self.rows + self._pass_rows < self.batch_rows():
+            self._fingerprints[i] = _fingerprint(g)
+        else:
+            self._fingerprints.pop(i, None)
 
     def _param_name(self, i) -> str:
         return f"{self.name}.{'weight' if i == 0 else 'bias'}"
@@ -199,16 +226,29 @@ class LayerStep:
         states = self._grad_states()
         kinds = {k for _, _, k in states}
         if kinds <= {"ours"} and kinds:
+            for i, p, _ in states:
+                fp = self._fingerprints.pop(i, None)
+                if fp is not None:
+                    self.edit_checks.append(_fingerprint(p.grad).ne(fp))
             return True
         if "ours" in kinds:  # some gradients kept, others edited or dropped: no consistent state
             self.violations.append(("grad-edit", f"only some of {self.name}'s gradients were cleared or edited"))
             return True
         for i, p, k in states:  # all None or edited: start afresh; an edited one must have been zeroed
             if k == "foreign":
-                self.zero_checks.append(p.grad.ne(0).any())
+                self.edit_checks.append(p.grad.ne(0).any())
                 self._expected[i] = _record(p.grad)
+        self._fingerprints.clear()
         self._restart()
         return False
+
+    def params_moved(self) -> bool:
+        """Whether a parameter changed since the step's first backward pass (records it then)."""
+        versions = tuple(p._version for p in self.params)
+        if self._param_versions is None:
+            self._param_versions = versions
+            return False
+        return versions != self._param_versions
 
     # ------------------------------------------------------------------ called by the layer
     def begin_backward(self, rows: int, sensitivity: float):
@@ -217,6 +257,8 @@ class LayerStep:
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
+                if self.params_moved():
+                    self.refuse("param-edit", f"{self.name}'s parameters changed between backward passes of one step")
                 self.sync_with_grads()
                 self._task, self._pass_rows, self._pass_noised = task, 0, False
             self._pass_rows += int(rows)
@@ -264,8 +306,10 @@ class LayerStep:
         self.key = key
         self._restart()
         self.violations.clear()
-        self.zero_checks.clear()
+        self.edit_checks.clear()
         self._produced.clear()
+        self._fingerprints.clear()
+        self._param_versions = None
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""
@@ -312,8 +356,7 @@ class DistributedRecorder:
 
     def _record(self):
         for step, i in self._touched.values():
-            g = step.params[i].grad
-            if g is not None:
-                step._expected[i] = _record(g)
+            if step.params[i].grad is not None:
+                step.landed(i)
         self._touched.clear()
         self._queued = False

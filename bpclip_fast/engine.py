@@ -410,12 +410,14 @@ class PrivacyEngine:
         mean_batch = float(batch_size) if loss_reduction == "mean" else None
         self._steps_of = []
         recorder = DistributedRecorder() if distributed else None
+        self._counter = data.BatchCounter()
         for name, layer in layers:
             layer._bp_name = name
             layer.noise_multiplier = sigma if rank == 0 else 0.0
             st = LayerStep(layer, name, enforce=True, mean_loss_batch=mean_batch)
             st.on_refuse = self._refuse_in_forward
             st.after_backward = recorder
+            st.batch_rows = self._last_rows
             layer._step = st
             self._steps_of.append(st)
         self._layers = [layer for _, layer in layers]
@@ -449,7 +451,6 @@ class PrivacyEngine:
         # 4. Data: Poisson (rate q = W·batch_size/N) or shuffled disjoint batches of W·batch_size.
         global_batch = batch_size * world
         self.expected_batch_size = batch_size
-        self._counter = data.BatchCounter()
         if poisson_sampling:
             q = global_batch / n
             if q > 1:
@@ -668,6 +669,9 @@ class PrivacyEngine:
             if trainable and all(id(p) in cleared for p in trainable):
                 st.cleared()
 
+    def _last_rows(self) -> int:
+        return self._counter.last_rows
+
     def _charge(self):
         """One step of the accountant for the batch delivered last (taken or refused).
 
@@ -751,22 +755,24 @@ class PrivacyEngine:
                     problems.append(("unclipped-param", f"{name} has a gradient but is not in a clipped layer made "
                                      "private (frozen at make_private and unfrozen since?)", [name]))
         rows = self._counter.last_rows
-        pending, zero_checks = [], []
+        pending, checks, layer_problems = [], [], []
         for st in self._steps_of:
+            if st.params_moved():
+                problems.append(("param-edit", f"{st.name}'s parameters changed since the step's first backward pass",
+                                 [st.name]))
             holds = st.sync_with_grads()
             pending.append(not (holds and st.noised))
-            if st.rows not in (0, rows):  # first: a reused layer also mixes its gradient
-                problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, the "
-                                 f"batch drawn for it has {rows}", [st.name]))
-            for rule, details in st.violations:
-                problems.append((rule, details, [st.name]))
-            zero_checks += [(st.name, flag) for flag in st.zero_checks]
-        if zero_checks:  # one sync, only when a gradient was edited or replaced since our last write
-            nonzero = torch.stack([flag.to("cpu", non_blocking=False) for _, flag in zero_checks]).tolist()
-            for (name, _), bad in zip(zero_checks, nonzero):
-                if bad:
-                    problems.append(("grad-edit", f"{name}'s gradient was changed in place or replaced (not zeroed) "
-                                     "since its backward wrote it", [name]))
+            if st.rows not in (0, rows):  # before the layer's own violations: reuse also mixes its gradient
+                layer_problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, "
+                                       f"the batch drawn for it has {rows}", [st.name]))
+            layer_problems += [(rule, details, [st.name]) for rule, details in dict.fromkeys(st.violations)]
+            checks += [(st.name, flag) for flag in st.edit_checks]
+        if checks:  # one sync, only in steps where a gradient was edited, replaced or accumulated over passes
+            flags = torch.stack([flag.to("cpu") for _, flag in checks]).tolist()
+            for name in dict.fromkeys(name for (name, _), bad in zip(checks, flags) if bad):
+                problems.append(("grad-edit", f"{name}'s gradient was changed (not zeroed, not by its backward) "
+                                 "between its backward passes or after them", [name]))
+        problems += layer_problems
         if self.nonfinite == "raise":
             counts = self.nonfinite_counts()
             bad = [name for name, c in counts.items() if any(c)]

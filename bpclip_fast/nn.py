@@ -96,6 +96,13 @@ class _Clipped:
     def layer_name(self) -> str:
         return self._bp_name or type(self).__name__
 
+    def __getstate__(self):
+        # A pickled or deep-copied layer leaves its step behind: the step holds the secret noise key,
+        # hooks and weak references. The copy is a bare clipped layer.
+        state = self.__dict__.copy()
+        state["_step"] = None
+        return state
+
     def _check_input(self, x: torch.Tensor) -> None:
         name = self.layer_name
         if not isinstance(x, torch.Tensor):
