@@ -5,8 +5,11 @@ example ``i`` alone (DESIGN.md §5). This module owns every piece of state that 
 so that ``DPOptimizer.step()`` can verify it before anything is released:
 
 * **One draw per gradient.** Each clipped layer holds this step's Philox key ``(seed, offset)``.
-  The first backward that writes a *fresh* gradient (none, or one that was zeroed) adds the draw;
-  later backward passes into the same gradient add none.
+  The first backward pass whose output lands in a *fresh* gradient (none, or one that was zeroed)
+  adds the draw; later passes into the same gradient add none. A gradient cleared after it held a
+  draw gets a fresh one (:func:`redraw_seed`), never the same again: code outside ``step()`` may
+  have seen the discarded gradient. The parameters may not change between the passes of a step
+  (version counters; ``param-edit``), so a manual update cannot release a draw twice either.
 * **The gradient is exactly the layer's own backward outputs.** After every accumulation a
   post-accumulate-grad hook records the gradient tensor (weak reference) and its version counter.
   Any other write — an in-place edit (version), a replacement (identity) — is seen by the next
@@ -22,8 +25,10 @@ so that ``DPOptimizer.step()`` can verify it before anything is released:
   drawn for the step: two backward passes over one forward, the same rows fed twice, a layer
   reused within or across micro-batches, a data-dependent subset of the rows (which breaks the
   mean-loss rule), ``flatten(0, 1)`` or a sequence-first layout all give another count.
-  (Counting cannot see the same *half* of a batch fed twice: the dynamic probes of
-  :mod:`bpclip_fast.validate` and the user's loop are what exclude that.)
+  (Counting cannot see the same *half* of a batch fed twice: the user's loop must split the
+  batch into disjoint micro-batches. Between the passes of a micro-batched step the gradient's
+  bits are fingerprinted, so a write through ``p.grad.data`` — invisible to version counters — is
+  caught too.)
 
 Refusals and the accountant
 ---------------------------
@@ -43,6 +48,8 @@ import math
 import weakref
 
 import torch
+
+from .data import derive_seed
 
 __all__ = ["StepRefused", "LayerStep", "DistributedRecorder", "RULES"]
 
@@ -92,6 +99,11 @@ def _same_tensor(record, t) -> bool:
     return record is not None and t is not None and record[0]() is t and t._version == record[1]
 
 
+def redraw_seed(seed: int, offset: int, k: int) -> int:
+    """The Philox key of the ``k``-th draw (k ≥ 1) of one step and layer: independent of the first."""
+    return derive_seed(seed, "redraw", offset, k)
+
+
 def _record(t):
     return (weakref.ref(t), t._version)
 
@@ -134,6 +146,7 @@ class LayerStep:
         self._nodes = []
         self._handles = []
         self._hooked = None
+        self._draws = 0           # draws of this step handed out so far (take_draw)
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
 
@@ -280,10 +293,20 @@ class LayerStep:
             self._pass_noised = True
         else:
             self.noised = True
+        seed, offset = self.take_draw()
         if std == 0:
             return 0, 0, 0.0, d, scale
-        seed, offset = self.key
         return seed, offset, std / d, d, scale
+
+    def take_draw(self):
+        """``(seed, offset)`` of the next draw of this step: the step's own for the first, then a fresh
+        one (:func:`redraw_seed`) each time a gradient that held a draw was discarded or a pass never
+        landed. A discarded gradient was never released by ``step()``, but code outside it may have
+        seen it (a manual update through ``p.data``, a logged gradient): a fresh draw keeps the two
+        from sharing noise."""
+        seed, offset = self.key
+        k, self._draws = self._draws, self._draws + 1
+        return (seed if k == 0 else redraw_seed(seed, offset, k)), offset
 
     def produced(self, grads) -> None:
         """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check."""
@@ -310,6 +333,7 @@ class LayerStep:
         self._produced.clear()
         self._fingerprints.clear()
         self._param_versions = None
+        self._draws = 0
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""

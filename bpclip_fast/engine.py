@@ -24,22 +24,20 @@ per-layer Gaussians, ``σ_eff = (Σ_l σ_l⁻²)^(-1/2) = σ/√L`` (one Gaussia
 concatenated: layer ``l`` adds ``N(0, σ²Δ_l²)`` to a sum whose per-example contribution is at most
 ``Δ_l``; rescaling each layer by ``1/Δ_l`` gives sensitivity ``√L`` against noise ``σ`` per coordinate).
 
-Noise exactly once per step
----------------------------
-Every layer's noise is drawn inside its backward from the Philox stream at counters (seed, t,
-layer), ``t`` = number of steps taken. The engine arms all layers for step ``t`` when the model is
-made private, after every ``step()`` and on every ``optimizer.zero_grad()``; the first backward
-through a layer consumes the draw, later backward passes of the same step (gradient accumulation,
-``retain_graph``) add none. Re-arming inside a step only repeats draw ``t``, which is released at
-most once because only ``step()`` releases anything. Three more cases close the loop:
-
-- gradients discarded after the draw by other means (``model.zero_grad()``, ``p.grad = None``):
-  the layer sees its gradients are ``None`` in the next backward and draws ``t`` again
-  (``nn._Clipped._consume_noise``);
-- no backward reached a layer in this step (an empty batch the loop skipped, an unused branch):
-  ``step()`` adds the same draw ``t`` to that layer's gradient itself, with the same std;
-- ``step()`` refused (budget, non-finite values, batch count): the gradients are discarded and
-  step ``t`` is re-armed; nothing was released.
+Noise exactly once per step, and the step boundary
+--------------------------------------------------
+Every layer's noise is drawn from the Philox stream at counters (seed, t, layer), ``t`` = number of
+steps taken, and is added by the first backward pass that writes a fresh gradient (fused into the
+weight-gradient GEMM for Linear). What may happen between that draw and the release, and what
+``step()`` verifies before releasing anything, is owned by :mod:`bpclip_fast.boundary` (its module
+docstring is the argument): one draw per gradient (a gradient that was cleared — ``None`` or
+zeroed — gets a fresh draw, so nothing that saw the discarded one shares its noise), no other
+write to a clipped gradient,
+no contribution from outside the layer, each example row once, the parameters fixed within the
+step, the Δ fixed at ``make_private``. A layer no backward reached in this step (an empty batch the
+loop skipped, an unused branch) gets draw ``t`` inside ``step()``. A refused step discards every
+gradient and re-arms draw ``t``; nothing was released, and the refusal is charged unless it is one
+of the two that cannot depend on the data (module docstring of :mod:`bpclip_fast.boundary`).
 
 Loss reduction: why the layers clip at ``grad_clip/B`` with the *actual* ``B``
 -------------------------------------------------------------------------------
@@ -105,11 +103,14 @@ grows with the number of steps) and cached while (σ, q, max_epsilon, δ) do not
 Checkpoints
 -----------
 ``engine.state_dict()`` (also stored inside ``optimizer.state_dict()``, so saving the optimizer is
-enough) holds the accountant's history, the step counter, the seed (noise and sampling) and the
-number of batches delivered. ``load_state_dict`` after ``make_private`` restores them: the
-resumed run reports the ε of all steps so far and continues the noise and batch sequences at step
-``t`` (the counters are the keys of the draws, so nothing is replayed or skipped). The state holds
-the secret seed: keep checkpoints as private as the training data.
+enough) holds the accountant's history, the step counter and the batch counters — never the noise
+seed. ``load_state_dict`` after ``make_private`` restores them and draws a **fresh** noise seed
+(and Poisson sampling seed) from the OS: two continuations of one checkpoint never share a draw,
+and a leaked checkpoint reveals no noise. Shuffled batches keep their permutation seed in the
+state, because the rest of an interrupted epoch must come from the same permutation (an example
+in one batch per epoch); the zCDP analysis does not need it secret. ``state_dict(include_secrets=
+True)`` adds the seeds: the explicit, insecure opt-in for a bit-for-bit reproducible resume.
+Loading an optimizer state without the privacy state into a ``DPOptimizer`` raises.
 """
 
 from __future__ import annotations
@@ -802,7 +803,7 @@ class PrivacyEngine:
                 continue
             # Every rank adds the same draw divided by W: the value DDP's average would have given.
             layer = st.layer
-            seed, offset = st.key
+            seed, offset = st.take_draw()
             std = self.noise_multiplier * layer.sensitivity
             if st.mean_loss_batch is not None:
                 std /= st.mean_loss_batch

@@ -244,11 +244,30 @@ def test_case2_zeroing_between_backward_passes_equals_only_the_second_backward(z
     F.cross_entropy(model2(x_adv), y).backward()
     opt2.step()
     ref = moved(model2, before2)
+    # The reference holds the step's first draw; the zeroed gradient got a fresh one (the first was taken by
+    # the discarded backward): the expected update is the reference with the one draw swapped for the other.
+    redraw_seed = getattr(getattr(bpclip_fast, "boundary", None), "redraw_seed", None)
+    std = SIGMA * delta_linear() / len(X)  # one draw of σΔ over B̄ = len(X), lr 1
+    expect = {}
+    for name, r in ref.items():
+        layer, kind = name.split(".")
+        offset = (0 if layer == "fc1" else 2) + (kind == "bias")  # step 0: offset = layer << 1 | bias
+        first = bnn_noise(r, SEED, offset, std)
+        fresh = first if redraw_seed is None else bnn_noise(r, redraw_seed(SEED, offset - (kind == "bias"), 1),
+                                                            offset, std)
+        expect[name] = r + first - fresh  # moved() is after - before = -lr·gradient
     for label, upd in full.items():
         for name in upd:
-            assert torch.allclose(upd[name], ref[name], atol=1e-5, rtol=1e-4), (
+            assert torch.allclose(upd[name], expect[name], atol=1e-5, rtol=1e-4), (
                 f"{label}: {name}'s update is not the clipped sum of the second backward plus one draw "
-                f"(max |difference| {(upd[name] - ref[name]).abs().max():.3g}; the old code dropped the draw)")
+                f"(max |difference| {(upd[name] - expect[name]).abs().max():.3g}; the old code dropped the draw)")
+
+
+def bnn_noise(like, seed, offset, std):
+    """The Philox draw the kernels add: ``std·z`` at counters (seed, offset) (docs/design.md, Noise)."""
+    from bpclip_fast import _ops
+
+    return _ops.philox_noise_(torch.zeros_like(like), seed, offset, std)
 
 
 GRAD_EDITS = {
