@@ -65,6 +65,9 @@ RULES = {
     "weight-reuse": ("a clipped parameter receives gradient only from its own clipped layer",
                      "do not use a clipped layer's weight in other code (tied weights: use separate layers) and do "
                      "not register tensor hooks on private parameters"),
+    "batches": ("each step uses exactly one batch of the private loader (the accountant charges one sampled "
+                "batch per step)",
+                "call optimizer.step() once per batch drawn; split a batch into micro-batches for accumulation"),
     "param-edit": ("the parameters do not change within a step: every backward pass of a step sees the same "
                    "weights, and only DPOptimizer.step() updates them",
                    "update the weights only through the private optimizer's step() (no manual updates, no stepping "
@@ -134,6 +137,7 @@ class LayerStep:
         self._task = None
         self._pass_rows = 0
         self._pass_noised = False
+        self._pass_landed: set = set()
         self.violations: list[tuple[str, str]] = []
         # Device bools, read at step() with one sync: "a gradient we restarted from was not zero",
         # "a gradient changed between two passes without a version change (a .data write)".
@@ -149,6 +153,7 @@ class LayerStep:
         self._draws = 0           # draws of this step handed out so far (take_draw)
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
+        self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
 
     # ------------------------------------------------------------------ parameters and hooks
     @property
@@ -184,15 +189,34 @@ class LayerStep:
                 self.violations.append((
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
                     "(the parameter is used outside the layer, or a tensor hook changed its gradient)"))
-            if i == self._anchor():  # the pass's contribution lands now: its rows and draw count
+            if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once
                 self.rows += self._pass_rows
                 self.noised = self.noised or self._pass_noised
                 self._pass_rows, self._pass_noised = 0, False
+            self._pass_landed.add(i)
             return None
         return prehook
 
-    def _anchor(self):
-        return next((i for i, p in enumerate(self.params) if p.requires_grad), None)
+    def close_pass(self) -> None:
+        """A pass must land on all of the layer's trainable parameters or on none (a pass restricted
+        with ``backward(inputs=[bias])`` would add rows and no draw to the others)."""
+        trainable = {i for i, p in enumerate(self.params) if p.requires_grad}
+        if self._pass_landed and self._pass_landed != trainable:
+            self.violations.append(("rows", f"a backward pass reached only some of {self.name}'s parameters "
+                                    "(backward(inputs=...) or torch.autograd.grad on some of them)"))
+        self._pass_landed = set()
+
+    def foreign_hooks(self) -> list[str]:
+        """Parameters carrying gradient hooks other than ours: a tensor hook or a post-accumulate hook
+        can rewrite the gradient where our records cannot see it (one registered before ours runs
+        first, and we would record its result as the layer's own)."""
+        ours = {h.id for h in self._handles}
+        bad = []
+        for i, p in enumerate(self.params):
+            post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+            if getattr(p, "_backward_hooks", None) or any(k not in ours for k in post):
+                bad.append(self._param_name(i))
+        return bad
 
     def _make_posthook(self, i):
         def posthook(p):
@@ -257,7 +281,7 @@ class LayerStep:
 
     def params_moved(self) -> bool:
         """Whether a parameter changed since the step's first backward pass (records it then)."""
-        versions = tuple(p._version for p in self.params)
+        versions = tuple((p._version, p.data_ptr()) for p in self.params)  # data_ptr: a rebound p.data
         if self._param_versions is None:
             self._param_versions = versions
             return False
@@ -270,6 +294,9 @@ class LayerStep:
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
+                self.close_pass()
+                if self.on_new_pass is not None:
+                    self.on_new_pass()
                 if self.params_moved():
                     self.refuse("param-edit", f"{self.name}'s parameters changed between backward passes of one step")
                 self.sync_with_grads()
@@ -334,6 +361,7 @@ class LayerStep:
         self._fingerprints.clear()
         self._param_versions = None
         self._draws = 0
+        self._pass_landed = set()
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""

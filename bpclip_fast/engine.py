@@ -184,6 +184,32 @@ def _to_device(batch, model):
     return batch
 
 
+def _no_check(*_):
+    return None
+
+
+class _OutsideCheck:
+    """The model's forward pre-hook calling ``PrivacyEngine._check_outside``. It holds the engine
+    weakly and pickles as a no-op, so that ``torch.save(model)`` never carries the engine (its seed)."""
+
+    def __init__(self, engine):
+        import weakref
+
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, module, args):
+        engine = self._engine()
+        if engine is not None:
+            engine._check_outside()
+
+    def __reduce__(self):
+        return (_no_check_factory, ())
+
+
+def _no_check_factory():
+    return _no_check
+
+
 class DPOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer; ``step()`` is one step of the privacy analysis (see the module docstring).
 
@@ -393,6 +419,9 @@ class PrivacyEngine:
                 if id(p) not in names:
                     problems.append(f"optimizer: a parameter of shape {tuple(p.shape)} is not part of the module; "
                                     "it would be trained without clipping or noise")
+        problems += [f"{name}: frozen, but holds a gradient from earlier training, which an optimizer would apply "
+                     "without clipping or noise; clear it first (model.zero_grad())"
+                     for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
         if problems:
             raise ValueError("make_private: the model cannot be trained privately as it is:\n  - "
                              + "\n  - ".join(problems))
@@ -419,9 +448,13 @@ class PrivacyEngine:
             st.on_refuse = self._refuse_in_forward
             st.after_backward = recorder
             st.batch_rows = self._last_rows
+            st.on_new_pass = self._check_new_pass
             layer._step = st
             self._steps_of.append(st)
         self._layers = [layer for _, layer in layers]
+        owned = {id(p) for layer in self._layers for p in layer.parameters(recurse=False)}
+        self._outside = [(name, p) for name, p in inner.named_parameters() if id(p) not in owned]
+        inner.register_forward_pre_hook(_OutsideCheck(self))
         self.noise_multiplier = sigma
         self.loss_reduction = loss_reduction
         self.nonfinite = nonfinite
@@ -483,6 +516,7 @@ class PrivacyEngine:
         self.module = module
         self._inner = inner
         self.steps = 0
+        self._taken_here = 0  # steps taken since make_private or the last load_state_dict
         self._delivered_at_step = 0
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
         self.delta = None if delta is None else float(delta)
@@ -673,6 +707,26 @@ class PrivacyEngine:
     def _last_rows(self) -> int:
         return self._counter.last_rows
 
+    def _check_new_pass(self):
+        """Before a backward pass adds to the step: at most one batch drawn since the last step (a loop
+        that never calls the private step(), or draws a second batch, stops here, charged)."""
+        drawn = self._counter.delivered - self._delivered_at_step
+        if drawn > 1:
+            self._refuse([("batches", f"{drawn} batches were drawn from the private loader since the last step "
+                           "and a backward pass was run", [])], batches=drawn)
+
+    def _check_outside(self, *_):
+        """A grad-enabled forward of the private model: no parameter outside the clipped layers may be
+        trainable (one unfrozen after make_private, maybe with an optimizer of its own, would be
+        trained on raw gradients). Checked before the forward, so no such gradient is computed."""
+        if not torch.is_grad_enabled():
+            return
+        bad = [name for name, p in self._outside if p.requires_grad]
+        if bad:
+            for _, p in self._outside:
+                p.grad = None
+            self._refuse([("unclipped-param", f"{', '.join(bad)} became trainable after make_private", bad)])
+
     def _charge(self):
         """One step of the accountant for the batch delivered last (taken or refused).
 
@@ -684,6 +738,7 @@ class PrivacyEngine:
         epoch's cost), and a second charge for the same batch is not added (same group, same σ:
         it would not change ρ)."""
         kw = dict(noise_multiplier=self.effective_noise_multiplier, sample_rate=self._accounting_rate)
+        self._taken_here += 1
         if self.poisson_sampling:
             self.accountant.step(**kw)
             return
@@ -699,10 +754,11 @@ class PrivacyEngine:
         self._delivered_at_step = self._counter.delivered
         self._arm()
 
-    def _refuse(self, problems, charged=True):
+    def _refuse(self, problems, charged=True, batches=1):
         """Discards the step's gradients, charges it (see ``bpclip_fast.boundary``) and raises."""
         if charged:
-            self._charge()
+            for _ in range(batches if self.poisson_sampling else 1):  # shuffled: _charge follows t
+                self._charge()
         self._discard(self.optimizer.original_optimizer)
         rule = problems[0][0]
         details = "; ".join(d for _, d, _ in problems)
@@ -714,6 +770,9 @@ class PrivacyEngine:
 
     def _step(self, optimizer):
         delivered = self._counter.delivered - self._delivered_at_step
+        if delivered > 1:  # the batches were drawn and may have been used: charged, one step each
+            self._refuse([("batches", f"{delivered} batches were drawn from the private data loader since the "
+                           "last step", [])], batches=delivered)
         if delivered != 1:
             self._discard(optimizer)
             raise RuntimeError(
@@ -749,15 +808,20 @@ class PrivacyEngine:
         problems = []
         clipped = {id(p) for st in self._steps_of for p in st.params}
         names = {id(p): name for name, p in self._inner.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and id(p) not in clipped:
-                    name = names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
-                    problems.append(("unclipped-param", f"{name} has a gradient but is not in a clipped layer made "
-                                     "private (frozen at make_private and unfrozen since?)", [name]))
+        outside = [(name, p) for name, p in self._outside] + [
+            (names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), p)
+            for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped]
+        for name in dict.fromkeys(name for name, p in outside if p.grad is not None):
+            problems.append(("unclipped-param", f"{name} has a gradient but is not in a clipped layer made "
+                             "private (frozen at make_private and unfrozen since?)", [name]))
         rows = self._counter.last_rows
         pending, checks, layer_problems = [], [], []
         for st in self._steps_of:
+            st.close_pass()
+            hooked = st.foreign_hooks()
+            if hooked:
+                problems.append(("grad-edit", f"gradient hooks on {', '.join(hooked)} (tensor or post-accumulate "
+                                 "hooks can rewrite a private gradient); remove them", [st.name]))
             if st.params_moved():
                 problems.append(("param-edit", f"{st.name}'s parameters changed since the step's first backward pass",
                                  [st.name]))
@@ -857,6 +921,10 @@ class PrivacyEngine:
         settings): the accountant and the batch counter continue; the noise (and Poisson sampling)
         seed is fresh from the OS unless the state holds secrets (``state_dict(include_secrets=True)``)."""
         self._require_private("load_state_dict")
+        if self._taken_here:
+            raise RuntimeError("PrivacyEngine.load_state_dict: this engine has already taken steps; loading a "
+                               "checkpoint would rewind its accountant (the steps since would not be covered). "
+                               "Resume into a fresh make_private set-up")
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"PrivacyEngine.load_state_dict: not a PrivacyEngine state (format "
                              f"{state.get('format')!r}, expected {_STATE_FORMAT!r})")

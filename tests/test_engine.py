@@ -358,13 +358,20 @@ def test_each_step_uses_exactly_one_batch():
     it = iter(loader)
     x, y = next(it)
     next(it)
-    nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="2 batches were drawn from the private data loader"):
+    # Two batches drawn: the backward is refused before it adds anything (a loop that never calls the
+    # private step stops here), charged once per batch drawn (the loop may have used both).
+    with pytest.raises(StepRefused, match="2 batches were drawn from the private loader") as err:
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert err.value.rule == "batches" and len(engine.accountant) == 2
+    with pytest.raises(RuntimeError, match="0 batches were drawn") as err:  # nothing drawn: not charged
         opt.step()
-    nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="0 batches were drawn"):
+    assert not isinstance(err.value, StepRefused)
+    assert len(engine.accountant) == 2 and all(p.grad is None for p in model.parameters())
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(StepRefused, match="2 batches were drawn") as err:  # the same at step() without backward
         opt.step()
-    assert len(engine.accountant) == 0 and all(p.grad is None for p in model.parameters())
+    assert len(engine.accountant) == 4
 
 
 # ---------------------------------------------------------------- pairing, validation, seeds

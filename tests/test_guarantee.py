@@ -578,10 +578,36 @@ def test_case7_layer_unfrozen_after_make_private_is_refused():
     model.fc1.requires_grad_(True)
     x, y = next(iter(loader))
     opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    exc = expect_refused(opt.step, "unclipped-param", "fc1 was trained without clipping or noise")
+
+    def train():
+        F.cross_entropy(model(x), y).backward()  # the new code refuses at the forward: no raw gradient exists
+        opt.step()
+    exc = expect_refused(train, "unclipped-param", "fc1 was trained without clipping or noise")
     assert_names(exc, "fc1")
     assert_charged(engine, 0, model, opt)
+
+
+def test_case7_layer_unfrozen_with_an_optimizer_of_its_own_is_refused():
+    """Discriminative fine-tuning: the backbone frozen at make_private, unfrozen later with a separate optimizer
+    (found by the attack review). Its step would release the raw gradient; the private model's forward refuses
+    before any such gradient is computed."""
+    X, Y = data()
+    model = mlp()
+    model.fc1.requires_grad_(False)
+    engine, model, opt, loader = private(model, X, Y)
+    model.fc1.requires_grad_(True)
+    opt_fc1 = torch.optim.SGD(model.fc1.parameters(), lr=1.0)
+    x, y = next(iter(loader))
+    before = model.fc1.weight.detach().clone()
+
+    def train():
+        opt.zero_grad()
+        opt_fc1.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt_fc1.step()
+        opt.step()
+    expect_refused(train, "unclipped-param", "fc1 trained by its own optimizer on raw gradients")
+    assert torch.equal(before, model.fc1.weight)
 
 
 def test_case7_parameter_appended_to_the_optimizer_after_make_private_is_refused():
@@ -675,13 +701,16 @@ def test_charged_refusals_grow_the_accountant_and_the_older_refusals_do_not():
         opt.step()
     assert StepRefused is None or not isinstance(info.value, StepRefused)
     assert len(engine.accountant) == 0
+    # Two batches drawn is charged (the loop may have used both; a loop skipping a batch because of its
+    # content would otherwise leak through the number of steps): refused at the backward, one charge per batch.
     next(iter(loader))
     x, y = next(iter(loader))
-    F.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError) as info:
+        F.cross_entropy(model(x), y).backward()
         opt.step()
-    assert StepRefused is None or not isinstance(info.value, StepRefused)
-    assert len(engine.accountant) == 0
+    assert StepRefused is not None and isinstance(info.value, StepRefused) and info.value.rule == "batches"
+    assert len(engine.accountant) == 2
+    engine.accountant.history.clear()  # the rest of this test counts from 0
     # A charged "rows" refusal, then training goes on.
     x, y = next(iter(loader))
     out = model(x)
@@ -1175,3 +1204,85 @@ def test_extra_batch_roll_between_layers_is_refused_by_the_probe():
     except ValueError:
         return
     pytest.fail("make_private accepted a model that rolls the batch dimension between two layers")
+
+
+# ---------------------------------------------------------------- found by the attack review of the new boundary
+
+
+def test_review_post_accumulate_hook_registered_before_make_private_is_refused():
+    """A value-clipping hook registered before make_private runs before the engine's own hook, which would then
+    record the edited gradient as the layer's: the first micro-batch's draw clamped, the second's sum unnoised."""
+    X, Y = data()
+    model = mlp()
+    def clamp(p):
+        p.grad.clamp_(-0.02, 0.02)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(clamp)
+    engine, model, opt, loader = private(model, X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    for xm, ym in ((x[:2], y[:2]), (x[2:], y[2:])):
+        F.cross_entropy(model(xm), ym).backward()
+    expect_refused(opt.step, "grad-edit", "a post-accumulate hook rewrote the private gradients")
+    assert_charged(engine, 0, model, opt)
+
+
+def test_review_a_pass_restricted_to_the_bias_is_refused():
+    """``backward(inputs=[fc2.bias])`` after a full pass: the bias gets every example twice (2Δ) while the
+    rows would only land on the weight."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward(inputs=[model.fc2.bias])
+    expect_refused(opt.step, "rows", "a second pass on fc2.bias only")
+    assert_charged(engine, 0, model, opt)
+
+
+def test_review_a_loop_that_never_calls_the_private_step_stops_at_its_second_batch():
+    """Manual SGD through ``p.data`` (invisible to version counters) and no ``opt.step()``: nothing would ever be
+    accounted. The backward after a second batch is refused, and both batches are charged."""
+    X, Y = data(n=8)
+    engine, model, opt, loader = private(mlp(), X, Y, batch_size=4)
+    it = iter(loader)
+    x, y = next(it)
+    F.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        p.data.sub_(p.grad)
+        p.grad = None
+    x, y = next(it)
+    with pytest.raises(RuntimeError) as info:
+        F.cross_entropy(model(x), y).backward()
+    assert StepRefused is not None and isinstance(info.value, StepRefused) and info.value.rule == "batches"
+    assert len(engine.accountant) == 2
+
+
+def test_review_rebinding_p_data_between_passes_is_refused():
+    """``p.data = p.data - g`` between two backward passes of one step (a SAM-like perturbation)."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        p.data = p.data - p.grad
+    opt.zero_grad()
+
+    def second():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    expect_refused(second, "param-edit", "weights moved between the passes of a step")
+    assert len(engine.accountant) == 1
+
+
+def test_review_loading_a_checkpoint_into_an_engine_that_has_stepped_is_refused():
+    """Rolling a running engine back to an older checkpoint would rewind ε over steps already released."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    state = opt.state_dict()
+    legit_step(model, opt, loader)
+    with pytest.raises(RuntimeError, match="already taken steps"):
+        opt.load_state_dict(state)
+    assert len(engine.accountant) == 1
