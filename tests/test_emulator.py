@@ -315,12 +315,12 @@ MUTANTS = {
     "reduction_forgets_chunk_tail": ("clip_kernels.cuh", "for (int64_t j = lane; j < len; j += kWarpSize)",
                                      "for (int64_t j = lane; j < len - 1; j += kWarpSize)"),
     "scale_tile_runs_into_next_row": ("clip_kernels.cuh",
-                                      "const int64_t hi = min64(lo + kScaleTile, (b + 1) * N);\n  const acc_t f",
-                                      "const int64_t hi = lo + kScaleTile;\n  const acc_t f"),
+                                      "const int64_t hi = min64(lo + kScaleTile, (b + 1) * N);\n  const fac_t f",
+                                      "const int64_t hi = lo + kScaleTile;\n  const fac_t f"),
     "half_rounds_toward_zero": ("dtypes.cuh", "return __float2half_rn(v);", "return __float2half_rz(v);"),
     "noise_writes_past_the_end": ("noise_kernels.cuh", "if (base + l >= n) break;", "if (base + l > n) break;"),
-    "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<acc_t>, warp_blocks(r.B),",
-                                  "launch(finalize_rows_kernel<acc_t>, r.B / kWarpsPerBlock,"),
+    "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<fac_t>, warp_blocks(r.B),",
+                                  "launch(finalize_rows_kernel<fac_t>, r.B / kWarpsPerBlock,"),
 }
 
 

@@ -116,12 +116,17 @@ def test_nonfinite_example_is_zeroed_and_counted(device, dtype, bad):
     assert torch.isfinite(out).all() and (out[2] == 0).all() and c.item() == 3
 
 
-def test_norm_overflow_counts_as_nonfinite(device):
-    x = torch.full((2, 4), 1e30, device=device)  # finite entries whose squares overflow fp32
+def test_huge_finite_row_is_clipped_not_dropped(device):
+    # Entries whose squares overflow fp32: the norm accumulates in fp64, so the row is finite,
+    # clipped normally and not counted (it used to be dropped as "non-finite": a side channel).
+    x = torch.full((2, 4), 1e30, device=device)
     x[0] = 1.0
     c = counter(device)
-    out, f, _ = _ops.clip_rows(x, c, 1.0, "l2", "clip", 0.01)
-    assert f[1].item() == 0 and (out[1] == 0).all() and c.item() == 1
+    out, f, n = _ops.clip_rows(x, c, 1.0, "l2", "clip", 0.01)
+    assert c.item() == 0
+    assert n[1].item() == pytest.approx(2e30, rel=1e-7)
+    assert f[1].item() == pytest.approx(0.5e-30, rel=1e-6) and torch.isfinite(out).all()
+    assert out[1].double().norm().item() <= 1.0
 
 
 def jvp_reference(x, g, bound, clip_fn, gamma=0.01):
@@ -341,6 +346,8 @@ def _opcheck_cases(device):
         (OPS.clip_rows, (x, c.clone(), 1.0, "l15", "clip", 0.01)),
         (OPS.clip_rows, (xl, c.clone(), 1.0, "l2", "normalize", 0.01)),
         (OPS.clip_rows_backward, (torch.randn_like(x), xc, f, n, 1.0, "clip")),
+        (OPS.scale_rows, (x, f)),
+        (OPS.scale_rows, (xl.half(), fl)),
         (OPS.philox_noise_, (torch.zeros(10, device=device), 1, 2, 0.5, False)),
         (OPS.philox_noise_, (torch.zeros(10, device=device), 1, 2, 0.5, True)),
         (OPS.linear_forward, (xl, wl, bl, c.clone(), 1.0, "clip", 0.01)),

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bpclip_fast/bits.h"
 #include "bpclip_fast/macros.h"
 
 namespace bpclip {
@@ -48,18 +49,6 @@ BPCLIP_HD inline U4 philox_block(uint64_t seed, uint64_t offset, uint64_t block)
 // Branch-free float log and sin/cos (Cephes-style minimax polynomials, about 1 ulp), written so
 // that a compiler can vectorise a loop of them, and shared by both backends so that the CPU and
 // CUDA streams agree to rounding (the only difference left is FMA contraction).
-BPCLIP_HD inline uint32_t float_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-BPCLIP_HD inline float bits_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // log(x) for a positive normal float x.
 BPCLIP_HD inline float log_pos(float x) {
   const uint32_t bits = float_bits(x);
