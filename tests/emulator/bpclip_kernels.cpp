@@ -55,7 +55,25 @@ std::vector<double> poisoned(int64_t n) { return std::vector<double>(static_cast
 
 }  // namespace
 
+// Test-only: Box-Muller (bpclip_fast/philox.h) as device code, on caller-chosen words (hi, lo,
+// angle) per pair, so that the Gaussian tail's extreme value (radius words 0, which no Philox output
+// can be found to give) is checked in the emulated device build too.
+namespace bpclip_test {
+
+__global__ void box_muller_probe_kernel(const uint32_t* words, int64_t pairs, float* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= pairs) return;
+  bpclip::box_muller(words[3 * i], words[3 * i + 1], words[3 * i + 2], &out[2 * i], &out[2 * i + 1]);
+}
+
+}  // namespace bpclip_test
+
 extern "C" {
+
+int simt_box_muller_probe(const uint32_t* words, int64_t pairs, float* out) {
+  launch(bpclip_test::box_muller_probe_kernel, (pairs + 63) / 64, 64, words, pairs, out);
+  return simt::has_error() ? 1 : 0;
+}
 
 int simt_clip_rows(int dtype, const void* x, int64_t B, int64_t N, int64_t G, int64_t S, int l15, double bound,
                    int fn, double gamma, void* out, void* factor, void* norm, int64_t* nonfinite) {

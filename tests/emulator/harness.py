@@ -146,6 +146,7 @@ class Simt:
         lib.simt_clip_rows.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp]
         lib.simt_clip_rows_backward.argtypes = [i32, vp, vp, vp, vp, i64, i64, dbl, i32, vp]
         lib.simt_scale_rows.argtypes = [i32, vp, vp, i64, i64, vp]
+        lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
         lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
@@ -187,6 +188,13 @@ class Simt:
         N = g[0].numel() if B else 0
         self.call("simt_clip_rows_backward", DTYPES[g.dtype], _ptr(g), _ptr(xc), _ptr(factor), _ptr(norm), B, N,
                   bound, CLIP_FNS[clip_fn], _ptr(out))
+
+    def box_muller(self, words: torch.Tensor) -> torch.Tensor:
+        """philox.h's box_muller run as emulated device code on [pairs, 3] uint32 words (as int64)."""
+        w = words.to(torch.int64).to(torch.int32).contiguous()  # the bit patterns, 32 bits each
+        out = torch.full((w.shape[0], 2), float("nan"))
+        self.call("simt_box_muller_probe", _ptr(w), w.shape[0], _ptr(out))
+        return out
 
     def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256):
         self.call("simt_philox_noise", DTYPES[buf.dtype], _ptr(buf), n, seed, offset, std, int(accumulate), blocks,
