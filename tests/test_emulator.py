@@ -81,6 +81,21 @@ def test_clip_rows(sim, request, norm, shape, dtype, clip_fn):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("shape", L2_SHAPES, ids=str)
+def test_scale_rows(sim, request, shape, dtype):
+    # The backward's rebuild of the clipped input: RZ(factor * x) per row, bit for bit with the CPU
+    # op; factors above 1 (normalize), below, and 0 (a dropped row: zeros whatever x holds).
+    _schedule(sim, request)
+    x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
+    gen = torch.Generator().manual_seed(len(request.node.nodeid))
+    factor = (torch.rand(shape[0], generator=gen, dtype=torch.float64) * 3).to(harness.acc_dtype(dtype))
+    if shape[0] > 2:
+        factor[1] = 0
+        factor[0] = 0
+    assert harness.compare_scale_rows(sim, x, factor) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", L2_SHAPES, ids=str)
 @pytest.mark.parametrize("clip_fn", ["clip", "global", "normalize"])
 def test_clip_rows_backward(sim, request, shape, dtype, clip_fn):
     _schedule(sim, request)
@@ -339,25 +354,3 @@ def test_planted_bug_in_real_kernels_is_caught(sim, mutant, tmp_path):
     sim.schedule("random", 11)
     assert harness.sweep(sim) == []
 
-
-# ---- the Gaussian tail, in the emulated device build ---------------------------------------------
-
-def test_box_muller_tail_in_device_code(sim):
-    """Radius words 0 give the construction's largest |z|, sqrt(2 ln 2^65) = sqrt(130 ln 2) = 9.4926,
-    in the device build of philox.h as in the host build (tests/cpp/test_philox.cpp); no Philox output
-    can be found that gives them, so the words are supplied directly."""
-    import math
-    sim.schedule("in_order", 0)
-    words = torch.tensor([[0, 0, 0], [0, 0, 0x40000000], [0, 1, 0], [1, 0, 0],
-                          [0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF], [0x80000000, 0, 0x20000000]], dtype=torch.int64)
-    z = sim.box_muller(words).double()
-    zmax = math.sqrt(130 * math.log(2))
-    assert z[0, 0].item() == pytest.approx(zmax, rel=1e-6) and z[0, 1].item() == 0.0
-    assert abs(z[1, 0].item()) < 1e-5 and z[1, 1].item() == pytest.approx(zmax, rel=1e-6)
-    assert z[2, 0].item() == pytest.approx(math.sqrt(-2 * math.log(1.5 * 2.0 ** -64)), rel=1e-6)
-    assert z[3, 0].item() == pytest.approx(math.sqrt(-2 * math.log(2.0 ** -32)), rel=1e-6)
-    assert z[4].abs().max().item() < 1e-3
-    r = math.sqrt(-2 * math.log(0.5))  # u1 = 1/2, angle 1/8 turn
-    assert z[5, 0].item() == pytest.approx(r / math.sqrt(2), rel=1e-6)
-    assert z[5, 1].item() == pytest.approx(r / math.sqrt(2), rel=1e-6)
-    assert z.abs().max().item() <= zmax * (1 + 1e-6)
