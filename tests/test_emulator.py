@@ -88,9 +88,8 @@ def test_scale_rows(sim, request, shape, dtype):
     x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
     gen = torch.Generator().manual_seed(len(request.node.nodeid))
     factor = (torch.rand(shape[0], generator=gen, dtype=torch.float64) * 3).to(harness.acc_dtype(dtype))
-    if shape[0] > 2:
-        factor[1] = 0
-        factor[0] = 0
+    if shape[0] > 2:  # rows 0 and 1 hold a NaN and an Inf, scaled as any value; row 2 is dropped
+        factor[2] = 0
     assert harness.compare_scale_rows(sim, x, factor) == []
 
 
