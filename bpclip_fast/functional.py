@@ -66,8 +66,9 @@ class _ClippedConv2d(torch.autograd.Function):
 def _reclip(x, factor):
     """The clipped input ``x̃ = RZ(s·x)`` again, bit for bit as ``clip_rows`` wrote it in the forward:
     ``scale_rows`` runs the same element function (the exact product rounded toward zero to x's
-    dtype, zeros where ``s = 0`` whatever ``x`` holds; csrc/include/bpclip_fast/clip.h), one pass
-    into a row-major buffer (the layout clip_rows wrote), whatever the layout of x.
+    dtype, zeros where ``s = 0`` whatever ``x`` holds; csrc/include/bpclip_fast/clip.h), in one pass
+    into a row-major buffer (the layout clip_rows wrote; a non-contiguous x is made contiguous
+    first, as clip_rows did in the forward).
 
     Why recompute rather than save ``x̃``: the layer's input ``x`` is usually saved anyway by the op
     that produced it (tanh and ReLU save their output), so saving ``x`` costs nothing, while ``x̃`` is
