@@ -102,7 +102,7 @@ bool has_fma() {
 void scale_f32(const float* x, float f, float* out, int64_t n) {
 #ifdef BPCLIP_SCALE_FMA
   static const bool fma = has_fma();
-  if (fma) {
+  if (fma && std::fabs(f) <= 3.40282347e38f) {  // (a non-finite factor, only through scale_rows: portable)
     if (scale_f32_fma(x, f, out, n)) scale_f32_portable(x, f, out, n);
     return;
   }
