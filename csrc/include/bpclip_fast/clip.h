@@ -29,6 +29,8 @@
 //         exact in double (48 <= 53 bits; exponents within [-298, 256]), then rounded toward zero
 //         to T (scale_rz_* below); for fp64, RZ_f64 of the exact product (scale_rz_f64). Hence
 //         |x~_e| <= s |x_e| for every entry, subnormals and overflow (RZ saturates) included.
+//         (The CPU's fp32 loop computes the same RZ from a float product and its exact fma
+//         residual where the CPU has FMA: csrc/cpu/clip_cpu.cpp, scale_f32.)
 //
 // (a) The norm. Each square x_e^2 is exact in double for fp32/fp16/bf16 (an fp32 square has 48
 //     significant bits and lies in [2^-298, 2^256]); |x_e| is exact. A sum of non-negative terms
@@ -64,7 +66,7 @@
 // the double accumulation.
 // The stored norm is RN_f32(n^) for fp32/fp16/bf16 data: +Inf when n^ exceeds FLT_MAX (entries
 // within a factor sqrt(N) of FLT_MAX). Such a row is finite, clipped normally and not counted;
-// clip_jvp_kappa recovers its norm from the factor.
+// clip_jvp_coef recovers its norm from the factor.
 #pragma once
 
 #include <math.h>
