@@ -43,6 +43,10 @@ if _LOAD_ERROR is None:
             x.new_empty((b,), dtype=_acc_dtype(x)),
         )
 
+    @torch.library.register_fake("bpclip_fast::scale_rows")
+    def _scale_rows_fake(x, factor):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("bpclip_fast::clip_rows_backward")
     def _clip_rows_backward_fake(grad, clipped, factor, norm, bound, clip_fn):
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
@@ -101,6 +105,12 @@ def build_config() -> dict:
 def clip_rows(x, nonfinite, bound, norm="l2", clip_fn="clip", gamma=0.01):
     """Per-example clipping: returns (clipped, factor, norm)."""
     return torch.ops.bpclip_fast.clip_rows(x, nonfinite, float(bound), norm, clip_fn, float(gamma))
+
+
+def scale_rows(x, factor):
+    """``RZ(factor[b]·x[b])`` per example, rounded toward zero to x's dtype (zeros where the factor is
+    0): exactly what ``clip_rows`` wrote for that factor."""
+    return torch.ops.bpclip_fast.scale_rows(x, factor)
 
 
 def clip_rows_backward(grad, clipped, factor, norm, bound, clip_fn="clip"):

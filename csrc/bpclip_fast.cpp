@@ -26,11 +26,17 @@ std::string build_config() {
 
 TORCH_LIBRARY(bpclip_fast, m) {
   // Per-example clipping: norm ('l2' over all non-batch dims, or 'l15' over [B,C,H,W]), factor
-  // ('clip' | 'global' | 'normalize') and scaling. Returns (clipped, factor, norm); factor and norm
-  // are fp32 (fp64 for fp64 data). Non-finite examples get factor 0 and increment `nonfinite`.
+  // ('clip' | 'global' | 'normalize') and scaling, computed in double and clipped against
+  // bound * (1 - eta_N) so that the stored values obey the bound after rounding (proof:
+  // csrc/include/bpclip_fast/clip.h). Returns (clipped, factor, norm); factor and norm are fp32
+  // (fp64 for fp64 data). Non-finite examples get factor 0 and increment `nonfinite`.
   m.def(
       "clip_rows(Tensor x, Tensor(a!) nonfinite, float bound, str norm, str clip_fn, float gamma)"
       " -> (Tensor, Tensor, Tensor)");
+  // The scaling step of clip_rows alone: x~ = RZ(factor[b] * x[b]) per example (rounded toward zero
+  // to x's dtype; zeros where factor[b] == 0), bit for bit what clip_rows wrote for that factor.
+  // The layer backward rebuilds the clipped input from the saved x and factor with it.
+  m.def("scale_rows(Tensor x, Tensor factor) -> Tensor");
   // Exact vector-Jacobian product of x -> x * s(x) (L2 input clipping), from the saved forward.
   m.def(
       "clip_rows_backward(Tensor grad, Tensor clipped, Tensor factor, Tensor norm, float bound, str clip_fn)"

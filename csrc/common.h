@@ -46,7 +46,8 @@ inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const ch
               b.device());
 }
 
-// The per-example factors and norms are kept in the accumulation type: fp32, or fp64 for fp64 data.
+// The per-example factors and norms are stored as fp32, or fp64 for fp64 data (the reductions and
+// the factor computation themselves are double for every dtype: bpclip_fast/clip.h).
 inline at::ScalarType acc_type_of(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -90,6 +91,16 @@ inline int check_clip_backward_args(const at::Tensor& grad, const at::Tensor& cl
   TORCH_CHECK(factor.scalar_type() == acc_type_of(grad) && norms.scalar_type() == acc_type_of(grad),
               "bpclip_fast.clip_rows_backward: factor and norm must be ", acc_type_of(grad));
   return parse_clip_fn(clip_fn);
+}
+
+inline void check_scale_rows_args(const at::Tensor& x, const at::Tensor& factor) {
+  check_float_tensor(x, "x");
+  TORCH_CHECK(x.dim() >= 1, "bpclip_fast.scale_rows: x needs a batch dimension");
+  check_same_device(x, factor, "x", "factor");
+  TORCH_CHECK(factor.dim() == 1 && factor.numel() == x.size(0), "bpclip_fast.scale_rows: factor needs ", x.size(0),
+              " entries (one per example), got shape ", factor.sizes());
+  TORCH_CHECK(factor.scalar_type() == acc_type_of(x), "bpclip_fast.scale_rows: factor must be ", acc_type_of(x),
+              " for ", x.scalar_type(), " data, got ", factor.scalar_type());
 }
 
 inline void check_noise_args(const at::Tensor& buf, double stdv) {

@@ -81,6 +81,20 @@ def test_clip_rows(sim, request, norm, shape, dtype, clip_fn):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("shape", L2_SHAPES, ids=str)
+def test_scale_rows(sim, request, shape, dtype):
+    # The backward's rebuild of the clipped input: RZ(factor * x) per row, bit for bit with the CPU
+    # op; factors above 1 (normalize), below, and 0 (a dropped row: zeros whatever x holds).
+    _schedule(sim, request)
+    x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
+    gen = torch.Generator().manual_seed(len(request.node.nodeid))
+    factor = (torch.rand(shape[0], generator=gen, dtype=torch.float64) * 3).to(harness.acc_dtype(dtype))
+    if shape[0] > 2:  # rows 0 and 1 hold a NaN and an Inf, scaled as any value; row 2 is dropped
+        factor[2] = 0
+    assert harness.compare_scale_rows(sim, x, factor) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", L2_SHAPES, ids=str)
 @pytest.mark.parametrize("clip_fn", ["clip", "global", "normalize"])
 def test_clip_rows_backward(sim, request, shape, dtype, clip_fn):
     _schedule(sim, request)
@@ -315,12 +329,12 @@ MUTANTS = {
     "reduction_forgets_chunk_tail": ("clip_kernels.cuh", "for (int64_t j = lane; j < len; j += kWarpSize)",
                                      "for (int64_t j = lane; j < len - 1; j += kWarpSize)"),
     "scale_tile_runs_into_next_row": ("clip_kernels.cuh",
-                                      "const int64_t hi = min64(lo + kScaleTile, (b + 1) * N);\n  const acc_t f",
-                                      "const int64_t hi = lo + kScaleTile;\n  const acc_t f"),
+                                      "const int64_t hi = min64(lo + kScaleTile, (b + 1) * N);\n  const fac_t f",
+                                      "const int64_t hi = lo + kScaleTile;\n  const fac_t f"),
     "half_rounds_toward_zero": ("dtypes.cuh", "return __float2half_rn(v);", "return __float2half_rz(v);"),
     "noise_writes_past_the_end": ("noise_kernels.cuh", "if (base + l >= n) break;", "if (base + l > n) break;"),
-    "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<acc_t>, warp_blocks(r.B),",
-                                  "launch(finalize_rows_kernel<acc_t>, r.B / kWarpsPerBlock,"),
+    "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<fac_t>, warp_blocks(r.B),",
+                                  "launch(finalize_rows_kernel<fac_t>, r.B / kWarpsPerBlock,"),
 }
 
 
@@ -338,3 +352,4 @@ def test_planted_bug_in_real_kernels_is_caught(sim, mutant, tmp_path):
     # Taken out again (the real kernels), the same sweep is clean.
     sim.schedule("random", 11)
     assert harness.sweep(sim) == []
+

@@ -76,3 +76,17 @@ def test_noise_device_agrees_with_emulator(sim, dtype, accumulate):
     dbuf = start.cuda() if accumulate else torch.zeros(n, dtype=dtype, device="cuda")
     torch.ops.bpclip_fast.philox_noise_(dbuf, 77, 12 << 20, 0.8, accumulate)
     _close(dbuf, buf, max(TOL[dtype], 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_rows_device_agrees_with_emulator_bit_for_bit(sim, dtype):
+    # RZ(factor * x) has no a*b+c to contract: the device, the emulator and the CPU agree bit for bit.
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(7, 5000, generator=gen) * 10).to(dtype)
+    factor = (torch.rand(7, generator=gen, dtype=torch.float64) * 2).to(harness.acc_dtype(dtype))
+    factor[3] = 0
+    out = torch.full_like(x, float("nan"))
+    sim.scale_rows(x, factor, out)
+    dout = torch.ops.bpclip_fast.scale_rows(x.cuda(), factor.cuda()).cpu()
+    assert torch.equal(harness._bits(dout), harness._bits(out))
+    assert torch.equal(harness._bits(dout), harness._bits(torch.ops.bpclip_fast.scale_rows(x, factor)))

@@ -116,12 +116,17 @@ def test_nonfinite_example_is_zeroed_and_counted(device, dtype, bad):
     assert torch.isfinite(out).all() and (out[2] == 0).all() and c.item() == 3
 
 
-def test_norm_overflow_counts_as_nonfinite(device):
-    x = torch.full((2, 4), 1e30, device=device)  # finite entries whose squares overflow fp32
+def test_huge_finite_row_is_clipped_not_dropped(device):
+    # Entries whose squares overflow fp32: the norm accumulates in fp64, so the row is finite,
+    # clipped normally and not counted (it used to be dropped as "non-finite": a side channel).
+    x = torch.full((2, 4), 1e30, device=device)
     x[0] = 1.0
     c = counter(device)
-    out, f, _ = _ops.clip_rows(x, c, 1.0, "l2", "clip", 0.01)
-    assert f[1].item() == 0 and (out[1] == 0).all() and c.item() == 1
+    out, f, n = _ops.clip_rows(x, c, 1.0, "l2", "clip", 0.01)
+    assert c.item() == 0
+    assert n[1].item() == pytest.approx(2e30, rel=1e-7)
+    assert f[1].item() == pytest.approx(0.5e-30, rel=1e-6) and torch.isfinite(out).all()
+    assert out[1].double().norm().item() <= 1.0
 
 
 def jvp_reference(x, g, bound, clip_fn, gamma=0.01):
@@ -183,32 +188,51 @@ def test_philox_matches_known_answer_via_uniforms():
     assert philox([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     assert philox([mask] * 4, [mask, mask]) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
 
-    def box_muller(a, b):
-        u1 = min(float(torch.tensor(a, dtype=torch.float64).float()) * 2.0 ** -32 + 2.0 ** -33, 1.0)
-        u2 = (b >> 8) * 2.0 ** -24
+    import numpy as np
+
+    f32 = np.float32
+
+    def radius_uniform(hi, lo):
+        # philox.h's float evaluation of (hi 2^32 + lo + 1/2) 2^-64, step by step in float32
+        a = f32(hi >> 1) * f32(2.0 ** -31) + f32(hi & 1) * f32(2.0 ** -32)
+        b = f32(lo >> 1) * f32(2.0 ** -63) + f32(lo & 1) * f32(2.0 ** -64)
+        u1 = float(a + (b + f32(2.0 ** -65)))
+        assert abs(u1 - (hi * 2.0 ** 32 + lo + 0.5) * 2.0 ** -64) <= 2.0 ** -22 * u1  # full relative precision
+        return min(u1, 1.0)
+
+    def box_muller(hi, lo, angle):
+        u1 = radius_uniform(hi, lo)
+        u2 = (angle >> 8) * 2.0 ** -24
         r = math.sqrt(-2.0 * math.log(u1))
         return r * math.cos(2 * math.pi * u2), r * math.sin(2 * math.pi * u2)
 
     seed, offset = 0x0123456789ABCDEF, (5 << 20) | (3 << 1)
-    # 35 counter blocks: two full batches of the vectorised path (16 blocks each), then a ragged tail
-    buf = torch.zeros(139)
+    # 37 groups of 8 normals: two full batches of the vectorised path (16 groups each), then a
+    # ragged tail. Group g draws the counter blocks g, g + 2^62, g + 2^63.
+    n = 37 * 8 - 5
+    buf = torch.zeros(n)
     _ops.philox_noise_(buf, seed, offset, 1.0, False)
     expect = []
-    for blk in range(35):
-        w = philox([blk & mask, blk >> 32, offset & mask, offset >> 32], [seed & mask, seed >> 32])
-        expect += [*box_muller(w[0], w[1]), *box_muller(w[2], w[3])]
-    torch.testing.assert_close(buf.double(), torch.tensor(expect[:139], dtype=torch.float64), rtol=2e-6, atol=2e-6)
+    for g in range(37):
+        b0, b1, b2 = (philox([blk & mask, blk >> 32, offset & mask, offset >> 32], [seed & mask, seed >> 32])
+                      for blk in (g, g + 2 ** 62, g + 2 ** 63))
+        expect += [*box_muller(b0[0], b0[1], b2[0]), *box_muller(b0[2], b0[3], b2[1]),
+                   *box_muller(b1[0], b1[1], b2[2]), *box_muller(b1[2], b1[3], b2[3])]
+    torch.testing.assert_close(buf.double(), torch.tensor(expect[:n], dtype=torch.float64), rtol=2e-6, atol=2e-6)
 
 
-def test_cpu_noise_is_the_same_with_and_without_the_avx512_philox(tmp_path):
-    """The AVX-512 Philox rounds (chosen at load time where the CPU has them) and the portable lane
-    loops (BPCLIP_NO_AVX512=1) must give the same bits: a seed means one stream on every machine."""
+def test_cpu_noise_is_the_same_for_every_philox_version(tmp_path):
+    """The AVX-512 and AVX2 Philox rounds (the best one the CPU has is chosen at load time) and the
+    portable lane loops (BPCLIP_PHILOX=portable, or BPCLIP_NO_AVX512=1) must give the same bits: a
+    seed means one stream on every machine. (Versions the CPU lacks fall back to the next one.)"""
     import os
     import subprocess
     import sys
 
     script = (
-        "import sys, torch, bpclip_fast\n"
+        "import sys, torch\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "import bpclip_fast\n"
         "from bpclip_fast import _ops\n"
         "torch.set_num_threads(2)\n"
         "a = torch.zeros(300_007)\n"
@@ -216,17 +240,21 @@ def test_cpu_noise_is_the_same_with_and_without_the_avx512_philox(tmp_path):
         "b = torch.ones(70_001)\n"
         "_ops.philox_noise_(b, 7, (1 << 33) + 5, 0.25, True)\n"
         "torch.save([a, b], sys.argv[1])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outs = []
-    for flag in ("0", "1"):
-        path = tmp_path / f"noise{flag}.pt"
-        env = dict(os.environ, BPCLIP_NO_AVX512=flag)
-        proc = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
-                              timeout=120)
+    for i, env_extra in enumerate([{}, {"BPCLIP_PHILOX": "avx2"}, {"BPCLIP_PHILOX": "portable"},
+                                   {"BPCLIP_NO_AVX512": "1"}]):
+        path = tmp_path / f"noise{i}.pt"
+        env = {k: v for k, v in os.environ.items() if k not in ("BPCLIP_PHILOX", "BPCLIP_NO_AVX512")}
+        env.update(env_extra)
+        proc = subprocess.run([sys.executable, "-c", script, str(path), root], env=env, capture_output=True,
+                              text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         outs.append(torch.load(path))
-    for fast, portable in zip(*outs):
-        assert torch.equal(fast, portable)
-        assert fast.std() > 0.2
+    for other in outs[1:]:
+        for fast, portable in zip(outs[0], other):
+            assert torch.equal(fast, portable)
+            assert fast.std() > 0.2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -341,6 +369,8 @@ def _opcheck_cases(device):
         (OPS.clip_rows, (x, c.clone(), 1.0, "l15", "clip", 0.01)),
         (OPS.clip_rows, (xl, c.clone(), 1.0, "l2", "normalize", 0.01)),
         (OPS.clip_rows_backward, (torch.randn_like(x), xc, f, n, 1.0, "clip")),
+        (OPS.scale_rows, (x, f)),
+        (OPS.scale_rows, (xl.half(), fl)),
         (OPS.philox_noise_, (torch.zeros(10, device=device), 1, 2, 0.5, False)),
         (OPS.philox_noise_, (torch.zeros(10, device=device), 1, 2, 0.5, True)),
         (OPS.linear_forward, (xl, wl, bl, c.clone(), 1.0, "clip", 0.01)),

@@ -16,7 +16,8 @@ constexpr int64_t kMaxNoiseBlocks = 65536;
 template <typename T>
 void philox_noise_device(T* buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, bool accumulate) {
   if (n <= 0) return;
-  const int64_t blocks_needed = ((n + 3) / 4 + kNoiseThreads - 1) / kNoiseThreads;
+  const int64_t groups = (n + kNormalsPerGroup - 1) / kNormalsPerGroup;
+  const int64_t blocks_needed = (groups + kNoiseThreads - 1) / kNoiseThreads;
   const int64_t blocks = blocks_needed < kMaxNoiseBlocks ? blocks_needed : kMaxNoiseBlocks;
   launch(philox_noise_kernel<T>, blocks, kNoiseThreads, buf, n, seed, offset, stdv, accumulate ? 1 : 0);
 }

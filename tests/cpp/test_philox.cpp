@@ -1,11 +1,14 @@
 // Dependency-free check of csrc/include/bpclip_fast/philox.h (no torch, no test framework):
 //   * Philox4x32-10 against the Random123 known-answer vectors (kat_vectors, "philox4x32 10"),
 //   * philox_block's documented counter/key layout,
-//   * Box-Muller normals: finite, inside the documented 6.8-sigma tail, plausible moments.
+//   * the radius uniform and the Box-Muller extremes (the largest |z|, sqrt(130 ln 2) = 9.4926),
+//   * the group layout (8 normals from the blocks g, g + 2^62, g + 2^63), plausible moments.
 // Exit status 0 iff every check passed; prints "test_philox: N passed, M failed".
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+
+#include <initializer_list>
 
 #include "bpclip_fast/philox.h"
 
@@ -59,24 +62,60 @@ int main() {
     check(eq(bpclip::philox_block(seed, offset, block), e), "philox_block counter/key layout");
   }
 
-  // Box-Muller extremes: a = 0 gives the largest radius sqrt(2*33*ln 2) ~ 6.77; a = ~0 gives 0.
+  // The radius uniform: (hi 2^32 + lo + 1/2) 2^-64, exactly 2^-65 at the bottom, full relative
+  // precision near 0, and monotone across the word boundary.
+  {
+    check(bpclip::radius_uniform(0u, 0u) == 0x1p-65f, "radius_uniform(0, 0) = 2^-65");
+    check(bpclip::radius_uniform(0u, 1u) == 1.5f * 0x1p-64f, "radius_uniform(0, 1) = 1.5 2^-64");
+    check(bpclip::radius_uniform(0u, 0xffffffffu) == 0x1p-32f, "radius_uniform(0, ~0) = 2^-32 (rounded)");
+    check(bpclip::radius_uniform(1u, 0u) == 0x1p-32f, "radius_uniform(1, 0) = 2^-32 (rounded)");
+    check(bpclip::radius_uniform(0xffffffffu, 0xffffffffu) == 1.0f, "radius_uniform(~0, ~0) rounds to 1");
+    bool close = true;
+    for (uint32_t lo : {1u, 7u, 12345u, 0x80000000u, 0xfffffffeu}) {
+      const double exact = (static_cast<double>(lo) + 0.5) * 0x1p-64;
+      close = close && fabs(bpclip::radius_uniform(0u, lo) - exact) <= 0x1p-23 * exact;
+    }
+    check(close, "radius_uniform keeps full relative precision near 0");
+  }
+
+  // Box-Muller extremes: radius words 0 give the largest radius sqrt(2 ln 2^65) = sqrt(130 ln 2)
+  // = 9.4926 (angle word 0: all of it on z0); radius words ~0 give 0.
   {
     float z0, z1;
-    bpclip::box_muller(0u, 0u, &z0, &z1);
-    check(isfinite(z0) && isfinite(z1) && fabsf(z0 - sqrtf(66.0f * logf(2.0f))) < 1e-3f && fabsf(z1) < 1e-6f,
-          "box_muller(0, 0) = (6.77, 0)");
-    bpclip::box_muller(0xffffffffu, 0xffffffffu, &z0, &z1);
-    check(isfinite(z0) && isfinite(z1) && fabsf(z0) <= 1e-3f && fabsf(z1) <= 1e-3f, "box_muller(~0, ~0) ~ 0");
+    bpclip::box_muller(0u, 0u, 0u, &z0, &z1);
+    check(isfinite(z0) && isfinite(z1) && fabs(z0 - sqrt(130.0 * log(2.0))) < 1e-5 && fabsf(z1) < 1e-6f,
+          "box_muller(0, 0 | 0) = (9.4926, 0)");
+    printf("test_philox: largest |z| = %.6f (sqrt(130 ln 2) = %.6f)\n", z0, sqrt(130.0 * log(2.0)));
+    bpclip::box_muller(0u, 0u, 0x40000000u, &z0, &z1);  // angle 1/4 turn: all of it on z1
+    check(fabsf(z0) < 1e-5f && fabs(z1 - sqrt(130.0 * log(2.0))) < 1e-5, "box_muller(0, 0 | 1/4) = (0, 9.4926)");
+    bpclip::box_muller(0xffffffffu, 0xffffffffu, 0xffffffffu, &z0, &z1);
+    check(isfinite(z0) && isfinite(z1) && fabsf(z0) <= 1e-3f && fabsf(z1) <= 1e-3f, "box_muller(~0, ~0 | ~0) ~ 0");
+  }
+
+  // The group layout: group g uses blocks g, g + 2^62, g + 2^63 and the documented pairing.
+  {
+    const uint64_t seed = 0x0123456789abcdefull, offset = 77, g = 0x1234567890ull;
+    const bpclip::U4 b0 = bpclip::philox_block(seed, offset, g), b1 = bpclip::philox_block(seed, offset, g + (1ull << 62)),
+                     b2 = bpclip::philox_block(seed, offset, g + (2ull << 62));
+    float z[8], e[8];
+    bpclip::philox_normal8(seed, offset, g, z);
+    bpclip::box_muller(b0.x, b0.y, b2.x, &e[0], &e[1]);
+    bpclip::box_muller(b0.z, b0.w, b2.y, &e[2], &e[3]);
+    bpclip::box_muller(b1.x, b1.y, b2.z, &e[4], &e[5]);
+    bpclip::box_muller(b1.z, b1.w, b2.w, &e[6], &e[7]);
+    bool same = true;
+    for (int i = 0; i < 8; ++i) same = same && z[i] == e[i];
+    check(same, "philox_normal8 layout");
   }
 
   // Moments of 2^22 normals from one stream (deterministic; tolerances are ~5 standard errors).
   {
-    const uint64_t n_blocks = 1u << 20;
+    const uint64_t n_groups = 1u << 19;
     double s1 = 0.0, s2 = 0.0, s4 = 0.0, max_abs = 0.0;
     bool finite = true;
-    for (uint64_t b = 0; b < n_blocks; ++b) {
-      float z[4];
-      bpclip::philox_normal4(12345u, 7u, b, z);
+    for (uint64_t g = 0; g < n_groups; ++g) {
+      float z[8];
+      bpclip::philox_normal8(12345u, 7u, g, z);
       for (float v : z) {
         finite = finite && isfinite(v);
         const double d = v;
@@ -86,13 +125,13 @@ int main() {
         if (fabs(d) > max_abs) max_abs = fabs(d);
       }
     }
-    const double n = 4.0 * n_blocks, mean = s1 / n, var = s2 / n - mean * mean, kurt = s4 / n;
+    const double n = 8.0 * n_groups, mean = s1 / n, var = s2 / n - mean * mean, kurt = s4 / n;
     printf("test_philox: %.0f normals: mean %.5f var %.5f E[z^4] %.4f max|z| %.3f\n", n, mean, var, kurt, max_abs);
     check(finite, "normals finite");
     check(fabs(mean) < 5.0 * sqrt(1.0 / n), "normal mean ~ 0");
     check(fabs(var - 1.0) < 5.0 * sqrt(2.0 / n), "normal variance ~ 1");
     check(fabs(kurt - 3.0) < 5.0 * sqrt(96.0 / n), "normal 4th moment ~ 3");
-    check(max_abs < 6.8, "normals inside the 6.8-sigma tail");
+    check(max_abs < 6.8, "2^22 normals stay inside 6.8 sigma (probability of leaving ~4e-5)");
   }
 
   printf("test_philox: %d passed, %d failed\n", g_passed, g_failed);

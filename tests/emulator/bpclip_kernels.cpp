@@ -34,7 +34,8 @@ using namespace bpclip::cuda;
 
 enum Dtype : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
 
-// Calls fn.template operator()<T, acc_t>() for the dtype code, as AT_DISPATCH does in the launchers.
+// Calls fn.template operator()<T, fac_t>() for the dtype code, as AT_DISPATCH does in the launchers
+// (fac_t: the type of the stored factor and norm).
 template <typename Fn>
 int dispatch(int dtype, Fn&& fn) {
   switch (dtype) {
@@ -47,39 +48,60 @@ int dispatch(int dtype, Fn&& fn) {
   return simt::has_error() ? 1 : 0;
 }
 
-// Workspace the launchers would take from the caching allocator, poisoned with NaN here so that
-// a partial sum that is read but never written shows up.
-template <typename acc_t>
-std::vector<acc_t> poisoned(int64_t n) {
-  return std::vector<acc_t>(static_cast<size_t>(n > 0 ? n : 1), acc_t(NAN));
-}
+// Workspace the launchers would take from the caching allocator (double: the reductions'
+// accumulation type), poisoned with NaN here so that a partial sum that is read but never
+// written shows up.
+std::vector<double> poisoned(int64_t n) { return std::vector<double>(static_cast<size_t>(n > 0 ? n : 1), NAN); }
 
 }  // namespace
 
+// Test-only: Box-Muller (bpclip_fast/philox.h) as device code, on caller-chosen words (hi, lo,
+// angle) per pair, so that the Gaussian tail's extreme value (radius words 0, which no Philox output
+// can be found to give) is checked in the emulated device build too.
+namespace bpclip_test {
+
+__global__ void box_muller_probe_kernel(const uint32_t* words, int64_t pairs, float* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= pairs) return;
+  bpclip::box_muller(words[3 * i], words[3 * i + 1], words[3 * i + 2], &out[2 * i], &out[2 * i + 1]);
+}
+
+}  // namespace bpclip_test
+
 extern "C" {
+
+int simt_box_muller_probe(const uint32_t* words, int64_t pairs, float* out) {
+  launch(bpclip_test::box_muller_probe_kernel, (pairs + 63) / 64, 64, words, pairs, out);
+  return simt::has_error() ? 1 : 0;
+}
 
 int simt_clip_rows(int dtype, const void* x, int64_t B, int64_t N, int64_t G, int64_t S, int l15, double bound,
                    int fn, double gamma, void* out, void* factor, void* norm, int64_t* nonfinite) {
   const RowGeometry r = make_row_geometry(B, N, G, S, kReduceChunk);
-  return dispatch(dtype, [&]<typename T, typename acc_t>() {
-    auto partial = poisoned<acc_t>(partial_count(r));
-    clip_rows_device<T, acc_t>(static_cast<const T*>(x), r, l15 != 0, static_cast<acc_t>(bound), fn,
-                               static_cast<acc_t>(gamma), partial.data(), static_cast<acc_t*>(norm),
-                               static_cast<acc_t*>(factor), reinterpret_cast<unsigned long long*>(nonfinite),
-                               static_cast<T*>(out));
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
+    auto partial = poisoned(partial_count(r));
+    clip_rows_device<T, fac_t>(static_cast<const T*>(x), r, l15 != 0, bound, fn, gamma, partial.data(),
+                               static_cast<fac_t*>(norm), static_cast<fac_t*>(factor),
+                               reinterpret_cast<unsigned long long*>(nonfinite), static_cast<T*>(out));
+  });
+}
+
+int simt_scale_rows(int dtype, const void* x, const void* factor, int64_t B, int64_t N, void* out) {
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
+    scale_rows_device<T, fac_t>(static_cast<const T*>(x), static_cast<const fac_t*>(factor), B, N,
+                                static_cast<T*>(out));
   });
 }
 
 int simt_clip_rows_backward(int dtype, const void* g, const void* xc, const void* factor, const void* norm, int64_t B,
                             int64_t N, double bound, int fn, void* out) {
   const RowGeometry r = make_row_geometry(B, N, 1, N, kReduceChunk);
-  return dispatch(dtype, [&]<typename T, typename acc_t>() {
-    auto partial = poisoned<acc_t>(partial_count(r));
-    auto dot = poisoned<acc_t>(B);
-    clip_rows_backward_device<T, acc_t>(static_cast<const T*>(g), static_cast<const T*>(xc),
-                                        static_cast<const acc_t*>(factor), static_cast<const acc_t*>(norm), r,
-                                        static_cast<acc_t>(bound), fn, partial.data(), dot.data(),
-                                        static_cast<T*>(out));
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
+    auto partial = poisoned(backward_partial_count(r));
+    auto sums = poisoned(backward_sums_count(r));
+    clip_rows_backward_device<T, fac_t>(static_cast<const T*>(g), static_cast<const T*>(xc),
+                                        static_cast<const fac_t*>(factor), static_cast<const fac_t*>(norm), r, bound,
+                                        fn, partial.data(), sums.data(), static_cast<T*>(out));
   });
 }
 
@@ -87,7 +109,7 @@ int simt_clip_rows_backward(int dtype, const void* g, const void* xc, const void
 // kernel's grid-stride loop on small buffers.
 int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, int accumulate,
                       int64_t blocks, int threads) {
-  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
     if (blocks <= 0) {
       philox_noise_device<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0);
     } else {

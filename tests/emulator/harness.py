@@ -145,6 +145,8 @@ class Simt:
         i64, dbl, vp, i32, u64 = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
         lib.simt_clip_rows.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp]
         lib.simt_clip_rows_backward.argtypes = [i32, vp, vp, vp, vp, i64, i64, dbl, i32, vp]
+        lib.simt_scale_rows.argtypes = [i32, vp, vp, i64, i64, vp]
+        lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
         lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
@@ -176,11 +178,23 @@ class Simt:
         self.call("simt_clip_rows", DTYPES[x.dtype], _ptr(x), B, N, G, S, int(l15), bound, CLIP_FNS[clip_fn], gamma,
                   _ptr(out), _ptr(factor), _ptr(norm), _ptr(nonfinite))
 
+    def scale_rows(self, x, factor, out):
+        B = x.shape[0]
+        N = x[0].numel() if B else 0
+        self.call("simt_scale_rows", DTYPES[x.dtype], _ptr(x), _ptr(factor), B, N, _ptr(out))
+
     def clip_rows_backward(self, g, xc, factor, norm, out, *, bound, clip_fn):
         B = g.shape[0]
         N = g[0].numel() if B else 0
         self.call("simt_clip_rows_backward", DTYPES[g.dtype], _ptr(g), _ptr(xc), _ptr(factor), _ptr(norm), B, N,
                   bound, CLIP_FNS[clip_fn], _ptr(out))
+
+    def box_muller(self, words: torch.Tensor) -> torch.Tensor:
+        """philox.h's box_muller run as emulated device code on [pairs, 3] uint32 words (as int64)."""
+        w = words.to(torch.int64).to(torch.int32).contiguous()  # the bit patterns, 32 bits each
+        out = torch.full((w.shape[0], 2), float("nan"))
+        self.call("simt_box_muller_probe", _ptr(w), w.shape[0], _ptr(out))
+        return out
 
     def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256):
         self.call("simt_philox_noise", DTYPES[buf.dtype], _ptr(buf), n, seed, offset, std, int(accumulate), blocks,
@@ -219,8 +233,28 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
+_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def rz_scale_reference(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``RZ(factor[b] * x[b])`` in x's dtype (zeros where factor is 0), written independently of the
+    kernels (bpclip_fast/clip.h) from torch's round-to-nearest conversion: for fp32/fp16/bf16 data
+    the product is exact in fp64, and any rounding of it to x's dtype lands on one of the two
+    neighbours around it, so stepping one ulp back toward zero where it landed farther from zero
+    gives rounding toward zero (a decrement of the sign-magnitude bit pattern)."""
+    assert x.dtype != torch.float64, "the fp64 product is not exact in fp64"
+    f = factor.double().reshape((-1,) + (1,) * (x.dim() - 1))
+    q = x.double() * f
+    r = q.to(x.dtype)
+    bits = r.view(_INT_OF[r.element_size()])
+    bits = torch.where(r.double().abs() > q.abs(), bits - 1, bits)
+    out = bits.view(x.dtype)
+    return torch.where(f == 0, torch.zeros((), dtype=x.dtype), out)
+
+
 def _rtol(dtype):
-    # Reductions accumulate in fp32 (fp64 for fp64) in a different order than the CPU kernel.
+    # Reductions accumulate in fp64 in a different order than the CPU kernel; the norm is stored
+    # rounded to fp32 (fp64 for fp64 data).
     return 1e-12 if dtype == torch.float64 else 2e-6
 
 
@@ -256,14 +290,29 @@ def compare_clip_rows(sim: Simt, x: torch.Tensor, norm: str, clip_fn: str, bound
         problems.append("factor differs")
     if int(count) != int(ref_count):
         problems.append(f"non-finite count {int(count)} != {int(ref_count)}")
-    # The scaling itself is exact given the kernel's own factor: out = round(x * factor), 0 where factor = 0.
-    f = factor.reshape((B,) + (1,) * (x.dim() - 1))
-    expect = torch.where(f == 0, torch.zeros((), dtype=acc), x.to(acc) * f).to(x.dtype)
-    if not torch.equal(out.reshape(x.shape), expect):
-        bad = (out.reshape(x.shape) != expect).sum().item()
-        problems.append(f"out != round(x * factor) at {bad} elements")
+    # The scaling itself is exact given the kernel's own factor: out = RZ(x * factor), 0 where factor = 0.
+    if x.dtype == torch.float64:
+        expect = torch.ops.bpclip_fast.scale_rows(x, factor.clone())
+    else:
+        expect = rz_scale_reference(x, factor)
+    if not torch.equal(_bits(out.reshape(x.shape)), _bits(expect)):
+        bad = (_bits(out.reshape(x.shape)) != _bits(expect)).sum().item()
+        problems.append(f"out != RZ(x * factor) at {bad} elements")
     if not _close(out.reshape(x.shape), ref_out, _storage_tol(x.dtype), _storage_tol(x.dtype) * 1e-3):
         problems.append("out differs from the CPU op")
+    return problems
+
+
+def compare_scale_rows(sim: Simt, x: torch.Tensor, factor: torch.Tensor):
+    """Emulated scale_rows vs the CPU op: bit-identical, and nothing written past the end."""
+    obuf, out = guarded(x.numel(), x.dtype)
+    sim.scale_rows(guarded_copy(x), guarded_copy(factor), out)
+    ref = torch.ops.bpclip_fast.scale_rows(x, factor)
+    problems = []
+    if not _guard_intact(obuf, x.numel(), float("nan")):
+        problems.append("out: written past its end")
+    if not torch.equal(_bits(out.reshape(x.shape)), _bits(ref)):
+        problems.append(f"scale_rows differs at {(_bits(out.reshape(x.shape)) != _bits(ref)).sum().item()} elements")
     return problems
 
 
@@ -313,6 +362,9 @@ def sweep(sim: Simt) -> list[str]:
             x[0, 0] = float("nan") if shape[0] > 1 else x[0, 0]
             bound = 0.5 * shape[1] ** 0.5
             problems += [f"clip_rows l2 {dtype} {shape}: {p}" for p in compare_clip_rows(sim, x, "l2", "clip", bound)]
+            factor = torch.rand(shape[0], generator=gen, dtype=acc_dtype(dtype)) * 2
+            factor[-1] = 0
+            problems += [f"scale_rows {dtype} {shape}: {p}" for p in compare_scale_rows(sim, x, factor)]
             g = torch.randn(shape, generator=gen).to(dtype)
             xg = torch.randn(shape, generator=gen).to(dtype)
             problems += [f"backward {dtype} {shape}: {p}" for p in compare_clip_rows_backward(sim, xg, g, "clip", bound)]

@@ -1,15 +1,31 @@
 // Counter-based Philox4x32-10 (Salmon et al., SC'11) and the Box-Muller map to normals.
 //
 // One header for both backends, so that the CPU and CUDA noise kernels draw the same numbers for
-// the same (seed, offset): element i of a buffer uses counter block i/4, lane i%4, with
-//   counter = (lo(i/4), hi(i/4), lo(offset), hi(offset)),  key = (lo(seed), hi(seed)).
-// The only difference between backends is the rounding of logf/sinf/cosf (a few ulp).
+// the same (seed, offset). Layout: the elements of a buffer come in groups of 8; group g
+// (elements 8g..8g+7) draws the three counter blocks g, g + 2^62 and g + 2^63, with
+//   counter = (lo(block), hi(block), lo(offset), hi(offset)),  key = (lo(seed), hi(seed)),
+// and turns their 12 words into four Box-Muller pairs (philox_normal8). Any buffer has fewer than
+// 2^62 groups, so every (offset, element) has its own counters.
+// The only difference between backends is FMA contraction on the GPU (a few ulp).
+//
+// The Gaussian tail. A pair takes a 64-bit radius word K = hi 2^32 + lo and a 24-bit angle.
+// radius_uniform(hi, lo) = u1 = (K + 1/2) 2^-64, evaluated in float with full relative precision
+// near 0: its smallest value, for K = 0, is exactly 2^-65, so |z| <= r(2^-65) = sqrt(2 ln 2^65) =
+// sqrt(130 ln 2) = 9.4926 (the former 33-bit uniform stopped at 6.76, truncating 2^-32 per pair).
+// Truncation: couple u1 with an ideal uniform U in (0, 1] by K = floor(2^64 U) (K is uniform on
+// {0, .., 2^64 - 1} when Philox is). For K >= 1 the ideal radius sqrt(-2 ln U) is at most
+// sqrt(2 ln 2^64) = 9.4193 < 9.4926 and the construction gives the radius of the cell's midpoint
+// (rounded to float): a discretisation, not a truncation. Only the cell K = 0 (U < 2^-64) holds
+// ideal radii beyond every value the construction can produce; it has probability 2^-64 = 5.4e-20
+// per pair, so the truncated mass is at most 2^-64 per draw (< 1e-15 with a wide margin). In terms
+// of the ideal normal: P(|Z| > 9.4926) = erfc(9.4926 / sqrt 2) = 2.3e-21 per draw.
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bpclip_fast/bits.h"
 #include "bpclip_fast/macros.h"
 
 namespace bpclip {
@@ -48,18 +64,6 @@ BPCLIP_HD inline U4 philox_block(uint64_t seed, uint64_t offset, uint64_t block)
 // Branch-free float log and sin/cos (Cephes-style minimax polynomials, about 1 ulp), written so
 // that a compiler can vectorise a loop of them, and shared by both backends so that the CPU and
 // CUDA streams agree to rounding (the only difference left is FMA contraction).
-BPCLIP_HD inline uint32_t float_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-BPCLIP_HD inline float bits_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // log(x) for a positive normal float x.
 BPCLIP_HD inline float log_pos(float x) {
   const uint32_t bits = float_bits(x);
@@ -110,18 +114,23 @@ BPCLIP_HD inline void cos_sin_2pi(float u, float* c_out, float* s_out) {
   *s_out = sq;
 }
 
-// Box-Muller on two 32-bit words. u1 = a*2^-32 + 2^-33 lies in (0, 1] and keeps full relative
-// precision near 0 (float is exact there), so the tail reaches sqrt(2*33*ln2) = 6.8 sigma instead
-// of the 5.8 sigma of a 24-bit uniform. u2 takes 24 bits: the angle needs no more.
-BPCLIP_HD inline void box_muller(uint32_t a, uint32_t b, float* z0, float* z1) {
-  const float kTwoPow32Inv = 2.3283064365386963e-10f;  // 2^-32
-  const float kTwoPow33Inv = 1.1641532182693481e-10f;  // 2^-33
-  const float kTwoPow24Inv = 5.9604644775390625e-08f;  // 2^-24
-  // a >> 1 is exact in float's sign range; the dropped bit is below float's precision near 1 and
-  // restored exactly near 0, where u1 is small and precision matters.
-  const float u1 = static_cast<float>(static_cast<int32_t>(a >> 1)) * (2.0f * kTwoPow32Inv) +
-                   static_cast<float>(a & 1u) * kTwoPow32Inv + kTwoPow33Inv;
-  const float u2 = static_cast<float>(static_cast<int32_t>(b >> 8)) * kTwoPow24Inv;
+// u1 = (hi 2^32 + lo + 1/2) 2^-64 in (0, 1] (1 after rounding near the top). Each word enters as
+// a signed int32 of its upper 31 bits (exact in float's range; the vectorised conversion) plus its
+// low bit; the small terms are added first, so near 0 (hi = 0) u1 keeps full relative precision,
+// and u1 = 2^-65 exactly for hi = lo = 0.
+BPCLIP_HD inline float radius_uniform(uint32_t hi, uint32_t lo) {
+  const float a = static_cast<float>(static_cast<int32_t>(hi >> 1)) * 0x1p-31f +
+                  static_cast<float>(hi & 1u) * 0x1p-32f;
+  const float b = static_cast<float>(static_cast<int32_t>(lo >> 1)) * 0x1p-63f +
+                  static_cast<float>(lo & 1u) * 0x1p-64f;
+  return a + (b + 0x1p-65f);
+}
+
+// Box-Muller on a 64-bit radius word (hi, lo) and an angle word, of which 24 bits are used (the
+// angle needs no more): z0 = r cos(2 pi u2), z1 = r sin(2 pi u2), r = sqrt(-2 ln u1).
+BPCLIP_HD inline void box_muller(uint32_t hi, uint32_t lo, uint32_t angle, float* z0, float* z1) {
+  const float u1 = radius_uniform(hi, lo);
+  const float u2 = static_cast<float>(static_cast<int32_t>(angle >> 8)) * 0x1p-24f;
   const float l = log_pos(u1 < 1.0f ? u1 : 1.0f);
   const float r = sqrtf(-2.0f * l > 0.0f ? -2.0f * l : 0.0f);
   float c, s;
@@ -130,11 +139,25 @@ BPCLIP_HD inline void box_muller(uint32_t a, uint32_t b, float* z0, float* z1) {
   *z1 = r * s;
 }
 
-// The four standard normals of counter block `block`.
-BPCLIP_HD inline void philox_normal4(uint64_t seed, uint64_t offset, uint64_t block, float z[4]) {
-  const U4 r = philox_block(seed, offset, block);
-  box_muller(r.x, r.y, &z[0], &z[1]);
-  box_muller(r.z, r.w, &z[2], &z[3]);
+constexpr int kNormalsPerGroup = 8;
+constexpr int kBlocksPerGroup = 3;
+
+// Counter block j (0, 1, 2) of group g.
+BPCLIP_HD inline uint64_t group_block(uint64_t group, int j) { return group + (static_cast<uint64_t>(j) << 62); }
+
+// The eight normals of a group from its three blocks: pairs (b0.x b0.y | b2.x), (b0.z b0.w | b2.y),
+// (b1.x b1.y | b2.z), (b1.z b1.w | b2.w) as (radius hi lo | angle), each giving (cos, sin).
+BPCLIP_HD inline void normals_of_group(const U4& b0, const U4& b1, const U4& b2, float z[8]) {
+  box_muller(b0.x, b0.y, b2.x, &z[0], &z[1]);
+  box_muller(b0.z, b0.w, b2.y, &z[2], &z[3]);
+  box_muller(b1.x, b1.y, b2.z, &z[4], &z[5]);
+  box_muller(b1.z, b1.w, b2.w, &z[6], &z[7]);
+}
+
+// The eight standard normals of group `group` (elements 8 group .. 8 group + 7).
+BPCLIP_HD inline void philox_normal8(uint64_t seed, uint64_t offset, uint64_t group, float z[8]) {
+  normals_of_group(philox_block(seed, offset, group_block(group, 0)), philox_block(seed, offset, group_block(group, 1)),
+                   philox_block(seed, offset, group_block(group, 2)), z);
 }
 
 }  // namespace bpclip
