@@ -72,6 +72,9 @@ RULES = {
                    "weights, and only DPOptimizer.step() updates them",
                    "update the weights only through the private optimizer's step() (no manual updates, no stepping "
                    "optimizer.original_optimizer, no SAM/lookahead-style perturbation between backward passes)"),
+    "captured": ("a private parameter's gradient leaves the backward only through .grad, which step() verifies",
+                 "use backward() and let step() release the gradients; torch.autograd.grad is fine with respect to "
+                 "inputs (adversarial examples), not to private parameters"),
     "unclipped-param": ("only parameters of clipped layers are trained",
                         "freeze the parameter (requires_grad_(False)) or make the model private with it trainable "
                         "so that its layer is clipped"),
@@ -172,8 +175,10 @@ class LayerStep:
         for i, p in enumerate(self.params):
             if not p.requires_grad:
                 continue
-            node = p.view_as(p).grad_fn.next_functions[0][0]
+            with torch.enable_grad():  # also called inside a backward pass, where grad mode is off
+                node = p.view_as(p).grad_fn.next_functions[0][0]
             self._nodes.append(node)
+            self._handles.append(p.register_hook(self._make_tensorhook(i, node)))
             self._handles.append(node.register_prehook(self._make_prehook(i)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_posthook(i)))
 
@@ -182,9 +187,28 @@ class LayerStep:
             h.remove()
         self._handles, self._nodes = [], []
 
+    def _make_tensorhook(self, i, node):
+        """Runs whenever this parameter's gradient is computed. If it is not going to be accumulated
+        into ``.grad`` it is being captured (``torch.autograd.grad(loss, params)``): handed to the
+        caller unverified, maybe without the draw. Refused before it leaves the backward."""
+        def tensorhook(grad):
+            try:
+                lands = torch._C._will_engine_execute_node(node)
+            except RuntimeError:  # torch refuses the question inside autograd.grad(): a capture
+                lands = False
+            if not lands:
+                self.refuse("captured", f"torch.autograd.grad asked for {self._param_name(i)}'s gradient")
+                from_step = "a private parameter's gradient requested from torch.autograd.grad"
+                raise StepRefused("captured", from_step, [self.name], charged=False)
+            return None
+        return tensorhook
+
     def _make_prehook(self, i):
         def prehook(grad_outputs):
             incoming = grad_outputs[0]
+            if self._foreign_hooks_on(i):
+                self.violations.append(("grad-edit", f"a gradient hook other than the engine's on "
+                                        f"{self._param_name(i)} (it can rewrite the gradient unseen)"))
             if incoming is not None and not _same_tensor(self._produced.pop(i, None), incoming):
                 self.violations.append((
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
@@ -210,13 +234,14 @@ class LayerStep:
         """Parameters carrying gradient hooks other than ours: a tensor hook or a post-accumulate hook
         can rewrite the gradient where our records cannot see it (one registered before ours runs
         first, and we would record its result as the layer's own)."""
+        return [self._param_name(i) for i in range(len(self.params)) if self._foreign_hooks_on(i)]
+
+    def _foreign_hooks_on(self, i) -> bool:
         ours = {h.id for h in self._handles}
-        bad = []
-        for i, p in enumerate(self.params):
-            post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-            if getattr(p, "_backward_hooks", None) or any(k not in ours for k in post):
-                bad.append(self._param_name(i))
-        return bad
+        p = self.params[i]
+        hooks = list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).keys())
+        hooks += list((getattr(p, "_backward_hooks", None) or {}).keys())
+        return any(k not in ours for k in hooks)
 
     def _make_posthook(self, i):
         def posthook(p):
@@ -242,10 +267,11 @@ class LayerStep:
 
     # ------------------------------------------------------------------ the gradient's state
     def _grad_states(self):
-        """Per trainable parameter: 'none', 'ours' (exactly what we left) or 'foreign'."""
+        """Per parameter that trains or holds a gradient: 'none', 'ours' (exactly what we left) or
+        'foreign'. (A layer frozen for a while keeps the gradient it holds: not a restart.)"""
         states = []
         for i, p in enumerate(self.params):
-            if not p.requires_grad:
+            if not p.requires_grad and p.grad is None:
                 continue
             g = p.grad
             states.append((i, p, "none" if g is None else "ours" if _same_tensor(self._expected.get(i), g)
@@ -294,6 +320,8 @@ class LayerStep:
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
+                if self._hooked != self._trainable():
+                    self.install_hooks()  # unfrozen within the step: hook what trains now
                 self.close_pass()
                 if self.on_new_pass is not None:
                     self.on_new_pass()
@@ -350,9 +378,12 @@ class LayerStep:
 
     # ------------------------------------------------------------------ called at the step boundary
     def arm(self, key) -> None:
-        """This step's draw; a new step starts with no rows counted and the draw pending."""
+        """This step's draw; a new step starts with no rows counted and the draw pending. Re-armed
+        for the same step (after a refusal), the draws already handed out stay taken: the next
+        batch gets a fresh draw, never one a refused batch's gradient held."""
         if self.enforce and self._hooked != self._trainable():
             self.install_hooks()  # a parameter was frozen or unfrozen since: hook what trains now
+        same_step = key == self.key
         self.key = key
         self._restart()
         self.violations.clear()
@@ -360,7 +391,8 @@ class LayerStep:
         self._produced.clear()
         self._fingerprints.clear()
         self._param_versions = None
-        self._draws = 0
+        if not same_step:
+            self._draws = 0
         self._pass_landed = set()
 
     def cleared(self) -> None:

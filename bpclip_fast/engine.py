@@ -452,8 +452,6 @@ class PrivacyEngine:
             layer._step = st
             self._steps_of.append(st)
         self._layers = [layer for _, layer in layers]
-        owned = {id(p) for layer in self._layers for p in layer.parameters(recurse=False)}
-        self._outside = [(name, p) for name, p in inner.named_parameters() if id(p) not in owned]
         inner.register_forward_pre_hook(_OutsideCheck(self))
         self.noise_multiplier = sigma
         self.loss_reduction = loss_reduction
@@ -698,34 +696,51 @@ class PrivacyEngine:
     def _after_zero_grad(self, optimizer):
         """``zero_grad`` through the private optimizer: every layer whose gradients it cleared starts
         afresh (its draw is added again by its next backward); no device check is needed for them."""
-        cleared = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for st in self._steps_of:
+        for st in self._steps_of:  # only what is None now: zeroed or untouched gradients are checked as usual
             trainable = [p for p in st.params if p.requires_grad]
-            if trainable and all(id(p) in cleared for p in trainable):
+            if trainable and all(p.grad is None for p in st.params):
                 st.cleared()
 
     def _last_rows(self) -> int:
         return self._counter.last_rows
 
     def _check_new_pass(self):
-        """Before a backward pass adds to the step: at most one batch drawn since the last step (a loop
-        that never calls the private step(), or draws a second batch, stops here, charged)."""
+        """Before a backward pass adds to the step: no trainable parameter outside the clipped layers,
+        at most one batch drawn since the last step (a loop that never calls the private step(), or
+        draws a second batch, stops here, charged), and budget left (after the budget, a backward
+        would only make gradients nothing may release)."""
+        self._check_outside(in_backward=True)
+        if self.max_epsilon is not None and self._steps_left() < 1:
+            self._discard(self.optimizer.original_optimizer)
+            raise _accounting().PrivacyBudgetError(
+                f"backward refused: any further step would exceed max_epsilon={self.max_epsilon:g} at "
+                f"δ={self.delta:g}; the budget is spent, so no gradient of private data is computed any more")
         drawn = self._counter.delivered - self._delivered_at_step
         if drawn > 1:
             self._refuse([("batches", f"{drawn} batches were drawn from the private loader since the last step "
                            "and a backward pass was run", [])], batches=drawn)
 
-    def _check_outside(self, *_):
-        """A grad-enabled forward of the private model: no parameter outside the clipped layers may be
-        trainable (one unfrozen after make_private, maybe with an optimizer of its own, would be
-        trained on raw gradients). Checked before the forward, so no such gradient is computed."""
-        if not torch.is_grad_enabled():
+    def _outside_params(self):
+        """``(name, parameter)`` of the private model that no clipped layer of this engine owns, as the
+        model is now (a layer added or replaced after make_private is outside)."""
+        owned = {id(p) for st in self._steps_of for p in st.params}
+        return [(name, p) for name, p in self._inner.named_parameters() if id(p) not in owned]
+
+    def _check_outside(self, *_, in_backward=False):
+        """No parameter outside the clipped layers may be trainable (one unfrozen after make_private,
+        maybe with an optimizer of its own, would be trained on raw gradients). Checked before every
+        grad-enabled forward of the model (so no such gradient is computed) and at every backward
+        pass of a clipped layer (a forward that bypassed the model's hook); such gradients are
+        discarded."""
+        if not (in_backward or torch.is_grad_enabled()):
             return
-        bad = [name for name, p in self._outside if p.requires_grad]
+        outside = self._outside_params()
+        bad = [name for name, p in outside if p.requires_grad]
         if bad:
-            for _, p in self._outside:
+            for _, p in outside:
                 p.grad = None
-            self._refuse([("unclipped-param", f"{', '.join(bad)} became trainable after make_private", bad)])
+            self._refuse([("unclipped-param", f"{', '.join(bad)} is trainable but not a clipped layer of this "
+                           "engine (unfrozen, added or replaced after make_private)", bad)])
 
     def _charge(self):
         """One step of the accountant for the batch delivered last (taken or refused).
@@ -808,7 +823,7 @@ class PrivacyEngine:
         problems = []
         clipped = {id(p) for st in self._steps_of for p in st.params}
         names = {id(p): name for name, p in self._inner.named_parameters()}
-        outside = [(name, p) for name, p in self._outside] + [
+        outside = self._outside_params() + [
             (names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), p)
             for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped]
         for name in dict.fromkeys(name for name, p in outside if p.grad is not None):

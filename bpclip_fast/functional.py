@@ -8,6 +8,7 @@ count of each backward, and learns which gradient tensors the backward returned.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _ops
 
@@ -22,6 +23,7 @@ class _ClippedLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
         x, factor, norm, weight = ctx.saved_tensors
         xc = _reclip(x, factor)
@@ -46,6 +48,7 @@ class _ClippedConv2d(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
         x, factor, norm, weight = ctx.saved_tensors
         xc = _reclip(x, factor)

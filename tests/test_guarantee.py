@@ -724,8 +724,8 @@ def test_charged_refusals_grow_the_accountant_and_the_older_refusals_do_not():
     # The budget refusal is not charged either.
     engine, model, opt, loader = private(mlp(), X, Y, max_epsilon=1e-3, delta=DELTA)
     x, y = next(iter(loader))
-    F.cross_entropy(model(x), y).backward()
-    with pytest.raises(PrivacyBudgetError):
+    with pytest.raises(PrivacyBudgetError):  # the new code refuses at the backward already
+        F.cross_entropy(model(x), y).backward()
         opt.step()
     assert len(engine.accountant) == 0
 
@@ -1286,3 +1286,145 @@ def test_review_loading_a_checkpoint_into_an_engine_that_has_stepped_is_refused(
     with pytest.raises(RuntimeError, match="already taken steps"):
         opt.load_state_dict(state)
     assert len(engine.accountant) == 1
+
+
+# ---------------------------------------------------------------- found by the second attack review
+
+
+@pytest.mark.parametrize("after_backward", [True, False])
+def test_review2_autograd_grad_of_private_parameters_is_refused(after_backward):
+    """``torch.autograd.grad(loss, params)`` hands the clipped gradient to the caller without ``.grad``: with no
+    draw at all after a backward in the same step, or with a fresh draw per call (averaging them away)."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    if after_backward:
+        F.cross_entropy(model(x), y).backward()
+    params = list(model.parameters())
+    exc = expect_refused(lambda: torch.autograd.grad(F.cross_entropy(model(x), y), params), "captured",
+                         "the gradients of the private parameters captured by torch.autograd.grad")
+    assert exc.charged and len(engine.accountant) == 1
+
+
+def test_review2_autograd_grad_with_respect_to_the_input_stays_allowed():
+    """The adversarial-example pattern through ``torch.autograd.grad(loss, x)``: no parameter gradient leaves."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    x = x.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(F.cross_entropy(model(x), y), x)
+    F.cross_entropy(model((x + 0.1 * gx.sign()).detach()), y).backward()
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+def test_review2_a_refused_step_does_not_hand_its_draw_to_the_next_batch():
+    """The gradient a loop logged before a refusal held the step's draw; re-armed for the same step, the next
+    batch must get a fresh one, or logged − released would be the noise-free difference of two batches."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    out = model(x)
+    F.cross_entropy(out, y).backward(retain_graph=True)
+    logged = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    F.cross_entropy(out, y).backward()
+    expect_refused(opt.step, "rows", "a second loss over the same rows")
+    x, y = next(iter(loader))  # the same examples (q = 1): the clipped sums are equal, only the draws differ
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    released = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    for n in logged:
+        diff = (logged[n] - released[n]).abs().max().item()
+        assert diff > 1e-3, f"{n}: the refused batch's draw was reused for the next batch (|difference| {diff:.2g})"
+
+
+def test_review2_forward_bypassing_the_model_call_still_refuses_unfrozen_parameters():
+    """``model.forward(x)`` or calling child modules skips the model's forward pre-hook; the backward checks."""
+    X, Y = data()
+    model = mlp()
+    model.fc1.requires_grad_(False)
+    engine, model, opt, loader = private(model, X, Y)
+    model.fc1.requires_grad_(True)
+    x, y = next(iter(loader))
+    expect_refused(lambda: F.cross_entropy(model.forward(x), y).backward(), "unclipped-param",
+                   "fc1 unfrozen, the model's forward called directly")
+    assert model.fc1.weight.grad is None
+
+
+def test_review2_a_layer_added_after_make_private_is_refused():
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    model.fc2 = nn.Linear(8, 3)  # a new plain head, trained by whatever optimizer the loop has
+    x, y = next(iter(loader))
+    expect_refused(lambda: F.cross_entropy(model(x), y).backward(), "unclipped-param", "a head added later")
+
+
+def test_review2_a_pass_through_the_frozen_model_does_not_reset_the_row_count():
+    """Adversarial training that freezes the model for the attack passes: clean backward, PGD with
+    requires_grad_(False), unfreeze, adversarial backward. Both backward passes landed: every example twice."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    model.requires_grad_(False)
+    xa = x.clone().requires_grad_(True)
+    F.cross_entropy(model(xa), y).backward()
+    model.requires_grad_(True)
+    F.cross_entropy(model((x + 0.1 * xa.grad.sign()).detach()), y).backward()
+    expect_refused(opt.step, "rows", "two landed passes over the batch around a frozen attack pass")
+
+
+def test_review2_zero_grad_is_verified_not_trusted():
+    """An optimizer whose zero_grad keeps the gradients: the second pass over the batch must count."""
+    X, Y = data()
+
+    class NoZero(torch.optim.SGD):
+        def zero_grad(self, set_to_none=True):
+            pass
+
+    model = mlp()
+    engine = bpclip_fast.PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureSeedWarning)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=NoZero(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(X, Y), batch_size=len(X)), noise_multiplier=SIGMA,
+            input_clip=CX, grad_clip=CG, noise_seed=SEED)
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    expect_refused(opt.step, "rows", "zero_grad that cleared nothing")
+
+
+def test_review2_a_tensor_hook_removed_before_step_is_still_seen():
+    """A hook that rewrites the gradient through ``g.data`` (no version bump) in the second micro-batch only."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    F.cross_entropy(model(x[:2]), y[:2]).backward()
+    def scale(g):
+        g.data.mul_(10)
+    handles = [p.register_hook(scale) for p in model.parameters()]
+    F.cross_entropy(model(x[2:]), y[2:]).backward()
+    for h in handles:
+        h.remove()
+    expect_refused(opt.step, ("grad-edit", "weight-reuse"), "a hook scaled the second micro-batch by 10")
+
+
+def test_review2_double_backward_raises_instead_of_dropping_a_term():
+    """A gradient penalty through the clipped layers (create_graph) cannot be differentiated: an error, not a
+    silently missing term."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    x, y = next(iter(loader))
+    x = x.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(F.cross_entropy(model(x), y), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        (F.cross_entropy(model(x), y) + gx.pow(2).sum()).backward()
