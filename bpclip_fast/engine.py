@@ -515,6 +515,7 @@ class PrivacyEngine:
         self._inner = inner
         self.steps = 0
         self._taken_here = 0  # steps taken since make_private or the last load_state_dict
+        self._checked_task = None  # the backward pass _check_new_pass last ran in
         self._delivered_at_step = 0
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
         self.delta = None if delta is None else float(delta)
@@ -708,7 +709,11 @@ class PrivacyEngine:
         """Before a backward pass adds to the step: no trainable parameter outside the clipped layers,
         at most one batch drawn since the last step (a loop that never calls the private step(), or
         draws a second batch, stops here, charged), and budget left (after the budget, a backward
-        would only make gradients nothing may release)."""
+        would only make gradients nothing may release). Once per backward pass, not per layer."""
+        task = torch._C._current_graph_task_id()
+        if task == self._checked_task:
+            return
+        self._checked_task = task
         self._check_outside(in_backward=True)
         if self.max_epsilon is not None and self._steps_left() < 1:
             self._discard(self.optimizer.original_optimizer)
