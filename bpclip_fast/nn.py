@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import functional
+from .boundary import LayerStep, StepRefused
 
 CLIP_FNS = ("clip", "global", "normalize")
 CONV_NORMS = ("l15", "l2")
@@ -160,14 +161,13 @@ class _Clipped:
                            f"max_input_shape {self._max_shape}")
                 if self._step is not None:
                     self._step.refuse("max-shape", details)
-                from .boundary import StepRefused
                 raise StepRefused("max-shape", details, [self.layer_name], charged=False)
             return fixed
         if (training and self._shape_dependent(shape) and self._step is not None and self._step.key is not None
                 and self.noise_multiplier > 0):
             raise RuntimeError(
-                f"{self.layer_name}: its sensitivity depends on the input shape ({self._shape_rule()}), so noise scaled "
-                f"to this batch's shape {shape} would reveal the shape; call layer.set_max_input_shape(largest "
+                f"{self.layer_name}: its sensitivity depends on the input shape ({self._shape_rule()}), so noise "
+                f"scaled to this batch's shape {shape} would reveal the shape; call layer.set_max_input_shape(largest "
                 "per-example input shape) first (make_private: max_input_shape=...)")
         return sens
 
@@ -344,8 +344,6 @@ def arm_noise(module: nn.Module, stream: NoiseStream | None = None) -> NoiseStre
     This is the bare-layer protocol: nothing else is checked. :class:`bpclip_fast.PrivacyEngine`
     arms its layers itself and verifies every step (``bpclip_fast.boundary``).
     """
-    from .boundary import LayerStep
-
     if stream is None:
         stream = getattr(module, "_bpclip_noise_stream", None)
         if stream is None:

@@ -936,7 +936,8 @@ def test_case13_sensitivity_refuses_until_the_shape_is_fixed():
 
 
 @pytest.mark.xfail(strict=True, reason="known gap: row accounting counts rows, it cannot see which rows; the loop "
-                   "must split the drawn batch into disjoint micro-batches (docs/design.md, What the guarantee assumes)")
+                   "must split the drawn batch into disjoint micro-batches (docs/design.md, What the guarantee "
+                   "assumes)")
 def test_extra_same_rows_twice_with_the_right_row_count_is_refused():
     """Micro-batching with a wrong slice (``x[:2]`` twice instead of ``x[:2]``, ``x[2:]``): every layer sees
     4 rows, the batch's count, yet examples 0 and 1 reach it twice (2Δ). A count of rows cannot see it."""

@@ -29,6 +29,7 @@ from bpclip_fast import nn as bnn
 
 sys.path.insert(0, str(Path(__file__).parent / "emulator"))
 import harness  # noqa: E402
+from philox_ref import philox4x32_10  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = torch.ops.bpclip_fast
@@ -404,16 +405,6 @@ def test_noise_tail_extreme_value_in_the_emulated_device_build():
     assert z[2].tolist() == pytest.approx([r / math.sqrt(2), r / math.sqrt(2)], rel=1e-6)
 
 
-def _philox(ctr, key):
-    M0, M1, W0, W1, mask = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
-    c, k = list(ctr), list(key)
-    for _ in range(10):
-        p0, p1 = M0 * c[0], M1 * c[2]
-        c = [((p1 >> 32) ^ c[1] ^ k[0]) & mask, p1 & mask, ((p0 >> 32) ^ c[3] ^ k[1]) & mask, p0 & mask]
-        k = [(k[0] + W0) & mask, (k[1] + W1) & mask]
-    return c
-
-
 def _radius_uniform_f32(hi, lo):
     """philox.h's float evaluation of (hi 2^32 + lo + 1/2) 2^-64 (near 1 it rounds to 1.0)."""
     import numpy as np
@@ -436,7 +427,8 @@ def test_noise_stream_layout_law_and_backends():
     _ops.philox_noise_(buf, seed, offset, 1.0, False)
     expect = []
     for g in range(21):
-        b0, b1, b2 = (_philox([blk & mask, blk >> 32, offset & mask, offset >> 32], [seed & mask, seed >> 32])
+        key = [seed & mask, seed >> 32]
+        b0, b1, b2 = (philox4x32_10([blk & mask, blk >> 32, offset & mask, offset >> 32], key)
                       for blk in (g, g + 2 ** 62, g + 2 ** 63))
         for hi, lo, ang in ((b0[0], b0[1], b2[0]), (b0[2], b0[3], b2[1]), (b1[0], b1[1], b2[2]),
                             (b1[2], b1[3], b2[3])):
