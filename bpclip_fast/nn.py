@@ -37,9 +37,10 @@ import math
 import secrets
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from . import functional
+from . import functional, registry
 from .boundary import LayerStep, StepRefused
 
 CLIP_FNS = ("clip", "global", "normalize")
@@ -308,7 +309,7 @@ class TemperedSigmoid(nn.Module):
 
 def clipped_layers(module: nn.Module):
     """``[(qualified name, layer)]`` of every clipped layer in ``module``, in ``named_modules`` order."""
-    return [(name or type(m).__name__, m) for name, m in module.named_modules() if isinstance(m, _Clipped)]
+    return [(name or type(m).__name__, m) for name, m in module.named_modules() if registry.is_clipped(m)]
 
 
 class NoiseStream:
@@ -391,62 +392,57 @@ def check_finite(module: nn.Module) -> None:
             "\nCheck the data and the loss (e.g. log of 0), or lower the learning rate.", bad)
 
 
-def _unsupported_reason(module: nn.Module) -> str | None:
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return ("normalises each example with statistics of the whole batch, so one example moves every "
-                "other example's gradient; use GroupNorm/LayerNorm without affine parameters instead")
-    if isinstance(module, nn.Conv2d) and type(module) is nn.Conv2d and module.padding_mode != "zeros":
-        return (f"has padding_mode={module.padding_mode!r}; only 'zeros' keeps the sensitivity bound "
-                "(pad the input explicitly with F.pad if needed)")
-    if any(p.requires_grad for p in module.parameters(recurse=False)) and type(module) not in (nn.Linear, nn.Conv2d):
-        return ("has trainable parameters that bpclip_fast cannot clip; freeze them (requires_grad_(False)) or "
-                "replace the layer")
-    return None
+def _convert_linear(layer: nn.Linear, *, input_clip, grad_clip, clip_fn, gamma, **_) -> Linear:
+    return Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, input_clip=input_clip,
+                  grad_clip=grad_clip, clip_fn=clip_fn, gamma=gamma, device="meta", dtype=layer.weight.dtype)
 
 
-def _convert(layer: nn.Module, *, input_clip, grad_clip, norm, clip_fn, gamma) -> nn.Module:
-    w = layer.weight
-    if type(layer) is nn.Linear:
-        new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, input_clip=input_clip,
-                     grad_clip=grad_clip, clip_fn=clip_fn, gamma=gamma, device="meta", dtype=w.dtype)
-    else:
-        new = Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                     padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
-                     bias=layer.bias is not None, input_clip=input_clip, grad_clip=grad_clip, norm=norm,
-                     clip_fn=clip_fn, gamma=gamma, device="meta", dtype=w.dtype)
+def _convert_conv2d(layer: nn.Conv2d, *, input_clip, grad_clip, norm, clip_fn, gamma, **_) -> Conv2d:
+    return Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                  padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=layer.bias is not None,
+                  input_clip=input_clip, grad_clip=grad_clip, norm=norm, clip_fn=clip_fn, gamma=gamma,
+                  device="meta", dtype=layer.weight.dtype)
+
+
+registry.register_layer(nn.Linear, Linear, convert=_convert_linear,
+                        plain=lambda layer, x, p: F.linear(x, p["weight"], p.get("bias")))
+registry.register_layer(nn.Conv2d, Conv2d, convert=_convert_conv2d,
+                        plain=lambda layer, x, p: nn.Conv2d._conv_forward(layer, x, p["weight"], p.get("bias")),
+                        taps=lambda layer: layer.weight[0, 0].numel())
+
+
+def _convert(layer: nn.Module, **clipping) -> nn.Module:
+    new = registry.layer_type(layer).convert(layer, **clipping)
     # The same Parameter objects: an optimizer built before the conversion keeps working.
     new.weight = layer.weight
     if layer.bias is not None:
         new.bias = layer.bias
-    new._nonfinite = torch.zeros(2, dtype=torch.int64, device=w.device)
+    new._nonfinite = torch.zeros(2, dtype=torch.int64, device=layer.weight.device)
     new.train(layer.training)
     return new
 
 
 def convert_model(model: nn.Module, *, input_clip, grad_clip, norm="l15", clip_fn="clip", gamma=0.01) -> nn.Module:
-    """Swaps every trainable ``nn.Linear``/``nn.Conv2d`` of ``model`` for ours, in place, weights kept.
+    """Swaps every trainable layer of a registered type (``nn.Linear``, ``nn.Conv2d``) of ``model`` for
+    ours, in place, weights kept.
 
-    Refuses (before changing anything) layers whose gradients it could not bound: BatchNorm, other
-    modules with trainable parameters, non-zero padding modes. Frozen layers are left as they are.
+    Refuses (before changing anything) every module the registry's checks report
+    (:func:`bpclip_fast.registry.module_problems`: batch statistics, padding modes other than zeros,
+    trainable parameters outside the registered layer types). Frozen layers are left as they are.
     Returns ``model`` (a bare ``nn.Linear``/``nn.Conv2d`` is returned converted).
     """
-    problems = [f"  {name or type(model).__name__} ({type(m).__name__}): {why}"
-                for name, m in model.named_modules() if (why := _unsupported_reason(m)) is not None]
+    problems = registry.module_problems(model)
     if problems:
-        raise ValueError("convert_model: these layers cannot be trained with backpropagation clipping:\n"
-                         + "\n".join(problems))
+        raise ValueError("convert_model: these layers cannot be trained with backpropagation clipping:\n  "
+                         + "\n  ".join(problems))
     kw = dict(input_clip=input_clip, grad_clip=grad_clip, norm=norm, clip_fn=clip_fn, gamma=gamma)
-
-    def wanted(m):
-        return type(m) in (nn.Linear, nn.Conv2d) and any(p.requires_grad for p in m.parameters())
-
-    if wanted(model):
+    if registry.convertible(model):
         new = _convert(model, **kw)
         new._bp_name = type(model).__name__
         return new
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
-            if wanted(child):
+            if registry.convertible(child):
                 new = _convert(child, **kw)
                 new._bp_name = f"{name}.{child_name}" if name else child_name
                 setattr(m, child_name, new)

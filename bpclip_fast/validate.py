@@ -7,8 +7,10 @@ own clipped contribution, and that nothing data-dependent is released through bu
 problem message names the module (qualified name and type) and the rule, and says what to do.
 
 ``static_problems(model)``
-    Found without running the model: BatchNorm in any mode, InstanceNorm with running statistics,
-    ``padding_mode`` other than zeros, trainable parameters outside Linear/Conv2d.
+    Found without running the model, by the checks of :mod:`bpclip_fast.registry` (the one home of
+    what can be trained, which ``convert_model`` and the engine consult too): BatchNorm in any mode,
+    InstanceNorm with running statistics, ``padding_mode`` other than zeros, trainable parameters
+    outside the registered layer types (Linear/Conv2d).
 
 ``probe(model, example_input)``
     What the engine runs on one example today: a ``torch.no_grad()`` forward (buffers and random
@@ -51,7 +53,7 @@ problem message names the module (qualified name and type) and the rule, and say
     that are not finite on the probe batch (a ``log`` of the random inputs) give no verdict.
     Modules already reported statically (BatchNorm, InstanceNorm with running statistics) are put in
     eval mode for the probes, so that their problem is reported once. Our own layers
-    (``bpclip_fast.nn.Linear``/``Conv2d``) are probed as their torch base class.
+    (``bpclip_fast.nn.Linear``/``Conv2d``) are probed as their registered torch type.
 
 Without an input, reuse is left to training time, where our layers refuse a second grad-enabled
 forward while the step's noise is armed (``bpclip_fast.nn``).
@@ -66,74 +68,21 @@ import types
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import nn as bnn
-
-_CONVERTIBLE = (nn.Linear, nn.Conv2d)
-
-
-def _label(name: str, module: nn.Module, root: nn.Module) -> str:
-    return f"{name or type(root).__name__} ({type(module).__name__})"
-
-
-def _batch_mixing_reason(module: nn.Module) -> str | None:
-    """Why ``module`` lets one example influence another's gradient (or leaks through buffers), if it does.
-
-    BatchNorm and InstanceNorm with running statistics are refused in eval mode too: ``model.train()``
-    (which most training loops call every epoch) would switch them back to batch statistics after
-    this check, and ``convert_model`` refuses BatchNorm in any mode for the same reason.
-    """
-    mode = "in training mode" if module.training else "(in eval mode now, but model.train() switches it back)"
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):  # BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones
-        return (f"BatchNorm {mode} normalises each example with statistics of the whole batch, so one example "
-                "moves every other example's gradient (and its running statistics are released without noise); "
-                "use GroupNorm/LayerNorm without affine parameters instead, or fold it into the preceding layer")
-    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
-        return (f"InstanceNorm with track_running_stats=True {mode} averages running statistics over the batch, "
-                "released without noise; use track_running_stats=False")
-    return None
-
+from . import nn as _clipped_layers  # noqa: F401  (registers Linear/Conv2d in the registry)
+from . import registry
 
 def static_problems(model: nn.Module) -> list[str]:
-    """Every problem that can be found without running the model (see module docstring)."""
-    problems = []
-    for name, m in model.named_modules():
-        label = _label(name, m, model)
-        why = _batch_mixing_reason(m)
-        if why is not None:
-            problems.append(f"{label}: {why}")
-        if isinstance(m, nn.Conv2d) and m.padding_mode != "zeros":
-            problems.append(f"{label}: padding_mode={m.padding_mode!r}; only 'zeros' keeps the sensitivity bound "
-                            "(pad explicitly with torch.nn.functional.pad before the layer instead)")
-            continue
-        own = [(pname, p) for pname, p in m.named_parameters(recurse=False) if p.requires_grad]
-        if not own or type(m) in _CONVERTIBLE or isinstance(m, bnn._Clipped):
-            continue
-        if why is not None:
-            continue  # already reported; its affine parameters are one more reason
-        names = ", ".join(f"{name + '.' if name else ''}{pname}" for pname, p in own)
-        suggestion = "freeze them (requires_grad_(False))"
-        if isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
-            suggestion += " or build the layer with elementwise_affine=False / affine=False"
-        elif isinstance(m, _CONVERTIBLE):
-            suggestion += (f" or use a plain nn.{'Linear' if isinstance(m, nn.Linear) else 'Conv2d'} "
-                           f"(subclasses such as {type(m).__name__} are not converted)")
-        else:
-            suggestion += " or replace the layer by nn.Linear/nn.Conv2d (which are converted to clipped layers)"
-        problems.append(f"{label}: trainable parameters outside bpclip_fast's clipped layers ({names}) would be "
-                        f"trained without clipping or noise; {suggestion}")
+    """Every problem that can be found without running the model: the registry's module checks
+    (:func:`bpclip_fast.registry.module_problems`), and a model with nothing to train."""
+    problems = registry.module_problems(model)
     if not any(p.requires_grad for p in model.parameters()):
         problems.append(f"{type(model).__name__}: no trainable parameters")
     return problems
 
 
 # ------------------------------------------------------------ probe(): the engine's one-example forward
-
-
-def _owns_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
 def _call(model: nn.Module, example_input):
@@ -147,7 +96,7 @@ def _call(model: nn.Module, example_input):
 
 def _reuse_problems(calls: dict[str, int], model: nn.Module) -> list[str]:
     modules = dict(model.named_modules())
-    return [f"{_label(name, modules[name], model)}: reached {k} times in one forward pass (rule: reuse); one example "
+    return [f"{registry.label(name, modules[name], model)}: reached {k} times in one forward pass (rule: reuse); one example "
             f"would then move its gradient by {k}·Δ while the noise is scaled to Δ; use a separate layer per use"
             for name, k in calls.items() if k > 1]
 
@@ -172,7 +121,7 @@ def probe(model: nn.Module, example_input) -> tuple[list[str], dict[str, tuple]]
     shapes: dict[str, tuple] = {}
     handles = []
     for name, m in model.named_modules():
-        if not _owns_trainable(m):
+        if not registry.owns_trainable(m):
             continue
 
         def hook(mod, args, _name=name):
@@ -266,8 +215,8 @@ def _smallest_batch(excluded: set[int]) -> int:
 
 
 def _trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers the engine clips: Linear/Conv2d (our subclasses included) with a trainable parameter."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, _CONVERTIBLE) and _owns_trainable(m)]
+    """The layers the engine clips that have a trainable parameter (``registry.trained_layer``)."""
+    return [(name, m) for name, m in model.named_modules() if registry.trained_layer(m)]
 
 
 @dataclass
@@ -303,7 +252,7 @@ def _record(model: nn.Module, record: _Pass) -> list:
     layers = {id(m) for _, m in _trainable_layers(model)}
     handles = []
     for name, m in model.named_modules():
-        if not _owns_trainable(m):
+        if not registry.owns_trainable(m):
             continue
         is_layer = id(m) in layers
 
@@ -482,12 +431,6 @@ def _buffer_problems(snapshot, labels: dict[str, str]) -> list[str]:
     return problems
 
 
-def _layer_function(layer: nn.Module, x: torch.Tensor, weight, bias) -> torch.Tensor:
-    if isinstance(layer, nn.Conv2d):
-        return nn.Conv2d._conv_forward(layer, x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def _own_gradients(layer: nn.Module, calls: list[_Call]):
     """``(own, scale, terms)``: the parameter gradients the layer computes from its own calls' inputs
     and output gradients; for each, a bound on the Frobenius norm of ``Σ|gradient|·|input|``
@@ -496,14 +439,15 @@ def _own_gradients(layer: nn.Module, calls: list[_Call]):
     names = [n for n in ("weight", "bias") if getattr(layer, n, None) is not None]
     own = {n: torch.zeros_like(getattr(layer, n)) for n in names}
     scale = dict.fromkeys(names, 0.0)
-    taps = layer.weight[0, 0].numel() if isinstance(layer, nn.Conv2d) else 1
+    kind = registry.layer_type(layer)
+    taps = kind.taps(layer)
     terms = 0
     for c in calls:
         if c.input is None or c.grad is None:
             continue  # the output did not reach the loss: no gradient from this call
         with torch.enable_grad():
             leaves = {n: getattr(layer, n).detach().requires_grad_() for n in names}
-            out = _layer_function(layer, c.input, leaves["weight"], leaves.get("bias"))
+            out = kind.plain(layer, c.input, leaves)
             grads = torch.autograd.grad((out * c.grad).sum(), list(leaves.values()), allow_unused=True)
         for n, gr in zip(names, grads):
             if gr is not None:
@@ -594,8 +538,8 @@ def _as_torch_layers(model: nn.Module):
     not the plain one probe 4 recomputes: the probes run their torch base class's forward instead."""
     patched = []
     for m in model.modules():
-        if isinstance(m, bnn._Clipped):
-            base = nn.Conv2d if isinstance(m, nn.Conv2d) else nn.Linear
+        if registry.is_clipped(m):
+            base = registry.layer_type(m).torch_type
             patched.append((m, m.__dict__.get("forward", _MISSING)))
             m.forward = types.MethodType(base.forward, m)
     try:
@@ -629,10 +573,10 @@ def dynamic_problems(model: nn.Module, example_input) -> list[str]:
 
 
 def _probe(model: nn.Module, example_input) -> list[str]:
-    labels = {name: _label(name, m, model) for name, m in model.named_modules()}
+    labels = {name: registry.label(name, m, model) for name, m in model.named_modules()}
     model.train()  # private training runs in training mode: dropout active, buffers updated
     for m in model.modules():
-        if _batch_mixing_reason(m) is not None:
+        if registry.mixes_batch(m):
             m.eval()  # already a static problem; in eval mode it neither mixes examples nor updates buffers
     buffers = _buffer_snapshot(model)
     devices = _cuda_devices(model)

@@ -284,7 +284,7 @@ def test_error_padding_mode():
     with pytest.raises(ValueError, match="padding_mode='reflect' is not supported"):
         bnn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect", input_clip=1.0, grad_clip=1.0)
     model = nn.Sequential(nn.Conv2d(1, 1, 3, padding=1, padding_mode="circular"))
-    with pytest.raises(ValueError, match=r"0 \(Conv2d\): has padding_mode='circular'"):
+    with pytest.raises(ValueError, match=r"0 \(Conv2d\): padding_mode='circular'"):
         bnn.convert_model(model, input_clip=1.0, grad_clip=1.0)
 
 
@@ -343,15 +343,39 @@ def test_error_missing_batch_dimension():
 
 def test_error_convert_refuses_batchnorm_and_unknown_trainables():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\): normalises each example with statistics"):
+    with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\): BatchNorm in training mode normalises each example with "
+                       "statistics"):
         bnn.convert_model(model, input_clip=1.0, grad_clip=1.0)
     assert type(model[0]) is nn.Conv2d  # nothing was changed
-    with pytest.raises(ValueError, match=r"0 \(Embedding\): has trainable parameters"):
+    with pytest.raises(ValueError, match=r"0 \(Embedding\): trainable parameters outside"):
         bnn.convert_model(nn.Sequential(nn.Embedding(5, 3)), input_clip=1.0, grad_clip=1.0)
     frozen = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2))
     frozen[0].requires_grad_(False)
     bnn.convert_model(frozen, input_clip=1.0, grad_clip=1.0)
     assert isinstance(frozen[1], bnn.Linear)
+
+
+def test_convert_and_validate_consult_one_registry():
+    """convert_model (the path without the engine) refuses exactly what validate refuses: an
+    InstanceNorm with running statistics between two trainable layers was once accepted by
+    convert_model while validate refused it."""
+    def model():
+        return nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2, track_running_stats=True), nn.Flatten(),
+                             nn.Linear(2 * 4 * 4, 3))
+
+    from bpclip_fast import validate
+
+    problems = validate.static_problems(model())
+    assert len(problems) == 1 and problems[0].startswith("1 (InstanceNorm2d): InstanceNorm with track_running_stats")
+    net = model()
+    with pytest.raises(ValueError) as err:
+        bnn.convert_model(net, input_clip=1.0, grad_clip=1.0)
+    assert problems[0] in str(err.value)
+    assert type(net[0]) is nn.Conv2d and type(net[3]) is nn.Linear  # nothing was changed
+    fine = nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    assert validate.static_problems(fine) == []
+    bnn.convert_model(fine, input_clip=1.0, grad_clip=1.0)
+    assert isinstance(fine[0], bnn.Conv2d) and isinstance(fine[3], bnn.Linear)
 
 
 def test_check_finite_names_layers_and_resets(device):

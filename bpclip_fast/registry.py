@@ -1,0 +1,184 @@
+"""What can be trained privately: the one registry of clipped layer types and of module checks.
+
+Everything that decides which modules may hold trainable parameters, and what else a model may
+contain, asks this module: :func:`bpclip_fast.nn.convert_model`, :func:`bpclip_fast.validate.
+static_problems` and its probes, and :class:`bpclip_fast.PrivacyEngine`. Two kinds of entry, as
+Opacus' ``register_grad_sampler`` / ``register_module_validator``:
+
+*Layer types* (:func:`register_layer`): a torch module type whose trainable parameters a clipped
+layer of ours can train, with that clipped type, the conversion, and the plain function of the
+layer (what the gradient-ownership probe recomputes a layer's gradient from). Only the exact torch
+type is converted: a subclass may override ``forward`` with code the clipped layer would not run.
+
+*Module checks* (:func:`register_module_check`): a function ``check(module) -> reason | None`` for
+modules of some types, whose reason says why the module breaks the guarantee and what to do.
+Modules no check reports are then held to the general rule: trainable parameters only in a layer
+type of the registry. Checks flagged ``mixes_batch`` name modules that let one example move another
+(batch statistics); the probes run those in eval mode so that the problem is reported once.
+
+Which layers are clipped (:func:`clipped_by_conversion`): every clipped layer, and every module of a
+registered torch type owning a trainable parameter. ``convert_model`` converts exactly the latter,
+the engine clips exactly that set, and ``make_private_with_epsilon`` counts it (the noise
+multiplier is split over that many layers: a different count would under-noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+__all__ = ["LayerType", "register_layer", "register_module_check", "layer_type", "is_clipped", "owns_trainable",
+           "clipped_by_conversion", "trained_layer", "mixes_batch", "module_problems", "label"]
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """A torch layer type that a clipped layer of ours trains.
+
+    ``convert(layer, **clipping)``: the clipped layer holding ``layer``'s ``Parameter`` objects.
+    ``plain(layer, x, params)``: the layer's output for input ``x`` with parameters ``params`` (a
+    dict by parameter name), as the torch type computes it (no clipping).
+    ``taps(layer)``: how many products of one input entry with one upstream gradient entry one
+    parameter entry sums per output position (a convolution's kernel positions; 1 for Linear),
+    which scales the probes' rounding tolerance.
+    """
+
+    torch_type: type
+    clipped_type: type
+    convert: Callable
+    plain: Callable
+    taps: Callable
+
+
+@dataclass(frozen=True)
+class _Check:
+    types: tuple
+    check: Callable
+    mixes_batch: bool
+
+
+_LAYERS: dict[type, LayerType] = {}
+_CHECKS: list[_Check] = []
+
+
+def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
+                   taps: Callable = lambda layer: 1) -> LayerType:
+    """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring)."""
+    entry = LayerType(torch_type, clipped_type, convert, plain, taps)
+    _LAYERS[torch_type] = entry
+    return entry
+
+
+def register_module_check(*types: type, mixes_batch: bool = False):
+    """Decorator: ``check(module) -> str | None`` runs on every module that is an instance of ``types``."""
+    def decorator(check):
+        _CHECKS.append(_Check(tuple(types), check, mixes_batch))
+        return check
+    return decorator
+
+
+# ------------------------------------------------------------------------------ queries
+
+
+def layer_type(module: nn.Module) -> LayerType | None:
+    """The registry entry of ``module``: by exact torch type, or by clipped type."""
+    entry = _LAYERS.get(type(module))
+    if entry is not None:
+        return entry
+    return next((e for e in _LAYERS.values() if isinstance(module, e.clipped_type)), None)
+
+
+def is_clipped(module: nn.Module) -> bool:
+    return any(isinstance(module, e.clipped_type) for e in _LAYERS.values())
+
+
+def owns_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def convertible(module: nn.Module) -> bool:
+    """A module ``convert_model`` swaps for a clipped layer: a registered torch type (exact) owning a
+    trainable parameter."""
+    return type(module) in _LAYERS and owns_trainable(module)
+
+
+def clipped_by_conversion(module: nn.Module) -> bool:
+    """Whether ``module`` is one of the model's clipped layers once converted (module docstring)."""
+    return is_clipped(module) or convertible(module)
+
+
+def trained_layer(module: nn.Module) -> bool:
+    """A clipped layer (now or once converted) with a trainable parameter: what the probes follow."""
+    return clipped_by_conversion(module) and owns_trainable(module)
+
+
+def mixes_batch(module: nn.Module) -> bool:
+    return any(c.mixes_batch and isinstance(module, c.types) and c.check(module) is not None for c in _CHECKS)
+
+
+def label(name: str, module: nn.Module, root: nn.Module) -> str:
+    """How every problem message names a module: qualified name (the root's type for the root) and type."""
+    return f"{name or type(root).__name__} ({type(module).__name__})"
+
+
+def module_problems(model: nn.Module) -> list[str]:
+    """``"<label>: <reason>"`` for every module of ``model`` that a check reports, or that holds
+    trainable parameters outside the registered layer types."""
+    problems = []
+    for name, m in model.named_modules():
+        reasons = [why for c in _CHECKS if isinstance(m, c.types) and (why := c.check(m)) is not None]
+        if not reasons and owns_trainable(m) and layer_type(m) is None:
+            reasons.append(_untrained_reason(name, m))
+        problems += [f"{label(name, m, model)}: {why}" for why in reasons]
+    return problems
+
+
+def _untrained_reason(name: str, module: nn.Module) -> str:
+    own = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
+    names = ", ".join(f"{name + '.' if name else ''}{pname}" for pname in own)
+    suggestion = "freeze them (requires_grad_(False))"
+    base = next((t for t in _LAYERS if isinstance(module, t)), None)
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
+        suggestion += " or build the layer with elementwise_affine=False / affine=False"
+    elif base is not None:
+        suggestion += (f" or use a plain nn.{base.__name__} (subclasses such as {type(module).__name__} are not "
+                       "converted)")
+    else:
+        kinds = "/".join(f"nn.{t.__name__}" for t in _LAYERS)
+        suggestion += f" or replace the layer by {kinds} (which are converted to clipped layers)"
+    return (f"trainable parameters outside bpclip_fast's clipped layers ({names}) would be trained without "
+            f"clipping or noise; {suggestion}")
+
+
+# ------------------------------------------------------------------------------ the built-in checks
+
+
+def _mode(module: nn.Module) -> str:
+    return "in training mode" if module.training else "(in eval mode now, but model.train() switches it back)"
+
+
+# Refused in eval mode too: ``model.train()`` (which most training loops call every epoch) would
+# switch them back to batch statistics after this check.
+@register_module_check(nn.modules.batchnorm._BatchNorm, mixes_batch=True)  # 1d/2d/3d, SyncBatchNorm, lazy
+def _batch_norm(module):
+    return (f"BatchNorm {_mode(module)} normalises each example with statistics of the whole batch, so one example "
+            "moves every other example's gradient (and its running statistics are released without noise); use "
+            "GroupNorm/LayerNorm without affine parameters instead, or fold it into the preceding layer")
+
+
+@register_module_check(nn.modules.instancenorm._InstanceNorm, mixes_batch=True)
+def _instance_norm_running_stats(module):
+    if not module.track_running_stats:
+        return None
+    return (f"InstanceNorm with track_running_stats=True {_mode(module)} averages running statistics over the "
+            "batch, released without noise; use track_running_stats=False")
+
+
+@register_module_check(nn.Conv2d)
+def _conv_padding_mode(module):
+    if module.padding_mode == "zeros":
+        return None
+    return (f"padding_mode={module.padding_mode!r}; only 'zeros' keeps the sensitivity bound (pad explicitly "
+            "with torch.nn.functional.pad before the layer instead)")
