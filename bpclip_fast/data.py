@@ -54,6 +54,7 @@ import collections
 import hashlib
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -201,6 +202,65 @@ class ShuffleBatchSampler(_CountedSampler):
             gen = torch.Generator().manual_seed(derive_seed(self.seed, "shuffle", epoch))
             self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
         return self._perm[1][j * self.batch_size:(j + 1) * self.batch_size]
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """How a private run samples its batches and what the accountant is told: the one derivation of
+    sample rate, accounting rate and steps per epoch from (dataset size, per-process batch size,
+    world size, sampling), used by ``make_private``, ``make_private_with_epsilon`` and the trainer.
+
+    Poisson: rate ``q = W·batch_size/N`` (must be ≤ 1), ``round(N/(W·batch_size))`` batches per pass
+    (at least 1), and the accountant is stepped with ``q``. Shuffle: ``N // (W·batch_size)``
+    disjoint batches per epoch (the remainder sits out), and the zCDP accountant is stepped with
+    ``1/steps_per_epoch``, so that steps·rate is the exact number of passes.
+    """
+
+    num_samples: int
+    batch_size: int  # per process
+    world_size: int
+    poisson: bool
+
+    @classmethod
+    def of_loader(cls, data_loader: DataLoader, world_size: int, poisson: bool, what: str) -> "SamplingPlan":
+        """The plan for a user's ``DataLoader``; ``what`` names the caller in error messages."""
+        batch_size = data_loader.batch_size or getattr(data_loader.batch_sampler, "batch_size", None)
+        if not batch_size:
+            raise ValueError(f"{what}: the data loader has no batch_size (a custom batch_sampler?); build it "
+                             "with DataLoader(dataset, batch_size=...)")
+        try:
+            n = len(data_loader.dataset)
+        except TypeError:
+            raise TypeError(f"{what}: the dataset must have a length (an IterableDataset cannot be sampled "
+                            "privately)") from None
+        plan = cls(int(n), int(batch_size), int(world_size), bool(poisson))
+        if plan.global_batch > n:
+            raise ValueError(f"{what}: batch_size·world_size = {plan.global_batch} exceeds the dataset size {n}")
+        return plan
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def sample_rate(self) -> float:
+        return self.global_batch / self.num_samples
+
+    @property
+    def steps_per_epoch(self) -> int:
+        if self.poisson:
+            return max(1, round(self.num_samples / self.global_batch))
+        return self.num_samples // self.global_batch
+
+    @property
+    def accounting_rate(self) -> float:
+        return self.sample_rate if self.poisson else 1.0 / self.steps_per_epoch
+
+    def sampler(self, seed: int, rank: int, counter: BatchCounter) -> "_CountedSampler":
+        if self.poisson:
+            return PoissonBatchSampler(self.num_samples, self.sample_rate, self.steps_per_epoch, seed, rank,
+                                       self.world_size, counter)
+        return ShuffleBatchSampler(self.num_samples, self.global_batch, seed, rank, self.world_size, counter)
 
 
 def _empty_like_batch(batch):

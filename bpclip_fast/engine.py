@@ -7,9 +7,10 @@
     engine.get_epsilon(delta)
 
 What ``make_private`` does: validates the model (listing every problem at once), converts its
-``nn.Linear``/``nn.Conv2d`` to clipped layers (same ``Parameter`` objects), sets every layer's noise
-multiplier, replaces the loader by a private one (:mod:`bpclip_fast.data`) and wraps the optimizer
-in :class:`DPOptimizer`, whose ``step()`` is the step boundary of the privacy analysis.
+layers of the types in :mod:`bpclip_fast.registry` (``nn.Linear``/``nn.Conv2d``) to clipped layers
+(same ``Parameter`` objects), sets every layer's noise multiplier, replaces the loader by a private
+one that follows a :class:`bpclip_fast.data.SamplingPlan` and wraps the optimizer in
+:class:`DPOptimizer`, whose ``step()`` is the step boundary of the privacy analysis.
 
 Sampling and accounting must match (DESIGN.md §2)
 -------------------------------------------------
@@ -123,7 +124,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import _ops, data
+from . import _ops, data, registry
 from . import nn as bnn
 from . import validate as _validate
 from .boundary import DistributedRecorder, LayerStep, StepRefused
@@ -310,10 +311,10 @@ class PrivacyEngine:
     def validate(model: nn.Module, example_input=None) -> list[str]:
         """Every problem that stops ``model`` from being trained privately, as a list of messages.
 
-        Trainable parameters outside Linear/Conv2d (or our layers), batch-mixing layers (BatchNorm in
-        any mode, InstanceNorm with running statistics; see ``bpclip_fast.validate``), ``padding_mode``
-        other than zeros; with ``example_input``, a forward
-        pass also finds layers reached more than once (without it, the layers refuse that at
+        The module checks of :mod:`bpclip_fast.registry` (trainable parameters outside the registered
+        layer types Linear/Conv2d, batch-mixing layers: BatchNorm in any mode, InstanceNorm with
+        running statistics; ``padding_mode`` other than zeros); with ``example_input``, the probes of
+        :func:`bpclip_fast.validate.dynamic_problems` too (without it, the layers refuse reuse at
         training time). Empty list: nothing found.
         """
         if isinstance(model, _ddp_class()):
@@ -339,19 +340,48 @@ class PrivacyEngine:
         ``nonfinite``: ``"drop"`` (an example with a NaN/Inf value gets clip factor 0 and the step goes on;
         ``nonfinite_counts()`` reports them) or ``"raise"`` (such a step is refused, and charged).
         ``probe``: run :func:`bpclip_fast.validate.dynamic_problems` on the loader's first batch.
+
+        In phases: arguments, then every problem of the model at once (nothing is changed before
+        both have passed), then the model, the seeds, the loader, the optimizer and the budget.
         """
+        sigma = self._check_arguments(module, optimizer, data_loader, noise_multiplier=noise_multiplier,
+                                      input_clip=input_clip, grad_clip=grad_clip, loss_reduction=loss_reduction,
+                                      nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta)
+        self._check_pairing(poisson_sampling)
+        self.rank, self.world_size, self.distributed = _distributed()
+        inner = self._unwrapped(module)
+        plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, "make_private")
+        if max_input_shape is not None:
+            max_input_shape = tuple(int(s) for s in max_input_shape)
+        shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe)
+        module, inner = self._prepare_model(module, inner, shapes, max_input_shape, sigma, plan, loss_reduction,
+                                            dict(input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm,
+                                                 clip_fn=clip_fn, gamma=gamma))
+        self.nonfinite = nonfinite
+        self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
+        sampler_seed = self._prepare_seeds(noise_seed)
+        self.data_loader = self._prepare_loader(data_loader, plan, sampler_seed)
+        self.module = self._prepare_distributed(module)
+        self.optimizer = DPOptimizer(optimizer, self)
+        self._prepare_budget(max_epsilon, delta)
+        self._made_private = True
+        self._arm()
+        return self.module, self.optimizer, self.data_loader
+
+    def _check_arguments(self, module, optimizer, data_loader, *, noise_multiplier, input_clip, grad_clip,
+                         loss_reduction, nonfinite, max_epsilon, delta) -> float:
+        """The arguments of ``make_private`` that can be checked alone; returns σ."""
         if self._made_private:
             raise RuntimeError("PrivacyEngine: make_private was already called on this engine; use one engine "
                                "per model (its accountant belongs to that training run)")
-        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
+        if isinstance(optimizer, DPOptimizer) or any(registry.is_clipped(m) and m._step is not None
                                                       and m._step.enforce for m in module.modules()):
             raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"make_private: module must be a torch.nn.Module, got {type(module).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"make_private: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(data_loader, DataLoader):
-            raise TypeError(f"make_private: data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+        for value, kind, what in ((module, nn.Module, "module must be a torch.nn.Module"),
+                                  (optimizer, torch.optim.Optimizer, "optimizer must be a torch.optim.Optimizer"),
+                                  (data_loader, DataLoader, "data_loader must be a torch DataLoader")):
+            if not isinstance(value, kind):
+                raise TypeError(f"make_private: {what}, got {type(value).__name__}")
         sigma = _positive(noise_multiplier, "noise_multiplier")
         _positive(input_clip, "input_clip")
         _positive(grad_clip, "grad_clip")
@@ -359,41 +389,32 @@ class PrivacyEngine:
             raise ValueError(f"make_private: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if nonfinite not in ("drop", "raise"):
             raise ValueError(f"make_private: nonfinite must be 'drop' or 'raise', got {nonfinite!r}")
-        self._check_pairing(poisson_sampling)
         if max_epsilon is not None:
             _positive(max_epsilon, "max_epsilon")
             if delta is None or not 0 < float(delta) < 1:
                 raise ValueError("make_private: max_epsilon needs delta in (0, 1), the δ at which ε is measured")
+        return sigma
 
-        rank, world, distributed = _distributed()
-        ddp = _ddp_class()
-        inner = module.module if isinstance(module, ddp) else module
-        if not distributed and isinstance(module, ddp):
+    def _unwrapped(self, module):
+        """The model inside a DDP wrapper (``module`` itself if not wrapped)."""
+        if not isinstance(module, _ddp_class()):
+            return module
+        if not self.distributed:
             raise RuntimeError("make_private: the module is DistributedDataParallel but torch.distributed is not "
                                "initialised with more than one process")
+        return module.module
 
-        dataset = data_loader.dataset
-        batch_size = data_loader.batch_size
-        if batch_size is None:
-            batch_size = getattr(data_loader.batch_sampler, "batch_size", None)
-        if not batch_size:
-            raise ValueError("make_private: the data loader has no batch_size (a custom batch_sampler?); build it "
-                             "with DataLoader(dataset, batch_size=...)")
-        try:
-            n = len(dataset)
-        except TypeError:
-            raise TypeError("make_private: the dataset must have a length (an IterableDataset cannot be sampled "
-                            "privately)") from None
-
-        # 1. Validation: every problem at once, before anything is changed.
+    def _model_problems(self, inner, optimizer, data_loader, max_input_shape, probe) -> dict:
+        """Every problem of the model and the optimizer at once (raised as one ``ValueError``) before
+        anything is changed; returns ``{layer: input shape}`` of the probe forward (Δ is fixed from it)."""
         problems = _validate.static_problems(inner)
         shapes, example = {}, None
         if max_input_shape is not None:
-            max_input_shape = tuple(int(s) for s in max_input_shape)
             p0 = next(inner.parameters(), None)
             example = torch.zeros((1, *max_input_shape), dtype=p0.dtype if p0 is not None else None,
                                   device=p0.device if p0 is not None else None)
         else:
+            dataset = data_loader.dataset
             try:
                 example = _to_device(_first_input(data_loader.collate_fn([dataset[0]])), inner)
             except Exception as exc:  # noqa: BLE001
@@ -409,41 +430,43 @@ class PrivacyEngine:
                                 "is fixed from it, so the model must run on one example (or on max_input_shape)")
         if probe:
             problems += self._dynamic_problems(inner, data_loader)
-        owned = {id(p) for m in inner.modules() if type(m) in (nn.Linear, nn.Conv2d) or isinstance(m, bnn._Clipped)
-                 for p in m.parameters(recurse=False)}
-        names = {id(p): name for name, p in inner.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in owned and id(p) in names:
-                    continue  # reported by the static checks (trainable outside our layers) or frozen
-                if id(p) not in names:
-                    problems.append(f"optimizer: a parameter of shape {tuple(p.shape)} is not part of the module; "
-                                    "it would be trained without clipping or noise")
-        problems += [f"{name}: frozen, but holds a gradient from earlier training, which an optimizer would apply "
-                     "without clipping or noise; clear it first (model.zero_grad())"
-                     for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
+        problems += self._optimizer_problems(inner, optimizer)
         if problems:
             raise ValueError("make_private: the model cannot be trained privately as it is:\n  - "
                              + "\n  - ".join(problems))
+        return shapes
 
-        # 2. Conversion (same Parameter objects), per-layer configuration and a data-independent Δ.
-        converted = bnn.convert_model(inner, input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm,
-                                      clip_fn=clip_fn, gamma=gamma)
+    @staticmethod
+    def _optimizer_problems(inner, optimizer) -> list[str]:
+        """Parameters an optimizer would update without clipping or noise: not in the module, or
+        outside the clipped layers with a gradient left from earlier training."""
+        names = {id(p): name for name, p in inner.named_parameters()}
+        problems = [f"optimizer: a parameter of shape {tuple(p.shape)} is not part of the module; it would be "
+                    "trained without clipping or noise"
+                    for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
+        owned = {id(p) for m in inner.modules() if registry.clipped_by_conversion(m) for p in m.parameters(recurse=False)}
+        return problems + [f"{name}: frozen, but holds a gradient from earlier training, which an optimizer would "
+                           "apply without clipping or noise; clear it first (model.zero_grad())"
+                           for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
+
+    def _prepare_model(self, module, inner, shapes, max_input_shape, sigma, plan, loss_reduction, clipping):
+        """Converts the model (same ``Parameter`` objects), fixes every layer's Δ and gives each its
+        step state (``boundary.LayerStep``); returns ``(module, inner)``."""
+        converted = bnn.convert_model(inner, **clipping)
         if converted is not inner:  # a bare nn.Linear / nn.Conv2d
-            if isinstance(module, ddp):
+            if isinstance(module, _ddp_class()):
                 raise ValueError("make_private: wrap a container module in DDP, not a bare Linear/Conv2d")
             inner = module = converted
         layers = bnn.clipped_layers(inner)
         if not layers:
             raise ValueError("make_private: the model has no trainable Linear/Conv2d layer to clip")
         self._fix_sensitivities(layers, shapes, max_input_shape is not None)
-        mean_batch = float(batch_size) if loss_reduction == "mean" else None
+        mean_batch = float(plan.batch_size) if loss_reduction == "mean" else None
+        recorder = DistributedRecorder() if self.distributed else None
         self._steps_of = []
-        recorder = DistributedRecorder() if distributed else None
-        self._counter = data.BatchCounter()
         for name, layer in layers:
             layer._bp_name = name
-            layer.noise_multiplier = sigma if rank == 0 else 0.0
+            layer.noise_multiplier = sigma if self.rank == 0 else 0.0
             st = LayerStep(layer, name, enforce=True, mean_loss_batch=mean_batch)
             st.on_refuse = self._refuse_in_forward
             st.after_backward = recorder
@@ -453,13 +476,16 @@ class PrivacyEngine:
             self._steps_of.append(st)
         self._layers = [layer for _, layer in layers]
         inner.register_forward_pre_hook(_OutsideCheck(self))
+        self._inner = inner
         self.noise_multiplier = sigma
         self.loss_reduction = loss_reduction
-        self.nonfinite = nonfinite
         self.max_input_shape = max_input_shape
-        self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
+        return module, inner
 
-        # 3. Seeds: OS entropy unless explicit; one seed for all processes.
+    def _prepare_seeds(self, noise_seed) -> int:
+        """The noise seed (OS entropy unless explicit; one for all processes); returns the sampling
+        seed, drawn separately: a checkpoint may need it (shuffled batches, see Checkpoints), the
+        noise seed never leaves the process."""
         self._secure = noise_seed is None
         if noise_seed is None:
             seed = secrets.randbits(63)
@@ -470,49 +496,41 @@ class PrivacyEngine:
             warnings.warn("PrivacyEngine: an explicit noise_seed makes the noise and the batch sampling "
                           "reproducible, and is for that only: whoever knows the seed can subtract the noise, "
                           "and the privacy guarantee is void. Use noise_seed=None (OS entropy) for a real run.",
-                          InsecureSeedWarning, stacklevel=2)
-        self.rank, self.world_size, self.distributed = rank, world, distributed
-        # The sampling seed is drawn separately: a checkpoint may need it (shuffled batches, see
-        # Checkpoints), the noise seed never leaves the process.
+                          InsecureSeedWarning, stacklevel=3)
         sampler_seed = secrets.randbits(63) if noise_seed is None else data.derive_seed(seed, "sampler")
-        if distributed:
-            seed = self._broadcast_int(seed, inner)
-            sampler_seed = self._broadcast_int(sampler_seed, inner)
+        if self.distributed:
+            seed = self._broadcast_int(seed, self._inner)
+            sampler_seed = self._broadcast_int(sampler_seed, self._inner)
         self._set_noise_seed(seed)
+        return sampler_seed
 
-        # 4. Data: Poisson (rate q = W·batch_size/N) or shuffled disjoint batches of W·batch_size.
-        global_batch = batch_size * world
-        self.expected_batch_size = batch_size
-        if poisson_sampling:
-            q = global_batch / n
-            if q > 1:
-                raise ValueError(f"make_private: batch_size·world_size = {global_batch} exceeds the dataset size {n}")
-            steps_per_epoch = max(1, round(n / global_batch))
-            sampler = data.PoissonBatchSampler(n, q, steps_per_epoch, sampler_seed, rank, world, self._counter)
-            self.sample_rate = q
-            self._accounting_rate = q
-        else:
-            sampler = data.ShuffleBatchSampler(n, global_batch, sampler_seed, rank, world, self._counter)
-            steps_per_epoch = sampler.steps_per_epoch
-            self.sample_rate = global_batch / n
-            # One epoch is steps_per_epoch disjoint batches (the remainder sits out), so the zCDP
-            # accountant is told 1/steps_per_epoch: steps·rate is then the exact number of passes.
-            self._accounting_rate = 1.0 / steps_per_epoch
-        self.steps_per_epoch = steps_per_epoch
-        self.poisson_sampling = bool(poisson_sampling)
-        loader = data.DPDataLoader(
-            dataset, sampler, collate_fn=data_loader.collate_fn, num_workers=data_loader.num_workers,
-            pin_memory=data_loader.pin_memory, timeout=data_loader.timeout, worker_init_fn=data_loader.worker_init_fn,
-            multiprocessing_context=data_loader.multiprocessing_context,
-            persistent_workers=data_loader.persistent_workers, prefetch_factor=data_loader.prefetch_factor)
+    def _prepare_loader(self, data_loader, plan, sampler_seed) -> data.DPDataLoader:
+        """The private loader: Poisson (rate ``q = W·batch_size/N``) or shuffled disjoint batches of
+        ``W·batch_size`` (``data.SamplingPlan``), with the user loader's workers and collation."""
+        self._counter = data.BatchCounter()
+        self.plan = plan
+        self.expected_batch_size = plan.batch_size
+        self.sample_rate, self._accounting_rate = plan.sample_rate, plan.accounting_rate
+        self.steps_per_epoch = plan.steps_per_epoch
+        self.poisson_sampling = plan.poisson
+        dl = data_loader
+        return data.DPDataLoader(
+            dl.dataset, plan.sampler(sampler_seed, self.rank, self._counter), collate_fn=dl.collate_fn,
+            num_workers=dl.num_workers, pin_memory=dl.pin_memory, timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context,
+            persistent_workers=dl.persistent_workers, prefetch_factor=dl.prefetch_factor)
 
-        # 5. DDP (our counters are per process: not broadcast by DDP), optimizer, first arming.
-        if distributed and not isinstance(module, ddp):
+    def _prepare_distributed(self, module):
+        """Wraps the model in DDP if the user did not (our counters are per process: not broadcast)."""
+        ddp = _ddp_class()
+        if self.distributed and not isinstance(module, ddp):
             ddp._set_params_and_buffers_to_ignore_for_model(
                 module, [f"{name}._nonfinite" for name, _ in bnn.clipped_layers(module)])
             module = ddp(module)
-        self.module = module
-        self._inner = inner
+        return module
+
+    def _prepare_budget(self, max_epsilon, delta) -> None:
+        """The step counters and the budget ``step()`` enforces."""
         self.steps = 0
         self._taken_here = 0  # steps taken since make_private or the last load_state_dict
         self._checked_task = None  # the backward pass _check_new_pass last ran in
@@ -520,11 +538,6 @@ class PrivacyEngine:
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
         self.delta = None if delta is None else float(delta)
         self._budget_cache = None
-        self.optimizer = DPOptimizer(optimizer, self)
-        self.data_loader = loader
-        self._made_private = True
-        self._arm()
-        return module, self.optimizer, loader
 
     def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon: float,
                                   target_delta: float, epochs: int, **kwargs):
@@ -532,7 +545,8 @@ class PrivacyEngine:
         ``target_delta`` after ``epochs`` passes (``epochs · len(private loader)`` steps).
 
         The accountant's ``get_noise_multiplier`` returns the *effective* σ of one step; every layer
-        gets ``σ = σ_eff·√L`` (L clipped layers). ``kwargs`` as ``make_private``.
+        gets ``σ = σ_eff·√L`` (L clipped layers, counted as the engine will clip them:
+        ``registry.clipped_by_conversion``). ``kwargs`` as ``make_private``.
         """
         if "noise_multiplier" in kwargs:
             raise TypeError("make_private_with_epsilon: noise_multiplier is computed, do not pass it")
@@ -542,30 +556,15 @@ class PrivacyEngine:
         if int(epochs) != epochs or epochs < 1:
             raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
         inner = module.module if isinstance(module, _ddp_class()) else module
-        n_layers = sum(1 for m in inner.modules()
-                       if isinstance(m, bnn._Clipped) or (type(m) in (nn.Linear, nn.Conv2d)
-                                                          and any(p.requires_grad for p in m.parameters())))
+        n_layers = sum(1 for m in inner.modules() if registry.clipped_by_conversion(m))
         if n_layers == 0:
             raise ValueError("make_private_with_epsilon: the model has no trainable Linear/Conv2d layer to clip")
-        _, world, _ = _distributed()
-        n = len(data_loader.dataset)
-        batch_size = data_loader.batch_size or getattr(data_loader.batch_sampler, "batch_size", None)
-        if not batch_size:
-            raise ValueError("make_private_with_epsilon: the data loader has no batch_size")
         poisson = kwargs.get("poisson_sampling", True)
         self._check_pairing(poisson)
-        global_batch = batch_size * world
-        if poisson:
-            rate, steps = global_batch / n, int(epochs) * max(1, round(n / global_batch))
-        else:
-            spe = n // global_batch
-            if spe < 1:
-                raise ValueError(f"make_private_with_epsilon: batch size {global_batch} exceeds the dataset size {n}")
-            rate, steps = 1.0 / spe, int(epochs) * spe
-        acc = _accounting()
-        sigma_eff = acc.get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                             sample_rate=rate, steps=steps, accountant=self.accountant_name,
-                                             **self._accountant_kwargs)
+        plan = data.SamplingPlan.of_loader(data_loader, _distributed()[1], poisson, "make_private_with_epsilon")
+        sigma_eff = _accounting().get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
+            steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
         self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=float(sigma_eff) * math.sqrt(n_layers), **kwargs)

@@ -648,6 +648,48 @@ def test_make_private_with_epsilon_meets_the_target():
     assert 3.0 - 0.05 < engine.get_epsilon(DELTA) <= 3.0
 
 
+@pytest.mark.parametrize("accountant", ["rdp", "zcdp"])
+def test_make_private_with_epsilon_counts_the_layers_the_engine_clips(accountant):
+    """σ is split over the layers as make_private will clip them (registry.clipped_by_conversion): a
+    frozen nn.Linear is not clipped, an already clipped layer is, frozen or not. A count that
+    differed from the engine's would make the effective σ of a step smaller than calibrated."""
+    torch.manual_seed(0)
+    frozen_clipped = bnn.Linear(8, 8, bias=False, input_clip=1.0, grad_clip=1.0).requires_grad_(False)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.Tanh(), frozen_clipped, nn.Tanh(),
+                          nn.Linear(8, 8).requires_grad_(False), nn.Tanh(), nn.Linear(8, 10))
+    engine = PrivacyEngine(accountant)
+    poisson = accountant == "rdp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureSeedWarning)
+        _, _, loader = engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+            data_loader=DataLoader(digits_like(n=50), batch_size=8), target_epsilon=3.0, target_delta=DELTA,
+            epochs=2, input_clip=1.0, grad_clip=1.0, poisson_sampling=poisson, noise_seed=3)
+    assert len(engine.clipped_layers) == 3
+    steps_per_epoch = round(50 / 8) if poisson else 50 // 8
+    assert len(loader) == engine.steps_per_epoch == steps_per_epoch
+    rate = 8 / 50 if poisson else 1 / steps_per_epoch
+    assert engine.accounting_sample_rate == pytest.approx(rate, rel=1e-15)
+    sigma_eff = get_noise_multiplier(target_epsilon=3.0, target_delta=DELTA, sample_rate=rate,
+                                     steps=2 * steps_per_epoch, accountant=accountant)
+    assert engine.effective_noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
+
+
+def test_sampling_plan_is_the_samplers():
+    """The plan's steps per epoch and rates are those of the sampler it builds, for W processes."""
+    for n, b, w in [(50, 8, 1), (50, 8, 2), (7, 7, 1), (100, 3, 4)]:
+        for poisson in (True, False):
+            plan = data.SamplingPlan(n, b, w, poisson)
+            sampler = plan.sampler(seed=1, rank=0, counter=data.BatchCounter())
+            assert len(sampler) == plan.steps_per_epoch >= 1
+            if poisson:
+                assert sampler.sample_rate == plan.sample_rate == plan.accounting_rate == b * w / n
+            else:
+                assert sampler.batch_size == b * w and plan.accounting_rate == 1 / (n // (b * w))
+    with pytest.raises(ValueError, match=r"make_private: batch_size·world_size = 16 exceeds the dataset size 10"):
+        data.SamplingPlan.of_loader(DataLoader(digits_like(n=10), batch_size=8), 2, True, "make_private")
+
+
 def test_zcdp_with_shuffled_batches():
     torch.manual_seed(0)
     model = small_net()

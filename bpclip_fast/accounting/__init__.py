@@ -11,7 +11,7 @@ Every accountant is fed ``noise_multiplier = effective_noise_multiplier(per-laye
 """
 
 from .base import Accountant, PrivacyBudgetError, effective_noise_multiplier
-from .calibration import ACCOUNTANTS, MAX_SIGMA, get_noise_multiplier, make_accountant
+from .calibration import ACCOUNTANTS, MAX_SIGMA, default_accountant, get_noise_multiplier, make_accountant
 from .poisson import OPACUS_RDP_ORDERS, PLDAccountant, RDPAccountant
 from .zcdp import (ZCDP_CONVERSIONS, ZCDPAccountant, bun_steinke_epsilon, cks_epsilon,
                    gaussian_delta, gaussian_epsilon, zcdp_epsilon)
@@ -19,6 +19,6 @@ from .zcdp import (ZCDP_CONVERSIONS, ZCDPAccountant, bun_steinke_epsilon, cks_ep
 __all__ = [
     "Accountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "make_accountant",
     "get_noise_multiplier", "effective_noise_multiplier", "PrivacyBudgetError",
-    "ACCOUNTANTS", "MAX_SIGMA", "OPACUS_RDP_ORDERS", "ZCDP_CONVERSIONS",
+    "ACCOUNTANTS", "MAX_SIGMA", "default_accountant", "OPACUS_RDP_ORDERS", "ZCDP_CONVERSIONS",
     "bun_steinke_epsilon", "cks_epsilon", "gaussian_delta", "gaussian_epsilon", "zcdp_epsilon",
 ]

@@ -9,7 +9,7 @@ from .base import Accountant, PrivacyBudgetError, _is_real, check_sample_rate, c
 from .poisson import PLDAccountant, RDPAccountant
 from .zcdp import ZCDPAccountant
 
-__all__ = ["ACCOUNTANTS", "make_accountant", "get_noise_multiplier", "MAX_SIGMA"]
+__all__ = ["ACCOUNTANTS", "make_accountant", "default_accountant", "get_noise_multiplier", "MAX_SIGMA"]
 
 ACCOUNTANTS = {"rdp": RDPAccountant, "pld": PLDAccountant, "zcdp": ZCDPAccountant}
 
@@ -25,6 +25,16 @@ def make_accountant(name: str, **kw) -> Accountant:
         raise ValueError(f"unknown accountant {name!r}: choose one of {sorted(ACCOUNTANTS)} "
                          "('rdp' or 'pld' with Poisson sampling, 'zcdp' with shuffled disjoint batches)")
     return ACCOUNTANTS[name](**kw)
+
+
+def default_accountant(sampling: str) -> str:
+    """The first accountant of :data:`ACCOUNTANTS` that analyses ``sampling`` (each accountant class
+    says which in its ``sampling`` attribute): ``"rdp"`` for Poisson, ``"zcdp"`` for shuffled batches."""
+    for name, cls in ACCOUNTANTS.items():
+        if cls.sampling == sampling:
+            return name
+    raise ValueError(f"no accountant analyses sampling {sampling!r}; choose one of "
+                     f"{sorted({cls.sampling for cls in ACCOUNTANTS.values()})}")
 
 
 def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate: float,

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from .. import accounting
 from .. import nn as bnn
+from ..data import SamplingPlan
 
 __all__ = ["METHODS", "PRIVATE_METHODS", "build_method", "make_optimizer"]
 
@@ -46,14 +47,6 @@ def make_optimizer(params, cfg):
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adam or sgd")
-
-
-def _steps_for(cfg, n, batch_size, poisson):
-    """(sample rate used by the accountant, steps per epoch) of the loaders below."""
-    if poisson:
-        return batch_size / n, max(1, round(n / batch_size))
-    spe = n // batch_size
-    return 1.0 / spe, spe
 
 
 class _Method:
@@ -141,11 +134,6 @@ class ClipOnly(NonPrivate):
         return _stats(out, y, loss.item())
 
 
-def _n_layers(model):
-    return sum(1 for m in model.modules() if type(m) in (torch.nn.Linear, torch.nn.Conv2d)
-               and any(p.requires_grad for p in m.parameters()))
-
-
 class BPClip(_Method):
     """Backpropagation clipping through :class:`bpclip_fast.PrivacyEngine`."""
 
@@ -225,14 +213,14 @@ class DPSGD(_Method):
         poisson = cfg.sampling == "poisson"
         n, B = len(train_ds), cfg.batch_size
         if poisson:
-            # Opacus' Poisson loader: sample rate 1/len(loader) = 1/ceil(N/B), len(loader) steps per epoch
+            # Opacus' own Poisson loader: sample rate 1/len(loader) = 1/ceil(N/B), len(loader) steps per epoch
             spe = math.ceil(n / B)
             rate = 1.0 / spe
-        else:
-            spe = n // B
-            if spe < 1:
+        else:  # the shuffled batches of our plan (Opacus' loader below draws the same number per epoch)
+            if B > n:
                 raise ValueError(f"batch size {B} exceeds the training set ({n})")
-            rate = 1.0 / spe
+            plan = SamplingPlan(n, B, 1, poisson=False)
+            spe, rate = plan.steps_per_epoch, plan.accounting_rate
         self.rate, self.steps_per_epoch = rate, spe
         self.accountant = accounting.make_accountant(cfg.accountant)
         sigma = cfg.sigma if sigma is None else sigma

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import models
+from .. import accounting, models
 from . import data as data_mod
 from . import methods as methods_mod
 
@@ -91,13 +91,16 @@ class Config:
             raise ValueError(f"unknown model {c.model!r}; choose auto or one of {', '.join(MODELS)}")
         if c.method not in methods_mod.METHODS:
             raise ValueError(f"unknown method {c.method!r}; choose one of {', '.join(methods_mod.METHODS)}")
-        if c.accountant is None:
-            c.accountant = "zcdp" if c.sampling == "shuffle" else "rdp"
-        if c.sampling is None:
-            c.sampling = "shuffle" if c.accountant == "zcdp" else "poisson"
-        if c.accountant not in ("rdp", "pld", "zcdp") or c.sampling not in ("poisson", "shuffle"):
+        # Which sampling each accountant analyses is the accountant's own attribute.
+        samplings = {cls.sampling for cls in accounting.ACCOUNTANTS.values()}
+        if c.accountant is None and c.sampling in samplings | {None}:
+            c.accountant = accounting.default_accountant(c.sampling or "poisson")
+        if c.accountant not in accounting.ACCOUNTANTS or c.sampling not in samplings | {None}:
             raise ValueError(f"unknown accountant {c.accountant!r} or sampling {c.sampling!r}")
-        if (c.sampling == "poisson") != (c.accountant in ("rdp", "pld")):
+        analysed = accounting.ACCOUNTANTS[c.accountant].sampling
+        if c.sampling is None:
+            c.sampling = analysed
+        if c.sampling != analysed:
             raise ValueError(f"--accountant {c.accountant} does not analyse --sampling {c.sampling}: use rdp or pld "
                              "with poisson (add/remove one example), zcdp with shuffle (disjoint batches of a "
                              "shuffle); any other pairing would print an epsilon that does not bound the run")
