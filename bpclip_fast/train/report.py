@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 
 def _pyplot():
     import matplotlib
@@ -35,4 +37,61 @@ def plot_curves(result: dict, path: str) -> None:
     fig.suptitle(f"{c['method']} / {c['data']} / {c['model']} ({c['activation']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt_hp(hp):
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(hp.items())) or "-"
+
+
+def markdown_table(best: list[dict]) -> str:
+    """One row per (arm, ε budget): validation-selected test accuracy and ECE, mean ± std over seeds."""
+    rows = ["| method | ε budget | ε spent | σ | test accuracy | ECE | val. accuracy | seeds | selected (of n) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for b in best:
+        eps = "∞ (not private)" if b["epsilon_budget"] is None else f"{b['epsilon_budget']:g}"
+        spent = "-" if b["epsilon_spent"] is None else f"{b['epsilon_spent']:.3f}"
+        sigma = "-" if b["sigma"] is None else f"{b['sigma']:.3g}"
+        rows.append(f"| {b['label']} | {eps} | {spent} | {sigma} | {b['test_mean']:.4f} ± {b['test_std']:.4f} | "
+                    f"{b['ece_mean']:.4f} ± {b['ece_std']:.4f} | {b['val_mean']:.4f} | {b['n_seeds']} | "
+                    f"{_fmt_hp(b['hparams'])} ({b['n_configs']}) |")
+    return "\n".join(rows) + "\n"
+
+
+def plot_sweep(best: list[dict], path: str, title: str = "") -> None:
+    """Test accuracy (validation-selected, mean ± std) against ε: each private arm a curve, each
+    non-private reference a horizontal band."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    labels = list(dict.fromkeys(b["label"] for b in best))
+    private_eps = sorted({b["epsilon_budget"] for b in best if b["epsilon_budget"] is not None})
+    markers = itertools.cycle("osD^v<>")
+    references = itertools.cycle([("0.2", "--"), ("0.55", ":"), ("0.4", "-.")])
+    for label in labels:
+        bs = [b for b in best if b["label"] == label]
+        if bs[0]["epsilon_budget"] is None:
+            m, s = bs[0]["test_mean"], bs[0]["test_std"]
+            color, ls = next(references)
+            ax.axhline(m, ls=ls, lw=1.2, color=color, label=f"{label} (ε = ∞)")
+            if private_eps:
+                ax.axhspan(m - s, m + s, color=color, alpha=0.10)
+            continue
+        bs.sort(key=lambda b: b["epsilon_budget"])
+        ax.errorbar([b["epsilon_budget"] for b in bs], [b["test_mean"] for b in bs],
+                    yerr=[b["test_std"] for b in bs], marker=next(markers), capsize=3, label=label)
+    if private_eps:
+        from matplotlib.ticker import NullFormatter
+
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(private_eps)
+        ax.set_xticklabels([f"{e:g}" for e in private_eps])
+    ax.set_xlabel("ε (budget, δ as configured)")
+    ax.set_ylabel("test accuracy (validation-selected)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
