@@ -75,13 +75,13 @@ def test_failures_are_recorded(tmp_path):
 
 
 def test_live_bytes_is_the_peak_of_live_tensors():
-    """_LiveBytes sums allocations and frees in time order: 8 MB + 16 MB live together, then 4 MB."""
+    """LiveBytes sums allocations and frees in time order: 8 MB + 16 MB live together, then 4 MB."""
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from bench.step import _LiveBytes
+    from bench.probes import LiveBytes
 
-    live = _LiveBytes(True)
+    live = LiveBytes(True)
     if live.prof is None:
         pytest.skip("torch.profiler cannot record memory here")
     mb = 2 ** 20

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import sys
 import time
 import warnings
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import accounting, models
+from ..environment import environment
 from . import data as data_mod
 from . import methods as methods_mod
 
@@ -163,29 +163,6 @@ def evaluate(model, dataset, device, batch_size=1024) -> dict:
     return {"accuracy": float((logits.argmax(1) == y).float().mean()) if len(y) else float("nan"),
             "loss": float(F.cross_entropy(logits, y)) if len(y) else float("nan"),
             "ece": expected_calibration_error(probs, y)}
-
-
-# --------------------------------------------------------------------------- environment
-
-def environment(device) -> dict:
-    import bpclip_fast
-
-    versions = {"python": sys.version.split()[0], "bpclip_fast": bpclip_fast.__version__,
-                "torch": torch.__version__, "numpy": np.__version__}
-    for name, mod in (("opacus", "opacus"), ("dp_accounting", "dp_accounting"), ("scikit_learn", "sklearn")):
-        try:
-            versions[name] = getattr(__import__(mod), "__version__", "unknown")
-        except ImportError:
-            versions[name] = None
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    try:
-        machine["build"] = bpclip_fast.build_info()
-    except Exception:  # noqa: BLE001 - informational
-        pass
-    return {"machine": machine, "versions": versions}
 
 
 # --------------------------------------------------------------------------- progress

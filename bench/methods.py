@@ -1,0 +1,135 @@
+"""The training methods ``bench.step`` compares: one registry entry per method.
+
+A method is a builder ``build(model, x, y, seed, crit) -> (step, wrapped_model)``, where ``step`` is
+one whole training step as a zero-argument callable, plus the modules it needs imported before the
+child takes its memory baseline. Adding a method is one entry in ``REGISTRY``. No torch at import:
+the launcher reads ``METHODS`` before it sets ``OMP_WAIT_POLICY``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+# DP hyper-parameters: they change no cost, only the numbers. sigma = 1 so that noise is drawn.
+INPUT_CLIP, GRAD_CLIP, SIGMA, LR = 1.0, 1.0, 1.0, 0.01
+
+
+class Method(NamedTuple):
+    build: Callable
+    imports: tuple = ()  # modules beyond torch, bpclip_fast and bench.models
+
+
+def _nonprivate(model, x, y, seed, crit):
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        crit(model(x), y).backward()
+        opt.step()
+    return step, model
+
+
+def _bpclip_fast(model, x, y, seed, crit):
+    import torch
+
+    import bpclip_fast.nn as bnn
+
+    bnn.convert_model(model, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP)  # norm l15, clip_fn clip
+    for _, layer in bnn.clipped_layers(model):
+        layer.noise_multiplier = SIGMA
+    stream = bnn.NoiseStream(seed=seed)  # explicit seed: reproducible (insecure; cost is the same)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        bnn.arm_noise(model, stream)         # noise added inside this step's backward
+        crit(model(x), y).backward()
+        bnn.check_finite(model)              # the per-step sync of the documented protocol
+        opt.step()
+    return step, model
+
+
+def _bpclip_reference(model, x, y, seed, crit):
+    import torch
+
+    from bpclip_fast import reference as ref
+
+    ref.attach(model, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP)
+    shapes, _ = ref.record_input_shapes(model)
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        crit(model(x), y).backward()
+        ref.add_noise(model, SIGMA, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP, input_shapes=shapes,
+                      generator=gen)
+        opt.step()
+    return step, model
+
+
+def _opacus(grad_sample_mode: str) -> Method:
+    def build(model, x, y, seed, crit):
+        import warnings
+
+        import torch
+        from opacus import PrivacyEngine
+        from torch.utils.data import DataLoader, TensorDataset
+
+        warnings.filterwarnings("ignore")  # secure_mode / accountant chatter
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        # The loader only tells make_private the batch size and sampling rate; the step feeds x, y.
+        loader = DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
+        engine = PrivacyEngine(accountant="rdp")
+        out = engine.make_private(module=model, optimizer=opt, data_loader=loader, criterion=crit,
+                                  noise_multiplier=SIGMA, max_grad_norm=GRAD_CLIP, loss_reduction="sum",
+                                  poisson_sampling=False, grad_sample_mode=grad_sample_mode)
+        if grad_sample_mode == "ghost":
+            pmodel, popt, pcrit, _ = out  # the criterion runs both backward passes of ghost clipping
+        else:
+            pmodel, popt, _ = out
+            pcrit = crit
+
+        def step():
+            popt.zero_grad(set_to_none=True)
+            pcrit(pmodel(x), y).backward()
+            popt.step()                          # per-example clipping + noise + SGD
+        return step, pmodel
+    return Method(build, ("opacus",))
+
+
+# The order is the table's and the default --methods'.
+REGISTRY: dict[str, Method] = {
+    "nonprivate": Method(_nonprivate),
+    "bpclip_fast": Method(_bpclip_fast),
+    "bpclip_reference": Method(_bpclip_reference),
+    "opacus_hooks": _opacus("hooks"),
+    "opacus_ghost": _opacus("ghost"),
+    "opacus_functorch": _opacus("functorch"),
+}
+METHODS = tuple(REGISTRY)
+
+
+def import_for(methods) -> None:
+    """Imports what the methods need, so that the child's memory baseline is taken after them."""
+    import importlib
+
+    import torch  # noqa: F401
+
+    import bench.models  # noqa: F401
+    import bpclip_fast  # noqa: F401
+    needed = (m for name in methods if name in REGISTRY for m in REGISTRY[name].imports)
+    for module in dict.fromkeys(needed):  # once each, in a fixed order
+        importlib.import_module(module)
+
+
+def build_step(method: str, model, x, y, seed: int):
+    """The method's training step over ``model`` (wrapped here) as a zero-argument callable."""
+    from torch import nn
+
+    if method not in REGISTRY:
+        raise ValueError(f"unknown method {method!r}")
+    crit = nn.CrossEntropyLoss(reduction="sum")  # sum: grad_clip is a per-example bound
+    return REGISTRY[method].build(model, x, y, seed, crit)
