@@ -2,14 +2,15 @@
 # create .venv, install the pinned dependencies, build the extension, run.
 #
 #   make venv       .venv + requirements-dev.txt (stamp file: re-runs are instant)
-#   make build      build bpclip_fast._C (incremental; rebuilt when csrc/, setup.py or switches change)
+#   make build      build bpclip_fast._C (incremental; rebuilt when csrc/, setup.py,
+#                   tools/cuda_archs.py or switches change)
 #   make test       build, pytest, then the C++ tests (cmake + ctest in build/cmake)
 #   make cpp-test   only the C++ tests
 #   make demo       build, then python -m bpclip_fast.demo
 #   make clean      remove build outputs (keeps .venv);  make distclean also removes .venv
 #
 # Switches (environment or make variables): BPCLIP_CPU_ONLY=1, BPCLIP_FORCE_CUDA=1,
-# TORCH_CUDA_ARCH_LIST (default 8.0;9.0), CUDA_HOME, MAX_JOBS (default 2),
+# TORCH_CUDA_ARCH_LIST (default 8.0;9.0, kept in tools/cuda_archs.py), CUDA_HOME, MAX_JOBS (default 2),
 # BPCLIP_CMAKE_CUDA=ON (CUDA in the cmake/ctest build; default OFF), CMAKE_ARGS (extra cmake
 # options, e.g. CMAKE_ARGS=-DBPCLIP_BUILD_LIBRARY=OFF to build only the header-only C++ tests).
 
@@ -55,7 +56,7 @@ build: $(BUILD_STAMP) $(EDITABLE_STAMP)
 
 # Incremental: ninja keeps its objects in build/ext-{cpu,cuda} (see setup.py) and recompiles only
 # what changed; bpclip_fast/_C*.so is written in place.
-$(BUILD_STAMP): $(VENV_STAMP) $(BUILD_CONFIG) setup.py pyproject.toml $(CSRC_FILES)
+$(BUILD_STAMP): $(VENV_STAMP) $(BUILD_CONFIG) setup.py tools/cuda_archs.py pyproject.toml $(CSRC_FILES)
 	$(PY) setup.py build_ext --inplace
 	@touch $@
 
