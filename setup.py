@@ -9,7 +9,8 @@ Environment switches
 BPCLIP_CPU_ONLY=1       build the CPU-only extension even when CUDA could be built.
 BPCLIP_FORCE_CUDA=1     fail loudly if the CUDA extension cannot be built.
 TORCH_CUDA_ARCH_LIST    e.g. "8.0;9.0" (default), "8.0 8.6 9.0+PTX"; sm_XX names only
-                        (no named archs like "Ampere").
+                        (no named archs like "Ampere"). Default and parser: tools/cuda_archs.py,
+                        which CMakeLists.txt runs too.
 CUDA_HOME / CUDA_PATH   the toolkit; otherwise found from nvcc on PATH or /usr/local/cuda.
 MAX_JOBS                parallel compile jobs for ninja (default 2).
 BPCLIP_DEBUG=1          keep host debug info (-g); the default is -g0 (half the compile time).
@@ -29,7 +30,6 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.chdir(ROOT)  # sources are globbed relative to the repo root
 CSRC = os.path.join("csrc")  # relative paths keep the build log short and setuptools happy
-DEFAULT_ARCHS = "8.0;9.0"
 
 
 def _flag(name: str) -> bool:
@@ -81,26 +81,30 @@ def _nvcc_version(cuda_home: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def _load_cuda_archs():
+    """tools/cuda_archs.py: the arch list's default and parser, shared with CMakeLists.txt.
+
+    Loaded by path: setup.py also runs under pip's build backend, where the repo root need not be
+    on sys.path.
+    """
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "_bpclip_cuda_archs", os.path.join(ROOT, "tools", "cuda_archs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cuda_archs = _load_cuda_archs()
+
+
 def _parse_archs(spec: str) -> tuple[list[str], list[str]]:
     """'8.0;9.0+PTX' -> (gencode flags, ['sm_80', 'sm_90', 'compute_90'])."""
-    flags, names = [], []
-    for item in re.split(r"[;, ]+", spec.strip()):
-        if not item:
-            continue
-        m = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", item)
-        if not m:
-            raise SystemExit(
-                f"bpclip_fast setup: cannot parse TORCH_CUDA_ARCH_LIST entry {item!r}; "
-                "use numeric capabilities such as '8.0;9.0' or '9.0+PTX'")
-        num = f"{m.group(1)}{m.group(2)}{m.group(3)}"
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-        names.append(f"sm_{num}")
-        if m.group(4):
-            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
-            names.append(f"compute_{num}")
-    if not flags:
-        raise SystemExit("bpclip_fast setup: TORCH_CUDA_ARCH_LIST is empty")
-    return flags, names
+    try:
+        archs = cuda_archs.parse(spec)
+    except cuda_archs.ArchError as e:
+        raise SystemExit(f"bpclip_fast setup: {e}") from None
+    return cuda_archs.gencode_flags(archs), cuda_archs.names(archs)
 
 
 def _extra_cuda_includes(cuda_home: str, cuda_major: int) -> list[str]:
@@ -176,7 +180,7 @@ def _decide_cuda() -> tuple[bool, str, str | None]:
 WITH_CUDA, REASON, CUDA_HOME_DIR = _decide_cuda()
 if WITH_CUDA:
     os.environ["CUDA_HOME"] = CUDA_HOME_DIR  # read by torch.utils.cpp_extension at import
-    ARCH_SPEC = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
+    ARCH_SPEC = cuda_archs.resolve()  # $TORCH_CUDA_ARCH_LIST, else cuda_archs.DEFAULT
     GENCODE, ARCH_NAMES = _parse_archs(ARCH_SPEC)
 else:
     GENCODE, ARCH_NAMES = [], []
