@@ -1,5 +1,6 @@
 // The one place where the operator schemas of bpclip_fast live. Backends register their kernels
-// in cpu/, cuda/ and layers.cpp; fake (meta) kernels are registered in bpclip_fast/_ops.py.
+// in cpu/ and cuda/, the layer ops (one kernel for every backend) in layers.cpp; fake (meta)
+// kernels are registered in bpclip_fast/_ops.py.
 #include <Python.h>
 #include <torch/library.h>
 

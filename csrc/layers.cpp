@@ -185,20 +185,15 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
+// One registration for every backend: these ops only compose dispatcher ops (ours, whose CPU and
+// CUDA kernels are in cpu/ and cuda/, and ATen's), so nothing here is device-specific. Explicit,
+// not CompositeImplicitAutograd: their gradient is the autograd Function's (bpclip_fast/autograd.py),
+// which must not be differentiated through.
+TORCH_LIBRARY_IMPL(bpclip_fast, CompositeExplicitAutograd, m) {
   m.impl("linear_forward", &linear_forward);
   m.impl("linear_backward", &linear_backward);
   m.impl("conv2d_forward", &conv2d_forward);
   m.impl("conv2d_backward", &conv2d_backward);
 }
-
-#ifdef BPCLIP_WITH_CUDA
-TORCH_LIBRARY_IMPL(bpclip_fast, CUDA, m) {
-  m.impl("linear_forward", &linear_forward);
-  m.impl("linear_backward", &linear_backward);
-  m.impl("conv2d_forward", &conv2d_forward);
-  m.impl("conv2d_backward", &conv2d_backward);
-}
-#endif
 
 }  // namespace bpclip
