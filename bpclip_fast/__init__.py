@@ -20,6 +20,6 @@ def build_info() -> dict:
     return info
 
 
-from . import functional, nn, reference  # noqa: E402,F401
+from . import autograd, nn, reference  # noqa: E402,F401
 from .boundary import StepRefused  # noqa: E402,F401
 from .engine import DPOptimizer, InsecureSeedWarning, PrivacyEngine  # noqa: E402,F401

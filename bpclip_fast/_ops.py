@@ -60,8 +60,7 @@ if _LOAD_ERROR is None:
         b = x.shape[0]
         out = x.new_empty((*x.shape[:-1], weight.shape[0]))
         acc = _acc_dtype(x)
-        return (out, torch.empty_like(x, memory_format=torch.contiguous_format),
-                x.new_empty((b,), dtype=acc), x.new_empty((b,), dtype=acc))
+        return out, x.new_empty((b,), dtype=acc), x.new_empty((b,), dtype=acc)
 
     def _conv_out_size(size, k, s, p, d):
         return (size + 2 * p - d * (k - 1) - 1) // s + 1
@@ -73,25 +72,24 @@ if _LOAD_ERROR is None:
         h = _conv_out_size(x.shape[2], weight.shape[2], stride[0], padding[0], dilation[0])
         w = _conv_out_size(x.shape[3], weight.shape[3], stride[1], padding[1], dilation[1])
         acc = _acc_dtype(x)
-        return (x.new_empty((b, weight.shape[0], h, w)), torch.empty_like(x, memory_format=torch.contiguous_format),
-                x.new_empty((b,), dtype=acc), x.new_empty((b,), dtype=acc))
+        return x.new_empty((b, weight.shape[0], h, w)), x.new_empty((b,), dtype=acc), x.new_empty((b,), dtype=acc)
 
-    def _layer_backward_fake(x_clipped, weight, has_bias, input_grad):
-        gx = torch.empty_like(x_clipped) if input_grad else x_clipped.new_empty((0,))
+    def _layer_backward_fake(x, weight, output_mask):
+        input_grad, has_bias = output_mask
+        gx = torch.empty_like(x, memory_format=torch.contiguous_format) if input_grad else x.new_empty((0,))
         gw = torch.empty_like(weight, memory_format=torch.contiguous_format)
         gb = weight.new_empty((weight.shape[0],)) if has_bias else weight.new_empty((0,))
         return gx, gw, gb
 
     @torch.library.register_fake("bpclip_fast::linear_backward")
-    def _linear_backward_fake(grad_out, x_clipped, x_factor, x_norm, weight, nonfinite, grad_bound, input_bound,
-                              clip_fn, gamma, has_bias, input_grad, seed, offset, noise_std):
-        return _layer_backward_fake(x_clipped, weight, has_bias, input_grad)
+    def _linear_backward_fake(grad_out, x, x_factor, x_norm, weight, nonfinite, bounds, clip_fn, gamma, output_mask,
+                              noise_key, noise_std):
+        return _layer_backward_fake(x, weight, output_mask)
 
     @torch.library.register_fake("bpclip_fast::conv2d_backward")
-    def _conv2d_backward_fake(grad_out, x_clipped, x_factor, x_norm, weight, nonfinite, stride, padding, dilation,
-                              groups, grad_bound, grad_norm, input_bound, clip_fn, gamma, has_bias, input_grad, seed,
-                              offset, noise_std):
-        return _layer_backward_fake(x_clipped, weight, has_bias, input_grad)
+    def _conv2d_backward_fake(grad_out, x, x_factor, x_norm, weight, nonfinite, stride, padding, dilation, groups,
+                              grad_norm, bounds, clip_fn, gamma, output_mask, noise_key, noise_std):
+        return _layer_backward_fake(x, weight, output_mask)
 
 
 def build_config() -> dict:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import functional, registry
+from . import autograd, registry
 from .boundary import LayerStep, StepRefused
 
 CLIP_FNS = ("clip", "global", "normalize")
@@ -205,7 +205,7 @@ class Linear(_Clipped, nn.Linear):
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
         sens = self._noise_sensitivity(x)
-        return functional.clipped_linear(x, self.weight, self.bias, self, sens)
+        return autograd.clipped_linear(x, self.weight, self.bias, self, sens)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, {self._clip_repr()}"
@@ -287,7 +287,7 @@ class Conv2d(_Clipped, nn.Conv2d):
         if x.dim() != 4:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
         sens = self._noise_sensitivity(x)
-        return functional.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
+        return autograd.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, norm={self.norm!r}, {self._clip_repr()}"

@@ -9,7 +9,7 @@ with module hooks on ``nn.Linear`` and ``nn.Conv2d``:
   Linear, ``l15`` or L2 for Conv2d, bound ``C_g``) before the layer computes its weight *and*
   input gradients, so the clipped gradient is also what flows further down.
 
-It deliberately shares no code with ``bpclip_fast._ops`` / ``functional`` / ``nn`` or the C++
+It deliberately shares no code with ``bpclip_fast._ops`` / ``autograd`` / ``nn`` or the C++
 kernels: the tests compare the fused layers with this file, and a comparison is only evidence if
 the two sides could not share a bug. For the same reason the sensitivity here is derived again
 from DESIGN.md section 2 (with a brute-force patch count for the Conv2d L2 bound) rather than

@@ -1,5 +1,6 @@
 // The one place where the operator schemas of bpclip_fast live. Backends register their kernels
-// in cpu/, cuda/ and layers.cpp; fake (meta) kernels are registered in bpclip_fast/_ops.py.
+// in cpu/ and cuda/, the layer ops (one kernel for every backend) in layers.cpp; fake (meta)
+// kernels are registered in bpclip_fast/_ops.py.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -44,27 +45,33 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // buf = std * z (accumulate=False) or buf += std * z, z from Philox4x32-10 keyed by (seed, offset).
   m.def("philox_noise_(Tensor(a!) buf, int seed, int offset, float std, bool accumulate) -> ()");
   // Layer forward: clip the input per example (L2), then ATen's linear / convolution.
-  // Returns (out, x_clipped, x_factor, x_norm).
+  // Returns (out, x_factor, x_norm): the clipped input itself stays inside, the backward rebuilds it
+  // from x and x_factor (csrc/layers.cpp, reclip).
   m.def(
       "linear_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) nonfinite, float input_bound,"
-      " str clip_fn, float gamma) -> (Tensor, Tensor, Tensor, Tensor)");
+      " str clip_fn, float gamma) -> (Tensor, Tensor, Tensor)");
   m.def(
       "conv2d_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) nonfinite, int[2] stride,"
       " int[2] padding, int[2] dilation, int groups, float input_bound, str clip_fn, float gamma)"
-      " -> (Tensor, Tensor, Tensor, Tensor)");
-  // Layer backward: clip the upstream gradient per example, weight/bias gradients through ATen
-  // with the noise (std noise_std, stream offset for the weight, offset+1 for the bias) added,
-  // and the input gradient through the clipped gradient and the clipping Jacobian.
+      " -> (Tensor, Tensor, Tensor)");
+  // Layer backward, from the forward's input x and its (x_factor, x_norm): rebuild the clipped
+  // input, clip the upstream gradient per example, weight/bias gradients through ATen with the
+  // noise added, and the input gradient through the clipped gradient and the clipping Jacobian.
+  // The scalars come in groups, shared by both layers: bounds = [input_bound, grad_bound],
+  // clip_fn and gamma (of the gradient clipping), output_mask = [grad_x, grad_bias] (what to
+  // compute; grad_weight always is), and the noise draw noise_key = [seed, offset] with std
+  // noise_std (stream offset for the weight, offset+1 for the bias). Conv2d adds its geometry and
+  // the upstream gradient's norm ('l15' or 'l2') in front.
   // Returns (grad_x, grad_weight, grad_bias); grad_x / grad_bias are empty when not requested.
   m.def(
-      "linear_backward(Tensor grad_out, Tensor x_clipped, Tensor x_factor, Tensor x_norm, Tensor weight,"
-      " Tensor(a!) nonfinite, float grad_bound, float input_bound, str clip_fn, float gamma, bool has_bias,"
-      " bool input_grad, int seed, int offset, float noise_std) -> (Tensor, Tensor, Tensor)");
+      "linear_backward(Tensor grad_out, Tensor x, Tensor x_factor, Tensor x_norm, Tensor weight,"
+      " Tensor(a!) nonfinite, float[2] bounds, str clip_fn, float gamma, bool[2] output_mask, int[2] noise_key,"
+      " float noise_std) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "conv2d_backward(Tensor grad_out, Tensor x_clipped, Tensor x_factor, Tensor x_norm, Tensor weight,"
-      " Tensor(a!) nonfinite, int[2] stride, int[2] padding, int[2] dilation, int groups, float grad_bound,"
-      " str grad_norm, float input_bound, str clip_fn, float gamma, bool has_bias, bool input_grad, int seed,"
-      " int offset, float noise_std) -> (Tensor, Tensor, Tensor)");
+      "conv2d_backward(Tensor grad_out, Tensor x, Tensor x_factor, Tensor x_norm, Tensor weight,"
+      " Tensor(a!) nonfinite, int[2] stride, int[2] padding, int[2] dilation, int groups, str grad_norm,"
+      " float[2] bounds, str clip_fn, float gamma, bool[2] output_mask, int[2] noise_key, float noise_std)"
+      " -> (Tensor, Tensor, Tensor)");
   m.def("_build_config() -> str", &build_config);
 }
 

@@ -1,4 +1,5 @@
-// Host-side helpers shared by the CPU and CUDA launchers: argument parsing, checks, row geometry.
+// Host-side helpers shared by the CPU and CUDA launchers: argument parsing, checks, and a tensor's
+// RowGeometry (the struct itself is in bpclip_fast/rows.h, where the emulator can include it).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -144,13 +144,13 @@ def test_gradcheck_float64(clip_fn):
     torch.manual_seed(5)
     lin = bnn.Linear(5, 3, input_clip=0.7, grad_clip=1e6, clip_fn=clip_fn, dtype=torch.float64)
     x = torch.randn(4, 2, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w, b: bpclip_fast.functional.clipped_linear(x, w, b, lin, 1.0),
+    assert torch.autograd.gradcheck(lambda x, w, b: bpclip_fast.autograd.clipped_linear(x, w, b, lin, 1.0),
                                     (x, lin.weight, lin.bias))
     conv = bnn.Conv2d(2, 3, 3, stride=2, padding=1, dilation=1, input_clip=0.9, grad_clip=1e6, clip_fn=clip_fn,
                       dtype=torch.float64)
     xc = torch.randn(3, 2, 6, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x, w, b: bpclip_fast.functional.clipped_conv2d(x, w, b, conv, 1.0, conv._explicit_padding),
+        lambda x, w, b: bpclip_fast.autograd.clipped_conv2d(x, w, b, conv, 1.0, conv._explicit_padding),
         (xc, conv.weight, conv.bias))
 
 
@@ -478,11 +478,10 @@ def test_build_info_reports_the_build():
 @pytest.mark.parametrize("shape", [(5, 37), (3, 4, 9), (4, 3, 5, 5)], ids=str)
 @pytest.mark.parametrize("case", ["nonfinite", "finite", "channels_last"])
 def test_backward_recomputes_the_clipped_input_bit_for_bit(device, dtype, shape, case):
-    # The layers save x and rebuild x̃ = s·x in the backward (functional._reclip); the backward is
-    # only the forward's gradient if that rebuild equals what clip_rows produced, bit for bit:
-    # with zeroed examples (non-finite rows: s = 0), without any (the CPU skips the zeroing pass
-    # then), and from an input that is not row-major.
-    from bpclip_fast.functional import _reclip
+    # The layers save x and the backward ops rebuild x̃ = s·x with scale_rows (reclip in
+    # csrc/layers.cpp); the backward is only the forward's gradient if that rebuild equals what
+    # clip_rows produced, bit for bit: with zeroed examples (non-finite rows: s = 0), without any
+    # (the CPU skips the zeroing pass then), and from an input that is not row-major.
     if case == "channels_last" and len(shape) != 4:
         pytest.skip("channels_last is a 4-d layout")
     x = (torch.randn(shape) * 3).to(dtype).to(device)
@@ -493,7 +492,7 @@ def test_backward_recomputes_the_clipped_input_bit_for_bit(device, dtype, shape,
         x = x.contiguous(memory_format=torch.channels_last)
     cnt = torch.zeros(1, dtype=torch.int64, device=device)
     xc, factor, _ = torch.ops.bpclip_fast.clip_rows(x, cnt, 2.0, "l2", "clip", 0.01)
-    rebuilt = _reclip(x, factor)
+    rebuilt = torch.ops.bpclip_fast.scale_rows(x, factor)
     assert rebuilt.dtype == xc.dtype and rebuilt.shape == xc.shape and rebuilt.is_contiguous()
     assert torch.equal(rebuilt.view(-1).view(torch.uint8), xc.contiguous().view(-1).view(torch.uint8))
     assert int(cnt) == (2 if case == "nonfinite" else 0)

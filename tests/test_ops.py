@@ -355,7 +355,7 @@ def _opcheck_cases(device):
     bl = torch.randn(6, device=device)
     c = counter(device)
     xc, f, n = _ops.clip_rows(x, c.clone(), 1.0, "l2", "clip", 0.01)
-    xlc, fl, nl = _ops.clip_rows(xl, c.clone(), 1.0, "l2", "clip", 0.01)
+    _, fl, nl = _ops.clip_rows(xl, c.clone(), 1.0, "l2", "clip", 0.01)
     go = torch.randn(4, 5, 4, 4, device=device)
     gol = torch.randn(4, 2, 6, device=device)
     return [
@@ -368,14 +368,14 @@ def _opcheck_cases(device):
         (OPS.philox_noise_, (torch.zeros(10, device=device), 1, 2, 0.5, True)),
         (OPS.linear_forward, (xl, wl, bl, c.clone(), 1.0, "clip", 0.01)),
         (OPS.linear_forward, (xl, wl, None, c.clone(), 1.0, "global", 0.01)),
-        (OPS.linear_backward, (gol, xlc, fl, nl, wl, c.clone(), 1.0, 1.0, "clip", 0.01, True, True, 3, 4, 0.1)),
-        (OPS.linear_backward, (gol, xlc, fl, nl, wl, c.clone(), 1.0, 1.0, "clip", 0.01, False, False, 0, 0, 0.0)),
+        (OPS.linear_backward, (gol, xl, fl, nl, wl, c.clone(), [1.0, 1.0], "clip", 0.01, [True, True], [3, 4], 0.1)),
+        (OPS.linear_backward, (gol, xl, fl, nl, wl, c.clone(), [1.0, 1.0], "clip", 0.01, [False, False], [0, 0], 0.0)),
         (OPS.conv2d_forward, (x, w, b, c.clone(), [1, 1], [0, 0], [1, 1], 1, 1.0, "clip", 0.01)),
         (OPS.conv2d_forward, (x, w, None, c.clone(), [2, 1], [1, 2], [1, 2], 1, 1.0, "clip", 0.01)),
-        (OPS.conv2d_backward, (go, xc, f, n, w, c.clone(), [1, 1], [0, 0], [1, 1], 1, 1.0, "l15", 1.0, "clip", 0.01,
-                               True, True, 3, 4, 0.1)),
-        (OPS.conv2d_backward, (go, xc, f, n, w, c.clone(), [1, 1], [0, 0], [1, 1], 1, 1.0, "l2", 1.0, "clip", 0.01,
-                               False, False, 0, 0, 0.0)),
+        (OPS.conv2d_backward, (go, x, f, n, w, c.clone(), [1, 1], [0, 0], [1, 1], 1, "l15", [1.0, 1.0], "clip", 0.01,
+                               [True, True], [3, 4], 0.1)),
+        (OPS.conv2d_backward, (go, x, f, n, w, c.clone(), [1, 1], [0, 0], [1, 1], 1, "l2", [1.0, 1.0], "clip", 0.01,
+                               [False, False], [0, 0], 0.0)),
     ]
 
 

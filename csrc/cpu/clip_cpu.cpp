@@ -12,6 +12,7 @@
 
 #include "../common.h"
 #include "bpclip_fast/clip.h"
+#include "bpclip_fast/rows.h"
 #include "vector_clones.h"
 
 namespace bpclip {
@@ -19,8 +20,6 @@ namespace {
 
 constexpr int64_t kChunk = 16384;  // elements per partial sum: large enough to amortise, small enough to split a row
 constexpr int64_t kTile = 16384;   // elements per task of the elementwise passes
-
-enum ReduceMode { kSumSquares = 0, kSumAbs = 1, kDot = 2 };
 
 // fp32, the common case, gets its loops in AVX-512/AVX2/baseline clones (vector_clones.h): with
 // the baseline SSE2 loops alone the fused op was slower than torch's own vectorised ops.

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "bpclip_fast/clip.h"
+#include "bpclip_fast/rows.h"
 #include "dtypes.cuh"
 
 namespace bpclip {
@@ -17,8 +18,6 @@ namespace cuda {
 constexpr int kWarpSize = 32;
 constexpr int kReduceChunk = 4096;  // elements per warp: 128 per lane
 constexpr int kScaleTile = 4096;    // elements per block of the elementwise kernels
-
-enum ReduceMode : int { kSumSquares = 0, kSumAbs = 1, kDot = 2 };
 
 __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 

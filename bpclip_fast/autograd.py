@@ -16,9 +16,9 @@ from . import _ops
 class _ClippedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, sensitivity):
-        out, xc, factor, norm = torch.ops.bpclip_fast.linear_forward(
+        out, factor, norm = torch.ops.bpclip_fast.linear_forward(
             x, weight, bias, layer._nonfinite[0:1], float(layer.input_clip), layer.clip_fn, float(layer.gamma))
-        ctx.save_for_backward(x, factor, norm, weight)  # x, not xc: see _reclip
+        ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias = layer, sensitivity, bias is not None
         return out
 
@@ -26,13 +26,10 @@ class _ClippedLinear(torch.autograd.Function):
     @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
         x, factor, norm, weight = ctx.saved_tensors
-        xc = _reclip(x, factor)
         layer = ctx.layer
-        seed, offset, std, d, scale = _step_args(layer, grad_out.shape[0], ctx.sensitivity)
-        gx, gw, gb = torch.ops.bpclip_fast.linear_backward(
-            grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], float(layer.grad_clip) / d,
-            float(layer.input_clip), layer.clip_fn, float(layer.gamma) / d, ctx.has_bias, ctx.needs_input_grad[0],
-            seed, offset, std)
+        args, scale = _backward_args(ctx, grad_out.shape[0])
+        gx, gw, gb = torch.ops.bpclip_fast.linear_backward(grad_out, x, factor, norm, weight, layer._nonfinite[1:2],
+                                                           *args)
         gw, gb = _outputs(layer, ctx, gw, gb, scale)
         return (gx if ctx.needs_input_grad[0] else None, gw, gb, None, None)
 
@@ -40,10 +37,10 @@ class _ClippedLinear(torch.autograd.Function):
 class _ClippedConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, sensitivity, padding):
-        out, xc, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
+        out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
             x, weight, bias, layer._nonfinite[0:1], list(layer.stride), list(padding), list(layer.dilation),
             layer.groups, float(layer.input_clip), layer.clip_fn, float(layer.gamma))
-        ctx.save_for_backward(x, factor, norm, weight)  # x, not xc: see _reclip
+        ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias, ctx.padding = layer, sensitivity, bias is not None, padding
         return out
 
@@ -51,30 +48,23 @@ class _ClippedConv2d(torch.autograd.Function):
     @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
         x, factor, norm, weight = ctx.saved_tensors
-        xc = _reclip(x, factor)
         layer = ctx.layer
-        seed, offset, std, d, scale = _step_args(layer, grad_out.shape[0], ctx.sensitivity)
+        args, scale = _backward_args(ctx, grad_out.shape[0])
         gx, gw, gb = torch.ops.bpclip_fast.conv2d_backward(
-            grad_out, xc, factor, norm, weight, layer._nonfinite[1:2], list(layer.stride), list(ctx.padding),
-            list(layer.dilation), layer.groups, float(layer.grad_clip) / d, layer.norm, float(layer.input_clip),
-            layer.clip_fn, float(layer.gamma) / d, ctx.has_bias, ctx.needs_input_grad[0], seed, offset, std)
+            grad_out, x, factor, norm, weight, layer._nonfinite[1:2], list(layer.stride), list(ctx.padding),
+            list(layer.dilation), layer.groups, layer.norm, *args)
         gw, gb = _outputs(layer, ctx, gw, gb, scale)
         return (gx if ctx.needs_input_grad[0] else None, gw, gb, None, None, None)
 
 
-def _reclip(x, factor):
-    """The clipped input ``x̃ = RZ(s·x)`` again, bit for bit as ``clip_rows`` wrote it in the forward:
-    ``scale_rows`` runs the same element function (the exact product rounded toward zero to x's
-    dtype, zeros where ``s = 0`` whatever ``x`` holds; csrc/include/bpclip_fast/clip.h), in one pass
-    into a row-major buffer (the layout clip_rows wrote; a non-contiguous x is made contiguous
-    first, as clip_rows did in the forward).
-
-    Why recompute rather than save ``x̃``: the layer's input ``x`` is usually saved anyway by the op
-    that produced it (tanh and ReLU save their output), so saving ``x`` costs nothing, while ``x̃`` is
-    a second copy of every layer input — measured as +24–32% peak memory on the CIFAR-10 net over
-    non-private training. Recomputing costs one elementwise pass in the backward.
-    """
-    return torch.ops.bpclip_fast.scale_rows(x, factor)
+def _backward_args(ctx, rows):
+    """``(bounds, clip_fn, gamma, output_mask, noise_key, noise_std)``, the arguments both backward
+    ops end with (csrc/bpclip_fast.cpp), and the mean-loss ``scale`` of this backward."""
+    layer = ctx.layer
+    seed, offset, std, d, scale = _step_args(layer, rows, ctx.sensitivity)
+    args = ([float(layer.input_clip), float(layer.grad_clip) / d], layer.clip_fn, float(layer.gamma) / d,
+            [ctx.needs_input_grad[0], ctx.has_bias], [seed, offset], std)
+    return args, scale
 
 
 def _step_args(layer, rows, sensitivity):
