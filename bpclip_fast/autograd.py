@@ -25,13 +25,7 @@ class _ClippedLinear(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
-        x, factor, norm, weight = ctx.saved_tensors
-        layer = ctx.layer
-        args, scale = _backward_args(ctx, grad_out.shape[0])
-        gx, gw, gb = torch.ops.bpclip_fast.linear_backward(grad_out, x, factor, norm, weight, layer._nonfinite[1:2],
-                                                           *args)
-        gw, gb = _outputs(layer, ctx, gw, gb, scale)
-        return (gx if ctx.needs_input_grad[0] else None, gw, gb, None, None)
+        return (*_backward(ctx, grad_out, torch.ops.bpclip_fast.linear_backward), None, None)
 
 
 class _ClippedConv2d(torch.autograd.Function):
@@ -47,14 +41,19 @@ class _ClippedConv2d(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
-        x, factor, norm, weight = ctx.saved_tensors
         layer = ctx.layer
-        args, scale = _backward_args(ctx, grad_out.shape[0])
-        gx, gw, gb = torch.ops.bpclip_fast.conv2d_backward(
-            grad_out, x, factor, norm, weight, layer._nonfinite[1:2], list(layer.stride), list(ctx.padding),
-            list(layer.dilation), layer.groups, layer.norm, *args)
-        gw, gb = _outputs(layer, ctx, gw, gb, scale)
-        return (gx if ctx.needs_input_grad[0] else None, gw, gb, None, None, None)
+        geometry = (list(layer.stride), list(ctx.padding), list(layer.dilation), layer.groups, layer.norm)
+        return (*_backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry), None, None, None)
+
+
+def _backward(ctx, grad_out, op, *geometry):
+    """``(grad_x, grad_weight, grad_bias)`` from a layer's backward op: the forward's saved tensors,
+    the layer's own arguments (``geometry``: Conv2d's) and the arguments both ops end with."""
+    x, factor, norm, weight = ctx.saved_tensors
+    args, scale = _backward_args(ctx, grad_out.shape[0])
+    gx, gw, gb = op(grad_out, x, factor, norm, weight, ctx.layer._nonfinite[1:2], *geometry, *args)
+    gw, gb = _outputs(ctx.layer, ctx, gw, gb, scale)
+    return gx if ctx.needs_input_grad[0] else None, gw, gb
 
 
 def _backward_args(ctx, rows):
