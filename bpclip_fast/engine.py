@@ -305,6 +305,7 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self._accountant_kwargs = kwargs
         self._made_private = False
+        self._sigma_effective = None  # set by make_private_with_epsilon for the make_private it calls
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -346,7 +347,8 @@ class PrivacyEngine:
         """
         sigma = self._check_arguments(module, optimizer, data_loader, noise_multiplier=noise_multiplier,
                                       input_clip=input_clip, grad_clip=grad_clip, loss_reduction=loss_reduction,
-                                      nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta)
+                                      nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta,
+                                      noise_seed=noise_seed)
         self._check_pairing(poisson_sampling)
         self.rank, self.world_size, self.distributed = _distributed()
         inner = self._unwrapped(module)
@@ -369,12 +371,14 @@ class PrivacyEngine:
         return self.module, self.optimizer, self.data_loader
 
     def _check_arguments(self, module, optimizer, data_loader, *, noise_multiplier, input_clip, grad_clip,
-                         loss_reduction, nonfinite, max_epsilon, delta) -> float:
-        """The arguments of ``make_private`` that can be checked alone; returns σ."""
+                         loss_reduction, nonfinite, max_epsilon, delta, noise_seed) -> float:
+        """The arguments of ``make_private`` that can be checked alone (all before the model is
+        changed: a failure after the conversion would leave a model no engine can make private);
+        returns σ."""
         if self._made_private:
             raise RuntimeError("PrivacyEngine: make_private was already called on this engine; use one engine "
                                "per model (its accountant belongs to that training run)")
-        if isinstance(optimizer, DPOptimizer) or any(registry.is_clipped(m) and m._step is not None
+        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
                                                       and m._step.enforce for m in module.modules()):
             raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
         for value, kind, what in ((module, nn.Module, "module must be a torch.nn.Module"),
@@ -393,6 +397,13 @@ class PrivacyEngine:
             _positive(max_epsilon, "max_epsilon")
             if delta is None or not 0 < float(delta) < 1:
                 raise ValueError("make_private: max_epsilon needs delta in (0, 1), the δ at which ε is measured")
+        if noise_seed is not None:
+            if not 0 <= int(noise_seed) < 2 ** 63:
+                raise ValueError(f"make_private: noise_seed must be in [0, 2**63), got {noise_seed}")
+            warnings.warn("PrivacyEngine: an explicit noise_seed makes the noise and the batch sampling "
+                          "reproducible, and is for that only: whoever knows the seed can subtract the noise, "
+                          "and the privacy guarantee is void. Use noise_seed=None (OS entropy) for a real run.",
+                          InsecureSeedWarning, stacklevel=3)
         return sigma
 
     def _unwrapped(self, module):
@@ -439,12 +450,13 @@ class PrivacyEngine:
     @staticmethod
     def _optimizer_problems(inner, optimizer) -> list[str]:
         """Parameters an optimizer would update without clipping or noise: not in the module, or
-        outside the clipped layers with a gradient left from earlier training."""
+        frozen or outside the clipped layers with a gradient left from earlier training."""
         names = {id(p): name for name, p in inner.named_parameters()}
         problems = [f"optimizer: a parameter of shape {tuple(p.shape)} is not part of the module; it would be "
                     "trained without clipping or noise"
                     for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
-        owned = {id(p) for m in inner.modules() if registry.clipped_by_conversion(m) for p in m.parameters(recurse=False)}
+        owned = {id(p) for m in inner.modules() if registry.clipped_by_conversion(m)
+                 for p in m.parameters(recurse=False) if p.requires_grad}
         return problems + [f"{name}: frozen, but holds a gradient from earlier training, which an optimizer would "
                            "apply without clipping or noise; clear it first (model.zero_grad())"
                            for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
@@ -461,6 +473,8 @@ class PrivacyEngine:
         if not layers:
             raise ValueError("make_private: the model has no trainable Linear/Conv2d layer to clip")
         self._fix_sensitivities(layers, shapes, max_input_shape is not None)
+        if self._sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
+            sigma = self._sigma_effective * math.sqrt(len(layers))
         mean_batch = float(plan.batch_size) if loss_reduction == "mean" else None
         recorder = DistributedRecorder() if self.distributed else None
         self._steps_of = []
@@ -487,16 +501,7 @@ class PrivacyEngine:
         seed, drawn separately: a checkpoint may need it (shuffled batches, see Checkpoints), the
         noise seed never leaves the process."""
         self._secure = noise_seed is None
-        if noise_seed is None:
-            seed = secrets.randbits(63)
-        else:
-            seed = int(noise_seed)
-            if not 0 <= seed < 2 ** 63:
-                raise ValueError(f"make_private: noise_seed must be in [0, 2**63), got {noise_seed}")
-            warnings.warn("PrivacyEngine: an explicit noise_seed makes the noise and the batch sampling "
-                          "reproducible, and is for that only: whoever knows the seed can subtract the noise, "
-                          "and the privacy guarantee is void. Use noise_seed=None (OS entropy) for a real run.",
-                          InsecureSeedWarning, stacklevel=3)
+        seed = secrets.randbits(63) if noise_seed is None else int(noise_seed)  # range checked with the arguments
         sampler_seed = secrets.randbits(63) if noise_seed is None else data.derive_seed(seed, "sampler")
         if self.distributed:
             seed = self._broadcast_int(seed, self._inner)
@@ -545,8 +550,9 @@ class PrivacyEngine:
         ``target_delta`` after ``epochs`` passes (``epochs · len(private loader)`` steps).
 
         The accountant's ``get_noise_multiplier`` returns the *effective* σ of one step; every layer
-        gets ``σ = σ_eff·√L`` (L clipped layers, counted as the engine will clip them:
-        ``registry.clipped_by_conversion``). ``kwargs`` as ``make_private``.
+        gets ``σ = σ_eff·√L``, with L the number of layers ``make_private`` clips, counted once they
+        are converted (a count taken before the probe forward could miss a layer the model builds
+        in it, and under-noise). ``kwargs`` as ``make_private``.
         """
         if "noise_multiplier" in kwargs:
             raise TypeError("make_private_with_epsilon: noise_multiplier is computed, do not pass it")
@@ -555,10 +561,6 @@ class PrivacyEngine:
             raise ValueError(f"make_private_with_epsilon: target_delta must be in (0, 1), got {target_delta}")
         if int(epochs) != epochs or epochs < 1:
             raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
-        inner = module.module if isinstance(module, _ddp_class()) else module
-        n_layers = sum(1 for m in inner.modules() if registry.clipped_by_conversion(m))
-        if n_layers == 0:
-            raise ValueError("make_private_with_epsilon: the model has no trainable Linear/Conv2d layer to clip")
         poisson = kwargs.get("poisson_sampling", True)
         self._check_pairing(poisson)
         plan = data.SamplingPlan.of_loader(data_loader, _distributed()[1], poisson, "make_private_with_epsilon")
@@ -566,8 +568,12 @@ class PrivacyEngine:
             target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
             steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
         self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
-        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
-                                 noise_multiplier=float(sigma_eff) * math.sqrt(n_layers), **kwargs)
+        self._sigma_effective = float(sigma_eff)
+        try:
+            return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                     noise_multiplier=float(sigma_eff), **kwargs)
+        finally:
+            self._sigma_effective = None
 
     def _check_pairing(self, poisson_sampling: bool):
         sampling = getattr(self.accountant, "sampling", None)

@@ -308,8 +308,10 @@ class TemperedSigmoid(nn.Module):
 
 
 def clipped_layers(module: nn.Module):
-    """``[(qualified name, layer)]`` of every clipped layer in ``module``, in ``named_modules`` order."""
-    return [(name or type(m).__name__, m) for name, m in module.named_modules() if registry.is_clipped(m)]
+    """``[(qualified name, layer)]`` of every clipped layer in ``module``, in ``named_modules`` order:
+    every module that runs a clipped backward (subclasses included, so that none goes unarmed;
+    which of them may be *trained* is the registry's rule, ``registry.is_clipped``)."""
+    return [(name or type(m).__name__, m) for name, m in module.named_modules() if isinstance(m, _Clipped)]
 
 
 class NoiseStream:
@@ -440,10 +442,12 @@ def convert_model(model: nn.Module, *, input_clip, grad_clip, norm="l15", clip_f
         new = _convert(model, **kw)
         new._bp_name = type(model).__name__
         return new
+    converted = {}  # a layer under two parents becomes one clipped layer, not two sharing parameters
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
-            if registry.convertible(child):
-                new = _convert(child, **kw)
-                new._bp_name = f"{name}.{child_name}" if name else child_name
-                setattr(m, child_name, new)
+            if id(child) not in converted and registry.convertible(child):
+                converted[id(child)] = _convert(child, **kw)
+                converted[id(child)]._bp_name = f"{name}.{child_name}" if name else child_name
+            if id(child) in converted:
+                setattr(m, child_name, converted[id(child)])
     return model

@@ -7,8 +7,11 @@ Opacus' ``register_grad_sampler`` / ``register_module_validator``:
 
 *Layer types* (:func:`register_layer`): a torch module type whose trainable parameters a clipped
 layer of ours can train, with that clipped type, the conversion, and the plain function of the
-layer (what the gradient-ownership probe recomputes a layer's gradient from). Only the exact torch
-type is converted: a subclass may override ``forward`` with code the clipped layer would not run.
+layer (what the gradient-ownership probe recomputes a layer's gradient from). Only the exact types
+count, torch's and ours: a subclass may override ``forward`` or the sensitivity with code the bound
+does not cover, so a trainable subclass is refused like any other module. A registered layer is
+clipped through its ``weight`` and ``bias``; any other trainable parameter on it (a
+reparametrisation's) is refused.
 
 *Module checks* (:func:`register_module_check`): a function ``check(module) -> reason | None`` for
 modules of some types, whose reason says why the module breaks the guarantee and what to do.
@@ -17,9 +20,9 @@ type of the registry. Checks flagged ``mixes_batch`` name modules that let one e
 (batch statistics); the probes run those in eval mode so that the problem is reported once.
 
 Which layers are clipped (:func:`clipped_by_conversion`): every clipped layer, and every module of a
-registered torch type owning a trainable parameter. ``convert_model`` converts exactly the latter,
-the engine clips exactly that set, and ``make_private_with_epsilon`` counts it (the noise
-multiplier is split over that many layers: a different count would under-noise).
+registered torch type owning a trainable parameter; ``convert_model`` converts exactly the latter.
+(``make_private_with_epsilon`` splits its noise multiplier over the layers the engine holds after
+the conversion, not over a count taken before it.)
 """
 
 from __future__ import annotations
@@ -83,15 +86,19 @@ def register_module_check(*types: type, mixes_batch: bool = False):
 
 
 def layer_type(module: nn.Module) -> LayerType | None:
-    """The registry entry of ``module``: by exact torch type, or by clipped type."""
-    entry = _LAYERS.get(type(module))
+    """The registry entry of ``module``'s exact type, a torch type or its clipped type. Never a
+    subclass's: a subclass may override ``forward`` or the sensitivity with code the bound does not
+    cover (and the probes run a clipped layer as its torch type, so they would not see it)."""
+    kind = type(module)
+    entry = _LAYERS.get(kind)
     if entry is not None:
         return entry
-    return next((e for e in _LAYERS.values() if isinstance(module, e.clipped_type)), None)
+    return next((e for e in _LAYERS.values() if e.clipped_type is kind), None)
 
 
 def is_clipped(module: nn.Module) -> bool:
-    return any(isinstance(module, e.clipped_type) for e in _LAYERS.values())
+    """Whether ``module`` is one of our clipped layers, of a registered clipped type exactly."""
+    return any(type(module) is e.clipped_type for e in _LAYERS.values())
 
 
 def owns_trainable(module: nn.Module) -> bool:
@@ -125,22 +132,29 @@ def label(name: str, module: nn.Module, root: nn.Module) -> str:
 
 def module_problems(model: nn.Module) -> list[str]:
     """``"<label>: <reason>"`` for every module of ``model`` that a check reports, or that holds
-    trainable parameters outside the registered layer types."""
+    trainable parameters outside the registered layer types (a registered layer clips its ``weight``
+    and ``bias`` only)."""
     problems = []
     for name, m in model.named_modules():
         reasons = [why for c in _CHECKS if isinstance(m, c.types) and (why := c.check(m)) is not None]
-        if not reasons and owns_trainable(m) and layer_type(m) is None:
-            reasons.append(_untrained_reason(name, m))
+        own = [pname for pname, p in m.named_parameters(recurse=False) if p.requires_grad]
+        if layer_type(m) is not None:
+            own = [pname for pname in own if pname not in ("weight", "bias")]
+        if not reasons and own:
+            reasons.append(_untrained_reason(name, m, own))
         problems += [f"{label(name, m, model)}: {why}" for why in reasons]
     return problems
 
 
-def _untrained_reason(name: str, module: nn.Module) -> str:
-    own = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
+def _untrained_reason(name: str, module: nn.Module, own: list[str]) -> str:
     names = ", ".join(f"{name + '.' if name else ''}{pname}" for pname in own)
     suggestion = "freeze them (requires_grad_(False))"
     base = next((t for t in _LAYERS if isinstance(module, t)), None)
-    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
+    if layer_type(module) is not None:
+        suggestion += (f"; a {type(module).__name__} is clipped through its weight and bias only (a "
+                       "reparametrisation such as torch.nn.utils.weight_norm adds parameters the bound does not "
+                       "cover): remove it")
+    elif isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
         suggestion += " or build the layer with elementwise_affine=False / affine=False"
     elif base is not None:
         suggestion += (f" or use a plain nn.{base.__name__} (subclasses such as {type(module).__name__} are not "

@@ -762,3 +762,103 @@ def test_make_private_twice_is_refused():
 def test_package_exports():
     assert bpclip_fast.PrivacyEngine is PrivacyEngine
     assert callable(bpclip_fast.build_info)
+
+
+# ---------------------------------------------------------------- the registry at make_private
+
+
+def _private(model, **kwargs):
+    engine = PrivacyEngine()
+    out = quiet_make_private(engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             data_loader=DataLoader(digits_like(n=32), batch_size=8), noise_multiplier=1.0,
+                             input_clip=1.0, grad_clip=1.0, noise_seed=0, **kwargs)
+    return engine, out
+
+
+def test_a_subclass_of_a_clipped_layer_is_not_trained():
+    """A subclass may override forward (mixing the batch here) or the sensitivity; only the exact
+    clipped types are trusted, by validate, convert_model and make_private alike."""
+    from bpclip_fast import validate
+
+    class Centred(bnn.Linear):
+        def forward(self, x):
+            return super().forward(x - x.mean(0))
+
+    def model(first):
+        return nn.Sequential(nn.Flatten(), first, nn.Tanh(), nn.Linear(8, 10))
+
+    bad = model(Centred(64, 8, input_clip=1.0, grad_clip=1.0))
+    problems = validate.static_problems(bad)
+    assert len(problems) == 1 and problems[0].startswith("1 (Centred): trainable parameters outside"), problems
+    with pytest.raises(ValueError, match=r"1 \(Centred\): trainable parameters outside"):
+        bnn.convert_model(model(Centred(64, 8, input_clip=1.0, grad_clip=1.0)), input_clip=1.0, grad_clip=1.0)
+    with pytest.raises(ValueError, match=r"1 \(Centred\): trainable parameters outside"):
+        _private(bad)
+    engine, _ = _private(model(bnn.Linear(64, 8, input_clip=0.5, grad_clip=2.0)))  # the exact type: its own bounds
+    assert [name for name, _ in engine.clipped_layers] == ["1", "3"]
+    assert engine.clipped_layers[0][1].sensitivity == pytest.approx(2.0 * math.sqrt(0.5 ** 2 + 1))
+
+
+def test_a_registered_layer_is_clipped_through_weight_and_bias_only():
+    layer = nn.Linear(64, 10)
+    layer.register_parameter("scale", nn.Parameter(torch.ones(10)))  # as weight_norm's weight_g would be
+    model = nn.Sequential(nn.Flatten(), layer)
+    with pytest.raises(ValueError, match=r"1 \(Linear\): trainable parameters outside .*\(1\.scale\)"):
+        bnn.convert_model(model, input_clip=1.0, grad_clip=1.0)
+    assert type(model[1]) is nn.Linear
+
+
+def test_a_layer_under_two_parents_is_converted_once():
+    shared = nn.Linear(4, 4)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
+    bnn.convert_model(model, input_clip=1.0, grad_clip=1.0)
+    assert isinstance(model["a"][0], bnn.Linear) and model["a"][0] is model["b"][0]
+    assert len(bnn.clipped_layers(model)) == 1
+
+
+def test_make_private_checks_the_seed_before_changing_the_model():
+    model = small_net()
+    with pytest.raises(ValueError, match=r"noise_seed must be in \[0, 2\*\*63\)"):
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(digits_like(n=32), batch_size=8), noise_multiplier=1.0, input_clip=1.0,
+            grad_clip=1.0, noise_seed=-1)
+    assert type(model[0]) is nn.Conv2d and type(model[4]) is nn.Linear
+    _private(model)  # a fresh engine can still make it private
+
+
+def test_a_frozen_parameter_with_a_stale_gradient_is_reported_at_make_private():
+    model = small_net()
+    model[4].bias.requires_grad_(False)
+    model[4].bias.grad = torch.ones_like(model[4].bias)
+    with pytest.raises(ValueError, match=r"4\.bias: frozen, but holds a gradient"):
+        _private(model)
+
+
+def test_make_private_with_epsilon_splits_sigma_over_the_layers_it_clips():
+    """σ_eff·√L with L counted after the conversion: here the model builds its head in its first
+    forward (the probe forward of make_private), which a count taken before would miss."""
+    class LazyHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.Tanh())
+            self.head = None
+
+        def forward(self, x):
+            h = self.body(x)
+            if self.head is None:
+                self.head = nn.Linear(8, 10, bias=False)  # shape-free Δ: no probe saw its input
+            return self.head(h)
+
+    model = LazyHead()
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(digits_like(n=64), batch_size=16), target_epsilon=1.0, target_delta=DELTA,
+            epochs=1, input_clip=1.0, grad_clip=1.0, probe=False)
+        sigma_eff = get_noise_multiplier(target_epsilon=1.0, target_delta=DELTA, sample_rate=0.25, steps=4,
+                                         accountant="rdp")
+    assert len(engine.clipped_layers) == 2
+    assert engine.effective_noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
