@@ -378,14 +378,14 @@ class PrivacyEngine:
         if self._made_private:
             raise RuntimeError("PrivacyEngine: make_private was already called on this engine; use one engine "
                                "per model (its accountant belongs to that training run)")
-        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
-                                                      and m._step.enforce for m in module.modules()):
-            raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
         for value, kind, what in ((module, nn.Module, "module must be a torch.nn.Module"),
                                   (optimizer, torch.optim.Optimizer, "optimizer must be a torch.optim.Optimizer"),
                                   (data_loader, DataLoader, "data_loader must be a torch DataLoader")):
             if not isinstance(value, kind):
                 raise TypeError(f"make_private: {what}, got {type(value).__name__}")
+        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
+                                                      and m._step.enforce for m in module.modules()):
+            raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
         sigma = _positive(noise_multiplier, "noise_multiplier")
         _positive(input_clip, "input_clip")
         _positive(grad_clip, "grad_clip")
