@@ -80,6 +80,15 @@ void philox_batch_generic(uint64_t seed, uint64_t offset, uint64_t first, uint32
 #pragma GCC diagnostic ignored "-Wuninitialized"
 static_assert(kLanes == 16, "the AVX-512 Philox holds one 32-bit word of 16 blocks per register");
 
+// The counter words of blocks first..first+kLanes-1: x0[l] the low, y0[l] the high 32 bits.
+inline void block_words(uint64_t first, uint32_t x0[kLanes], uint32_t y0[kLanes]) {
+  for (int l = 0; l < kLanes; ++l) {
+    const uint64_t blk = first + static_cast<uint64_t>(l);
+    x0[l] = static_cast<uint32_t>(blk);
+    y0[l] = static_cast<uint32_t>(blk >> 32);
+  }
+}
+
 // hi and lo 32 bits of m * a for 16 lanes: _mm512_mul_epu32 multiplies the even lanes into 64-bit
 // products, so the odd lanes are shifted down and multiplied separately, then the halves blended.
 __attribute__((target("avx512f"))) inline void mul_hi_lo_avx512(__m512i a, __m512i m, __m512i* hi, __m512i* lo) {
@@ -93,11 +102,7 @@ __attribute__((target("avx512f"))) inline void mul_hi_lo_avx512(__m512i a, __m51
 __attribute__((target("avx512f"))) void philox_batch_avx512(uint64_t seed, uint64_t offset, uint64_t first,
                                                              uint32_t r[4][kLanes]) {
   uint32_t x0[kLanes], y0[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    const uint64_t blk = first + static_cast<uint64_t>(l);
-    x0[l] = static_cast<uint32_t>(blk);
-    y0[l] = static_cast<uint32_t>(blk >> 32);
-  }
+  block_words(first, x0, y0);
   __m512i x = _mm512_loadu_si512(x0), y = _mm512_loadu_si512(y0);
   __m512i w = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset)));
   __m512i v = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
@@ -135,11 +140,7 @@ __attribute__((target("avx2"))) inline void mul_hi_lo_avx2(__m256i a, __m256i m,
 __attribute__((target("avx2"))) void philox_batch_avx2(uint64_t seed, uint64_t offset, uint64_t first,
                                                         uint32_t r[4][kLanes]) {
   uint32_t x0[kLanes], y0[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    const uint64_t blk = first + static_cast<uint64_t>(l);
-    x0[l] = static_cast<uint32_t>(blk);
-    y0[l] = static_cast<uint32_t>(blk >> 32);
-  }
+  block_words(first, x0, y0);
   __m256i x[2], y[2], w[2], v[2];
   for (int h = 0; h < 2; ++h) {
     x[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + 8 * h));
