@@ -92,6 +92,34 @@ if _LOAD_ERROR is None:
         return _layer_backward_fake(x, weight, output_mask)
 
 
+    def _norms_fake(x):
+        b = x.shape[0]
+        return x.new_empty((b,), dtype=torch.float64), x.new_empty((b,), dtype=torch.float64)
+
+    @torch.library.register_fake("bpclip_fast::linear_grad_norms")
+    def _linear_grad_norms_fake(grad_out, x, params, method, workspace):
+        return _norms_fake(x)
+
+    @torch.library.register_fake("bpclip_fast::conv2d_grad_norms")
+    def _conv2d_grad_norms_fake(grad_out, x, kernel_size, stride, padding, dilation, groups, params, method,
+                                workspace):
+        return _norms_fake(x)
+
+    def _clipped_grads_fake(weight, params):
+        gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if params[0] else weight.new_empty((0,))
+        gb = weight.new_empty((weight.shape[0],)) if params[1] else weight.new_empty((0,))
+        return gw, gb
+
+    @torch.library.register_fake("bpclip_fast::linear_clipped_grads")
+    def _linear_clipped_grads_fake(grad_out, x, factor, weight, params, noise_key, noise_std):
+        return _clipped_grads_fake(weight, params)
+
+    @torch.library.register_fake("bpclip_fast::conv2d_clipped_grads")
+    def _conv2d_clipped_grads_fake(grad_out, x, factor, weight, stride, padding, dilation, groups, params, noise_key,
+                                   noise_std):
+        return _clipped_grads_fake(weight, params)
+
+
 def build_config() -> dict:
     """What the extension was compiled with, as reported by the library itself."""
     require_extension()

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, registry
+from . import autograd, exact, registry
 from .boundary import LayerStep, StepRefused
 
 CLIP_FNS = ("clip", "global", "normalize")
@@ -77,10 +77,35 @@ class _Clipped:
     ``self._step``, a :class:`bpclip_fast.boundary.LayerStep` (``None`` until armed).
     """
 
-    def _init_clipping(self, input_clip, grad_clip, clip_fn, gamma):
+    def _init_clipping(self, input_clip, grad_clip, clip_fn, gamma, clipping="backprop", max_grad_norm=None,
+                       norm_method="auto"):
         kind = type(self).__name__
-        self.input_clip = _check_positive(input_clip, "input_clip", kind)
-        self.grad_clip = _check_positive(grad_clip, "grad_clip", kind)
+        if clipping not in exact.MODES:
+            raise ValueError(f"{kind}: clipping must be one of {exact.MODES}, got {clipping!r}")
+        self.clipping = clipping
+        if clipping == "backprop":
+            if input_clip is None or grad_clip is None:
+                raise TypeError(f"{kind}: clipping='backprop' needs input_clip and grad_clip (the per-example bounds "
+                                "of the layer's input and upstream gradient)")
+            self.input_clip = _check_positive(input_clip, "input_clip", kind)
+            self.grad_clip = _check_positive(grad_clip, "grad_clip", kind)
+            self.max_grad_norm = None
+        else:
+            if max_grad_norm is None:
+                raise TypeError(f"{kind}: clipping={clipping!r} needs max_grad_norm (the bound on each example's "
+                                "gradient norm)")
+            if input_clip is not None or grad_clip is not None:
+                raise TypeError(f"{kind}: input_clip and grad_clip belong to clipping='backprop'; clipping="
+                                f"{clipping!r} clips each example's gradient to max_grad_norm")
+            self.input_clip = self.grad_clip = None
+            self.max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm", kind)
+        if norm_method not in exact.NORM_METHODS:
+            raise ValueError(f"{kind}: norm_method must be one of {exact.NORM_METHODS}, got {norm_method!r}")
+        self.norm_method = norm_method
+        # The C the noise is scaled to under exact clipping: per_layer's (Σ_l C_l²)^½ over the layers of
+        # one model (set by convert_model), a bare layer's own max_grad_norm.
+        self.noise_bound = self.max_grad_norm
+        self._flat = None  # exact.FlatClipping of a flat layer's model
         if clip_fn not in CLIP_FNS:
             raise ValueError(f"{kind}: clip_fn must be one of {CLIP_FNS}, got {clip_fn!r}")
         self.clip_fn = clip_fn
@@ -93,6 +118,11 @@ class _Clipped:
         self._bp_name = None
         self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the layer clips each example's exact gradient (``flat``/``per_layer``)."""
+        return self.clipping != "backprop"
 
     @property
     def layer_name(self) -> str:
@@ -139,6 +169,8 @@ class _Clipped:
         """Δ, the bound on one example's contribution to [∇W, ∇b] (Frobenius): fixed by
         :meth:`set_max_input_shape`, or shape-free (bias-free Linear, Conv2d l15). Raises where it
         would depend on a shape not declared."""
+        if self.exact:
+            return self.noise_bound
         if self._max_shape is not None:
             return self.sensitivity_for((1, *self._max_shape))
         if self._shape_dependent(None):
@@ -152,6 +184,8 @@ class _Clipped:
         """The Δ this forward's backward scales its noise to: the fixed Δ (refusing a larger input
         in training), or the shape-free Δ. A shape-dependent Δ with no declared maximum is refused
         when noise is to be drawn, since the std would then follow the batch's shape."""
+        if self.exact:
+            return self.noise_bound
         shape = tuple(x.shape)
         sens = self.sensitivity_for(shape)
         training = torch.is_grad_enabled()
@@ -173,6 +207,8 @@ class _Clipped:
         return sens
 
     def _clip_repr(self) -> str:
+        if self.exact:
+            return f"clipping={self.clipping!r}, max_grad_norm={self.max_grad_norm:g}, clip_fn={self.clip_fn!r}"
         return f"input_clip={self.input_clip:g}, grad_clip={self.grad_clip:g}, clip_fn={self.clip_fn!r}"
 
 
@@ -182,19 +218,22 @@ class Linear(_Clipped, nn.Linear):
     Input ``[B, *, in_features]``; each example's norm is taken over all its non-batch dims.
     """
 
-    def __init__(self, in_features, out_features, bias=True, *, input_clip, grad_clip, clip_fn="clip",
-                 gamma=0.01, device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=True, *, input_clip=None, grad_clip=None, clip_fn="clip",
+                 gamma=0.01, clipping="backprop", max_grad_norm=None, norm_method="auto", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_clipping(input_clip, grad_clip, clip_fn, gamma)
+        self._init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
 
     def _shape_dependent(self, input_shape) -> bool:
-        return self.bias is not None and (input_shape is None or len(input_shape) > 2)
+        return not self.exact and self.bias is not None and (input_shape is None or len(input_shape) > 2)
 
     def _shape_rule(self) -> str:
         return "a biased Linear's Δ grows with the positions T of a [B, T, in] input"
 
     def sensitivity_for(self, input_shape=None) -> float:
-        """``C_g √(C_x² + T·[bias])``, T the positions between batch and feature dims (module docstring)."""
+        """``C_g √(C_x² + T·[bias])``, T the positions between batch and feature dims (module docstring);
+        the noise bound ``C`` under exact clipping."""
+        if self.exact:
+            return self.noise_bound
         tokens = 1 if input_shape is None else math.prod(input_shape[1:-1])
         bias = 1 if self.bias is not None else 0
         return self.grad_clip * math.sqrt(self.input_clip ** 2 + tokens * bias)
@@ -205,6 +244,8 @@ class Linear(_Clipped, nn.Linear):
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
         sens = self._noise_sensitivity(x)
+        if self.exact:
+            return exact.exact_layer(x, self, sens)
         return autograd.clipped_linear(x, self.weight, self.bias, self, sens)
 
     def extra_repr(self):
@@ -231,8 +272,9 @@ class Conv2d(_Clipped, nn.Conv2d):
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
-                 bias=True, *, input_clip, grad_clip, norm="l15", clip_fn="clip", gamma=0.01, padding_mode="zeros",
-                 device=None, dtype=None):
+                 bias=True, *, input_clip=None, grad_clip=None, norm="l15", clip_fn="clip", gamma=0.01,
+                 padding_mode="zeros", clipping="backprop", max_grad_norm=None, norm_method="auto", device=None,
+                 dtype=None):
         if padding_mode != "zeros":
             raise ValueError(f"Conv2d: padding_mode={padding_mode!r} is not supported: only 'zeros' keeps every "
                              "input entry at most once in a patch, which the sensitivity bound needs")
@@ -241,7 +283,7 @@ class Conv2d(_Clipped, nn.Conv2d):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                          groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
         self.norm = norm
-        self._init_clipping(input_clip, grad_clip, clip_fn, gamma)
+        self._init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
         self._explicit_padding = self._resolve_padding()
 
     def _resolve_padding(self):
@@ -263,13 +305,16 @@ class Conv2d(_Clipped, nn.Conv2d):
         return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
 
     def _shape_dependent(self, input_shape) -> bool:
-        return self.norm == "l2"
+        return not self.exact and self.norm == "l2"
 
     def _shape_rule(self) -> str:
         return "with norm='l2' Δ grows with the input's height and width"
 
     def sensitivity_for(self, input_shape=None) -> float:
-        """l15: ``C_g √(C_x² + [bias])``; l2: ``C_g √(m C_x² + [bias]·HW_out)`` (module docstring)."""
+        """l15: ``C_g √(C_x² + [bias])``; l2: ``C_g √(m C_x² + [bias]·HW_out)`` (module docstring); the
+        noise bound ``C`` under exact clipping."""
+        if self.exact:
+            return self.noise_bound
         bias = 1 if self.bias is not None else 0
         if self.norm == "l15":
             return self.grad_clip * math.sqrt(self.input_clip ** 2 + bias)
@@ -287,10 +332,14 @@ class Conv2d(_Clipped, nn.Conv2d):
         if x.dim() != 4:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
         sens = self._noise_sensitivity(x)
+        if self.exact:
+            geometry = (list(self.stride), list(self._explicit_padding), list(self.dilation), self.groups)
+            return exact.exact_layer(x, self, sens, geometry)
         return autograd.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, norm={self.norm!r}, {self._clip_repr()}"
+        norm = "" if self.exact else f", norm={self.norm!r}"
+        return f"{super().extra_repr()}{norm}, {self._clip_repr()}"
 
 
 class TemperedSigmoid(nn.Module):
@@ -394,16 +443,16 @@ def check_finite(module: nn.Module) -> None:
             "\nCheck the data and the loss (e.g. log of 0), or lower the learning rate.", bad)
 
 
-def _convert_linear(layer: nn.Linear, *, input_clip, grad_clip, clip_fn, gamma, **_) -> Linear:
-    return Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, input_clip=input_clip,
-                  grad_clip=grad_clip, clip_fn=clip_fn, gamma=gamma, device="meta", dtype=layer.weight.dtype)
+def _convert_linear(layer: nn.Linear, **clipping) -> Linear:
+    clipping.pop("norm", None)
+    return Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta",
+                  dtype=layer.weight.dtype, **clipping)
 
 
-def _convert_conv2d(layer: nn.Conv2d, *, input_clip, grad_clip, norm, clip_fn, gamma, **_) -> Conv2d:
+def _convert_conv2d(layer: nn.Conv2d, **clipping) -> Conv2d:
     return Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
                   padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=layer.bias is not None,
-                  input_clip=input_clip, grad_clip=grad_clip, norm=norm, clip_fn=clip_fn, gamma=gamma,
-                  device="meta", dtype=layer.weight.dtype)
+                  device="meta", dtype=layer.weight.dtype, **clipping)
 
 
 registry.register_layer(nn.Linear, Linear, convert=_convert_linear,
@@ -424,9 +473,27 @@ def _convert(layer: nn.Module, **clipping) -> nn.Module:
     return new
 
 
-def convert_model(model: nn.Module, *, input_clip, grad_clip, norm="l15", clip_fn="clip", gamma=0.01) -> nn.Module:
+def _thresholds(max_grad_norm, count: int, clipping: str) -> list:
+    """Each converted layer's ``max_grad_norm``: flat's one ``C`` for all; per_layer's list (one per
+    layer, in ``named_modules`` order) or a scalar ``C`` split as ``C/√L``."""
+    if clipping == "flat" or not isinstance(max_grad_norm, (list, tuple)):
+        value = _check_positive(max_grad_norm, "max_grad_norm", "convert_model")
+        return [value if clipping == "flat" else value / math.sqrt(max(count, 1))] * count
+    if len(max_grad_norm) != count:
+        raise ValueError(f"convert_model: max_grad_norm has {len(max_grad_norm)} thresholds but the model has {count} "
+                         "layers to clip (one per trainable Linear/Conv2d, in named_modules order)")
+    return [_check_positive(c, "max_grad_norm", "convert_model") for c in max_grad_norm]
+
+
+def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l15", clip_fn="clip", gamma=0.01,
+                  clipping="backprop", max_grad_norm=None, norm_method="auto") -> nn.Module:
     """Swaps every trainable layer of a registered type (``nn.Linear``, ``nn.Conv2d``) of ``model`` for
     ours, in place, weights kept.
+
+    ``clipping="backprop"`` (input_clip, grad_clip, norm) or exact per-example clipping:
+    ``"per_layer"`` (``max_grad_norm`` a list of ``C_l``, or ``C`` split as ``C/√L``; each layer's noise
+    is scaled to ``C = (Σ C_l²)^½``) or ``"flat"`` (``max_grad_norm`` = ``C`` of the whole gradient;
+    the model gets its :class:`bpclip_fast.exact.FlatClipping`, so it must be called as a whole).
 
     Refuses (before changing anything) every module the registry's checks report
     (:func:`bpclip_fast.registry.module_problems`: batch statistics, padding modes other than zeros,
@@ -435,19 +502,38 @@ def convert_model(model: nn.Module, *, input_clip, grad_clip, norm="l15", clip_f
     """
     problems = registry.module_problems(model)
     if problems:
-        raise ValueError("convert_model: these layers cannot be trained with backpropagation clipping:\n  "
+        raise ValueError("convert_model: these layers cannot be trained with bpclip_fast:\n  "
                          + "\n  ".join(problems))
-    kw = dict(input_clip=input_clip, grad_clip=grad_clip, norm=norm, clip_fn=clip_fn, gamma=gamma)
+    if clipping not in exact.MODES:
+        raise ValueError(f"convert_model: clipping must be one of {exact.MODES}, got {clipping!r}")
+    kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping)
+    if clipping == "backprop":
+        kw.update(input_clip=input_clip, grad_clip=grad_clip, norm=norm)
+    else:
+        kw.update(norm_method=norm_method)
     if registry.convertible(model):
-        new = _convert(model, **kw)
+        thresholds = _thresholds(max_grad_norm, 1, clipping) if clipping != "backprop" else [None]
+        new = _convert(model, **kw, max_grad_norm=thresholds[0])
         new._bp_name = type(model).__name__
+        if clipping == "flat":
+            exact.FlatClipping(new, [new], new.max_grad_norm, clip_fn, gamma)
         return new
+    children = [(name, m, child_name, child) for name, m in list(model.named_modules())
+                for child_name, child in list(m.named_children())]
+    count = len({id(c) for _, _, _, c in children if registry.convertible(c)})
+    thresholds = iter(_thresholds(max_grad_norm, count, clipping) if clipping != "backprop" else [None] * count)
     converted = {}  # a layer under two parents becomes one clipped layer, not two sharing parameters
-    for name, m in list(model.named_modules()):
-        for child_name, child in list(m.named_children()):
-            if id(child) not in converted and registry.convertible(child):
-                converted[id(child)] = _convert(child, **kw)
-                converted[id(child)]._bp_name = f"{name}.{child_name}" if name else child_name
-            if id(child) in converted:
-                setattr(m, child_name, converted[id(child)])
+    for name, m, child_name, child in children:
+        if id(child) not in converted and registry.convertible(child):
+            converted[id(child)] = _convert(child, **kw, max_grad_norm=next(thresholds))
+            converted[id(child)]._bp_name = f"{name}.{child_name}" if name else child_name
+        if id(child) in converted:
+            setattr(m, child_name, converted[id(child)])
+    new_layers = list(converted.values())
+    if clipping == "per_layer":
+        total = math.sqrt(sum(layer.max_grad_norm ** 2 for layer in new_layers))
+        for layer in new_layers:
+            layer.noise_bound = total
+    if clipping == "flat" and new_layers:
+        exact.FlatClipping(model, new_layers, new_layers[0].max_grad_norm, clip_fn, gamma)
     return model

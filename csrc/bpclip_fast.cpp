@@ -72,6 +72,27 @@ TORCH_LIBRARY(bpclip_fast, m) {
       " Tensor(a!) nonfinite, int[2] stride, int[2] padding, int[2] dilation, int groups, str grad_norm,"
       " float[2] bounds, str clip_fn, float gamma, bool[2] output_mask, int[2] noise_key, float noise_std)"
       " -> (Tensor, Tensor, Tensor)");
+  // Exact per-example clipping (modes flat and per_layer; csrc/exact.cpp). The norms ops return
+  // (sq, bound), float64 [B]: each example's squared gradient norm over the parameters in
+  // params = [weight, bias], and an upper bound on the norm of what the release can hold of it at
+  // factor 1 (rounding included); method 'auto' (the cost rule), 'ghost' or 'instantiate'; at most
+  // about `workspace` bytes of temporaries (the batch is chunked).
+  m.def(
+      "linear_grad_norms(Tensor grad_out, Tensor x, bool[2] params, str method, int workspace)"
+      " -> (Tensor, Tensor)");
+  m.def(
+      "conv2d_grad_norms(Tensor grad_out, Tensor x, int[2] kernel_size, int[2] stride, int[2] padding,"
+      " int[2] dilation, int groups, bool[2] params, str method, int workspace) -> (Tensor, Tensor)");
+  // The clipped gradients sum_i c_i G_i of the parameters in params = [weight, bias] (empty where
+  // not), from grad_out scaled by factor (fp32; fp64 for fp64 data), with the noise (std noise_std,
+  // Philox key noise_key = [seed, offset]: the weight at offset, the bias at offset + 1).
+  m.def(
+      "linear_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, bool[2] params,"
+      " int[2] noise_key, float noise_std) -> (Tensor, Tensor)");
+  m.def(
+      "conv2d_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, int[2] stride,"
+      " int[2] padding, int[2] dilation, int groups, bool[2] params, int[2] noise_key, float noise_std)"
+      " -> (Tensor, Tensor)");
   m.def("_build_config() -> str", &build_config);
 }
 

@@ -1,0 +1,287 @@
+"""Exact per-example clipping: modes ``per_layer`` and ``flat`` (DESIGN.md §6; docs/design.md).
+
+Each layer's backward computes its input gradient from the **unclipped** upstream gradient ``g``,
+and each example's squared gradient norm ``‖[∇W_i, ∇b_i]‖²`` without materialising the per-example
+gradients where that is costly (``csrc/exact.cpp``: ghost norms or chunked instantiation, by the
+cost rule). Then:
+
+* ``per_layer``: factor ``c_{l,i} = f(‖G_{l,i}‖; C_l)`` at once, and the weight gradient is one
+  GEMM on ``diag(c)·g`` into the buffer that already holds the noise ``N(0, σ²C²)``.
+* ``flat``: the norms go into this forward's :class:`_Book`; when autograd runs the book's
+  collector node — after the backward of every layer whose output reached the loss, whatever the
+  branching or order, because the collector's outputs are inputs of every layer (autograd's own
+  dependency count, not hook order) — the factor ``c_i = f((Σ_l ‖G_{l,i}‖²)^½; C)`` is known and
+  each layer's weight gradient is the same one GEMM. No second backward, no gradient computed
+  and thrown away.
+
+The factors are computed from an upper bound of each norm that covers the rounding of the norms
+and of the scaling (``csrc/exact.cpp``), by ``clip_rows`` (whose own proof keeps ``c·bound ≤ C``);
+so each example's contribution to the release is at most ``C`` (flat: over all layers; per_layer:
+``C_l`` per layer, ``(Σ_l C_l²)^½ = C`` over all), and the noise std is ``σC`` on every coordinate.
+
+``loss_reduction="mean"`` follows the rule proved in :mod:`bpclip_fast.engine` for backpropagation
+clipping: the backward over ``d`` rows clips at ``C/d`` (and ``γ/d``), adds noise ``σC/d`` and
+multiplies by ``d/B̄``. The upstream gradient of example ``i`` is ``v_i/B`` (every backward map
+below the loss is linear in the upstream gradient), so its parameter gradient is ``G_i/B`` and
+``f(‖G_i‖/d; C/d) = f(‖G_i‖; C)`` (the factors are invariant under a common positive scale): the
+release is ``(1/B̄)(Σ_i c_i G_i + N(0, σ²C²))`` with ``c_i`` the sum-loss factor of example ``i``
+alone. ``flat`` needs every layer of one book to have seen the same ``d`` rows (checked).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from . import _ops
+
+MODES = ("backprop", "flat", "per_layer")
+EXACT_MODES = ("flat", "per_layer")
+NORM_METHODS = ("auto", "ghost", "instantiate")
+WORKSPACE_BYTES = 64 << 20  # temporaries of the norms (instantiated gradients, Gram matrices) per layer
+
+
+def factors(bound: torch.Tensor, max_norm: float, clip_fn: str, gamma: float, nonfinite: torch.Tensor,
+            data_dtype: torch.dtype) -> torch.Tensor:
+    """The per-example clip factors for norm upper bounds ``bound`` (float64): ``clip_rows`` on the
+    bounds as rows of one element, so ``c·bound ≤ C`` after rounding (csrc/include/bpclip_fast/clip.h).
+    The bounds are rounded *up* to the factor dtype (fp32; fp64 for fp64 data); a non-finite bound
+    gives factor 0 and is counted in ``nonfinite``."""
+    acc = torch.float64 if data_dtype == torch.float64 else torch.float32
+    b = bound.to(acc)
+    if acc != torch.float64:
+        b = torch.where(b.double() < bound, torch.nextafter(b, b.new_tensor(math.inf)), b)
+    _, factor, _ = torch.ops.bpclip_fast.clip_rows(b.unsqueeze(1), nonfinite, float(max_norm), "l2", clip_fn,
+                                                   float(gamma))
+    return factor
+
+
+def _trainable(layer):
+    """``[weight, bias]``: which of the layer's parameters train (their gradients are computed)."""
+    return [layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad]
+
+
+class _Entry:
+    """What a flat layer's backward leaves in the book for the collector."""
+
+    __slots__ = ("layer", "x", "g", "bound", "step_args", "geometry")
+
+    def __init__(self, layer, x, g, bound, step_args, geometry):
+        self.layer, self.x, self.g, self.bound, self.step_args, self.geometry = layer, x, g, bound, step_args, geometry
+
+
+class _Book:
+    """One forward's flat layers: their tokens (collector outputs) and, during the backward, entries."""
+
+    def __init__(self, group, tokens):
+        self.group = group
+        self.tokens = dict(zip((id(layer) for layer in group.layers), tokens))
+        self.entries: list[_Entry] = []
+
+
+class _Collector(torch.autograd.Function):
+    """Forward: the flat layers' trainable parameters in, one token per layer out (each layer takes
+    its token as an input). Backward: runs once every layer that reached the loss has added its
+    entry, and returns the clipped, noised gradients of the parameters."""
+
+    @staticmethod
+    def forward(ctx, group, holder, *params):
+        ctx.group, ctx.holder = group, holder
+        ctx.set_materialize_grads(False)
+        device = params[0].device
+        return tuple(torch.zeros((), device=device) for _ in group.layers)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *token_grads):
+        grads = ctx.group.release(ctx.holder["book"])
+        return (None, None, *(grads.get(id(p)) for p in ctx.holder["params"]))
+
+
+class FlatClipping:
+    """The book-keeping of ``flat`` clipping for the flat layers of ``module``: a forward pre-hook
+    starts a book (and its collector node) for every grad-enabled forward of ``module``; the layers
+    find it as :meth:`current` and the collector releases their gradients at the end of the backward.
+
+    Made by ``bpclip_fast.nn.convert_model(..., clipping="flat")`` (and so by ``make_private``). A
+    flat layer run outside ``module``'s forward (a submodule called directly, or recomputed by
+    activation checkpointing during the backward) raises: its norm would be missing from ``c_i``.
+    """
+
+    def __init__(self, module, layers, max_grad_norm: float, clip_fn: str, gamma: float):
+        self.layers = list(layers)
+        self.max_grad_norm, self.clip_fn, self.gamma = float(max_grad_norm), clip_fn, float(gamma)
+        self._stack: list = []
+        self._handles = [module.register_forward_pre_hook(self._begin),
+                         module.register_forward_hook(self._end, always_call=True)]
+        for layer in self.layers:
+            layer._flat = self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for layer in self.layers:
+            layer._flat = None
+
+    def current(self):
+        return self._stack[-1] if self._stack else None
+
+    def _begin(self, module, args):
+        params = [p for layer in self.layers for p, t in zip((layer.weight, layer.bias), _trainable(layer)) if t]
+        if not (torch.is_grad_enabled() and params):
+            self._stack.append(None)
+            return
+        holder = {"params": params}
+        tokens = _Collector.apply(self, holder, *params)
+        book = _Book(self, tokens)
+        holder["book"] = book
+        self._stack.append(book)
+
+    def _end(self, module, args, output):
+        if self._stack:
+            self._stack.pop()
+
+    def release(self, book: _Book) -> dict:
+        """``{id(parameter): gradient}`` for every layer with an entry: the flat factors from all
+        entries' bounds, then each layer's clipped, noised, scaled gradients."""
+        entries, book.entries = book.entries, []  # a second pass over a retained graph releases its own
+        if not entries:
+            return {}
+        ds = {e.step_args[3] for e in entries}
+        rows = {e.x.shape[0] for e in entries}
+        if len(ds) > 1 or len(rows) > 1:
+            names = ", ".join(dict.fromkeys(e.layer.layer_name for e in entries))
+            details = (f"flat clipping combines each example's norms over the layers of one backward, but these "
+                       f"layers saw different numbers of rows: {sorted(rows)}")
+            step = entries[0].layer._step
+            if step is not None:
+                step.refuse("rows", f"{details} [{names}]")
+            raise RuntimeError(f"{details} [{names}]; keep every flat layer on all rows of the batch")
+        d = ds.pop()
+        total = torch.stack([e.bound for e in entries]).square().sum(0).sqrt()
+        scratch = torch.zeros(1, dtype=torch.int64, device=total.device)
+        by_dtype = {}
+        grads: dict = {}
+        for e in entries:
+            dt = e.x.dtype
+            if dt not in by_dtype:
+                by_dtype[dt] = factors(total, self.max_grad_norm / d, self.clip_fn, self.gamma / d, scratch, dt)
+            gw, gb = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry)
+            for p, g in zip((e.layer.weight, e.layer.bias), (gw, gb)):
+                if g is not None:
+                    grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
+        for e in entries:
+            if e.layer._step is not None:
+                e.layer._step.produced((grads.get(id(e.layer.weight)),
+                                        grads.get(id(e.layer.bias)) if e.layer.bias is not None else None))
+        return grads
+
+
+def _count_nonfinite(layer, bound):
+    layer._nonfinite[1:2].add_(bound.isfinite().logical_not().sum())
+
+
+def _release(layer, x, g, factor, step_args, geometry):
+    """``(∇W, ∇b)`` of one layer: ``Σ_i c_i G_i`` plus the step's draw, times the mean-loss scale;
+    ``None`` for a parameter that does not train."""
+    seed, offset, std, d, scale = step_args
+    mask = _trainable(layer)
+    if geometry is None:
+        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, layer.weight, mask, [seed, offset], std)
+    else:
+        stride, padding, dilation, groups = geometry
+        gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, layer.weight, stride, padding, dilation,
+                                                            groups, mask, [seed, offset], std)
+    gw = (gw.mul_(scale) if scale != 1.0 else gw) if mask[0] else None
+    gb = (gb.mul_(scale) if scale != 1.0 else gb) if mask[1] else None
+    return gw, gb
+
+
+def _norms(layer, x, g, geometry, mask):
+    method, ws = layer.norm_method, WORKSPACE_BYTES
+    if geometry is None:
+        return torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws)
+    stride, padding, dilation, groups = geometry
+    return torch.ops.bpclip_fast.conv2d_grad_norms(g, x, list(layer.kernel_size), stride, padding, dilation, groups,
+                                                   mask, method, ws)
+
+
+def _input_grad(layer, x, g, weight, geometry):
+    if geometry is None:
+        return torch.matmul(g, weight)
+    stride, padding, dilation, groups = geometry
+    return torch.ops.aten.convolution_backward(g, x, weight, None, stride, padding, dilation, False, [0, 0], groups,
+                                               [True, False, False])[0]
+
+
+class _ExactLayer(torch.autograd.Function):
+    """A Linear (``geometry`` None) or Conv2d layer under ``per_layer`` or ``flat`` clipping. Under
+    flat the weight and bias come in detached (their gradients come from the collector) and
+    ``token`` links the layer to its book."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, token, layer, sensitivity, geometry, book):
+        if geometry is None:
+            out = F.linear(x, weight, bias)
+        else:
+            stride, padding, dilation, groups = geometry
+            out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.sensitivity, ctx.geometry, ctx.book = layer, sensitivity, geometry, book
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        layer, geometry, book = ctx.layer, ctx.geometry, ctx.book
+        g = grad_out.contiguous()
+        gx = _input_grad(layer, x, g, weight, geometry) if ctx.needs_input_grad[0] else None
+        mask = _trainable(layer) if book is not None else [ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        if not any(mask):
+            return gx, None, None, None, None, None, None, None
+        step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
+        d = step_args[3]
+        _, bound = _norms(layer, x, g, geometry, mask)
+        if book is not None:
+            _count_nonfinite(layer, bound)
+            book.entries.append(_Entry(layer, x, g, bound, step_args, geometry))
+            return gx, None, None, torch.zeros((), device=g.device), None, None, None, None
+        factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
+                         x.dtype)
+        gw, gb = _release(layer, x, g, factor, step_args, geometry)
+        if layer._step is not None:
+            layer._step.produced((gw, gb))
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _step_args(layer, rows, sensitivity):
+    """``(seed, offset, std, d, scale)`` of this backward (``boundary.LayerStep.begin_backward``);
+    no noise and no scaling for a layer that was never armed."""
+    if layer._step is None:
+        return 0, 0, 0.0, 1.0, 1.0
+    return layer._step.begin_backward(rows, sensitivity)
+
+
+def exact_layer(x, layer, sensitivity, geometry=None):
+    """The forward of ``layer`` (Linear, or Conv2d with ``geometry = (stride, padding, dilation,
+    groups)``) under its exact clipping mode."""
+    _ops.require_extension()
+    weight, bias = layer.weight, layer.bias
+    needs = torch.is_grad_enabled() and any(_trainable(layer))
+    book, token = None, None
+    if layer.clipping == "flat" and needs:
+        group = layer._flat
+        book = group.current() if group is not None else None
+        if book is None:
+            raise RuntimeError(
+                f"{layer.layer_name}: a flat-clipping layer ran with gradients enabled outside the forward of the "
+                "model its clipping belongs to (a submodule called directly, a layer recomputed by activation "
+                "checkpointing, or a layer built without convert_model); flat clipping needs every layer's norm of "
+                "the example, so call the whole model, or use clipping='per_layer'")
+        token = book.tokens.get(id(layer))
+        weight, bias = weight.detach(), bias.detach() if bias is not None else None
+    return _ExactLayer.apply(x, weight, bias, token, layer, sensitivity, geometry, book)

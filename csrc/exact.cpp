@@ -1,0 +1,341 @@
+// Exact per-example clipping (modes flat and per_layer; DESIGN.md §6): the per-example norms of a
+// layer's parameter gradient, and its clipped weight/bias gradient with the noise. Written once over
+// ATen (bmm, im2col, convolution_backward) and our dispatcher ops, so the same code serves CPU and
+// CUDA; the clip factors themselves come from clip_rows (csrc/include/bpclip_fast/clip.h).
+//
+// ---- The norm bound the factors are computed from --------------------------------------------
+// Example i of a layer has positions t (Linear: the T rows of a [B, T, d] input, T = 1 for 2-D;
+// Conv2d: the output positions of each channel group gamma) with input vectors x_t (Linear: the
+// input row; Conv2d: the zero-padded patch U_{gamma,t}) and upstream gradients g_t. Its gradient is
+// G = [G_W, G_b] with G_W = sum_t g_t x_t^T (block-diagonal over the groups) and G_b = sum_t g_t.
+// The ops return sq (the computed ||G||^2) and bound, an upper bound on what the release can hold
+// of example i at factor 1, with the spread P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) >= ||G||:
+//
+//   bound = sqrt(sq * grow + eps * P^2) + kappa * P
+//
+// (u: unit roundoff of the GEMMs' arithmetic, 2^-24 for fp32, 2^-11 or 2^-8 when torch lets fp32
+// matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u)):
+// * Ghost (G_W from Gram matrices, ||G_W||^2 = sum_{s,t} <x_s, x_t><g_s, g_t>): a computed Gram
+//   entry errs by <= gamma_d ||x_s|| ||x_t|| (gamma_p for g), its product rounds once and the T^2
+//   products are summed in double, so |sq_W - ||G_W||^2| <= eps M^2, M = sum_t ||x_t|| ||g_t|| <= P,
+//   eps = e1 + gamma_{T^2}(v)(1 + e1), e1 = (1 + gamma_d)(1 + gamma_p)(1 + u) - 1. (T = 1 Linear
+//   layers take ||x||^2 ||g||^2 from double sums: the same with u = v.)
+// * Instantiation (G_W per example by one GEMM over the T positions): each entry errs by <=
+//   gamma_T(u) sum_t |g_t||x_t|, so ||G_W - G_W^|| <= gamma_T(u) M; its squares round once (u) and
+//   are summed in double: ||G_W^||^2 <= sq_W grow.
+// * The bias sum is taken in double (error <= gamma_T(v) sum_t ||g_t|| <= gamma_T(v) P).
+// * The release scales g_t by the factor c and rounds toward zero to the data dtype
+//   (scale_rows): |RZ(c g) - c g| <= r |c g| entrywise (r = 2^-23 fp32, 2^-10 fp16, 2^-7 bf16,
+//   2^-52 fp64), which moves example i's contribution by <= c r P.
+// Hence, by the triangle inequality on [G_W, G_b] and these perturbations, the contribution the
+// release holds, c * ||G~||, is <= c * bound with grow = (1 - u)^-1 (1 - gamma_n(v))^-1 (n the terms
+// summed), eps as above (0 for instantiation) and kappa = gamma_T(u) [instantiation] + gamma_T(v)
+// + r. clip_rows then gives c with c * bound <= C (its own proof). Not covered: an fp16/bf16 value
+// c g_t that falls in the subnormal range loses up to one subnormal quantum absolutely (fp16: 2^-24),
+// which no relative margin covers; keep fp16 gradients out of that range (as any fp16 training must).
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <vector>
+
+#include "common.h"
+
+namespace bpclip {
+namespace {
+
+using Pair = std::tuple<at::Tensor, at::Tensor>;
+
+at::Tensor scale_rows(const at::Tensor& x, const at::Tensor& factor) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::scale_rows", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, factor);
+}
+
+void philox_noise_(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::philox_noise_", "")
+                       .typed<void(at::Tensor&, int64_t, int64_t, double, bool)>();
+  op.call(buf, seed, offset, stdv, accumulate);
+}
+
+double gamma_k(double k, double u) { return k * u / (1.0 - k * u); }
+
+constexpr double kV = 0x1p-53;  // double's unit roundoff: the sums of squares and the bias sums
+
+// Unit roundoff of the norms' GEMMs: torch may run fp32 matmuls in TF32 ('high') or bf16 ('medium').
+double gemm_unit(at::ScalarType acc) {
+  if (acc == at::kDouble) return kV;
+  switch (at::globalContext().float32MatmulPrecision()) {
+    case at::Float32MatmulPrecision::HIGH:
+      return 0x1p-11;
+    case at::Float32MatmulPrecision::MEDIUM:
+      return 0x1p-8;
+    default:
+      return 0x1p-24;
+  }
+}
+
+// Relative error of rounding c*g toward zero to the data dtype (scale_rows), for normal results.
+double rz_unit(at::ScalarType s) {
+  switch (s) {
+    case at::kDouble:
+      return 0x1p-52;
+    case at::kHalf:
+      return 0x1p-10;
+    case at::kBFloat16:
+      return 0x1p-7;
+    default:
+      return 0x1p-23;
+  }
+}
+
+enum class Method { kGhost, kInstantiate };
+
+Method parse_method(c10::string_view s, bool ghost_cheaper) {
+  if (s == "ghost") return Method::kGhost;
+  if (s == "instantiate") return Method::kInstantiate;
+  TORCH_CHECK(s == "auto", "bpclip_fast: norm method must be 'auto', 'ghost' or 'instantiate', got '", std::string(s),
+              "'");
+  return ghost_cheaper ? Method::kGhost : Method::kInstantiate;
+}
+
+// The cost rule (docs/design.md): per example and channel group, ghost costs T^2 (d + p)
+// multiply-adds (two Gram matrices), instantiation T d p; ghost wins when T (d + p) < d p.
+bool ghost_cheaper(int64_t T, int64_t d, int64_t p) { return T == 1 || T * (d + p) < d * p; }
+
+// Per-example parts of the bound, all double [b]: sq_W, sq_b, and the spread P.
+struct Parts {
+  at::Tensor sq, spread;
+};
+
+// What the margins need to know about a layer's shapes (see the file comment).
+struct Dims {
+  int64_t T, d, p;
+  bool weight, bias;
+};
+
+// ||x_t|| for [n, T, k] -> [n, T] in double.
+at::Tensor position_norms(const at::Tensor& a) {
+  return at::linalg_vector_norm(a, 2, {2}, false, at::kDouble);
+}
+
+// sqrt(||x_t||^2 [W] + [b]) ||g_t|| summed over the positions of each example: the spread P.
+at::Tensor spread(const at::Tensor& xn, const at::Tensor& gn, bool weight, bool bias, int64_t per_example) {
+  at::Tensor xs = weight ? xn.square() : at::zeros_like(xn);
+  if (bias) xs = xs + 1.0;
+  return (xs.sqrt() * gn).reshape({-1, per_example}).sum(1);
+}
+
+// x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; returns per-row sq
+// of G_W (zeros when !weight) and of G_b (zeros when !bias) as double [n].
+Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, Method method, const Dims& dims,
+                 int64_t groups_per_example) {
+  const int64_t n = x3.size(0);
+  at::Tensor sq = at::zeros({n}, x3.options().dtype(at::kDouble));
+  if (dims.weight) {
+    if (dims.T == 1) {
+      sq = at::linalg_vector_norm(x3, 2, {1, 2}, false, at::kDouble).square() *
+           at::linalg_vector_norm(g3, 2, {1, 2}, false, at::kDouble).square();
+    } else if (method == Method::kGhost) {
+      const at::Tensor gx = at::bmm(x3, x3.transpose(1, 2));
+      const at::Tensor gg = at::bmm(g3, g3.transpose(1, 2));
+      sq = (gx * gg).sum({1, 2}, false, at::kDouble);
+    } else {
+      sq = at::bmm(g3.transpose(1, 2), x3).square().sum({1, 2}, false, at::kDouble);
+    }
+  }
+  if (dims.bias) {
+    // Conv2d: a channel's bias gradient is over the positions of its own group only, so the
+    // per-(example, group) sums square and add up exactly as the full bias vector's would.
+    sq = sq + g3.sum({1}, false, at::kDouble).square().sum(1);
+  }
+  const at::Tensor sp = spread(position_norms(x3), position_norms(g3), dims.weight, dims.bias, dims.T);
+  if (groups_per_example == 1) return {sq, sp};
+  return {sq.reshape({-1, groups_per_example}).sum(1), sp.reshape({-1, groups_per_example}).sum(1)};
+}
+
+// The bound of the file comment, from the computed sq and spread.
+at::Tensor norm_bound(const at::Tensor& sq, const at::Tensor& sp, Method method, const Dims& dims, double u,
+                      at::ScalarType data) {
+  const double r = rz_unit(data);
+  const int64_t terms = method == Method::kGhost ? dims.T * dims.T : dims.d * dims.p;
+  const double grow = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2), kV)));
+  double eps = 0.0, kappa = gamma_k(static_cast<double>(dims.T), kV) + r;
+  if (method == Method::kGhost || dims.T == 1) {
+    const double ug = dims.T == 1 ? kV : u;
+    const double e1 = (1.0 + gamma_k(dims.d, ug)) * (1.0 + gamma_k(dims.p, ug)) * (1.0 + ug) - 1.0;
+    eps = e1 + gamma_k(static_cast<double>(dims.T * dims.T), kV) * (1.0 + e1);
+  } else {
+    kappa += gamma_k(static_cast<double>(dims.T), u);
+  }
+  return (sq * grow + eps * sp.square()).sqrt() + kappa * sp;
+}
+
+// Examples per chunk so that one chunk's temporaries stay within `workspace` bytes.
+int64_t chunk_rows(int64_t per_example_bytes, int64_t workspace, int64_t batch) {
+  return std::max<int64_t>(1, std::min<int64_t>(batch, workspace / std::max<int64_t>(per_example_bytes, 1)));
+}
+
+at::ScalarType acc_dtype(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_norm_inputs(const at::Tensor& grad_out, const at::Tensor& x, int64_t workspace, const char* op) {
+  check_float_tensor(x, "the input");
+  check_same_device(grad_out, x, "grad_out", "the input");
+  TORCH_CHECK(grad_out.scalar_type() == x.scalar_type(), "bpclip_fast.", op, ": grad_out is ",
+              grad_out.scalar_type(), " but the input is ", x.scalar_type());
+  TORCH_CHECK(grad_out.size(0) == x.size(0), "bpclip_fast.", op, ": grad_out has ", grad_out.size(0),
+              " examples but the input has ", x.size(0));
+  TORCH_CHECK(workspace > 0, "bpclip_fast.", op, ": workspace must be positive bytes, got ", workspace);
+}
+
+Pair finish(std::vector<at::Tensor>& sqs, std::vector<at::Tensor>& spreads, const at::Tensor& x, Method method,
+            const Dims& dims, double u) {
+  at::Tensor sq = sqs.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sqs);
+  at::Tensor sp = spreads.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(spreads);
+  return {sq, norm_bound(sq, sp, method, dims, u, x.scalar_type())};
+}
+
+Pair linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::array<bool, 2> params,
+                       c10::string_view method_name, int64_t workspace) {
+  check_norm_inputs(grad_out, x, workspace, "linear_grad_norms");
+  TORCH_CHECK(x.dim() >= 2 && grad_out.dim() == x.dim(), "bpclip_fast.linear_grad_norms: input and grad_out must be "
+              "[B, *, features] with the same number of dims");
+  const int64_t B = x.size(0), d = x.size(-1), p = grad_out.size(-1);
+  const int64_t T = B == 0 ? 1 : x.numel() / (B * std::max<int64_t>(d, 1));
+  const Dims dims{T, d, p, params[0], params[1]};
+  const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
+  const at::ScalarType acc = acc_dtype(x);
+  const int64_t elt = at::elementSize(acc);
+  const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
+  const int64_t rows = chunk_rows(elt * (T * (d + p) + temps), workspace, B);
+  const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
+  std::vector<at::Tensor> sqs, spreads;
+  for (int64_t b0 = 0; b0 < B; b0 += rows) {
+    const int64_t n = std::min(rows, B - b0);
+    auto parts = rows_norms(x3.narrow(0, b0, n).to(acc), g3.narrow(0, b0, n).to(acc), method, dims, 1);
+    sqs.push_back(parts.sq);
+    spreads.push_back(parts.spread);
+  }
+  return finish(sqs, spreads, x, method, dims, gemm_unit(acc));
+}
+
+Pair conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntArrayRef kernel_size,
+                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                       std::array<bool, 2> params, c10::string_view method_name, int64_t workspace) {
+  check_norm_inputs(grad_out, x, workspace, "conv2d_grad_norms");
+  TORCH_CHECK(x.dim() == 4 && grad_out.dim() == 4, "bpclip_fast.conv2d_grad_norms: input and grad_out must be "
+              "[B, C, H, W]");
+  TORCH_CHECK(groups >= 1 && x.size(1) % groups == 0 && grad_out.size(1) % groups == 0,
+              "bpclip_fast.conv2d_grad_norms: groups must divide the input and output channels");
+  const int64_t B = x.size(0), G = groups;
+  const int64_t d = x.size(1) / G * kernel_size[0] * kernel_size[1], p = grad_out.size(1) / G;
+  const int64_t T = grad_out.size(2) * grad_out.size(3);
+  const Dims dims{T, d, p, params[0], params[1]};
+  const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
+  const at::ScalarType acc = acc_dtype(x);
+  const int64_t elt = at::elementSize(acc);
+  const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
+  const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps), workspace, B);
+  std::vector<at::Tensor> sqs, spreads;
+  for (int64_t b0 = 0; b0 < B; b0 += rows) {
+    const int64_t n = std::min(rows, B - b0);
+    const at::Tensor xa = x.narrow(0, b0, n).to(acc);
+    // im2col: [n, C_in kh kw, T], channel-major, so group gamma's patch rows are one block of d.
+    const at::Tensor u = at::im2col(xa, kernel_size, dilation, padding, stride);
+    TORCH_CHECK(u.size(2) == T, "bpclip_fast.conv2d_grad_norms: grad_out's H x W does not match the convolution "
+                "of the input");
+    const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
+    const at::Tensor g3 = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T}).transpose(1, 2);
+    auto parts = rows_norms(x3, g3, method, dims, G);
+    sqs.push_back(parts.sq);
+    spreads.push_back(parts.spread);
+  }
+  return finish(sqs, spreads, x, method, dims, gemm_unit(acc));
+}
+
+// The gradient the release holds: each example's upstream gradient scaled by its factor (rounded
+// toward zero, zeros where the factor is 0), its input row zeroed where the factor is 0 (so a
+// non-finite example cannot reach the sum through 0 * Inf), the noise first.
+std::tuple<at::Tensor, at::Tensor> scaled_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                                                 const at::Tensor& factor) {
+  TORCH_CHECK(factor.dim() == 1 && factor.size(0) == x.size(0), "bpclip_fast: factor needs one entry per example");
+  return {scale_rows(grad_out, factor), scale_rows(x, factor.gt(0).to(factor.scalar_type()))};
+}
+
+void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntArrayRef noise_key, double noise_std,
+               bool accumulate_weight) {
+  if (noise_std <= 0.0) return;
+  if (weight) philox_noise_(gw, noise_key[0], noise_key[1], noise_std, accumulate_weight);
+  if (bias) philox_noise_(gb, noise_key[0], noise_key[1] + 1, noise_std, true);
+}
+
+void check_grads_args(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                      at::IntArrayRef noise_key, double noise_std, const char* op) {
+  check_same_device(grad_out, x, "grad_out", "the input");
+  check_same_device(grad_out, weight, "grad_out", "the weight");
+  TORCH_CHECK(grad_out.scalar_type() == x.scalar_type() && x.scalar_type() == weight.scalar_type(), "bpclip_fast.",
+              op, ": grad_out, the input and the weight must share a dtype");
+  TORCH_CHECK(noise_key.size() == 2, "bpclip_fast.", op, ": noise_key must be [seed, offset]");
+  TORCH_CHECK(noise_std >= 0.0 && noise_std < 1e30, "bpclip_fast.", op, ": noise_std must be finite and >= 0");
+}
+
+Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& factor,
+                          const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key,
+                          double noise_std) {
+  check_grads_args(grad_out, x, weight, noise_key, noise_std, "linear_clipped_grads");
+  auto [gs, xs] = scaled_inputs(grad_out, x, factor);
+  const at::Tensor g2 = gs.reshape({-1, weight.size(0)}), x2 = xs.reshape({-1, weight.size(1)});
+  at::Tensor gw = weight.new_empty({0}), gb = weight.new_empty({0});
+  if (params[0]) {
+    gw = at::empty_like(weight, at::MemoryFormat::Contiguous);
+    if (noise_std > 0.0) {  // the noise first, the GEMM accumulates into it: one buffer
+      philox_noise_(gw, noise_key[0], noise_key[1], noise_std, false);
+      gw.addmm_(g2.t(), x2);
+    } else {
+      at::mm_out(gw, g2.t(), x2);
+    }
+  }
+  if (params[1]) gb = g2.sum(0);
+  add_noise(gw, gb, false, params[1], noise_key, noise_std, true);
+  return {gw, gb};
+}
+
+Pair conv2d_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& factor,
+                          const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
+                          at::IntArrayRef dilation, int64_t groups, std::array<bool, 2> params,
+                          at::IntArrayRef noise_key, double noise_std) {
+  check_grads_args(grad_out, x, weight, noise_key, noise_std, "conv2d_clipped_grads");
+  at::Tensor gw = weight.new_empty({0}), gb = weight.new_empty({0});
+  if (x.size(0) == 0) {
+    if (params[0]) gw = at::zeros_like(weight, at::MemoryFormat::Contiguous);
+    if (params[1]) gb = at::zeros({weight.size(0)}, weight.options());
+  } else if (params[0] || params[1]) {
+    auto [gs, xs] = scaled_inputs(grad_out, x, factor);
+    const std::vector<int64_t> bias_sizes{weight.size(0)};
+    auto grads = at::convolution_backward(gs, xs, weight,
+                                          params[1] ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt, stride,
+                                          padding, dilation, false, {0, 0}, groups, {false, params[0], params[1]});
+    if (params[0]) gw = std::get<1>(grads).contiguous();
+    if (params[1]) gb = std::get<2>(grads);
+  }
+  // ATen's convolution backward has no accumulate-into-output form: the noise is added in place.
+  add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true);
+  return {gw, gb};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(bpclip_fast, CompositeExplicitAutograd, m) {
+  m.impl("linear_grad_norms", &linear_grad_norms);
+  m.impl("conv2d_grad_norms", &conv2d_grad_norms);
+  m.impl("linear_clipped_grads", &linear_clipped_grads);
+  m.impl("conv2d_clipped_grads", &conv2d_clipped_grads);
+}
+
+}  // namespace bpclip
