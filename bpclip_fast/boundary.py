@@ -209,7 +209,9 @@ class LayerStep:
             if self._foreign_hooks_on(i):
                 self.violations.append(("grad-edit", f"a gradient hook other than the engine's on "
                                         f"{self._param_name(i)} (it can rewrite the gradient unseen)"))
-            if incoming is not None and not _same_tensor(self._produced.pop(i, None), incoming):
+            if incoming is None:  # nothing accumulates (a flat collector with no entry for this layer)
+                return None
+            if not _same_tensor(self._produced.pop(i, None), incoming):
                 self.violations.append((
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
                     "(the parameter is used outside the layer, or a tensor hook changed its gradient)"))
@@ -253,6 +255,8 @@ class LayerStep:
     def landed(self, i) -> None:
         """Records ``.grad`` of parameter ``i`` as written by its layer (or by DDP's reducer)."""
         g = self.params[i].grad
+        if g is None:  # an undefined gradient reached AccumulateGrad: nothing landed
+            return
         self._expected[i] = _record(g)
         # Micro-batching: more passes will add to this gradient. A write through ``p.grad.data``
         # bypasses the version counter, so the bits are summed now and compared when the next pass
