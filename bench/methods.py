@@ -8,6 +8,7 @@ the launcher reads ``METHODS`` before it sets ``OMP_WAIT_POLICY``.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 # DP hyper-parameters: they change no cost, only the numbers. sigma = 1 so that noise is drawn.
@@ -31,12 +32,15 @@ def _nonprivate(model, x, y, seed, crit):
     return step, model
 
 
-def _bpclip_fast(model, x, y, seed, crit):
+def _bpclip_fast(model, x, y, seed, crit, clipping="backprop"):
     import torch
 
     import bpclip_fast.nn as bnn
 
-    bnn.convert_model(model, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP)  # norm l15, clip_fn clip
+    if clipping == "backprop":
+        bnn.convert_model(model, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP)  # norm l15, clip_fn clip
+    else:  # exact per-example clipping to Opacus' max_grad_norm (GRAD_CLIP), norms by the cost rule
+        bnn.convert_model(model, clipping=clipping, max_grad_norm=GRAD_CLIP)
     for _, layer in bnn.clipped_layers(model):
         layer.noise_multiplier = SIGMA
     stream = bnn.NoiseStream(seed=seed)  # explicit seed: reproducible (insecure; cost is the same)
@@ -104,6 +108,8 @@ def _opacus(grad_sample_mode: str) -> Method:
 REGISTRY: dict[str, Method] = {
     "nonprivate": Method(_nonprivate),
     "bpclip_fast": Method(_bpclip_fast),
+    "flat": Method(functools.partial(_bpclip_fast, clipping="flat")),
+    "per_layer": Method(functools.partial(_bpclip_fast, clipping="per_layer")),
     "bpclip_reference": Method(_bpclip_reference),
     "opacus_hooks": _opacus("hooks"),
     "opacus_ghost": _opacus("ghost"),
