@@ -81,6 +81,13 @@ double gemm_unit(at::ScalarType acc) {
   }
 }
 
+// Unit roundoff of the position norms: the GEMMs' unit, and TF32's wherever cuDNN may run the fp32
+// convolution that gives the patch norms in TF32.
+double position_unit(const at::Tensor& x, at::ScalarType acc) {
+  if (acc == at::kDouble) return kV;
+  return std::max(gemm_unit(acc), x.is_cuda() ? 0x1p-11 : 0x1p-24);
+}
+
 // Relative error of rounding c*g toward zero to the data dtype (scale_rows), for normal results.
 double rz_unit(at::ScalarType s) {
   switch (s) {
@@ -118,30 +125,37 @@ struct Parts {
 struct Dims {
   int64_t T, d, p;
   bool weight, bias;
+  double u_pos;  // unit roundoff of the position norms (fp32 convolutions may run in TF32 on CUDA)
 };
 
-// ||x_t|| for [n, T, k] -> [n, T] in double.
-at::Tensor position_norms(const at::Tensor& a) {
-  return at::linalg_vector_norm(a, 2, {2}, false, at::kDouble);
+// Per-position norms ||x_t||, ||g_t|| of [n, T, k] tensors -> [n, T]: in double for T = 1 (they give
+// sq itself there, so they must be as exact as the sums of squares), else in the accumulation
+// dtype (they only enter the margins, through the spread, which is inflated for their rounding).
+at::Tensor position_norms(const at::Tensor& a, bool exact) {
+  return exact ? at::linalg_vector_norm(a, 2, {2}, false, at::kDouble) : at::linalg_vector_norm(a, 2, {2}, false);
 }
 
-// sqrt(||x_t||^2 [W] + [b]) ||g_t|| summed over the positions of each example: the spread P.
-at::Tensor spread(const at::Tensor& xn, const at::Tensor& gn, bool weight, bool bias, int64_t per_example) {
-  at::Tensor xs = weight ? xn.square() : at::zeros_like(xn);
-  if (bias) xs = xs + 1.0;
-  return (xs.sqrt() * gn).reshape({-1, per_example}).sum(1);
+// P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) per row, in double. From norms in fp32 (T > 1) it is
+// computed with relative error below gamma_{d+p+T+4}(u_pos) (positive terms only), so it is
+// inflated by twice that to stay an upper bound.
+at::Tensor spread(const at::Tensor& xn, const at::Tensor& gn, const Dims& dims) {
+  const at::Tensor x2 = dims.weight ? xn.to(at::kDouble).square() : at::zeros(xn.sizes(), xn.options().dtype(at::kDouble));
+  const at::Tensor terms = (dims.bias ? x2 + 1.0 : x2).sqrt() * gn.to(at::kDouble);
+  const at::Tensor sp = terms.sum(1);
+  if (xn.scalar_type() == at::kDouble) return sp;
+  return sp * (1.0 + 2.0 * gamma_k(static_cast<double>(dims.d + dims.p + dims.T + 4), dims.u_pos));
 }
 
-// x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; returns per-row sq
-// of G_W (zeros when !weight) and of G_b (zeros when !bias) as double [n].
-Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, Method method, const Dims& dims,
-                 int64_t groups_per_example) {
+// x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; returns per example
+// (summing `groups_per_example` consecutive rows) the sq of [G_W, G_b] over the parameters that
+// train, and the spread P, both double.
+Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& xn, const at::Tensor& gn,
+                 Method method, const Dims& dims, int64_t groups_per_example) {
   const int64_t n = x3.size(0);
   at::Tensor sq = at::zeros({n}, x3.options().dtype(at::kDouble));
   if (dims.weight) {
     if (dims.T == 1) {
-      sq = at::linalg_vector_norm(x3, 2, {1, 2}, false, at::kDouble).square() *
-           at::linalg_vector_norm(g3, 2, {1, 2}, false, at::kDouble).square();
+      sq = (xn.square() * gn.square()).sum(1);
     } else if (method == Method::kGhost) {
       const at::Tensor gx = at::bmm(x3, x3.transpose(1, 2));
       const at::Tensor gg = at::bmm(g3, g3.transpose(1, 2));
@@ -155,7 +169,7 @@ Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, Method method, cons
     // per-(example, group) sums square and add up exactly as the full bias vector's would.
     sq = sq + g3.sum({1}, false, at::kDouble).square().sum(1);
   }
-  const at::Tensor sp = spread(position_norms(x3), position_norms(g3), dims.weight, dims.bias, dims.T);
+  const at::Tensor sp = spread(xn, gn, dims);
   if (groups_per_example == 1) return {sq, sp};
   return {sq.reshape({-1, groups_per_example}).sum(1), sp.reshape({-1, groups_per_example}).sum(1)};
 }
@@ -208,9 +222,9 @@ Pair linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::arr
               "[B, *, features] with the same number of dims");
   const int64_t B = x.size(0), d = x.size(-1), p = grad_out.size(-1);
   const int64_t T = B == 0 ? 1 : x.numel() / (B * std::max<int64_t>(d, 1));
-  const Dims dims{T, d, p, params[0], params[1]};
-  const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const at::ScalarType acc = acc_dtype(x);
+  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc)};
+  const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
   const int64_t rows = chunk_rows(elt * (T * (d + p) + temps), workspace, B);
@@ -218,11 +232,28 @@ Pair linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::arr
   std::vector<at::Tensor> sqs, spreads;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
-    auto parts = rows_norms(x3.narrow(0, b0, n).to(acc), g3.narrow(0, b0, n).to(acc), method, dims, 1);
+    const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
+    auto parts = rows_norms(xc, gc, position_norms(xc, T == 1), position_norms(gc, T == 1), method, dims, 1);
     sqs.push_back(parts.sq);
     spreads.push_back(parts.spread);
   }
   return finish(sqs, spreads, x, method, dims, gemm_unit(acc));
+}
+
+// The zero-padded patches as [n, C_in kh kw, T] (im2col's layout: channel-major, so channel group
+// gamma's rows are one block of d), by one strided view of the padded input and one copy: ATen's
+// CPU im2col loops over the examples and measured 50x slower than this copy on the MNIST net.
+at::Tensor patches(const at::Tensor& x, at::IntArrayRef k, at::IntArrayRef stride, at::IntArrayRef padding,
+                   at::IntArrayRef dilation) {
+  const at::Tensor xp = (padding[0] || padding[1])
+                            ? at::constant_pad_nd(x, {padding[1], padding[1], padding[0], padding[0]}, 0)
+                            : x.contiguous();
+  const int64_t n = xp.size(0), c = xp.size(1), hp = xp.size(2), wp = xp.size(3);
+  const int64_t ho = (hp - dilation[0] * (k[0] - 1) - 1) / stride[0] + 1;
+  const int64_t wo = (wp - dilation[1] * (k[1] - 1) - 1) / stride[1] + 1;
+  const at::Tensor view = xp.as_strided({n, c, k[0], k[1], ho, wo},
+                                        {c * hp * wp, hp * wp, dilation[0] * wp, dilation[1], stride[0] * wp, stride[1]});
+  return view.reshape({n, c * k[0] * k[1], ho * wo});
 }
 
 Pair conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntArrayRef kernel_size,
@@ -236,9 +267,9 @@ Pair conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntA
   const int64_t B = x.size(0), G = groups;
   const int64_t d = x.size(1) / G * kernel_size[0] * kernel_size[1], p = grad_out.size(1) / G;
   const int64_t T = grad_out.size(2) * grad_out.size(3);
-  const Dims dims{T, d, p, params[0], params[1]};
-  const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const at::ScalarType acc = acc_dtype(x);
+  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc)};
+  const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
   const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps), workspace, B);
@@ -246,13 +277,19 @@ Pair conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntA
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xa = x.narrow(0, b0, n).to(acc);
-    // im2col: [n, C_in kh kw, T], channel-major, so group gamma's patch rows are one block of d.
-    const at::Tensor u = at::im2col(xa, kernel_size, dilation, padding, stride);
+    const at::Tensor u = patches(xa, kernel_size, stride, padding, dilation);
     TORCH_CHECK(u.size(2) == T, "bpclip_fast.conv2d_grad_norms: grad_out's H x W does not match the convolution "
                 "of the input");
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
-    const at::Tensor g3 = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T}).transpose(1, 2);
-    auto parts = rows_norms(x3, g3, method, dims, G);
+    const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
+    const at::Tensor g3 = gt.transpose(1, 2);
+    // Position norms without reading the patches again: ||U_{gamma,t}||^2 is the convolution of x^2
+    // with a ones kernel (one output channel per group); ||g_t||^2 a sum over the group's channels.
+    const at::Tensor ones = at::ones({G, x.size(1) / G, kernel_size[0], kernel_size[1]}, xa.options());
+    const at::Tensor xn = at::convolution(xa.square(), ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, G)
+                              .reshape({n * G, T}).clamp_min(0).sqrt();
+    const at::Tensor gn = gt.square().sum(1).sqrt();
+    auto parts = rows_norms(x3, g3, xn, gn, method, dims, G);
     sqs.push_back(parts.sq);
     spreads.push_back(parts.spread);
   }

@@ -40,7 +40,13 @@ def model_fn():
                          nn.Linear(4 * 4 * 4, 10))
 
 
-def run(model, batch_size, *, wrap=None):
+MODES = ("backprop", "flat", "per_layer")
+CLIPPING = {"backprop": dict(input_clip=2.0, grad_clip=0.5),
+            "flat": dict(clipping="flat", max_grad_norm=0.7),
+            "per_layer": dict(clipping="per_layer", max_grad_norm=[0.5, 0.6])}
+
+
+def run(model, batch_size, *, wrap=None, mode="backprop"):
     """STEPS steps (step 2: two micro-batches; step 4: no backward); returns (engine, model, batch sizes)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
     if wrap is not None:
@@ -50,8 +56,7 @@ def run(model, batch_size, *, wrap=None):
         warnings.simplefilter("ignore", InsecureSeedWarning)
         model, opt, loader = engine.make_private(module=model, optimizer=opt,
                                                  data_loader=DataLoader(dataset(), batch_size=batch_size),
-                                                 noise_multiplier=0.8, input_clip=2.0, grad_clip=0.5,
-                                                 noise_seed=SEED)
+                                                 noise_multiplier=0.8, noise_seed=SEED, **CLIPPING[mode])
     sizes = []
     batches = (batch for _ in range(STEPS) for batch in loader)  # over epochs (4 steps each)
     for step in range(STEPS):
@@ -72,15 +77,15 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        for prewrap in (False, True):  # the engine wraps the model in DDP / the user did
+        for mode, prewrap in ((m, p) for m in MODES for p in (False, True)):  # the engine wraps in DDP / the user
             wrap = (lambda m: nn.parallel.DistributedDataParallel(m)) if prewrap else None
-            engine, model, sizes = run(model_fn(), BATCH, wrap=wrap)
+            engine, model, sizes = run(model_fn(), BATCH, wrap=wrap, mode=mode)
             assert isinstance(model, nn.parallel.DistributedDataParallel)
             layers = [m for m in model.modules() if isinstance(m, bnn._Clipped)]
             result = {"params": [p.detach().clone() for p in model.module.parameters()], "sizes": sizes,
                       "epsilon": engine.get_epsilon(DELTA), "steps": engine.steps,
                       "sigmas": [layer.noise_multiplier for layer in layers], "seed": engine._seed}
-            torch.save(result, os.path.join(out_dir, f"prewrap{int(prewrap)}_rank{rank}.pt"))
+            torch.save(result, os.path.join(out_dir, f"{mode}_prewrap{int(prewrap)}_rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -102,8 +107,8 @@ def spawn(out_dir, timeout=150):
                 if p.is_alive():
                     p.terminate()
             pytest.fail(f"the {WORLD}-process run did not finish within {timeout} s")
-    return {prewrap: [torch.load(out_dir / f"prewrap{int(prewrap)}_rank{r}.pt", weights_only=True)
-                      for r in range(WORLD)] for prewrap in (False, True)}
+    return {(mode, prewrap): [torch.load(out_dir / f"{mode}_prewrap{int(prewrap)}_rank{r}.pt", weights_only=True)
+                              for r in range(WORLD)] for mode in MODES for prewrap in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +118,15 @@ def two_processes(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process():
-    return run(model_fn(), BATCH * WORLD)
+    return {mode: run(model_fn(), BATCH * WORLD, mode=mode) for mode in MODES}
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prewrap", [False, True], ids=["engine_wraps_ddp", "user_wraps_ddp"])
-def test_two_processes_equal_one_process_on_the_same_batches(two_processes, single_process, prewrap):
-    ranks = two_processes[prewrap]
-    engine, model, sizes = single_process
+def test_two_processes_equal_one_process_on_the_same_batches(two_processes, single_process, prewrap, mode):
+    """Exact clipping too: the norms are per example, so per rank; the noise once, on rank 0."""
+    ranks = two_processes[(mode, prewrap)]
+    engine, model, sizes = single_process[mode]
     # The ranks' batches partition the single process's batches.
     assert [a + b for a, b in zip(ranks[0]["sizes"], ranks[1]["sizes"])] == sizes
     assert sum(sizes) > 0 and any(a != b for a, b in zip(ranks[0]["sizes"], ranks[1]["sizes"]))
