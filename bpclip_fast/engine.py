@@ -324,15 +324,23 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ make_private
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                     noise_multiplier: float, input_clip: float, grad_clip: float, conv_norm: str = "l15",
-                     clip_fn: str = "clip", gamma: float = 0.01, loss_reduction: str = "mean",
+                     noise_multiplier: float, input_clip: float | None = None, grad_clip: float | None = None,
+                     conv_norm: str = "l15", clipping: str = "backprop", max_grad_norm=None,
+                     norm_method: str = "auto", clip_fn: str = "clip", gamma: float = 0.01, loss_reduction: str = "mean",
                      poisson_sampling: bool = True, noise_seed: int | None = None,
                      max_epsilon: float | None = None, delta: float | None = None,
                      max_input_shape=None, nonfinite: str = "drop", probe: bool = True):
         """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
 
-        ``noise_multiplier`` σ: every layer adds ``N(0, σ²Δ_l²)`` per step. ``input_clip``/``grad_clip``:
-        per-example bounds (``grad_clip`` for the per-example loss, whatever ``loss_reduction``).
+        ``clipping``: ``"backprop"`` (backpropagation clipping: ``input_clip``/``grad_clip``, per-example
+        bounds of each layer's input and upstream gradient, ``grad_clip`` for the per-example loss
+        whatever ``loss_reduction``; every layer adds ``N(0, σ²Δ_l²)`` and the accountant gets
+        ``σ/√L``), or exact per-example clipping (:mod:`bpclip_fast.exact`) to ``max_grad_norm``:
+        ``"flat"`` (DP-SGD, Opacus' default: ``C`` bounds each example's whole gradient) or
+        ``"per_layer"`` (a list of ``C_l``, one per layer in ``named_modules`` order, or ``C`` split as
+        ``C/√L``); every layer adds ``N(0, σ²C²)``, ``C = (Σ_l C_l²)^½`` for per_layer, and the
+        accountant gets ``σ``. ``norm_method``: how exact modes compute per-example norms (``"auto"``:
+        the cost rule; ``"ghost"``; ``"instantiate"``).
         ``max_epsilon`` (with ``delta``): ``step()`` refuses any step after which ε would exceed it.
         ``max_input_shape``: the largest per-example shape of the model's input tensor (no batch dim);
         every layer's Δ is fixed from a probe forward at that shape. Required when some layer's Δ
@@ -346,7 +354,8 @@ class PrivacyEngine:
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
         """
         sigma = self._check_arguments(module, optimizer, data_loader, noise_multiplier=noise_multiplier,
-                                      input_clip=input_clip, grad_clip=grad_clip, loss_reduction=loss_reduction,
+                                      input_clip=input_clip, grad_clip=grad_clip, clipping=clipping,
+                                      max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
                                       nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta,
                                       noise_seed=noise_seed)
         self._check_pairing(poisson_sampling)
@@ -356,11 +365,16 @@ class PrivacyEngine:
         if max_input_shape is not None:
             max_input_shape = tuple(int(s) for s in max_input_shape)
         shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe)
+        self._check_built_layers(inner, clipping, max_grad_norm)
+        if clipping == "backprop":
+            settings = dict(input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm)
+        else:
+            settings = dict(max_grad_norm=max_grad_norm, norm_method=norm_method)
         module, inner = self._prepare_model(module, inner, shapes, max_input_shape, sigma, plan, loss_reduction,
-                                            dict(input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm,
-                                                 clip_fn=clip_fn, gamma=gamma))
+                                            dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, **settings))
         self.nonfinite = nonfinite
         self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
+        self.clipping, self.max_grad_norm = clipping, max_grad_norm
         sampler_seed = self._prepare_seeds(noise_seed)
         self.data_loader = self._prepare_loader(data_loader, plan, sampler_seed)
         self.module = self._prepare_distributed(module)
@@ -371,7 +385,7 @@ class PrivacyEngine:
         return self.module, self.optimizer, self.data_loader
 
     def _check_arguments(self, module, optimizer, data_loader, *, noise_multiplier, input_clip, grad_clip,
-                         loss_reduction, nonfinite, max_epsilon, delta, noise_seed) -> float:
+                         clipping, max_grad_norm, loss_reduction, nonfinite, max_epsilon, delta, noise_seed) -> float:
         """The arguments of ``make_private`` that can be checked alone (all before the model is
         changed: a failure after the conversion would leave a model no engine can make private);
         returns σ."""
@@ -387,8 +401,7 @@ class PrivacyEngine:
                                                       and m._step.enforce for m in module.modules()):
             raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
         sigma = _positive(noise_multiplier, "noise_multiplier")
-        _positive(input_clip, "input_clip")
-        _positive(grad_clip, "grad_clip")
+        self._check_clipping(clipping, input_clip, grad_clip, max_grad_norm)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"make_private: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if nonfinite not in ("drop", "raise"):
@@ -405,6 +418,47 @@ class PrivacyEngine:
                           "and the privacy guarantee is void. Use noise_seed=None (OS entropy) for a real run.",
                           InsecureSeedWarning, stacklevel=3)
         return sigma
+
+    @staticmethod
+    def _check_clipping(clipping, input_clip, grad_clip, max_grad_norm) -> None:
+        """The bounds each clipping mode takes, and only those."""
+        modes = bnn.exact.MODES
+        if clipping not in modes:
+            raise ValueError(f"make_private: clipping must be one of {modes}, got {clipping!r}")
+        if clipping == "backprop":
+            if input_clip is None or grad_clip is None:
+                raise TypeError("make_private: clipping='backprop' needs input_clip and grad_clip (or use "
+                                "clipping='flat' with max_grad_norm, as in Opacus)")
+            if max_grad_norm is not None:
+                raise TypeError("make_private: max_grad_norm belongs to clipping='flat'/'per_layer'; backpropagation "
+                                "clipping takes input_clip and grad_clip")
+            _positive(input_clip, "input_clip")
+            _positive(grad_clip, "grad_clip")
+            return
+        if max_grad_norm is None:
+            raise TypeError(f"make_private: clipping={clipping!r} needs max_grad_norm")
+        if input_clip is not None or grad_clip is not None:
+            raise TypeError(f"make_private: input_clip/grad_clip belong to clipping='backprop'; clipping={clipping!r} "
+                            "clips each example's gradient to max_grad_norm")
+        if clipping == "per_layer" and isinstance(max_grad_norm, (list, tuple)):
+            for c in max_grad_norm:
+                _positive(c, "max_grad_norm")
+        else:
+            _positive(max_grad_norm, "max_grad_norm")
+
+    @staticmethod
+    def _check_built_layers(inner, clipping, max_grad_norm) -> None:
+        """Clipped layers the user built must clip as the engine does (flat: with its ``C``)."""
+        bad = [f"{name} is clipping={layer.clipping!r}" for name, layer in bnn.clipped_layers(inner)
+               if layer.clipping != clipping]
+        if clipping == "flat":
+            bad += [f"{name} has max_grad_norm={layer.max_grad_norm:g}, not {float(max_grad_norm):g}"
+                    for name, layer in bnn.clipped_layers(inner)
+                    if layer.clipping == "flat" and layer.max_grad_norm != float(max_grad_norm)]
+        if bad:
+            raise ValueError(f"make_private: clipping={clipping!r}, but the model's own clipped layers differ: "
+                             + "; ".join(bad) + ". Build them with the engine's clipping, or use torch's layers "
+                             "and let make_private convert them")
 
     def _unwrapped(self, module):
         """The model inside a DDP wrapper (``module`` itself if not wrapped)."""
@@ -473,8 +527,17 @@ class PrivacyEngine:
         if not layers:
             raise ValueError("make_private: the model has no trainable Linear/Conv2d layer to clip")
         self._fix_sensitivities(layers, shapes, max_input_shape is not None)
+        mode = clipping["clipping"]
+        if mode == "flat":  # one book-keeping over every layer, those built by the user included
+            bnn.exact.attach_flat(inner, [layer for _, layer in layers], clipping["max_grad_norm"],
+                                  clipping["clip_fn"], clipping["gamma"])
+        if mode == "per_layer":  # each layer's noise is scaled to C = (Σ_l C_l²)^½ over all of them
+            total = math.sqrt(sum(layer.max_grad_norm ** 2 for _, layer in layers))
+            for _, layer in layers:
+                layer.noise_bound = total
+        self._exact = mode != "backprop"
         if self._sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
-            sigma = self._sigma_effective * math.sqrt(len(layers))
+            sigma = self._sigma_effective * (1.0 if self._exact else math.sqrt(len(layers)))
         mean_batch = float(plan.batch_size) if loss_reduction == "mean" else None
         recorder = DistributedRecorder() if self.distributed else None
         self._steps_of = []
@@ -598,7 +661,11 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ epsilon and budget
     @property
     def effective_noise_multiplier(self) -> float:
-        """``(Σ_l σ_l⁻²)^(-1/2)``: the noise multiplier of one step's single Gaussian on all layers."""
+        """The noise multiplier of one step's single Gaussian on all layers: ``σ`` under exact clipping
+        (sensitivity ``C``, noise ``σC`` on every coordinate), ``(Σ_l σ_l⁻²)^(-1/2) = σ/√L`` under
+        backpropagation clipping."""
+        if self._exact:
+            return float(self.noise_multiplier)
         return float(_accounting().effective_noise_multiplier([self.noise_multiplier] * len(self._layers)))
 
     @property

@@ -101,6 +101,13 @@ class _Collector(torch.autograd.Function):
         return (None, None, *(grads.get(id(p)) for p in ctx.holder["params"]))
 
 
+def attach_flat(module, layers, max_grad_norm: float, clip_fn: str, gamma: float) -> "FlatClipping":
+    """Gives ``layers`` one :class:`FlatClipping` on ``module``, replacing any they had."""
+    for group in {id(layer._flat): layer._flat for layer in layers if layer._flat is not None}.values():
+        group.remove()
+    return FlatClipping(module, layers, max_grad_norm, clip_fn, gamma)
+
+
 class FlatClipping:
     """The book-keeping of ``flat`` clipping for the flat layers of ``module``: a forward pre-hook
     starts a book (and its collector node) for every grad-enabled forward of ``module``; the layers

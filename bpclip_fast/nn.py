@@ -516,7 +516,7 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
         new = _convert(model, **kw, max_grad_norm=thresholds[0])
         new._bp_name = type(model).__name__
         if clipping == "flat":
-            exact.FlatClipping(new, [new], new.max_grad_norm, clip_fn, gamma)
+            exact.attach_flat(new, [new], new.max_grad_norm, clip_fn, gamma)
         return new
     children = [(name, m, child_name, child) for name, m in list(model.named_modules())
                 for child_name, child in list(m.named_children())]
@@ -535,5 +535,5 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
         for layer in new_layers:
             layer.noise_bound = total
     if clipping == "flat" and new_layers:
-        exact.FlatClipping(model, new_layers, new_layers[0].max_grad_norm, clip_fn, gamma)
+        exact.attach_flat(model, new_layers, new_layers[0].max_grad_norm, clip_fn, gamma)
     return model
