@@ -3,7 +3,8 @@
 #   bash bench/gpu_check.sh [OUT_DIR]
 # builds the CUDA extension, runs every CUDA test (the device-parametrised op/layer tests and the
 # emulator-vs-device agreement of tests/test_emulator_vs_cuda.py), the emulator tests, and the GPU
-# kernel bandwidth benchmark, and writes every log and result into OUT_DIR (default
+# kernel bandwidth benchmark, bench.step of every method (exact clipping included) and the norm cost
+# rule's measurement (bench/norm_cost.py), and writes every log and result into OUT_DIR (default
 # gpu_check_<date>). Exit status: non-zero if the build or any test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,9 @@ step pytest_cuda "$PY" -m pytest -q -rs -m cuda tests --junitxml="$OUT/pytest_cu
 step pytest_emulator "$PY" -m pytest -q tests/test_emulator.py
 step bandwidth "$PY" -m pytest bench/test_kernels.py --benchmark-only -q -p no:cacheprovider --bench-device cuda \
   --bench-sizes-mb 1,32,512,2048 --benchmark-json="$OUT/bandwidth.json"
+step step_bench "$PY" -m bench.step --device cuda --models mnist,cifar10 --batch-sizes 32,128,512 --reps 3 \
+  --methods nonprivate,bpclip_fast,flat,per_layer,opacus_ghost,opacus_hooks --json "$OUT/step.json" --md "$OUT/step.md"
+step norm_cost "$PY" -m bench.norm_cost --device cuda
 tail -n 3 "$OUT"/pytest_*.log >>"$OUT/summary.txt" 2>/dev/null
 echo "results in $OUT (summary.txt)"
 exit $status
