@@ -141,6 +141,10 @@ class LayerStep:
         self._pass_rows = 0
         self._pass_noised = False
         self._pass_landed: set = set()
+        # Flat clipping: the books (one per forward) whose releases reached this layer's gradient
+        # since it was created; every layer holding a contribution must hold the same books.
+        self.books: set = set()
+        self._pass_books: set = set()
         self.violations: list[tuple[str, str]] = []
         # Device bools, read at step() with one sync: "a gradient we restarted from was not zero",
         # "a gradient changed between two passes without a version change (a .data write)".
@@ -218,7 +222,8 @@ class LayerStep:
             if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once
                 self.rows += self._pass_rows
                 self.noised = self.noised or self._pass_noised
-                self._pass_rows, self._pass_noised = 0, False
+                self.books |= self._pass_books
+                self._pass_rows, self._pass_noised, self._pass_books = 0, False, set()
             self._pass_landed.add(i)
             return None
         return prehook
@@ -285,6 +290,7 @@ class LayerStep:
     def _restart(self) -> None:
         self.rows = 0
         self.noised = False
+        self.books = set()
         self._task = None
 
     def sync_with_grads(self) -> bool:
@@ -332,7 +338,7 @@ class LayerStep:
                 if self.params_moved():
                     self.refuse("param-edit", f"{self.name}'s parameters changed between backward passes of one step")
                 self.sync_with_grads()
-                self._task, self._pass_rows, self._pass_noised = task, 0, False
+                self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
             self._pass_rows += int(rows)
         else:
             self.rows += int(rows)
@@ -366,6 +372,11 @@ class LayerStep:
         seed, offset = self.key
         k, self._draws = self._draws, self._draws + 1
         return (seed if k == 0 else redraw_seed(seed, offset, k)), offset
+
+    def joined(self, book_id: int) -> None:
+        """A flat release of book ``book_id`` reached this layer in the current pass."""
+        if self.enforce:
+            self._pass_books.add(book_id)
 
     def produced(self, grads) -> None:
         """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check."""

@@ -67,10 +67,11 @@ def _trainable(layer):
 class _Entry:
     """What a flat layer's backward leaves in the book for the collector."""
 
-    __slots__ = ("layer", "x", "g", "bound", "step_args", "geometry")
+    __slots__ = ("layer", "x", "g", "bound", "step_args", "geometry", "task")
 
     def __init__(self, layer, x, g, bound, step_args, geometry):
         self.layer, self.x, self.g, self.bound, self.step_args, self.geometry = layer, x, g, bound, step_args, geometry
+        self.task = torch._C._current_graph_task_id()
 
 
 class _Book:
@@ -120,12 +121,24 @@ class FlatClipping:
 
     def __init__(self, module, layers, max_grad_norm: float, clip_fn: str, gamma: float):
         self.layers = list(layers)
-        self.max_grad_norm, self.clip_fn, self.gamma = float(max_grad_norm), clip_fn, float(gamma)
+        self._clipping = (float(max_grad_norm), clip_fn, float(gamma))  # read-only: the noise is scaled to C
         self._stack: list = []
         self._handles = [module.register_forward_pre_hook(self._begin),
                          module.register_forward_hook(self._end, always_call=True)]
         for layer in self.layers:
             layer._flat = self
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._clipping[0]
+
+    @property
+    def clip_fn(self) -> str:
+        return self._clipping[1]
+
+    @property
+    def gamma(self) -> float:
+        return self._clipping[2]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -154,19 +167,24 @@ class FlatClipping:
     def release(self, book: _Book) -> dict:
         """``{id(parameter): gradient}`` for every layer with an entry: the flat factors from all
         entries' bounds, then each layer's clipped, noised, scaled gradients."""
-        entries, book.entries = book.entries, []  # a second pass over a retained graph releases its own
+        # This pass's entries only: a pass that never reached the collector (torch.autograd.grad with
+        # respect to the input) left entries that belong to no release; a second pass over a
+        # retained graph releases its own (and the row count refuses it).
+        task = torch._C._current_graph_task_id()
+        entries = [e for e in book.entries if e.task == task]
+        book.entries = []
         if not entries:
             return {}
         ds = {e.step_args[3] for e in entries}
         rows = {e.x.shape[0] for e in entries}
-        if len(ds) > 1 or len(rows) > 1:
-            names = ", ".join(dict.fromkeys(e.layer.layer_name for e in entries))
-            details = (f"flat clipping combines each example's norms over the layers of one backward, but these "
-                       f"layers saw different numbers of rows: {sorted(rows)}")
-            step = entries[0].layer._step
-            if step is not None:
-                step.refuse("rows", f"{details} [{names}]")
-            raise RuntimeError(f"{details} [{names}]; keep every flat layer on all rows of the batch")
+        layers = [id(e.layer) for e in entries]
+        if len(ds) > 1 or len(rows) > 1 or len(set(layers)) < len(layers):
+            _refuse_release(entries, "flat clipping pairs each example's norms across the layers of one forward by "
+                         f"row, but a layer ran more than once in it or the layers saw different numbers of rows "
+                         f"({sorted(rows)})", "keep every flat layer to one call on all rows of the batch")
+        for e in entries:
+            if e.layer._step is not None:
+                e.layer._step.joined(id(book))
         d = ds.pop()
         total = torch.stack([e.bound for e in entries]).square().sum(0).sqrt()
         scratch = torch.zeros(1, dtype=torch.int64, device=total.device)
@@ -185,6 +203,14 @@ class FlatClipping:
                 e.layer._step.produced((grads.get(id(e.layer.weight)),
                                         grads.get(id(e.layer.bias)) if e.layer.bias is not None else None))
         return grads
+
+
+def _refuse_release(entries, details, instead):
+    names = ", ".join(dict.fromkeys(e.layer.layer_name for e in entries))
+    step = entries[0].layer._step
+    if step is not None:
+        step.refuse("rows", f"{details} [{names}]")
+    raise RuntimeError(f"{details} [{names}]; {instead}")
 
 
 def _count_nonfinite(layer, bound):

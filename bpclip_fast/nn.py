@@ -119,6 +119,18 @@ class _Clipped:
         self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
 
+    # What the noise of an engine-armed layer is scaled to: changing it afterwards would clip to one
+    # bound and noise to another.
+    _FIXED_BY_ENGINE = ("clipping", "max_grad_norm", "noise_bound")
+
+    def __setattr__(self, name, value):
+        if name in _Clipped._FIXED_BY_ENGINE:
+            step = self.__dict__.get("_step")
+            if step is not None and step.enforce:
+                raise AttributeError(f"{self.layer_name}: {name} is fixed by make_private (the noise is scaled to the "
+                                     "clipping bounds); make a fresh model private to change it")
+        super().__setattr__(name, value)
+
     @property
     def exact(self) -> bool:
         """Whether the layer clips each example's exact gradient (``flat``/``per_layer``)."""
