@@ -923,13 +923,8 @@ class PrivacyEngine:
                 layer_problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, "
                                        f"the batch drawn for it has {rows}", [st.name]))
             layer_problems += [(rule, details, [st.name]) for rule, details in dict.fromkeys(st.violations)]
-        books = {frozenset(st.books) for st in self._steps_of if st.rows and st.layer.clipping == "flat"}
-        if len(books) > 1:  # flat: each release's factor must cover every layer the example reached
-            names = [st.name for st in self._steps_of if st.rows and st.layer.clipping == "flat"]
-            layer_problems.append(("rows", "under flat clipping the backward passes of this step reached different "
-                                   "sets of layers (another loss or head per pass, layers frozen in turn, "
-                                   "backward(inputs=...)), so no factor covered an example's whole gradient", names))
             checks += [(st.name, flag) for flag in st.edit_checks]
+        layer_problems += self._flat_problems()
         if checks:  # one sync, only in steps where a gradient was edited, replaced or accumulated over passes
             flags = torch.stack([flag.to("cpu") for _, flag in checks]).tolist()
             for name in dict.fromkeys(name for (name, _), bad in zip(checks, flags) if bad):
@@ -950,6 +945,16 @@ class PrivacyEngine:
             if flag.item() and not problems:
                 problems.append(("rows", "another process refused this step", []))
         return problems, pending
+
+    def _flat_problems(self):
+        """Flat clipping: each release's factor must cover every layer an example reached in the step,
+        so every layer holding a contribution must hold the same releases (books)."""
+        held = [st for st in self._steps_of if st.rows and st.layer.clipping == "flat"]
+        if len({frozenset(st.books) for st in held}) < 2:
+            return []
+        return [("rows", "under flat clipping the backward passes of this step reached different sets of layers "
+                 "(another loss or head per pass, layers frozen in turn, backward(inputs=...)), so no factor covered "
+                 "an example's whole gradient", [st.name for st in held])]
 
     def _fallback_noise(self, pending):
         """Adds draw ``t`` to the layers whose gradient does not hold it (no backward reached them in
