@@ -92,18 +92,30 @@ if _LOAD_ERROR is None:
         return _layer_backward_fake(x, weight, output_mask)
 
 
-    def _norms_fake(x):
+    def _norms_fake(grad_out, x, T, d, p, groups, params, method, keep):
+        """Mirrors csrc/exact.cpp (parse_method, keep_instantiated); opcheck compares the two."""
         b = x.shape[0]
-        return x.new_empty((b,), dtype=torch.float64), x.new_empty((b,), dtype=torch.float64)
+        ghost = T == 1 or T * (d + p) < d * p
+        inst = method == "instantiate" or (method == "auto" and not ghost)
+        kept = (keep and inst and params[0] and T > 1 and b > 0
+                and 4 * groups * p * d <= grad_out.element_size() * (grad_out.numel() // b))
+        sq = x.new_empty((b,), dtype=torch.float64)
+        kw = x.new_empty((b, groups * p * d), dtype=_acc_dtype(x)) if kept else x.new_empty((0,))
+        kb = x.new_empty((b, groups * p), dtype=torch.float64) if kept and params[1] else x.new_empty((0,))
+        return sq, torch.empty_like(sq), kw, kb
 
     @torch.library.register_fake("bpclip_fast::linear_grad_norms")
-    def _linear_grad_norms_fake(grad_out, x, params, method, workspace):
-        return _norms_fake(x)
+    def _linear_grad_norms_fake(grad_out, x, params, method, workspace, keep):
+        b, d, p = x.shape[0], x.shape[-1], grad_out.shape[-1]
+        T = x.numel() // (b * d) if b and d else 1
+        return _norms_fake(grad_out, x, T, d, p, 1, params, method, keep)
 
     @torch.library.register_fake("bpclip_fast::conv2d_grad_norms")
     def _conv2d_grad_norms_fake(grad_out, x, kernel_size, stride, padding, dilation, groups, params, method,
-                                workspace):
-        return _norms_fake(x)
+                                workspace, keep):
+        d = x.shape[1] // groups * kernel_size[0] * kernel_size[1]
+        return _norms_fake(grad_out, x, grad_out.shape[2] * grad_out.shape[3], d, grad_out.shape[1] // groups,
+                           groups, params, method, keep)
 
     def _clipped_grads_fake(weight, params):
         gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if params[0] else weight.new_empty((0,))
@@ -111,12 +123,13 @@ if _LOAD_ERROR is None:
         return gw, gb
 
     @torch.library.register_fake("bpclip_fast::linear_clipped_grads")
-    def _linear_clipped_grads_fake(grad_out, x, factor, weight, params, noise_key, noise_std):
+    def _linear_clipped_grads_fake(grad_out, x, factor, weight, params, noise_key, noise_std, kept_w=None,
+                                   kept_b=None):
         return _clipped_grads_fake(weight, params)
 
     @torch.library.register_fake("bpclip_fast::conv2d_clipped_grads")
     def _conv2d_clipped_grads_fake(grad_out, x, factor, weight, stride, padding, dilation, groups, params, noise_key,
-                                   noise_std):
+                                   noise_std, kept_w=None, kept_b=None):
         return _clipped_grads_fake(weight, params)
 
 

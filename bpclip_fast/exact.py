@@ -67,10 +67,12 @@ def _trainable(layer):
 class _Entry:
     """What a flat layer's backward leaves in the book for the collector."""
 
-    __slots__ = ("layer", "x", "g", "bound", "step_args", "geometry", "task")
+    __slots__ = ("layer", "x", "g", "kept", "bound", "step_args", "geometry", "task")
 
-    def __init__(self, layer, x, g, bound, step_args, geometry):
-        self.layer, self.x, self.g, self.bound, self.step_args, self.geometry = layer, x, g, bound, step_args, geometry
+    def __init__(self, layer, x, g, kept, bound, step_args, geometry):
+        # With kept per-example gradients (csrc/exact.cpp, keep_instantiated) x and g are not held.
+        self.layer, self.x, self.g, self.kept, self.bound = layer, x, g, kept, bound
+        self.step_args, self.geometry = step_args, geometry
         self.task = torch._C._current_graph_task_id()
 
 
@@ -176,7 +178,7 @@ class FlatClipping:
         if not entries:
             return {}
         ds = {e.step_args[3] for e in entries}
-        rows = {e.x.shape[0] for e in entries}
+        rows = {e.bound.shape[0] for e in entries}
         layers = [id(e.layer) for e in entries]
         if len(ds) > 1 or len(rows) > 1 or len(set(layers)) < len(layers):
             _refuse_release(entries, "flat clipping pairs each example's norms across the layers of one forward by "
@@ -191,10 +193,10 @@ class FlatClipping:
         by_dtype = {}
         grads: dict = {}
         for e in entries:
-            dt = e.x.dtype
+            dt = e.layer.weight.dtype
             if dt not in by_dtype:
                 by_dtype[dt] = factors(total, self.max_grad_norm / d, self.clip_fn, self.gamma / d, scratch, dt)
-            gw, gb = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry)
+            gw, gb = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry, e.kept)
             for p, g in zip((e.layer.weight, e.layer.bias), (gw, gb)):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
@@ -217,29 +219,37 @@ def _count_nonfinite(layer, bound):
     layer._nonfinite[1:2].add_(bound.isfinite().logical_not().sum())
 
 
-def _release(layer, x, g, factor, step_args, geometry):
+def _release(layer, x, g, factor, step_args, geometry, kept):
     """``(∇W, ∇b)`` of one layer: ``Σ_i c_i G_i`` plus the step's draw, times the mean-loss scale;
-    ``None`` for a parameter that does not train."""
+    ``None`` for a parameter that does not train. ``kept``: the norms op's kept per-example
+    gradients (or ``None``; then from ``g`` and ``x``)."""
     seed, offset, std, d, scale = step_args
     mask = _trainable(layer)
+    kw, kb = kept if kept is not None else (None, None)
+    if x is None:
+        x = g = layer.weight.new_empty(0)
     if geometry is None:
-        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, layer.weight, mask, [seed, offset], std)
+        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, layer.weight, mask, [seed, offset], std,
+                                                            kw, kb)
     else:
         stride, padding, dilation, groups = geometry
         gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, layer.weight, stride, padding, dilation,
-                                                            groups, mask, [seed, offset], std)
+                                                            groups, mask, [seed, offset], std, kw, kb)
     gw = (gw.mul_(scale) if scale != 1.0 else gw) if mask[0] else None
     gb = (gb.mul_(scale) if scale != 1.0 else gb) if mask[1] else None
     return gw, gb
 
 
 def _norms(layer, x, g, geometry, mask):
+    """``(bound, kept)``: the norm bounds, and the kept per-example gradients (or ``None``)."""
     method, ws = layer.norm_method, WORKSPACE_BYTES
     if geometry is None:
-        return torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws)
-    stride, padding, dilation, groups = geometry
-    return torch.ops.bpclip_fast.conv2d_grad_norms(g, x, list(layer.kernel_size), stride, padding, dilation, groups,
-                                                   mask, method, ws)
+        _, bound, kw, kb = torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws, True)
+    else:
+        stride, padding, dilation, groups = geometry
+        _, bound, kw, kb = torch.ops.bpclip_fast.conv2d_grad_norms(g, x, list(layer.kernel_size), stride, padding,
+                                                                   dilation, groups, mask, method, ws, True)
+    return bound, ((kw, kb) if kw.numel() else None)
 
 
 def _input_grad(layer, x, g, weight, geometry):
@@ -278,14 +288,15 @@ class _ExactLayer(torch.autograd.Function):
             return gx, None, None, None, None, None, None, None
         step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
         d = step_args[3]
-        _, bound = _norms(layer, x, g, geometry, mask)
+        bound, kept = _norms(layer, x, g, geometry, mask)
         if book is not None:
             _count_nonfinite(layer, bound)
-            book.entries.append(_Entry(layer, x, g, bound, step_args, geometry))
+            held = (None, None) if kept is not None else (x, g)
+            book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
             return gx, None, None, torch.zeros((), device=g.device), None, None, None, None
         factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
                          x.dtype)
-        gw, gb = _release(layer, x, g, factor, step_args, geometry)
+        gw, gb = _release(layer, x, g, factor, step_args, geometry, kept)
         if layer._step is not None:
             layer._step.produced((gw, gb))
         return gx, gw, gb, None, None, None, None, None

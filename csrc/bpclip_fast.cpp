@@ -76,23 +76,28 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // (sq, bound), float64 [B]: each example's squared gradient norm over the parameters in
   // params = [weight, bias], and an upper bound on the norm of what the release can hold of it at
   // factor 1 (rounding included); method 'auto' (the cost rule), 'ghost' or 'instantiate'; at most
-  // about `workspace` bytes of temporaries (the batch is chunked).
+  // about `workspace` bytes of temporaries (the batch is chunked). With keep, and where the
+  // instantiated per-example gradients are no larger than grad_out, they are returned too
+  // ([B, weight numel] fp32/fp64, and the bias sums [B, out] fp64), for the clipped_grads ops;
+  // otherwise those two are empty.
   m.def(
-      "linear_grad_norms(Tensor grad_out, Tensor x, bool[2] params, str method, int workspace)"
-      " -> (Tensor, Tensor)");
+      "linear_grad_norms(Tensor grad_out, Tensor x, bool[2] params, str method, int workspace, bool keep)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "conv2d_grad_norms(Tensor grad_out, Tensor x, int[2] kernel_size, int[2] stride, int[2] padding,"
-      " int[2] dilation, int groups, bool[2] params, str method, int workspace) -> (Tensor, Tensor)");
+      " int[2] dilation, int groups, bool[2] params, str method, int workspace, bool keep)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
   // The clipped gradients sum_i c_i G_i of the parameters in params = [weight, bias] (empty where
   // not), from grad_out scaled by factor (fp32; fp64 for fp64 data), with the noise (std noise_std,
-  // Philox key noise_key = [seed, offset]: the weight at offset, the bias at offset + 1).
+  // Philox key noise_key = [seed, offset]: the weight at offset, the bias at offset + 1); from the
+  // norms op's kept per-example gradients when given (grad_out and x are then not read).
   m.def(
       "linear_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, bool[2] params,"
-      " int[2] noise_key, float noise_std) -> (Tensor, Tensor)");
+      " int[2] noise_key, float noise_std, Tensor? kept_w=None, Tensor? kept_b=None) -> (Tensor, Tensor)");
   m.def(
       "conv2d_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, int[2] stride,"
-      " int[2] padding, int[2] dilation, int groups, bool[2] params, int[2] noise_key, float noise_std)"
-      " -> (Tensor, Tensor)");
+      " int[2] padding, int[2] dilation, int groups, bool[2] params, int[2] noise_key, float noise_std,"
+      " Tensor? kept_w=None, Tensor? kept_b=None) -> (Tensor, Tensor)");
   m.def("_build_config() -> str", &build_config);
 }
 

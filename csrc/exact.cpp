@@ -118,7 +118,7 @@ bool ghost_cheaper(int64_t T, int64_t d, int64_t p) { return T == 1 || T * (d + 
 
 // Per-example parts of the bound, all double [b]: sq_W, sq_b, and the spread P.
 struct Parts {
-  at::Tensor sq, spread;
+  at::Tensor sq, spread, kept_w, kept_b;  // kept_*: the instantiated [G_W], [G_b] per example, when kept
 };
 
 // What the margins need to know about a layer's shapes (see the file comment).
@@ -150,9 +150,9 @@ at::Tensor spread(const at::Tensor& xn, const at::Tensor& gn, const Dims& dims) 
 // (summing `groups_per_example` consecutive rows) the sq of [G_W, G_b] over the parameters that
 // train, and the spread P, both double.
 Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& xn, const at::Tensor& gn,
-                 Method method, const Dims& dims, int64_t groups_per_example) {
-  const int64_t n = x3.size(0);
-  at::Tensor sq = at::zeros({n}, x3.options().dtype(at::kDouble));
+                 Method method, const Dims& dims, int64_t groups_per_example, bool keep) {
+  const int64_t n = x3.size(0), per = groups_per_example;
+  at::Tensor sq = at::zeros({n}, x3.options().dtype(at::kDouble)), kept_w, kept_b;
   if (dims.weight) {
     if (dims.T == 1) {
       sq = (xn.square() * gn.square()).sum(1);
@@ -161,17 +161,21 @@ Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& x
       const at::Tensor gg = at::bmm(g3, g3.transpose(1, 2));
       sq = (gx * gg).sum({1, 2}, false, at::kDouble);
     } else {
-      sq = at::bmm(g3.transpose(1, 2), x3).square().sum({1, 2}, false, at::kDouble);
+      const at::Tensor inst = at::bmm(g3.transpose(1, 2), x3);  // [n, p, d]: the weight's layout per group
+      sq = inst.square().sum({1, 2}, false, at::kDouble);
+      if (keep) kept_w = inst.reshape({n / per, -1});
     }
   }
   if (dims.bias) {
     // Conv2d: a channel's bias gradient is over the positions of its own group only, so the
     // per-(example, group) sums square and add up exactly as the full bias vector's would.
-    sq = sq + g3.sum({1}, false, at::kDouble).square().sum(1);
+    const at::Tensor sums = g3.sum({1}, false, at::kDouble);
+    sq = sq + sums.square().sum(1);
+    if (kept_w.defined()) kept_b = sums.reshape({n / per, -1});
   }
   const at::Tensor sp = spread(xn, gn, dims);
-  if (groups_per_example == 1) return {sq, sp};
-  return {sq.reshape({-1, groups_per_example}).sum(1), sp.reshape({-1, groups_per_example}).sum(1)};
+  if (per == 1) return {sq, sp, kept_w, kept_b};
+  return {sq.reshape({-1, per}).sum(1), sp.reshape({-1, per}).sum(1), kept_w, kept_b};
 }
 
 // The bound of the file comment, from the computed sq and spread.
@@ -208,15 +212,34 @@ void check_norm_inputs(const at::Tensor& grad_out, const at::Tensor& x, int64_t 
   TORCH_CHECK(workspace > 0, "bpclip_fast.", op, ": workspace must be positive bytes, got ", workspace);
 }
 
-Pair finish(std::vector<at::Tensor>& sqs, std::vector<at::Tensor>& spreads, const at::Tensor& x, Method method,
-            const Dims& dims, double u) {
-  at::Tensor sq = sqs.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sqs);
-  at::Tensor sp = spreads.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(spreads);
-  return {sq, norm_bound(sq, sp, method, dims, u, x.scalar_type())};
+using Norms = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Whether to keep the instantiated per-example gradients (fp32) for the release instead of the
+// upstream gradient and the input: only where they are no larger than the upstream gradient the
+// release would otherwise keep, so keeping them never costs memory, and saves the release's GEMM
+// over the positions (the per-example sums cost a GEMV over the batch).
+bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t groups, const at::Tensor& grad_out) {
+  const int64_t B = grad_out.size(0);
+  return keep && method == Method::kInstantiate && dims.weight && dims.T > 1 && B > 0 &&
+         4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B);
 }
 
-Pair linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::array<bool, 2> params,
-                       c10::string_view method_name, int64_t workspace) {
+Norms finish(std::vector<Parts>& parts, const at::Tensor& x, Method method, const Dims& dims, double u) {
+  std::vector<at::Tensor> sqs, sps, kws, kbs;
+  for (auto& part : parts) {
+    sqs.push_back(part.sq);
+    sps.push_back(part.spread);
+    if (part.kept_w.defined()) kws.push_back(part.kept_w);
+    if (part.kept_b.defined()) kbs.push_back(part.kept_b);
+  }
+  at::Tensor sq = sqs.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sqs);
+  at::Tensor sp = sps.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sps);
+  return {sq, norm_bound(sq, sp, method, dims, u, x.scalar_type()), kws.empty() ? x.new_empty({0}) : at::cat(kws),
+          kbs.empty() ? x.new_empty({0}) : at::cat(kbs)};
+}
+
+Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::array<bool, 2> params,
+                        c10::string_view method_name, int64_t workspace, bool keep) {
   check_norm_inputs(grad_out, x, workspace, "linear_grad_norms");
   TORCH_CHECK(x.dim() >= 2 && grad_out.dim() == x.dim(), "bpclip_fast.linear_grad_norms: input and grad_out must be "
               "[B, *, features] with the same number of dims");
@@ -229,15 +252,14 @@ Pair linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::arr
   const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
   const int64_t rows = chunk_rows(elt * (T * (d + p) + temps), workspace, B);
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
-  std::vector<at::Tensor> sqs, spreads;
+  const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
+  std::vector<Parts> parts;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
-    auto parts = rows_norms(xc, gc, position_norms(xc, T == 1), position_norms(gc, T == 1), method, dims, 1);
-    sqs.push_back(parts.sq);
-    spreads.push_back(parts.spread);
+    parts.push_back(rows_norms(xc, gc, position_norms(xc, T == 1), position_norms(gc, T == 1), method, dims, 1, kept));
   }
-  return finish(sqs, spreads, x, method, dims, gemm_unit(acc));
+  return finish(parts, x, method, dims, gemm_unit(acc));
 }
 
 // The zero-padded patches as [n, C_in kh kw, T] (im2col's layout: channel-major, so channel group
@@ -256,9 +278,9 @@ at::Tensor patches(const at::Tensor& x, at::IntArrayRef k, at::IntArrayRef strid
   return view.reshape({n, c * k[0] * k[1], ho * wo});
 }
 
-Pair conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntArrayRef kernel_size,
-                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                       std::array<bool, 2> params, c10::string_view method_name, int64_t workspace) {
+Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntArrayRef kernel_size,
+                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                        std::array<bool, 2> params, c10::string_view method_name, int64_t workspace, bool keep) {
   check_norm_inputs(grad_out, x, workspace, "conv2d_grad_norms");
   TORCH_CHECK(x.dim() == 4 && grad_out.dim() == 4, "bpclip_fast.conv2d_grad_norms: input and grad_out must be "
               "[B, C, H, W]");
@@ -273,7 +295,8 @@ Pair conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntA
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
   const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps), workspace, B);
-  std::vector<at::Tensor> sqs, spreads;
+  const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
+  std::vector<Parts> parts;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xa = x.narrow(0, b0, n).to(acc);
@@ -289,11 +312,9 @@ Pair conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntA
     const at::Tensor xn = at::convolution(xa.square(), ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, G)
                               .reshape({n * G, T}).clamp_min(0).sqrt();
     const at::Tensor gn = gt.square().sum(1).sqrt();
-    auto parts = rows_norms(x3, g3, xn, gn, method, dims, G);
-    sqs.push_back(parts.sq);
-    spreads.push_back(parts.spread);
+    parts.push_back(rows_norms(x3, g3, xn, gn, method, dims, G, kept));
   }
-  return finish(sqs, spreads, x, method, dims, gemm_unit(acc));
+  return finish(parts, x, method, dims, gemm_unit(acc));
 }
 
 // The gradient the release holds: each example's upstream gradient scaled by its factor (rounded
@@ -312,6 +333,28 @@ void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntAr
   if (bias) philox_noise_(gb, noise_key[0], noise_key[1] + 1, noise_std, true);
 }
 
+// The release from kept per-example gradients: sum_i c_i G_i as one GEMV over the batch (fp32, or
+// double for the bias sums), rows with c = 0 zeroed first (a non-finite example's G_i), the noise
+// added into the same buffer.
+Pair kept_release(const at::Tensor& kept_w, const at::Tensor& kept_b, const at::Tensor& factor,
+                  const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key, double noise_std) {
+  const at::Tensor keep = factor.gt(0).unsqueeze(1);
+  at::Tensor gw = weight.new_empty({0}), gb = weight.new_empty({0});
+  if (params[0]) {
+    const at::Tensor w = at::where(keep, kept_w, at::zeros({}, kept_w.options()));
+    const at::Tensor sum = w.t().mv(factor.to(kept_w.scalar_type()));
+    gw = sum.to(weight.scalar_type()).reshape(weight.sizes()).contiguous();
+  }
+  if (params[1]) {
+    const at::Tensor b = at::where(keep, kept_b, at::zeros({}, kept_b.options()));
+    gb = b.t().mv(factor.to(kept_b.scalar_type())).to(weight.scalar_type());
+  }
+  add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true);
+  return {gw, gb};
+}
+
+bool has_kept(const c10::optional<at::Tensor>& kept) { return kept.has_value() && kept->defined() && kept->numel() > 0; }
+
 void check_grads_args(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
                       at::IntArrayRef noise_key, double noise_std, const char* op) {
   check_same_device(grad_out, x, "grad_out", "the input");
@@ -324,7 +367,9 @@ void check_grads_args(const at::Tensor& grad_out, const at::Tensor& x, const at:
 
 Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& factor,
                           const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key,
-                          double noise_std) {
+                          double noise_std, const c10::optional<at::Tensor>& kept_w,
+                          const c10::optional<at::Tensor>& kept_b) {
+  if (has_kept(kept_w)) return kept_release(*kept_w, *kept_b, factor, weight, params, noise_key, noise_std);
   check_grads_args(grad_out, x, weight, noise_key, noise_std, "linear_clipped_grads");
   auto [gs, xs] = scaled_inputs(grad_out, x, factor);
   const at::Tensor g2 = gs.reshape({-1, weight.size(0)}), x2 = xs.reshape({-1, weight.size(1)});
@@ -346,7 +391,9 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
 Pair conv2d_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& factor,
                           const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
                           at::IntArrayRef dilation, int64_t groups, std::array<bool, 2> params,
-                          at::IntArrayRef noise_key, double noise_std) {
+                          at::IntArrayRef noise_key, double noise_std, const c10::optional<at::Tensor>& kept_w,
+                          const c10::optional<at::Tensor>& kept_b) {
+  if (has_kept(kept_w)) return kept_release(*kept_w, *kept_b, factor, weight, params, noise_key, noise_std);
   check_grads_args(grad_out, x, weight, noise_key, noise_std, "conv2d_clipped_grads");
   at::Tensor gw = weight.new_empty({0}), gb = weight.new_empty({0});
   if (x.size(0) == 0) {

@@ -117,9 +117,9 @@ def norms_of(layer, x, g, method, params=None, workspace=1 << 20):
     if params is None:
         params = (True, layer.bias is not None)
     if isinstance(layer, nn.Linear):
-        return OPS.linear_grad_norms(g, x, list(params), method, workspace)
+        return OPS.linear_grad_norms(g, x, list(params), method, workspace, False)[:2]
     return OPS.conv2d_grad_norms(g, x, list(layer.kernel_size), list(layer.stride), list(layer.padding),
-                                 list(layer.dilation), layer.groups, list(params), method, workspace)
+                                 list(layer.dilation), layer.groups, list(params), method, workspace, False)[:2]
 
 
 # --------------------------------------------------------------------------- 1. norms

@@ -376,9 +376,13 @@ def _opcheck_cases(device):
                                [True, True], [3, 4], 0.1)),
         (OPS.conv2d_backward, (go, x, f, n, w, c.clone(), [1, 1], [0, 0], [1, 1], 1, "l2", [1.0, 1.0], "clip", 0.01,
                                [False, False], [0, 0], 0.0)),
-        (OPS.linear_grad_norms, (gol, xl, [True, True], "ghost", 1 << 20)),
-        (OPS.linear_grad_norms, (gol, xl, [True, False], "instantiate", 64)),
-        (OPS.conv2d_grad_norms, (go, x, [3, 3], [1, 1], [0, 0], [1, 1], 1, [True, True], "auto", 1 << 20)),
+        (OPS.linear_grad_norms, (gol, xl, [True, True], "ghost", 1 << 20, True)),
+        (OPS.linear_grad_norms, (gol, xl, [True, False], "instantiate", 64, False)),
+        (OPS.linear_grad_norms, (torch.randn(4, 9, 2, device=device), torch.randn(4, 9, 3, device=device),
+                                 [True, True], "instantiate", 1 << 20, True)),  # keeps: 2x3 <= 9x2
+        (OPS.conv2d_grad_norms, (go, x, [3, 3], [1, 1], [0, 0], [1, 1], 1, [True, True], "auto", 1 << 20, True)),
+        (OPS.conv2d_grad_norms, (torch.randn(4, 2, 6, 6, device=device), x, [1, 1], [1, 1], [0, 0], [1, 1], 1,
+                                 [True, False], "instantiate", 1 << 20, True)),  # keeps: 2x3 <= 2x36
         (OPS.linear_clipped_grads, (gol, xl, f, wl, [True, True], [3, 4], 0.1)),
         (OPS.linear_clipped_grads, (gol, xl, f, wl, [False, True], [0, 0], 0.0)),
         (OPS.conv2d_clipped_grads, (go, x, f, w, [1, 1], [0, 0], [1, 1], 1, [True, True], [3, 4], 0.1)),
