@@ -81,6 +81,9 @@ RULES = {
     "max-shape": ("the sensitivity Δ (and the noise std) is fixed at make_private and does not depend on the data",
                   "pad or truncate inputs to at most the declared max_input_shape, or make the model private with "
                   "a larger max_input_shape"),
+    "bounds": ("the clipping bounds are the ones the noise is scaled to (fixed at make_private)",
+               "do not change the clipping after make_private (attach_flat, thresholds); make a fresh model "
+               "private with the bounds you want"),
     "nonfinite": ("strict non-finite mode: no example may be non-finite",
                   "clean the data, or use nonfinite='drop' (the default), which gives such examples clip factor 0"),
 }

@@ -30,6 +30,7 @@ alone. ``flat`` needs every layer of one book to have seen the same ``d`` rows (
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -77,9 +78,13 @@ class _Entry:
 
 
 class _Book:
-    """One forward's flat layers: their tokens (collector outputs) and, during the backward, entries."""
+    """One forward's flat layers: their tokens (collector outputs) and, during the backward, entries.
+    ``serial`` names it in the step's records (``LayerStep.books``): unlike ``id()``, never reused."""
+
+    _serials = itertools.count()
 
     def __init__(self, group, tokens):
+        self.serial = next(_Book._serials)
         self.group = group
         self.tokens = dict(zip((id(layer) for layer in group.layers), tokens))
         self.entries: list[_Entry] = []
@@ -105,7 +110,12 @@ class _Collector(torch.autograd.Function):
 
 
 def attach_flat(module, layers, max_grad_norm: float, clip_fn: str, gamma: float) -> "FlatClipping":
-    """Gives ``layers`` one :class:`FlatClipping` on ``module``, replacing any they had."""
+    """Gives ``layers`` one :class:`FlatClipping` on ``module``, replacing any they had (not once a
+    privacy engine holds them: the noise is scaled to the engine's ``C``)."""
+    held = [layer.layer_name for layer in layers if layer._step is not None and layer._step.enforce]
+    if held:
+        raise RuntimeError(f"attach_flat: {', '.join(held)} belong to a PrivacyEngine, whose flat clipping is fixed "
+                           "at make_private")
     for group in {id(layer._flat): layer._flat for layer in layers if layer._flat is not None}.values():
         group.remove()
     return FlatClipping(module, layers, max_grad_norm, clip_fn, gamma)
@@ -164,7 +174,9 @@ class FlatClipping:
 
     def _end(self, module, args, output):
         if self._stack:
-            self._stack.pop()
+            book = self._stack.pop()
+            if book is not None:  # the layers took their tokens; holding them would keep the graph alive
+                book.tokens = {}
 
     def release(self, book: _Book) -> dict:
         """``{id(parameter): gradient}`` for every layer with an entry: the flat factors from all
@@ -184,9 +196,14 @@ class FlatClipping:
             _refuse_release(entries, "flat clipping pairs each example's norms across the layers of one forward by "
                          f"row, but a layer ran more than once in it or the layers saw different numbers of rows "
                          f"({sorted(rows)})", "keep every flat layer to one call on all rows of the batch")
+        loose = [e for e in entries if self.max_grad_norm > e.layer.noise_bound]
+        if loose:  # the noise is scaled to each layer's fixed noise_bound: never clip to more
+            _refuse_release(loose, f"flat clipping at C = {self.max_grad_norm:g} above the noise bound the layers "
+                            "were made private with", "do not change the clipping after make_private",
+                            rule="bounds")
         for e in entries:
             if e.layer._step is not None:
-                e.layer._step.joined(id(book))
+                e.layer._step.joined(book.serial)
         d = ds.pop()
         total = torch.stack([e.bound for e in entries]).square().sum(0).sqrt()
         scratch = torch.zeros(1, dtype=torch.int64, device=total.device)
@@ -207,11 +224,11 @@ class FlatClipping:
         return grads
 
 
-def _refuse_release(entries, details, instead):
+def _refuse_release(entries, details, instead, rule="rows"):
     names = ", ".join(dict.fromkeys(e.layer.layer_name for e in entries))
     step = entries[0].layer._step
     if step is not None:
-        step.refuse("rows", f"{details} [{names}]")
+        step.refuse(rule, f"{details} [{names}]")
     raise RuntimeError(f"{details} [{names}]; {instead}")
 
 
@@ -294,6 +311,10 @@ class _ExactLayer(torch.autograd.Function):
             held = (None, None) if kept is not None else (x, g)
             book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
             return gx, None, None, torch.zeros((), device=g.device), None, None, None, None
+        if layer.max_grad_norm > layer.noise_bound:  # the noise is scaled to noise_bound
+            _refuse_release([_Entry(layer, None, None, None, bound, step_args, geometry)],
+                            f"max_grad_norm {layer.max_grad_norm:g} above the noise bound {layer.noise_bound:g}",
+                            "do not change the clipping after make_private", rule="bounds")
         factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
                          x.dtype)
         gw, gb = _release(layer, x, g, factor, step_args, geometry, kept)
