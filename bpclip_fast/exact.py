@@ -193,13 +193,14 @@ class FlatClipping:
         rows = {e.bound.shape[0] for e in entries}
         layers = [id(e.layer) for e in entries]
         if len(ds) > 1 or len(rows) > 1 or len(set(layers)) < len(layers):
-            _refuse_release(entries, "flat clipping pairs each example's norms across the layers of one forward by "
-                         f"row, but a layer ran more than once in it or the layers saw different numbers of rows "
-                         f"({sorted(rows)})", "keep every flat layer to one call on all rows of the batch")
+            _refuse_release([e.layer for e in entries], "flat clipping pairs each example's norms across the layers "
+                            "of one forward by row, but a layer ran more than once in it or the layers saw different "
+                            f"numbers of rows ({sorted(rows)})",
+                            "keep every flat layer to one call on all rows of the batch")
         loose = [e for e in entries if self.max_grad_norm > e.layer.noise_bound]
         if loose:  # the noise is scaled to each layer's fixed noise_bound: never clip to more
-            _refuse_release(loose, f"flat clipping at C = {self.max_grad_norm:g} above the noise bound the layers "
-                            "were made private with", "do not change the clipping after make_private",
+            _refuse_release([e.layer for e in loose], f"flat clipping at C = {self.max_grad_norm:g} above the noise "
+                            "bound the layers were made private with", "do not change the clipping after make_private",
                             rule="bounds")
         for e in entries:
             if e.layer._step is not None:
@@ -224,9 +225,9 @@ class FlatClipping:
         return grads
 
 
-def _refuse_release(entries, details, instead, rule="rows"):
-    names = ", ".join(dict.fromkeys(e.layer.layer_name for e in entries))
-    step = entries[0].layer._step
+def _refuse_release(layers, details, instead, rule="rows"):
+    names = ", ".join(dict.fromkeys(layer.layer_name for layer in layers))
+    step = layers[0]._step
     if step is not None:
         step.refuse(rule, f"{details} [{names}]")
     raise RuntimeError(f"{details} [{names}]; {instead}")
@@ -312,7 +313,7 @@ class _ExactLayer(torch.autograd.Function):
             book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
             return gx, None, None, torch.zeros((), device=g.device), None, None, None, None
         if layer.max_grad_norm > layer.noise_bound:  # the noise is scaled to noise_bound
-            _refuse_release([_Entry(layer, None, None, None, bound, step_args, geometry)],
+            _refuse_release([layer],
                             f"max_grad_norm {layer.max_grad_norm:g} above the noise bound {layer.noise_bound:g}",
                             "do not change the clipping after make_private", rule="bounds")
         factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],

@@ -35,7 +35,6 @@
 // which no relative margin covers; keep fp16 gradients out of that range (as any fp16 training must).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -44,25 +43,15 @@
 #include <vector>
 
 #include "common.h"
+#include "dispatch.h"
 
 namespace bpclip {
 namespace {
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 
-at::Tensor scale_rows(const at::Tensor& x, const at::Tensor& factor) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("bpclip_fast::scale_rows", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, factor);
-}
-
-void philox_noise_(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("bpclip_fast::philox_noise_", "")
-                       .typed<void(at::Tensor&, int64_t, int64_t, double, bool)>();
-  op.call(buf, seed, offset, stdv, accumulate);
-}
+using ops::philox_noise_;
+using ops::scale_rows;
 
 double gamma_k(double k, double u) { return k * u / (1.0 - k * u); }
 

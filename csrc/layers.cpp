@@ -1,50 +1,22 @@
 // The layer ops of Linear and Conv2d, written once over ATen and our dispatcher ops, so that the
 // same code serves CPU and CUDA: the heavy math goes to ATen (oneDNN/MKL, cuBLAS/cuDNN).
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <array>
 #include <vector>
 
 #include "common.h"
+#include "dispatch.h"
 
 namespace bpclip {
 namespace {
 
-using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-Triple clip_rows(const at::Tensor& x, at::Tensor& nonfinite, double bound, c10::string_view norm,
-                 c10::string_view clip_fn, double gamma) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("bpclip_fast::clip_rows", "")
-                       .typed<Triple(const at::Tensor&, at::Tensor&, double, c10::string_view, c10::string_view, double)>();
-  return op.call(x, nonfinite, bound, norm, clip_fn, gamma);
-}
-
-at::Tensor clip_rows_backward(const at::Tensor& grad, const at::Tensor& clipped, const at::Tensor& factor,
-                              const at::Tensor& norm, double bound, c10::string_view clip_fn) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("bpclip_fast::clip_rows_backward", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                            c10::string_view)>();
-  return op.call(grad, clipped, factor, norm, bound, clip_fn);
-}
-
-at::Tensor scale_rows(const at::Tensor& x, const at::Tensor& factor) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("bpclip_fast::scale_rows", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, factor);
-}
-
-void philox_noise_(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("bpclip_fast::philox_noise_", "")
-                       .typed<void(at::Tensor&, int64_t, int64_t, double, bool)>();
-  op.call(buf, seed, offset, stdv, accumulate);
-}
+using Triple = ops::Triple;
+using ops::clip_rows;
+using ops::clip_rows_backward;
+using ops::philox_noise_;
+using ops::scale_rows;
 
 void check_layer_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         const char* layer) {

@@ -22,6 +22,15 @@ def device(request):
     return request.param
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny problems: intra-op threads only add overhead (10-40x on a busy 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_report_header(config):
     info = bpclip_fast.build_info()
     return (f"bpclip_fast: cuda_compiled={info['cuda_compiled']} archs={info['cuda_archs']} "

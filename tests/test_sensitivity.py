@@ -33,13 +33,7 @@ ATTAIN_RTOL = 1e-9      # contribution <= Δ (1 + ATTAIN_RTOL) on the constructe
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The problems here are tiny: intra-op threads only add overhead (10-40x on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # --------------------------------------------------------------------------- layer configurations

@@ -1,0 +1,48 @@
+// Calls into our own dispatcher ops from the composite layer ops (layers.cpp, exact.cpp): through the
+// dispatcher, so that each call reaches the kernel of the tensors' device (cpu/ or cuda/).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <tuple>
+
+namespace bpclip {
+namespace ops {
+
+using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+inline Triple clip_rows(const at::Tensor& x, at::Tensor& nonfinite, double bound, c10::string_view norm,
+                 c10::string_view clip_fn, double gamma) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::clip_rows", "")
+                       .typed<Triple(const at::Tensor&, at::Tensor&, double, c10::string_view, c10::string_view, double)>();
+  return op.call(x, nonfinite, bound, norm, clip_fn, gamma);
+}
+
+inline at::Tensor clip_rows_backward(const at::Tensor& grad, const at::Tensor& clipped, const at::Tensor& factor,
+                              const at::Tensor& norm, double bound, c10::string_view clip_fn) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("bpclip_fast::clip_rows_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                            c10::string_view)>();
+  return op.call(grad, clipped, factor, norm, bound, clip_fn);
+}
+
+inline at::Tensor scale_rows(const at::Tensor& x, const at::Tensor& factor) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::scale_rows", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, factor);
+}
+
+inline void philox_noise_(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::philox_noise_", "")
+                       .typed<void(at::Tensor&, int64_t, int64_t, double, bool)>();
+  op.call(buf, seed, offset, stdv, accumulate);
+}
+
+}  // namespace ops
+}  // namespace bpclip
