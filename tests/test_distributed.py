@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from bpclip_fast import Adaptive
 from bpclip_fast.engine import InsecureSeedWarning, PrivacyEngine
 from bpclip_fast import nn as bnn
 
@@ -40,10 +41,13 @@ def model_fn():
                          nn.Linear(4 * 4 * 4, 10))
 
 
-MODES = ("backprop", "flat", "per_layer")
 CLIPPING = {"backprop": dict(input_clip=2.0, grad_clip=0.5),
             "flat": dict(clipping="flat", max_grad_norm=0.7),
             "per_layer": dict(clipping="per_layer", max_grad_norm=[0.5, 0.6])}
+# Adaptive thresholds: the counts are summed over the ranks and noised once (same seed everywhere), so
+# every rank moves the thresholds as the single process does.
+CLIPPING.update({f"{mode}_adaptive": dict(kw, adaptive=Adaptive(learning_rate=0.5)) for mode, kw in list(CLIPPING.items())})
+MODES = tuple(CLIPPING)
 
 
 def run(model, batch_size, *, wrap=None, mode="backprop"):
@@ -84,7 +88,8 @@ def _worker(rank, port, out_dir):
             layers = [m for m in model.modules() if isinstance(m, bnn._Clipped)]
             result = {"params": [p.detach().clone() for p in model.module.parameters()], "sizes": sizes,
                       "epsilon": engine.get_epsilon(DELTA), "steps": engine.steps,
-                      "sigmas": [layer.noise_multiplier for layer in layers], "seed": engine._seed}
+                      "sigmas": [layer.noise_multiplier for layer in layers], "seed": engine._seed,
+                      "thresholds": engine.thresholds()}
             torch.save(result, os.path.join(out_dir, f"{mode}_prewrap{int(prewrap)}_rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -132,7 +137,12 @@ def test_two_processes_equal_one_process_on_the_same_batches(two_processes, sing
     assert sum(sizes) > 0 and any(a != b for a, b in zip(ranks[0]["sizes"], ranks[1]["sizes"]))
     # One seed, noise drawn on rank 0 only, one accountant stepped identically everywhere.
     assert ranks[0]["seed"] == ranks[1]["seed"] == SEED
-    assert all(s == 0.8 for s in ranks[0]["sigmas"]) and all(s == 0.0 for s in ranks[1]["sigmas"])
+    assert all(s == engine.gradient_noise_multiplier for s in ranks[0]["sigmas"])
+    assert all(s == 0.0 for s in ranks[1]["sigmas"])
+    assert engine.gradient_noise_multiplier == (0.8 if engine.adaptive is None else pytest.approx(0.8 / 0.9 ** 0.5))
+    for r in ranks:  # the thresholds moved (adaptive) and every rank holds the single process's values
+        assert r["thresholds"] == pytest.approx(engine.thresholds(), rel=1e-9)
+    assert (engine.adaptive is None) == (engine.thresholds() == run(model_fn(), BATCH * WORLD, mode=mode.split("_ad")[0])[0].thresholds())
     for r in ranks:
         assert r["steps"] == engine.steps == STEPS
         assert r["epsilon"] == pytest.approx(engine.get_epsilon(DELTA), rel=1e-12)
