@@ -312,3 +312,25 @@ def test_thresholds_cannot_be_set_by_hand_after_make_private():
     with pytest.raises(AttributeError, match="fixed by make_private"):
         model.fc1.max_grad_norm = 10.0
     assert isinstance(StepRefused("bounds", "x"), RuntimeError)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_make_private_with_epsilon_spends_the_budget_with_the_counts_included(mode):
+    """The calibrated σ goes to the accountant and the counts are paid from it: after the planned steps
+    ε is the target, and the layers' σ_Δ is above the calibrated one."""
+    torch.manual_seed(5)
+    X, Y = torch.randn(200, 6), torch.randint(0, 3, (200,))
+    engine = bpclip_fast.PrivacyEngine()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bounds = dict(max_grad_norm=1.0) if mode != "backprop" else dict(input_clip=1.0, grad_clip=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureSeedWarning)
+        model, opt, loader = engine.make_private_with_epsilon(
+            module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(X, Y), batch_size=50), target_epsilon=3.0,
+            target_delta=1e-5, epochs=2, clipping=mode, adaptive=True, noise_seed=SEED, **bounds)
+    run_steps(model, opt, loader, 2 * engine.steps_per_epoch, ce)
+    assert engine.get_epsilon(1e-5) == pytest.approx(3.0, rel=0.01) and engine.get_epsilon(1e-5) <= 3.0 + 1e-9
+    per_layer = 1.0 if mode != "backprop" else math.sqrt(2)
+    assert engine.effective_noise_multiplier == pytest.approx(engine.noise_multiplier / per_layer)
+    assert engine.gradient_noise_multiplier == pytest.approx(engine.noise_multiplier / 0.9 ** 0.5)
