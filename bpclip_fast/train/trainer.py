@@ -126,7 +126,8 @@ class Config:
                                           ("--count-noise", "count_noise"))
                      if getattr(c, key) != getattr(_DEFAULTS, key)]
             if given:
-                raise ValueError(f"{', '.join(given)} set the adaptive clipping thresholds: add --adaptive")
+                raise ValueError(f"{', '.join(given)}: an option of the adaptive clipping thresholds, which "
+                                 "needs --adaptive")
         if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
             raise ValueError("--epochs, --batch-size and --lr must be positive")
         if c.resume and not c.checkpoint:
