@@ -21,5 +21,6 @@ def build_info() -> dict:
 
 
 from . import autograd, nn, reference  # noqa: E402,F401
+from .adaptive import Adaptive  # noqa: E402,F401
 from .boundary import StepRefused  # noqa: E402,F401
 from .engine import DPOptimizer, InsecureSeedWarning, PrivacyEngine  # noqa: E402,F401

@@ -20,6 +20,7 @@ class _ClippedLinear(torch.autograd.Function):
             x, weight, bias, layer._nonfinite[0:1], float(layer.input_clip), layer.clip_fn, float(layer.gamma))
         ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias = layer, sensitivity, bias is not None
+        ctx.bounds_version = layer._bounds_version
         return out
 
     @staticmethod
@@ -36,6 +37,7 @@ class _ClippedConv2d(torch.autograd.Function):
             layer.groups, float(layer.input_clip), layer.clip_fn, float(layer.gamma))
         ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias, ctx.padding = layer, sensitivity, bias is not None, padding
+        ctx.bounds_version = layer._bounds_version
         return out
 
     @staticmethod
@@ -49,8 +51,10 @@ class _ClippedConv2d(torch.autograd.Function):
 def _backward(ctx, grad_out, op, *geometry):
     """``(grad_x, grad_weight, grad_bias)`` from a layer's backward op: the forward's saved tensors,
     the layer's own arguments (``geometry``: Conv2d's) and the arguments both ops end with."""
+    ctx.layer._check_bounds_version(ctx.bounds_version)  # before the saved tensors: their own check is less clear
     x, factor, norm, weight = ctx.saved_tensors
     args, scale = _backward_args(ctx, grad_out.shape[0])
+    _count_unclipped(ctx.layer, norm, grad_out, args[0])
     gx, gw, gb = op(grad_out, x, factor, norm, weight, ctx.layer._nonfinite[1:2], *geometry, *args)
     gw, gb = _outputs(ctx.layer, ctx, gw, gb, scale)
     return gx if ctx.needs_input_grad[0] else None, gw, gb
@@ -64,6 +68,19 @@ def _backward_args(ctx, rows):
     args = ([float(layer.input_clip), float(layer.grad_clip) / d], layer.clip_fn, float(layer.gamma) / d,
             [ctx.needs_input_grad[0], ctx.has_bias], [seed, offset], std)
     return args, scale
+
+
+def _count_unclipped(layer, input_norm, grad_out, bounds):
+    """Adaptive thresholds (``bpclip_fast.adaptive``): the examples of this backward whose input and
+    upstream gradient norms are within ``bounds = (C_x, C_g/d)``, the norms the kernels clip (L2;
+    Conv2d's gradient in the layer's ``norm``)."""
+    step = layer._step
+    if step is None or not step.counting:
+        return
+    from .reference import l2_norm, l15_norm
+
+    g_norm = l15_norm(grad_out) if getattr(layer, "norm", "l2") == "l15" else l2_norm(grad_out)
+    step.count(torch.stack([(input_norm <= bounds[0]).sum(), (g_norm <= bounds[1]).sum()]))
 
 
 def _step_args(layer, rows, sensitivity):

@@ -148,6 +148,11 @@ class LayerStep:
         # since it was created; every layer holding a contribution must hold the same books.
         self.books: set = set()
         self._pass_books: set = set()
+        # Adaptive thresholds (bpclip_fast.adaptive): per threshold of this layer, the examples its
+        # backward passes found unclipped, on the device; landed and restarted with the rows.
+        self.counting = False
+        self.counts = None
+        self._pass_counts = None
         self.violations: list[tuple[str, str]] = []
         # Device bools, read at step() with one sync: "a gradient we restarted from was not zero",
         # "a gradient changed between two passes without a version change (a .data write)".
@@ -226,7 +231,10 @@ class LayerStep:
                 self.rows += self._pass_rows
                 self.noised = self.noised or self._pass_noised
                 self.books |= self._pass_books
+                if self._pass_counts is not None:
+                    self.counts = self._pass_counts if self.counts is None else self.counts + self._pass_counts
                 self._pass_rows, self._pass_noised, self._pass_books = 0, False, set()
+                self._pass_counts = None
             self._pass_landed.add(i)
             return None
         return prehook
@@ -294,6 +302,7 @@ class LayerStep:
         self.rows = 0
         self.noised = False
         self.books = set()
+        self.counts = None
         self._task = None
 
     def sync_with_grads(self) -> bool:
@@ -342,6 +351,7 @@ class LayerStep:
                     self.refuse("param-edit", f"{self.name}'s parameters changed between backward passes of one step")
                 self.sync_with_grads()
                 self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
+                self._pass_counts = None
             self._pass_rows += int(rows)
         else:
             self.rows += int(rows)
@@ -380,6 +390,11 @@ class LayerStep:
         """A flat release of book ``book_id`` reached this layer in the current pass."""
         if self.enforce:
             self._pass_books.add(book_id)
+
+    def count(self, unclipped: torch.Tensor) -> None:
+        """Adds this backward's unclipped examples (one entry per threshold of the layer) to the pass."""
+        if self.enforce and self.counting:
+            self._pass_counts = unclipped if self._pass_counts is None else self._pass_counts + unclipped
 
     def produced(self, grads) -> None:
         """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check."""

@@ -124,7 +124,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import _ops, data, registry
+from . import _ops, adaptive as _adaptive, data, registry
 from . import nn as bnn
 from . import validate as _validate
 from .boundary import DistributedRecorder, LayerStep, StepRefused
@@ -329,7 +329,7 @@ class PrivacyEngine:
                      norm_method: str = "auto", clip_fn: str = "clip", gamma: float = 0.01, loss_reduction: str = "mean",
                      poisson_sampling: bool = True, noise_seed: int | None = None,
                      max_epsilon: float | None = None, delta: float | None = None,
-                     max_input_shape=None, nonfinite: str = "drop", probe: bool = True):
+                     max_input_shape=None, nonfinite: str = "drop", probe: bool = True, adaptive=None):
         """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
 
         ``clipping``: ``"backprop"`` (backpropagation clipping: ``input_clip``/``grad_clip``, per-example
@@ -349,6 +349,11 @@ class PrivacyEngine:
         ``nonfinite``: ``"drop"`` (an example with a NaN/Inf value gets clip factor 0 and the step goes on;
         ``nonfinite_counts()`` reports them) or ``"raise"`` (such a step is refused, and charged).
         ``probe``: run :func:`bpclip_fast.validate.dynamic_problems` on the loader's first batch.
+        ``adaptive``: :class:`bpclip_fast.Adaptive` (or ``True`` for its defaults): every clipping
+        threshold of the mode (flat's ``C``, per_layer's ``C_l``, backprop's ``input_clip`` and
+        ``grad_clip`` of every layer, starting from the values given) follows a target quantile of
+        the norms it clips, from noisy counts released with each step (:mod:`bpclip_fast.adaptive`:
+        the accountant keeps ``σ``, the gradient's noise is raised to pay for the counts).
 
         In phases: arguments, then every problem of the model at once (nothing is changed before
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
@@ -359,6 +364,7 @@ class PrivacyEngine:
                                       nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta,
                                       noise_seed=noise_seed)
         self._check_pairing(poisson_sampling)
+        adaptive = self._check_adaptive(adaptive)
         self.rank, self.world_size, self.distributed = _distributed()
         inner = self._unwrapped(module)
         plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, "make_private")
@@ -371,7 +377,8 @@ class PrivacyEngine:
         else:
             settings = dict(max_grad_norm=max_grad_norm, norm_method=norm_method)
         module, inner = self._prepare_model(module, inner, shapes, max_input_shape, sigma, plan, loss_reduction,
-                                            dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, **settings))
+                                            dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, **settings),
+                                            adaptive)
         self.nonfinite = nonfinite
         self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
         self.clipping, self.max_grad_norm = clipping, max_grad_norm
@@ -447,6 +454,18 @@ class PrivacyEngine:
             _positive(max_grad_norm, "max_grad_norm")
 
     @staticmethod
+    def _check_adaptive(adaptive):
+        """``None`` (fixed thresholds) or the :class:`bpclip_fast.Adaptive` options."""
+        if adaptive is None or adaptive is False:
+            return None
+        if adaptive is True:
+            return _adaptive.Adaptive()
+        if not isinstance(adaptive, _adaptive.Adaptive):
+            raise TypeError(f"make_private: adaptive must be None, True or a bpclip_fast.Adaptive(...), got "
+                            f"{type(adaptive).__name__}")
+        return adaptive
+
+    @staticmethod
     def _check_built_layers(inner, clipping, max_grad_norm) -> None:
         """Clipped layers the user built must clip as the engine does (flat: with its ``C``)."""
         bad = [f"{name} is clipping={layer.clipping!r}" for name, layer in bnn.clipped_layers(inner)
@@ -515,7 +534,8 @@ class PrivacyEngine:
                            "apply without clipping or noise; clear it first (model.zero_grad())"
                            for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
 
-    def _prepare_model(self, module, inner, shapes, max_input_shape, sigma, plan, loss_reduction, clipping):
+    def _prepare_model(self, module, inner, shapes, max_input_shape, sigma, plan, loss_reduction, clipping,
+                       adaptive=None):
         """Converts the model (same ``Parameter`` objects), fixes every layer's Δ and gives each its
         step state (``boundary.LayerStep``); returns ``(module, inner)``."""
         converted = bnn.convert_model(inner, **clipping)
@@ -538,26 +558,119 @@ class PrivacyEngine:
         self._exact = mode != "backprop"
         if self._sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
             sigma = self._sigma_effective * (1.0 if self._exact else math.sqrt(len(layers)))
+        self._layers = [layer for _, layer in layers]
+        self._flat_group = self._layers[0]._flat if mode == "flat" else None
+        self._prepare_thresholds(adaptive, sigma, plan)
         mean_batch = float(plan.batch_size) if loss_reduction == "mean" else None
         recorder = DistributedRecorder() if self.distributed else None
         self._steps_of = []
         for name, layer in layers:
             layer._bp_name = name
-            layer.noise_multiplier = sigma if self.rank == 0 else 0.0
+            layer.noise_multiplier = self.gradient_noise_multiplier if self.rank == 0 else 0.0
             st = LayerStep(layer, name, enforce=True, mean_loss_batch=mean_batch)
+            st.counting = self._thresholds is not None
             st.on_refuse = self._refuse_in_forward
             st.after_backward = recorder
             st.batch_rows = self._last_rows
             st.on_new_pass = self._check_new_pass
             layer._step = st
             self._steps_of.append(st)
-        self._layers = [layer for _, layer in layers]
         inner.register_forward_pre_hook(_OutsideCheck(self))
         self._inner = inner
         self.noise_multiplier = sigma
         self.loss_reduction = loss_reduction
         self.max_input_shape = max_input_shape
         return module, inner
+
+    def _threshold_slots(self):
+        """``[(name, layers, attribute)]``: every clipping threshold of the mode and the layers it sets."""
+        mode = self._layers[0].clipping
+        if mode == "flat":
+            return [("max_grad_norm", self._layers, "max_grad_norm")]
+        attrs = ("max_grad_norm",) if mode == "per_layer" else ("input_clip", "grad_clip")
+        return [(f"{layer.layer_name}.{attr}", [layer], attr) for layer in self._layers for attr in attrs]
+
+    def _prepare_thresholds(self, adaptive, sigma, plan) -> None:
+        """Fixed thresholds, or the adaptive ones with the noise split of :mod:`bpclip_fast.adaptive`:
+        the layers get ``σ_Δ`` (raised from ``σ`` to pay for the ``k`` counts), the accountant ``σ``."""
+        self._thresholds = None
+        self._gradient_sigma = sigma
+        if adaptive is None:
+            return
+        slots = self._threshold_slots()
+        k, n_layers = len(slots), len(self._layers)
+        per_layer = 1.0 if self._layers[0].exact else math.sqrt(n_layers)  # backprop: σ = σ_eff·√L
+        sigma_grad_eff, sigma_b = _adaptive.noise_split(sigma / per_layer, k, adaptive.count_noise)
+        self._gradient_sigma = sigma_grad_eff * per_layer
+        initial = [float(getattr(layers[0], attr)) for _, layers, attr in slots]
+        self._thresholds = _adaptive.Thresholds(adaptive, [name for name, _, _ in slots], initial,
+                                                plan.batch_size * self.world_size, sigma_b)
+
+    def _centered_counts(self) -> torch.Tensor:
+        """``Σ_{i in batch} (1[n_{k,i} ≤ C_k] − ½)`` per threshold, over every process (float64, CPU):
+        a layer's ``rows`` examples were counted, the rest of the batch did not reach it (norm 0)."""
+        half = self._counter.last_rows / 2.0
+        mode = self._layers[0].clipping
+        values = []
+        if mode == "flat":
+            held = [st for st in self._steps_of if st.rows]
+            st = held[0] if held else None
+            values.append(st.counts[0] - st.rows + half if st is not None else torch.tensor(half))
+        else:
+            for st in self._steps_of:
+                width = 1 if mode == "per_layer" else 2
+                for j in range(width):
+                    values.append(st.counts[j] - st.rows + half if st.rows else torch.tensor(half))
+        centered = torch.stack([torch.as_tensor(v, dtype=torch.float64).to("cpu") for v in values])
+        if self.distributed:
+            import torch.distributed as dist
+
+            centered = centered.to(self._collective_device())
+            dist.all_reduce(centered)
+            centered = centered.cpu()
+        return centered
+
+    def _adapt_thresholds(self, noisy_counts) -> None:
+        """Moves every threshold (``Thresholds.update``) and gives the layers their new bounds (under
+        per_layer every layer's noise bound is ``(Σ_l C_l²)^½`` of the new values)."""
+        self._apply_thresholds(self._thresholds.update(noisy_counts))
+
+    def _apply_thresholds(self, values) -> None:
+        mode = self._layers[0].clipping
+        if mode == "flat":
+            self._flat_group._set_max_grad_norm(values[0])
+            for layer in self._layers:
+                layer._set_bounds(max_grad_norm=values[0], noise_bound=values[0])
+        elif mode == "per_layer":
+            total = math.sqrt(sum(c * c for c in values))
+            for layer, c in zip(self._layers, values):
+                layer._set_bounds(max_grad_norm=c, noise_bound=total)
+        else:
+            for layer, cx, cg in zip(self._layers, values[0::2], values[1::2]):
+                layer._set_bounds(input_clip=cx, grad_clip=cg)
+
+    def thresholds(self) -> dict:
+        """``{name: value}`` of every clipping threshold as it is now (flat: ``"max_grad_norm"``;
+        per_layer: ``"<layer>.max_grad_norm"``; backprop: ``"<layer>.input_clip"``, ``"<layer>.grad_clip"``),
+        adaptive or fixed."""
+        self._require_private("thresholds")
+        return {name: float(getattr(layers[0], attr)) for name, layers, attr in self._threshold_slots()}
+
+    @property
+    def adaptive(self):
+        """The :class:`bpclip_fast.Adaptive` options, or ``None`` for fixed thresholds."""
+        return None if self._thresholds is None else self._thresholds.options
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier of each layer's gradient: ``noise_multiplier`` itself, or with adaptive
+        thresholds ``σ_Δ`` (:func:`bpclip_fast.adaptive.noise_split`)."""
+        return float(self._gradient_sigma)
+
+    @property
+    def count_noise(self):
+        """The std ``σ_b`` of the noise on each adaptive count (``None`` for fixed thresholds)."""
+        return None if self._thresholds is None else self._thresholds.sigma_b
 
     def _prepare_seeds(self, noise_seed) -> int:
         """The noise seed (OS entropy unless explicit; one for all processes); returns the sampling
@@ -885,9 +998,15 @@ class PrivacyEngine:
         if problems:
             self._refuse(problems)
         self._fallback_noise(pending)
+        noisy_counts = None
+        if self._thresholds is not None:  # released with the gradient: one draw per step, at its counters
+            noisy_counts = self._thresholds.noisy(self._centered_counts(), self._stream.seed,
+                                                  self._stream.count_offset())
         optimizer.step()
         self._charge()
         self.steps += 1
+        if noisy_counts is not None:
+            self._adapt_thresholds(noisy_counts)
         self._delivered_at_step = self._counter.delivered
         for st in self._steps_of:
             st.record_released()
@@ -971,7 +1090,7 @@ class PrivacyEngine:
             # Every rank adds the same draw divided by W: the value DDP's average would have given.
             layer = st.layer
             seed, offset = st.take_draw()
-            std = self.noise_multiplier * layer.sensitivity
+            std = self.gradient_noise_multiplier * layer.sensitivity
             if st.mean_loss_batch is not None:
                 std /= st.mean_loss_batch
             std /= self.world_size
@@ -1015,6 +1134,8 @@ class PrivacyEngine:
             # Shuffled batches: the rest of the current epoch must come from the same permutation (an
             # example is in one batch per epoch). The zCDP analysis does not need it secret.
             state["shuffle_seed"] = sampler.seed
+        if self._thresholds is not None:  # where the adaptive thresholds are: a resume continues from them
+            state["thresholds"] = dict(zip(self._thresholds.names, self._thresholds.values))
         if include_secrets:
             state["secrets"] = {"noise_seed": self._seed, "sampler_seed": sampler.seed}
         return state
@@ -1037,8 +1158,22 @@ class PrivacyEngine:
         if state["poisson_sampling"] != self.poisson_sampling:
             raise ValueError("PrivacyEngine.load_state_dict: the checkpoint used a different sampling "
                              "(poisson_sampling) than this engine")
+        saved = state.get("thresholds")
+        if (saved is None) != (self._thresholds is None):
+            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint was made with "
+                             f"{'fixed' if saved is None else 'adaptive'} clipping thresholds, this engine has "
+                             f"{'fixed' if self._thresholds is None else 'adaptive'} ones (make_private(adaptive=...))")
+        if saved is not None and list(saved) != self._thresholds.names:
+            raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds {list(saved)} are not "
+                             f"this model's {self._thresholds.names}")
+        if saved is not None and not all(math.isfinite(float(v)) and float(v) > 0 for v in saved.values()):
+            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds must be positive and "
+                             "finite")
         self.accountant.load_state_dict(state["accountant_state"])
         self.steps = int(state["steps"])
+        if saved is not None:
+            self._thresholds.values = [float(v) for v in saved.values()]
+            self._apply_thresholds(self._thresholds.values)
         sampler = self.data_loader.batch_sampler
         secrets_ = state.get("secrets")
         if secrets_ is not None:

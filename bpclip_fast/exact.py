@@ -144,6 +144,10 @@ class FlatClipping:
     def max_grad_norm(self) -> float:
         return self._clipping[0]
 
+    def _set_max_grad_norm(self, value: float) -> None:
+        """The engine's adaptive threshold, between steps (its layers' noise bounds move with it)."""
+        self._clipping = (float(value), *self._clipping[1:])
+
     @property
     def clip_fn(self) -> str:
         return self._clipping[1]
@@ -202,11 +206,15 @@ class FlatClipping:
             _refuse_release([e.layer for e in loose], f"flat clipping at C = {self.max_grad_norm:g} above the noise "
                             "bound the layers were made private with", "do not change the clipping after make_private",
                             rule="bounds")
+        d = ds.pop()
+        total = torch.stack([e.bound for e in entries]).square().sum(0).sqrt()
+        counting = any(e.layer._step is not None and e.layer._step.counting for e in entries)
+        unclipped = (total <= self.max_grad_norm / d).sum().reshape(1) if counting else None  # adaptive: within C
         for e in entries:
             if e.layer._step is not None:
                 e.layer._step.joined(book.serial)
-        d = ds.pop()
-        total = torch.stack([e.bound for e in entries]).square().sum(0).sqrt()
+                if counting:
+                    e.layer._step.count(unclipped)
         scratch = torch.zeros(1, dtype=torch.int64, device=total.device)
         by_dtype = {}
         grads: dict = {}
@@ -292,11 +300,13 @@ class _ExactLayer(torch.autograd.Function):
             out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.sensitivity, ctx.geometry, ctx.book = layer, sensitivity, geometry, book
+        ctx.bounds_version = layer._bounds_version
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
+        ctx.layer._check_bounds_version(ctx.bounds_version)  # before the saved tensors: their own check is less clear
         x, weight = ctx.saved_tensors
         layer, geometry, book = ctx.layer, ctx.geometry, ctx.book
         g = grad_out.contiguous()
@@ -318,6 +328,8 @@ class _ExactLayer(torch.autograd.Function):
                             "do not change the clipping after make_private", rule="bounds")
         factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
                          x.dtype)
+        if layer._step is not None and layer._step.counting:  # adaptive thresholds: the examples within C_l
+            layer._step.count((bound <= layer.max_grad_norm / d).sum().reshape(1))
         gw, gb = _release(layer, x, g, factor, step_args, geometry, kept)
         if layer._step is not None:
             layer._step.produced((gw, gb))

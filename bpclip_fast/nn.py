@@ -118,6 +118,7 @@ class _Clipped:
         self._bp_name = None
         self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
+        self._bounds_version = 0  # bumped by _set_bounds: a backward must clip with its forward's bounds
 
     # What the noise of an engine-armed layer is scaled to: changing it afterwards would clip to one
     # bound and noise to another.
@@ -130,6 +131,23 @@ class _Clipped:
                 raise AttributeError(f"{self.layer_name}: {name} is fixed by make_private (the noise is scaled to the "
                                      "clipping bounds); make a fresh model private to change it")
         super().__setattr__(name, value)
+
+    def _set_bounds(self, **bounds) -> None:
+        """The engine's adaptive thresholds (``bpclip_fast.adaptive``), between steps: new clipping
+        bounds (and the noise bound they imply). A forward run before the change cannot be
+        backpropagated after it (``_bounds_version``): its Δ was fixed from the old bounds."""
+        for name, value in bounds.items():
+            nn.Module.__setattr__(self, name, _check_positive(value, name, self.layer_name))
+        self._bounds_version += 1
+
+    def _check_bounds_version(self, version: int) -> None:
+        """Refuses a backward whose forward ran before the bounds last changed."""
+        if version != self._bounds_version:
+            details = (f"{self.layer_name}: this backward's forward ran before the clipping thresholds were adapted "
+                       "at the last step, so its noise is scaled to the old bounds")
+            if self._step is not None:
+                self._step.refuse("bounds", details)
+            raise RuntimeError(details + "; run the forward after optimizer.step()")
 
     @property
     def exact(self) -> bool:
@@ -390,8 +408,15 @@ class NoiseStream:
         self.step = 0
 
     def offset(self, layer_index: int) -> int:
-        if layer_index >= _MAX_LAYERS:
-            raise ValueError(f"NoiseStream: at most {_MAX_LAYERS} clipped layers are supported")
+        if not 0 <= layer_index < _MAX_LAYERS - 1:  # the last index draws the adaptive counts' noise
+            raise ValueError(f"NoiseStream: at most {_MAX_LAYERS - 1} clipped layers are supported")
+        return self._offset(layer_index)
+
+    def count_offset(self) -> int:
+        """Counters of this step's noise on the adaptive thresholds' counts (``bpclip_fast.adaptive``)."""
+        return self._offset(_MAX_LAYERS - 1)
+
+    def _offset(self, layer_index: int) -> int:
         if self.step >= _MAX_STEPS:
             raise RuntimeError("NoiseStream: step counter exhausted; start a new stream")
         return (self.step << (_LAYER_BITS + 1)) | (layer_index << 1)
