@@ -217,6 +217,15 @@ def test_adaptive_is_refused_where_it_does_not_apply(capsys):
     assert "--target-quantile" in capsys.readouterr().err
 
 
+@needs_adaptive
+@pytest.mark.parametrize("option,value", [("--target-quantile", "1.5"), ("--clip-lr", "0"), ("--count-noise", "-1")])
+def test_bad_adaptive_options_are_refused_by_name(option, value, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--method", "flat", "--adaptive", option, value, "--quiet"])
+    err = capsys.readouterr().err
+    assert option in err and "--adaptive" in err
+
+
 # ---------------------------------------------------------------- data readers (torchvision formats)
 
 def _write_idx_set(folder, n_train, n_test, seed, gz):

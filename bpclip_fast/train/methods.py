@@ -41,6 +41,7 @@ reported beside it (Poisson sampling only; it must agree).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -61,6 +62,21 @@ METHODS = (*ENGINE_METHODS, "dpsgd", "clip-only", "nonprivate")
 PRIVATE_METHODS = (*ENGINE_METHODS, "dpsgd")
 #: the methods that take --adaptive
 ADAPTIVE_METHODS = tuple(ENGINE_METHODS)
+
+
+def adaptive_options(cfg):
+    """The engine's :class:`bpclip_fast.Adaptive` for ``cfg`` (``--target-quantile``, ``--clip-lr``,
+    ``--count-noise``); its ValueError names the options."""
+    from ..adaptive import Adaptive
+
+    try:
+        return Adaptive(target_quantile=cfg.target_quantile, learning_rate=cfg.clip_lr, count_noise=cfg.count_noise)
+    except ValueError as exc:
+        text = str(exc).removeprefix("Adaptive: ")
+        for field, option in (("target_quantile", "--target-quantile"), ("learning_rate", "--clip-lr"),
+                              ("count_noise", "--count-noise")):
+            text = text.replace(field, option)
+        raise ValueError(f"--adaptive: {text}") from None
 
 
 def make_optimizer(params, cfg):
@@ -182,11 +198,8 @@ class EngineMethod(_Method):
             kwargs.update(input_clip=cfg.input_clip, grad_clip=cfg.grad_clip, conv_norm=cfg.conv_norm)
         else:
             kwargs.update(max_grad_norm=cfg.max_grad_norm)
-        if cfg.adaptive:  # only then: the engine's API without adaptive clipping stays enough for fixed runs
-            from .. import Adaptive
-
-            kwargs["adaptive"] = Adaptive(target_quantile=cfg.target_quantile, learning_rate=cfg.clip_lr,
-                                          count_noise=cfg.count_noise)
+        if cfg.adaptive:
+            kwargs["adaptive"] = adaptive_options(cfg)
         sigma = cfg.sigma if sigma is None else sigma
         if sigma is None:
             out = self.engine.make_private_with_epsilon(target_epsilon=cfg.epsilon, target_delta=cfg.delta,
@@ -217,10 +230,8 @@ class EngineMethod(_Method):
                 "effective_noise_multiplier": e.effective_noise_multiplier,
                 # the σ the gradient's noise is drawn with: above the accountant's under adaptive
                 # clipping (the noisy quantile counts take their share of the budget)
-                "gradient_noise_multiplier": getattr(e, "gradient_noise_multiplier", e.noise_multiplier),
-                "count_noise": getattr(e, "count_noise", None),
-                "adaptive": ({"target_quantile": cfg.target_quantile, "learning_rate": cfg.clip_lr,
-                              "count_noise": cfg.count_noise} if cfg.adaptive else None),
+                "gradient_noise_multiplier": e.gradient_noise_multiplier, "count_noise": e.count_noise,
+                "adaptive": None if e.adaptive is None else dataclasses.asdict(e.adaptive),
                 "n_layers": len(e.clipped_layers),
                 "sample_rate": e.sample_rate, "accounting_sample_rate": e.accounting_sample_rate,
                 "steps": e.steps, "steps_per_epoch": e.steps_per_epoch, "sampling": cfg.sampling,
@@ -229,9 +240,7 @@ class EngineMethod(_Method):
                 "sensitivities": {name: layer.sensitivity for name, layer in e.clipped_layers}}
 
     def thresholds(self) -> dict:
-        if not hasattr(self.engine, "thresholds"):  # TEMPORARY until the engine's adaptive clipping lands
-            return None
-        return {k: float(v) for k, v in self.engine.thresholds().items()}
+        return self.engine.thresholds()
 
     # The engine's state travels inside the optimizer's state_dict, without the noise seed (a resume
     # draws a fresh one). A run given an explicit, insecure --noise-seed asked for reproducibility:

@@ -121,7 +121,9 @@ class Config:
         if c.adaptive and c.method not in methods_mod.ADAPTIVE_METHODS:
             raise ValueError(f"--adaptive (adaptive clipping thresholds) applies to --method "
                              f"{', '.join(methods_mod.ADAPTIVE_METHODS)}, not {c.method}")
-        if not c.adaptive:
+        if c.adaptive:
+            methods_mod.adaptive_options(c)  # the engine's checks of the options, before any work
+        else:
             given = [opt for opt, key in (("--target-quantile", "target_quantile"), ("--clip-lr", "clip_lr"),
                                           ("--count-noise", "count_noise"))
                      if getattr(c, key) != getattr(_DEFAULTS, key)]
