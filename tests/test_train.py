@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+import bpclip_fast
 from bpclip_fast import accounting
-from bpclip_fast.train import Config, cli, data, expected_calibration_error, run, sweep
+from bpclip_fast.train import Config, cli, data, expected_calibration_error, methods, report, run, sweep
 
 pytest.importorskip("sklearn")
+
+# adaptive clipping thresholds are the engine's (bpclip_fast.Adaptive); the trainer's --adaptive needs them
+needs_adaptive = pytest.mark.skipif(not hasattr(bpclip_fast, "Adaptive"),
+                                    reason="the engine has no adaptive clipping yet")
 
 TINY = dict(data="digits", limit=160, epochs=1, batch_size=32, progress=False, threads=1)
 
@@ -27,12 +32,19 @@ def tiny(tmp_path=None, **kw):
 
 # ---------------------------------------------------------------- every method, run.json
 
-@pytest.mark.parametrize("method", ["bpclip", "dpsgd", "clip-only", "nonprivate"])
+def test_method_lists():
+    assert set(methods.METHODS) == {"bpclip", "flat", "per-layer", "dpsgd", "clip-only", "nonprivate"}
+    assert set(methods.PRIVATE_METHODS) == {"bpclip", "flat", "per-layer", "dpsgd"}
+    assert set(methods.ADAPTIVE_METHODS) == {"bpclip", "flat", "per-layer"}
+    assert set(cli.build_parser()._option_string_actions["--method"].choices) == set(methods.METHODS)
+
+
+@pytest.mark.parametrize("method", ["bpclip", "flat", "per-layer", "dpsgd", "clip-only", "nonprivate"])
 def test_each_method_runs_and_writes_run_json(method, tmp_path):
     if method == "dpsgd":
         pytest.importorskip("opacus")
     out = tmp_path / "run"
-    r = tiny(method=method, epochs=2, sigma=1.0 if method in ("bpclip", "dpsgd") else None, out=str(out))
+    r = tiny(method=method, epochs=2, sigma=1.0 if method in methods.PRIVATE_METHODS else None, out=str(out))
     on_disk = json.loads((out / "run.json").read_text())
     assert (out / "curves.png").stat().st_size > 0
     assert on_disk["test_accuracy"] == r["test_accuracy"]
@@ -47,7 +59,19 @@ def test_each_method_runs_and_writes_run_json(method, tmp_path):
     assert on_disk["versions"]["torch"] == torch.__version__
     assert on_disk["machine"]["cpu_count"] == os.cpu_count()
     assert on_disk["steps"] > 0
-    if method in ("bpclip", "dpsgd"):
+    # every step timed (evaluation excluded: each step is a small part of the whole run)
+    assert on_disk["step_time_n"] == on_disk["steps"]
+    assert 0 < on_disk["step_time_median_s"] <= on_disk["step_time_p90_s"]
+    assert on_disk["step_time_median_s"] * on_disk["step_time_n"] < on_disk["wall_time_s"]
+    if method in ("bpclip", "flat", "per-layer"):  # the engine's thresholds, fixed: one entry per step and step 0
+        th = on_disk["thresholds"]
+        assert [t["step"] for t in th] == list(range(on_disk["steps"] + 1))
+        assert all(t["values"] == th[0]["values"] for t in th)
+        assert on_disk["privacy"]["gradient_noise_multiplier"] == on_disk["sigma"]
+        assert on_disk["privacy"]["count_noise"] is None and on_disk["privacy"]["adaptive"] is None
+    else:
+        assert on_disk["thresholds"] is None
+    if method in methods.PRIVATE_METHODS:
         assert on_disk["sigma"] == 1.0
         assert set(on_disk["epsilons"]) >= {"rdp", "rdp_basic_conversion", "pld"}
         assert 0 < on_disk["epsilons"]["pld"] <= on_disk["epsilons"]["rdp"] <= on_disk["epsilons"]["rdp_basic_conversion"]
@@ -112,6 +136,94 @@ def test_bad_pairings_and_options_are_refused(capsys):
         cli.main(["--help"])
     assert exc.value.code == 0
     assert "--method" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- exact clipping (flat, per-layer), thresholds
+
+@pytest.mark.parametrize("method", ["flat", "per-layer"])
+def test_exact_methods_meet_the_budget_and_equal_the_accountant(method):
+    r = tiny(method=method, epsilon=3.0, epochs=2, max_grad_norm=0.7)
+    assert 3.0 - 0.05 <= r["epsilon"] <= 3.0 and r["target_epsilon"] == 3.0
+    assert r["privacy"]["clipping"] == {"flat": "flat", "per-layer": "per_layer"}[method]
+    # exact clipping: one Gaussian of multiplier σ on the whole gradient (no √L)
+    assert r["effective_sigma"] == r["sigma"] == r["privacy"]["gradient_noise_multiplier"]
+    acc = accounting.RDPAccountant()
+    for _ in range(r["steps"]):
+        acc.step(noise_multiplier=r["sigma"], sample_rate=32 / 160)
+    assert r["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert math.isfinite(r["history"][-1]["train_loss"])
+
+
+def test_fixed_thresholds_are_the_configured_bounds():
+    L = 4  # the mnist net's clipped layers
+    flat = tiny(method="flat", sigma=1.0, max_grad_norm=0.7)["thresholds"]
+    assert [t["values"] for t in flat] == [{"max_grad_norm": 0.7}] * len(flat)
+    per_layer = tiny(method="per-layer", sigma=1.0, max_grad_norm=0.7)["thresholds"][-1]["values"]
+    assert len(per_layer) == L and all(k.endswith(".max_grad_norm") for k in per_layer)
+    assert list(per_layer.values()) == pytest.approx([0.7 / math.sqrt(L)] * L, rel=1e-12)
+    bp = tiny(method="bpclip", sigma=1.0, input_clip=3.0, grad_clip=0.4)["thresholds"][-1]["values"]
+    assert sorted(bp.values()) == [0.4] * L + [3.0] * L
+    assert {k for k, v in bp.items() if v == 3.0} == {k.replace("grad_clip", "input_clip") for k in bp
+                                                     if k.endswith(".grad_clip")}
+
+
+@needs_adaptive
+@pytest.mark.parametrize("method", ["bpclip", "flat", "per-layer"])
+def test_adaptive_thresholds_move_every_step_within_the_budget(method, tmp_path):
+    fixed = tiny(method=method, sigma=1.0)
+    r = tiny(method=method, epsilon=3.0, epochs=2, adaptive=True, out=str(tmp_path / "run"))
+    assert 3.0 - 0.05 <= r["epsilon"] <= 3.0
+    th = r["thresholds"]
+    assert [t["step"] for t in th] == list(range(r["steps"] + 1))
+    # they start at the configured bounds (the fixed run's), under the same names
+    assert th[0]["values"] == fixed["thresholds"][0]["values"]
+    for name in th[0]["values"]:
+        values = [t["values"][name] for t in th]
+        assert all(v > 0 and math.isfinite(v) for v in values)
+        assert all(a != b for a, b in zip(values, values[1:])), name  # moved (noisy counts) every step
+    # the accountant keeps σ; the gradient pays for the counts with a little more noise
+    p = r["privacy"]
+    assert p["noise_multiplier"] == r["sigma"] < p["gradient_noise_multiplier"] < 1.2 * r["sigma"]
+    assert p["count_noise"] > 0
+    assert p["adaptive"]["target_quantile"] == 0.5 and p["adaptive"]["learning_rate"] == 0.2
+    on_disk = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert on_disk["thresholds"] == th
+    # one line per step's entry: compact however long the run
+    assert len((tmp_path / "run" / "run.json").read_text().splitlines()) < 200 + len(th)
+
+
+@needs_adaptive
+def test_adaptive_thresholds_follow_the_target_quantile():
+    """Same batches and noise: a higher target quantile (leave more examples unclipped) ends with a
+    higher threshold, and a count noise given is the one used."""
+    common = dict(method="flat", sigma=1.0, adaptive=True, noise_seed=5, epochs=3, count_noise=4.0)
+    runs = [tiny(target_quantile=q, **common) for q in (0.1, 0.5, 0.9)]
+    assert [r["privacy"]["count_noise"] for r in runs] == [4.0] * 3
+    last = [r["thresholds"][-1]["values"]["max_grad_norm"] for r in runs]
+    assert last[0] < last[1] < last[2] and last[2] > 1.0
+
+
+def test_adaptive_is_refused_where_it_does_not_apply(capsys):
+    for method in ("dpsgd", "clip-only", "nonprivate"):
+        with pytest.raises(SystemExit):
+            cli.main(["--method", method, "--adaptive", "--quiet"])
+        err = capsys.readouterr().err
+        assert "--adaptive" in err and method in err
+        with pytest.raises(ValueError, match="--adaptive"):
+            Config(method=method, adaptive=True).resolved()
+    # the adaptive options without --adaptive would change nothing: refused, naming the option
+    with pytest.raises(SystemExit):
+        cli.main(["--method", "flat", "--target-quantile", "0.7", "--quiet"])
+    assert "--target-quantile" in capsys.readouterr().err
+
+
+@needs_adaptive
+@pytest.mark.parametrize("option,value", [("--target-quantile", "1.5"), ("--clip-lr", "0"), ("--count-noise", "-1")])
+def test_bad_adaptive_options_are_refused_by_name(option, value, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--method", "flat", "--adaptive", option, value, "--quiet"])
+    err = capsys.readouterr().err
+    assert option in err and "--adaptive" in err
 
 
 # ---------------------------------------------------------------- data readers (torchvision formats)
@@ -221,6 +333,39 @@ def test_bpclip_resume_continues_from_the_checkpoint(tmp_path):
         tiny(epochs=3, checkpoint=ck, resume=True, **{**common, "sigma": 2.0})
 
 
+@needs_adaptive
+@pytest.mark.parametrize("method", ["bpclip", "flat", "per-layer"])
+def test_resume_continues_the_adaptive_thresholds(method, tmp_path):
+    ck = str(tmp_path / "ck.pt")
+    common = dict(method=method, sigma=1.5, adaptive=True, seed=3)  # a secret noise seed: fresh noise on resume
+    first = tiny(epochs=2, checkpoint=ck, **common)
+    resumed = tiny(epochs=3, checkpoint=ck, resume=True, **common)
+    th = resumed["thresholds"]
+    at = [i for i, t in enumerate(th) if t.get("resumed")]
+    assert at == [len(first["thresholds"])]
+    before, after = th[at[0] - 1], th[at[0]]
+    assert th[:at[0]] == first["thresholds"]
+    # the first thresholds after the resume are the last before, and they keep adapting
+    assert after["step"] == before["step"] == first["steps"] and after["values"] == before["values"]
+    assert [t["step"] for t in th[at[0] + 1:]] == list(range(first["steps"] + 1, resumed["steps"] + 1))
+    assert th[-1]["values"] != before["values"] != first["thresholds"][0]["values"]
+    assert resumed["step_time_n"] == resumed["steps"] == 15
+
+
+@needs_adaptive
+def test_resume_with_a_noise_seed_is_the_uninterrupted_adaptive_run(tmp_path):
+    ck = str(tmp_path / "ck.pt")
+    common = dict(method="flat", sigma=1.5, adaptive=True, noise_seed=99, seed=3)
+    whole = tiny(epochs=3, **common)
+    tiny(epochs=2, checkpoint=ck, **common)
+    resumed = tiny(epochs=3, checkpoint=ck, resume=True, **common)
+    trajectory = [t for t in resumed["thresholds"] if not t.get("resumed")]
+    assert [t["step"] for t in trajectory] == [t["step"] for t in whole["thresholds"]]
+    for a, b in zip(trajectory, whole["thresholds"]):
+        assert a["values"]["max_grad_norm"] == pytest.approx(b["values"]["max_grad_norm"], rel=1e-9)
+    assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
+
+
 def test_dpsgd_resume_keeps_the_spent_budget(tmp_path):
     pytest.importorskip("opacus")
     ck = str(tmp_path / "ck.pt")
@@ -246,17 +391,33 @@ def test_expected_calibration_error():
     assert expected_calibration_error(half, labels) == pytest.approx(0.0)
 
 
+@needs_adaptive
 def test_sweep_smoke_preset(tmp_path, capsys):
     pytest.importorskip("opacus")
     out = tmp_path / "sweep"
     best = sweep.cli_run(["--preset", "smoke", "--out", str(out), "--limit", "96", "--seeds", "0,1"])
     lines = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
     assert len(lines) == len(sweep.expand(sweep.load_spec(sweep.build_parser().parse_args(
-        ["--preset", "smoke", "--seeds", "0,1"])))) == 2 * (2 * 2 + 1 * 2) + 2 + 2
+        ["--preset", "smoke", "--seeds", "0,1"])))) == 2 * (2 * 2 + 4 * 1 * 2) + 2 + 2
     assert all(0 <= r["test_accuracy"] <= 1 for r in lines)
+    assert {r["method"] for r in lines} == set(methods.METHODS)
+    assert all(r["step_time_median_s"] > 0 for r in lines)
+    adaptive = [r for r in lines if r["config"]["adaptive"]]
+    assert adaptive and all(r["final_thresholds"]["max_grad_norm"] != 1.0 for r in adaptive)
     assert (out / "accuracy_vs_epsilon.png").stat().st_size > 0
     table = (out / "results.md").read_text()
     assert "| bpclip | 1 |" in table and "∞ (not private)" in table
+    assert "| flat (adaptive) | 8 |" in table and "| per-layer | 1 |" in table
+    # the step-time column: each selected setting's median over its seeds of each run's median
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|")]
+    col = rows[0].index("median step (ms)")
+    assert report.STEP_TIME_NOTE in table
+    cell = {(r[0], r[1]): r[col] for r in rows[2:]}
+    for b in best:
+        eps = "∞ (not private)" if b["epsilon_budget"] is None else f"{b['epsilon_budget']:g}"
+        want = 1000 * float(np.median([r["step_time_median_s"] for r in b["runs"]]))
+        assert float(cell[b["label"], eps]) == pytest.approx(want, abs=0.051)
     # selection is by validation accuracy, never test
     bp = [b for b in best if b["label"] == "bpclip" and b["epsilon_budget"] == 1.0][0]
     by_hp = {}
@@ -277,9 +438,46 @@ def test_every_preset_expands_to_valid_configs(preset):
     figure1 needs the MNIST files and is never run by the tests."""
     runs = sweep.expand(sweep.PRESETS[preset])
     spec = sweep.PRESETS[preset]
-    private = sum(1 for a in spec["arms"] if a["settings"].get("method", "bpclip") in ("bpclip", "dpsgd"))
-    assert {r["epsilon_budget"] for r in runs if r["method"] in ("bpclip", "dpsgd")} == set(spec["epsilons"])
+    private = sum(1 for a in spec["arms"] if a["settings"].get("method", "bpclip") in methods.PRIVATE_METHODS)
+    assert {r["epsilon_budget"] for r in runs if r["method"] in methods.PRIVATE_METHODS} == set(spec["epsilons"])
     assert len({r["id"] for r in runs}) == len(runs) and private >= 2
     for r in runs:
         cfg = Config(**r["config"]).resolved()
         assert cfg.method == r["method"] and (cfg.epsilon is not None) == (r["epsilon_budget"] is not None)
+
+
+def test_digits_preset_covers_every_method_fixed_and_adaptive():
+    runs = sweep.expand(sweep.PRESETS["digits"])
+    pairs = {(r["method"], bool(r["config"].get("adaptive", False))) for r in runs}
+    assert pairs == {(m, False) for m in methods.METHODS} | {(m, True) for m in methods.ADAPTIVE_METHODS}
+    # each (method, thresholds) pair is one arm with its own label, at every budget and seed
+    labels = {}
+    for r in runs:
+        labels.setdefault((r["method"], bool(r["config"].get("adaptive", False))), set()).add(r["label"])
+    for (method, adaptive), names in labels.items():
+        if method in methods.ADAPTIVE_METHODS:
+            assert names == {f"{method} ({'adaptive' if adaptive else 'fixed'})"}
+    spec = sweep.PRESETS["digits"]
+    for r in runs:
+        if r["method"] in methods.PRIVATE_METHODS:
+            assert r["epsilon_budget"] in spec["epsilons"]
+    per_arm = {}
+    for r in runs:
+        per_arm.setdefault((r["label"], r["epsilon_budget"], json.dumps(r["hparams"], sort_keys=True)),
+                           set()).add(r["seed"])
+    assert all(seeds == set(spec["seeds"]) for seeds in per_arm.values())
+
+
+def test_step_time_column_is_the_median_of_the_seeds_medians():
+    lines = [{"label": "flat (fixed)", "method": "flat", "epsilon_budget": 3.0, "hparams": {"lr": 0.01}, "seed": s,
+              "val_accuracy": 0.5, "test_accuracy": 0.5, "ece": 0.1, "epsilon": 2.99, "sigma": 1.0,
+              "step_time_median_s": t} for s, t in enumerate([0.010, 0.030, 0.0205])]
+    lines.append({**lines[0], "hparams": {"lr": 0.03}, "val_accuracy": 0.4, "step_time_median_s": 1.0})
+    best = sweep.select_best(lines)
+    assert len(best) == 1 and best[0]["hparams"] == {"lr": 0.01}
+    assert best[0]["step_time_median_s"] == pytest.approx(0.0205)
+    table = report.markdown_table(best)
+    assert "median step (ms)" in table.splitlines()[0] and "| 20.5 |" in table.splitlines()[2]
+    # a line written before step times were recorded shows "-"
+    old = [{k: v for k, v in r.items() if k != "step_time_median_s"} for r in lines]
+    assert "| - |" in report.markdown_table(sweep.select_best(old)).splitlines()[2]

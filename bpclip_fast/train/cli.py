@@ -1,4 +1,5 @@
-"""``bpclip-train``: train one model with backpropagation clipping, DP-SGD or no privacy, and report.
+"""``bpclip-train``: train one model with backpropagation clipping, exact per-example clipping (ours or
+Opacus' DP-SGD) or no privacy, and report.
 
 Also ``python -m bpclip_fast.train``. ``bpclip-train --help`` lists every option.
 """
@@ -22,9 +23,17 @@ Methods (--method):
   bpclip      backpropagation clipping (this library): every Linear/Conv2d layer clips each
               example's input (--input-clip) and upstream gradient (--grad-clip), and Gaussian
               noise scaled to the resulting bound is added once per step.
+  flat        exact per-example clipping of each example's whole gradient to --max-grad-norm
+              (DP-SGD) by this library's engine.
+  per-layer   exact per-example clipping of each layer's gradient, --max-grad-norm split as
+              C/sqrt(L) over the L layers, by this library's engine.
   dpsgd       DP-SGD with per-example gradient clipping (--max-grad-norm), run by Opacus.
   clip-only   bpclip's clipping without noise (not private; shows what clipping alone costs).
   nonprivate  ordinary training (not private).
+
+--adaptive (bpclip, flat, per-layer): the clipping thresholds follow the --target-quantile of the
+per-example norms (Andrew et al. 2021), learnt from noisy counts that are part of the privacy
+accounting; the bounds given are the initial thresholds, and run.json records them every step.
 
 Privacy: give --epsilon (the noise multiplier sigma is then calibrated so that the whole run
 spends at most epsilon at --delta) or --sigma (epsilon is then reported). Without either,
@@ -39,6 +48,7 @@ EXAMPLES = """\
 examples:
   bpclip-train                                   # bpclip on digits at epsilon 3 (seconds on a CPU)
   bpclip-train --method dpsgd --activation tanh --epsilon 1 --out runs/dpsgd
+  bpclip-train --method flat --max-grad-norm 1 --adaptive --epsilon 3
   bpclip-train --method bpclip --sigma 2 --epochs 5 --checkpoint ck.pt        # then add --resume
   bpclip-train --data mnist --data-dir ~/data --accountant pld --epsilon 2 --epochs 30
   bpclip-sweep --help                            # grids of runs, plots and tables"""
@@ -74,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--epsilon", type=float, default=None,
                    help="privacy budget of the whole run; sigma is calibrated to it (default: 3 unless --sigma)")
     e.add_argument("--sigma", type=float, default=None,
-                   help="noise multiplier: noise std = sigma x clipping bound (bpclip: of every layer)")
+                   help="noise multiplier: noise std = sigma x clipping bound (bpclip: of every layer); with "
+                        "--adaptive the accountant's, the gradient's is slightly larger")
     g.add_argument("--delta", type=float, default=_D.delta, help="delta of (epsilon, delta)-DP (default: %(default)g)")
     g.add_argument("--accountant", choices=("rdp", "pld", "zcdp"), default=None,
                    help="rdp or pld with Poisson sampling, zcdp with shuffled batches "
@@ -83,19 +94,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="poisson: every example joins each batch with probability batch/N; shuffle: disjoint "
                         "batches of a fresh shuffle every epoch (default: poisson, or shuffle with --accountant zcdp)")
     g.add_argument("--input-clip", type=float, default=_D.input_clip,
-                   help="bpclip/clip-only: per-example L2 bound of every layer's input (default: %(default)g)")
+                   help="bpclip/clip-only: per-example L2 bound of every layer's input; with --adaptive the "
+                        "initial one (default: %(default)g)")
     g.add_argument("--grad-clip", type=float, default=_D.grad_clip,
                    help="bpclip/clip-only: per-example bound of every layer's upstream gradient of that "
-                        "example's loss (default: %(default)g)")
+                        "example's loss; with --adaptive the initial one (default: %(default)g)")
     g.add_argument("--clip-fn", choices=("clip", "global", "normalize"), default=_D.clip_fn,
                    help="bpclip/clip-only: clip (scale down to the bound), global (drop examples over it) or "
                         "normalize (automatic clipping) (default: %(default)s)")
     g.add_argument("--conv-norm", choices=("l15", "l2"), default=_D.conv_norm,
                    help="bpclip/clip-only: the norm Conv2d layers clip upstream gradients in (default: %(default)s)")
     g.add_argument("--max-grad-norm", type=float, default=_D.max_grad_norm,
-                   help="dpsgd: per-example gradient clipping bound (default: %(default)g)")
+                   help="dpsgd/flat/per-layer: per-example gradient clipping bound (per-layer: of all layers "
+                        "together, C/sqrt(L) each); with --adaptive the initial one (default: %(default)g)")
+    g.add_argument("--adaptive", action="store_true",
+                   help="bpclip/flat/per-layer: adapt the clipping thresholds to a quantile of the per-example "
+                        "norms during training (Andrew et al. 2021); private, and accounted for")
+    g.add_argument("--target-quantile", type=float, default=_D.target_quantile,
+                   help="--adaptive: the fraction of examples each threshold should leave unclipped "
+                        "(default: %(default)g)")
+    g.add_argument("--clip-lr", type=float, default=_D.clip_lr,
+                   help="--adaptive: the thresholds' (geometric) learning rate (default: %(default)g)")
+    g.add_argument("--count-noise", type=float, default=_D.count_noise, metavar="SIGMA_B",
+                   help="--adaptive: std of the noise on the unclipped-example counts, in examples "
+                        "(default: the engine's)")
     g.add_argument("--noise-seed", type=int, default=None,
-                   help="bpclip: explicit noise/sampling seed for reproducibility; INSECURE (default: OS entropy)")
+                   help="bpclip/flat/per-layer: explicit noise/sampling seed for reproducibility; INSECURE "
+                        "(default: OS entropy)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=_D.batch_size,
@@ -127,7 +152,8 @@ def config_from_args(args) -> Config:
                   method=args.method, epsilon=args.epsilon, sigma=args.sigma, delta=args.delta,
                   accountant=args.accountant, sampling=args.sampling, clip_fn=args.clip_fn,
                   conv_norm=args.conv_norm, input_clip=args.input_clip, grad_clip=args.grad_clip,
-                  max_grad_norm=args.max_grad_norm, batch_size=args.batch_size, epochs=args.epochs,
+                  max_grad_norm=args.max_grad_norm, adaptive=args.adaptive, target_quantile=args.target_quantile,
+                  clip_lr=args.clip_lr, count_noise=args.count_noise, batch_size=args.batch_size, epochs=args.epochs,
                   optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
                   noise_seed=args.noise_seed, device=args.device, threads=args.threads, out=args.out,
                   checkpoint=args.checkpoint, resume=args.resume, progress=not args.quiet)

@@ -1,6 +1,22 @@
-"""The four training methods the trainer compares, behind one small interface.
+"""The training methods the trainer compares, behind one small interface.
 
-* ``bpclip``: backpropagation clipping through :class:`bpclip_fast.PrivacyEngine` (ours).
+Ours, through :class:`bpclip_fast.PrivacyEngine` (one class, :class:`EngineMethod`, parameterised by
+the engine's ``clipping`` mode; mean loss, Poisson sampling with ``rdp``/``pld`` or shuffled batches
+with ``zcdp``, as the engine does):
+
+* ``bpclip``: backpropagation clipping (``clipping="backprop"``: every layer's input to
+  ``--input-clip`` and upstream gradient to ``--grad-clip``).
+* ``flat``: exact per-example clipping of each example's whole gradient to ``--max-grad-norm``
+  (``clipping="flat"``: DP-SGD as Opacus does it, computed by our layers).
+* ``per-layer``: exact per-example clipping of each layer's gradient (``clipping="per_layer"``:
+  ``--max-grad-norm`` split as ``C/√L`` over the L layers).
+
+With ``--adaptive`` these three adapt their thresholds to a quantile of the per-example norms
+(Andrew et al. 2021; :class:`bpclip_fast.Adaptive`): the configured bounds are then the initial
+ones, and ``run.json`` records them after every step.
+
+The others:
+
 * ``dpsgd``: DP-SGD with per-example gradient clipping through Opacus' own ``PrivacyEngine``
   (Abadi et al.; the anchor of every comparison, not reimplemented here). Opacus runs in its
   default, non-secure mode (noise and Poisson sampling from torch's global generator, which the
@@ -10,7 +26,8 @@
 * ``nonprivate``: plain training. No ε.
 
 Every method is built by :func:`build_method` and offers ``train_step(x, y)``, ``epsilon(delta)``,
-``privacy()`` (σ, sample rate, steps, the accountant history) and ``state_dict()`` /
+``privacy()`` (σ, sample rate, steps, the accountant history), ``thresholds()`` (the clipping
+thresholds now: ``{name: value}``, None for the methods outside the engine) and ``state_dict()`` /
 ``load_state_dict()`` for checkpoints.
 
 Accounting of ``dpsgd``. The noise multiplier for ``--epsilon`` is calibrated with the same
@@ -18,12 +35,13 @@ accountant as ``bpclip`` (:func:`bpclip_fast.accounting.get_noise_multiplier`, o
 and number of steps of Opacus' loader), and every step taken is recorded in one of our
 accountants (``rdp``/``pld`` with Poisson sampling, ``zcdp`` with shuffled batches: a step of
 DP-SGD with noise ``σ·C`` on per-example gradients clipped to ``C`` is one Gaussian mechanism
-with noise multiplier ``σ``), so both methods' ε come from the same code. Opacus' own RDP ε is
+with noise multiplier ``σ``), so its ε and that of our methods come from the same code. Opacus' own RDP ε is
 reported beside it (Poisson sampling only; it must agree).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -35,10 +53,30 @@ from .. import accounting
 from .. import nn as bnn
 from ..data import SamplingPlan
 
-__all__ = ["METHODS", "PRIVATE_METHODS", "build_method", "make_optimizer"]
+__all__ = ["METHODS", "PRIVATE_METHODS", "ENGINE_METHODS", "ADAPTIVE_METHODS", "build_method", "make_optimizer"]
 
-METHODS = ("bpclip", "dpsgd", "clip-only", "nonprivate")
-PRIVATE_METHODS = ("bpclip", "dpsgd")
+#: method name -> the engine's ``clipping`` mode, for the methods run by our PrivacyEngine
+ENGINE_METHODS = {"bpclip": "backprop", "flat": "flat", "per-layer": "per_layer"}
+METHODS = (*ENGINE_METHODS, "dpsgd", "clip-only", "nonprivate")
+#: the methods with noise and an ε (the sweep runs them at every ε budget)
+PRIVATE_METHODS = (*ENGINE_METHODS, "dpsgd")
+#: the methods that take --adaptive
+ADAPTIVE_METHODS = tuple(ENGINE_METHODS)
+
+
+def adaptive_options(cfg):
+    """The engine's :class:`bpclip_fast.Adaptive` for ``cfg`` (``--target-quantile``, ``--clip-lr``,
+    ``--count-noise``); its ValueError names the options."""
+    from ..adaptive import Adaptive
+
+    try:
+        return Adaptive(target_quantile=cfg.target_quantile, learning_rate=cfg.clip_lr, count_noise=cfg.count_noise)
+    except ValueError as exc:
+        text = str(exc).removeprefix("Adaptive: ")
+        for field, option in (("target_quantile", "--target-quantile"), ("learning_rate", "--clip-lr"),
+                              ("count_noise", "--count-noise")):
+            text = text.replace(field, option)
+        raise ValueError(f"--adaptive: {text}") from None
 
 
 def make_optimizer(params, cfg):
@@ -69,6 +107,10 @@ class _Method:
 
     def privacy(self) -> dict:
         return {"private": False}
+
+    def thresholds(self):
+        """The clipping thresholds now (``{name: value}``); None where the engine does not clip."""
+        return None
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
@@ -134,22 +176,30 @@ class ClipOnly(NonPrivate):
         return _stats(out, y, loss.item())
 
 
-class BPClip(_Method):
-    """Backpropagation clipping through :class:`bpclip_fast.PrivacyEngine`."""
+class EngineMethod(_Method):
+    """Our :class:`bpclip_fast.PrivacyEngine` in one ``clipping`` mode (``ENGINE_METHODS``): backprop
+    takes ``input_clip``/``grad_clip``, flat and per_layer ``max_grad_norm`` (per_layer: split as
+    ``C/√L``); ``cfg.adaptive`` adapts them (the configured values are the initial ones)."""
 
-    name = "bpclip"
     private = True
 
     def __init__(self, cfg, model, train_ds, generator, sigma=None):
         super().__init__(cfg, model, train_ds, generator)
         from ..engine import PrivacyEngine
 
+        self.name = cfg.method
+        self.clipping = ENGINE_METHODS[cfg.method]
         self.engine = PrivacyEngine(accountant=cfg.accountant)
         optimizer = make_optimizer(model.parameters(), cfg)
         loader = DataLoader(train_ds, batch_size=cfg.batch_size)
-        kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, input_clip=cfg.input_clip,
-                      grad_clip=cfg.grad_clip, conv_norm=cfg.conv_norm, clip_fn=cfg.clip_fn,
-                      poisson_sampling=cfg.sampling == "poisson", noise_seed=cfg.noise_seed)
+        kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, clipping=self.clipping,
+                      clip_fn=cfg.clip_fn, poisson_sampling=cfg.sampling == "poisson", noise_seed=cfg.noise_seed)
+        if self.clipping == "backprop":
+            kwargs.update(input_clip=cfg.input_clip, grad_clip=cfg.grad_clip, conv_norm=cfg.conv_norm)
+        else:
+            kwargs.update(max_grad_norm=cfg.max_grad_norm)
+        if cfg.adaptive:
+            kwargs["adaptive"] = adaptive_options(cfg)
         sigma = cfg.sigma if sigma is None else sigma
         if sigma is None:
             out = self.engine.make_private_with_epsilon(target_epsilon=cfg.epsilon, target_delta=cfg.delta,
@@ -175,13 +225,22 @@ class BPClip(_Method):
 
     def privacy(self) -> dict:
         e = self.engine
-        return {"private": True, "noise_multiplier": e.noise_multiplier,
-                "effective_noise_multiplier": e.effective_noise_multiplier, "n_layers": len(e.clipped_layers),
+        cfg = self.cfg
+        return {"private": True, "clipping": self.clipping, "noise_multiplier": e.noise_multiplier,
+                "effective_noise_multiplier": e.effective_noise_multiplier,
+                # the σ the gradient's noise is drawn with: above the accountant's under adaptive
+                # clipping (the noisy quantile counts take their share of the budget)
+                "gradient_noise_multiplier": e.gradient_noise_multiplier, "count_noise": e.count_noise,
+                "adaptive": None if e.adaptive is None else dataclasses.asdict(e.adaptive),
+                "n_layers": len(e.clipped_layers),
                 "sample_rate": e.sample_rate, "accounting_sample_rate": e.accounting_sample_rate,
-                "steps": e.steps, "steps_per_epoch": e.steps_per_epoch, "sampling": self.cfg.sampling,
+                "steps": e.steps, "steps_per_epoch": e.steps_per_epoch, "sampling": cfg.sampling,
                 "accountant": e.accountant_name, "accountant_state": e.accountant.state_dict(),
                 "secure_noise_seed": e.secure_noise_seed,
                 "sensitivities": {name: layer.sensitivity for name, layer in e.clipped_layers}}
+
+    def thresholds(self) -> dict:
+        return self.engine.thresholds()
 
     # The engine's state travels inside the optimizer's state_dict, without the noise seed (a resume
     # draws a fresh one). A run given an explicit, insecure --noise-seed asked for reproducibility:
@@ -266,7 +325,7 @@ class DPSGD(_Method):
 
     def privacy(self) -> dict:
         return {"private": True, "noise_multiplier": self.sigma, "effective_noise_multiplier": self.sigma,
-                "max_grad_norm": self.cfg.max_grad_norm, "sample_rate": self.rate,
+                "gradient_noise_multiplier": self.sigma, "count_noise": None, "max_grad_norm": self.cfg.max_grad_norm, "sample_rate": self.rate,
                 "accounting_sample_rate": self.rate, "steps": self.steps,
                 "steps_per_epoch": self.steps_per_epoch, "sampling": self.cfg.sampling,
                 "accountant": self.cfg.accountant, "accountant_state": self.accountant.state_dict()}
@@ -288,7 +347,8 @@ class DPSGD(_Method):
         self.model._module.load_state_dict(state)
 
 
-_CLASSES = {"bpclip": BPClip, "dpsgd": DPSGD, "clip-only": ClipOnly, "nonprivate": NonPrivate}
+_CLASSES = {**dict.fromkeys(ENGINE_METHODS, EngineMethod), "dpsgd": DPSGD, "clip-only": ClipOnly,
+            "nonprivate": NonPrivate}
 
 
 def build_method(cfg, model, train_ds, generator, sigma=None):

@@ -4,7 +4,9 @@ A grid has *arms* (a method with its fixed settings, e.g. "dpsgd, tanh"), each w
 hyperparameter grid; private arms are run at every ε budget, every (arm, ε, hyperparameters) over
 every seed. For each (arm, ε) the hyperparameters with the best **validation** accuracy (mean over
 seeds) are selected, and that setting's **test** accuracy and expected calibration error are
-reported as mean ± std over the seeds: the test split never influences a choice.
+reported as mean ± std over the seeds: the test split never influences a choice. The table also
+gives that setting's median step time (the median over its seeds of each run's median
+``train_step`` wall time), to compare the methods' cost within one sweep.
 
     bpclip-sweep --preset digits --out docs/sweep-digits          # the results page (docs/results.md)
     bpclip-sweep --preset figure1 --data-dir ~/data --out runs/fig1  # the paper's Figure 1 set-up, MNIST
@@ -33,16 +35,20 @@ import sys
 import time
 import warnings
 
-from .report import markdown_table, plot_sweep
+from .methods import PRIVATE_METHODS
+from .report import STEP_TIME_NOTE, markdown_table, plot_sweep
 from .trainer import Config
 
 __all__ = ["PRESETS", "expand", "run_sweep", "select_best", "main"]
 
 _TANH = {"activation": "tanh"}
 _RELU = {"activation": "relu"}
+_ADAPTIVE = {"adaptive": True}  # the default target quantile (0.5) and learning rate (0.2)
 
 PRESETS = {
-    # docs/results.md: digits, eps in {1, 3, 8}, delta 1e-5, Poisson sampling, RDP; 3 seeds.
+    # docs/results.md: digits, eps in {1, 3, 8}, delta 1e-5, Poisson sampling, RDP; 3 seeds. Every
+    # method; ours (bpclip, flat, per-layer) with fixed and with adaptive thresholds (the adaptive
+    # arms' bounds are the initial thresholds).
     "digits": {
         "description": "digits (28x28), paper's MNIST net, eps in {1,3,8}, delta=1e-5, Poisson, RDP, 3 seeds",
         "base": {"data": "digits", "model": "mnist", "delta": 1e-5, "accountant": "rdp", "sampling": "poisson",
@@ -50,8 +56,20 @@ PRESETS = {
         "epsilons": [1.0, 3.0, 8.0],
         "seeds": [0, 1, 2],
         "arms": [
-            {"label": "bpclip (tanh)", "settings": {"method": "bpclip", **_TANH},
+            {"label": "bpclip (fixed)", "settings": {"method": "bpclip", **_TANH},
              "grid": {"lr": [0.01, 0.03, 0.1], "grad_clip": [0.2, 1.0], "input_clip": [2.0, 5.0]}},
+            {"label": "bpclip (adaptive)", "settings": {"method": "bpclip", **_TANH, **_ADAPTIVE,
+                                                        "input_clip": 2.0, "grad_clip": 1.0},
+             "grid": {"lr": [0.01, 0.03, 0.1]}},
+            {"label": "flat (fixed)", "settings": {"method": "flat", **_TANH},
+             "grid": {"lr": [0.01, 0.03], "max_grad_norm": [0.3, 1.0, 3.0]}},
+            {"label": "flat (adaptive)", "settings": {"method": "flat", **_TANH, **_ADAPTIVE, "max_grad_norm": 1.0},
+             "grid": {"lr": [0.01, 0.03]}},
+            {"label": "per-layer (fixed)", "settings": {"method": "per-layer", **_TANH},
+             "grid": {"lr": [0.01, 0.03], "max_grad_norm": [0.3, 1.0, 3.0]}},
+            {"label": "per-layer (adaptive)", "settings": {"method": "per-layer", **_TANH, **_ADAPTIVE,
+                                                           "max_grad_norm": 1.0},
+             "grid": {"lr": [0.01, 0.03]}},
             {"label": "dpsgd (tanh)", "settings": {"method": "dpsgd", **_TANH, "max_grad_norm": 1.0},
              "grid": {"lr": [0.01, 0.03]}},
             {"label": "dpsgd (relu)", "settings": {"method": "dpsgd", **_RELU, "max_grad_norm": 1.0},
@@ -82,20 +100,21 @@ PRESETS = {
     },
     # a few seconds: every method once (tests, trying the command)
     "smoke": {
-        "description": "every method, 1 epoch on 200 digits, eps in {1, 8}, 2 seeds",
+        "description": "every method (flat also adaptive), 1 epoch on 200 digits, eps in {1, 8}, 2 seeds",
         "base": {"data": "digits", "limit": 200, "epochs": 1, "batch_size": 32},
         "epsilons": [1.0, 8.0],
         "seeds": [0, 1],
         "arms": [
             {"label": "bpclip", "settings": {"method": "bpclip"}, "grid": {"lr": [2e-3, 5e-3]}},
+            {"label": "flat", "settings": {"method": "flat"}, "grid": {"lr": [2e-3]}},
+            {"label": "per-layer", "settings": {"method": "per-layer"}, "grid": {"lr": [2e-3]}},
+            {"label": "flat (adaptive)", "settings": {"method": "flat", **_ADAPTIVE}, "grid": {"lr": [2e-3]}},
             {"label": "dpsgd", "settings": {"method": "dpsgd"}, "grid": {"lr": [2e-3]}},
             {"label": "clip-only", "settings": {"method": "clip-only"}, "grid": {}},
             {"label": "nonprivate", "settings": {"method": "nonprivate"}, "grid": {}},
         ],
     },
 }
-
-_PRIVATE = ("bpclip", "dpsgd")
 
 
 # --------------------------------------------------------------------------- the grid
@@ -108,7 +127,7 @@ def expand(spec: dict) -> list[dict]:
         settings = {**spec.get("base", {}), **arm.get("settings", {})}
         grid = arm.get("grid", {}) or {}
         keys = sorted(grid)
-        private = settings.get("method", "bpclip") in _PRIVATE
+        private = settings.get("method", "bpclip") in PRIVATE_METHODS
         budgets = spec["epsilons"] if private else [None]
         for budget in budgets:
             for values in itertools.product(*(grid[k] for k in keys)):
@@ -144,6 +163,8 @@ def _one(job):
             "val_accuracy": r["val_accuracy"], "test_accuracy": r["test_accuracy"], "ece": r["ece"],
             "epsilon": r["epsilon"], "epsilons": r["epsilons"], "sigma": r["sigma"], "steps": r["steps"],
             "final_train_loss": r["history"][-1]["train_loss"], "wall_time_s": time.perf_counter() - t,
+            "step_time_median_s": r["step_time_median_s"], "step_time_p90_s": r["step_time_p90_s"],
+            "final_thresholds": r["thresholds"][-1]["values"] if r["thresholds"] else None,
             "config": r["config"]}
 
 
@@ -225,6 +246,9 @@ def select_best(lines: list[dict]) -> list[dict]:
         b["val_std"] = _mean_std([r["val_accuracy"] for r in rs])[1]
         b["epsilon_spent"] = max((r["epsilon"] for r in rs if r["epsilon"] is not None), default=None)
         b["sigma"] = rs[0]["sigma"]
+        # lines written before step times were recorded have none
+        step_times = [r["step_time_median_s"] for r in rs if r.get("step_time_median_s") is not None]
+        b["step_time_median_s"] = statistics.median(step_times) if step_times else None
         b["n_configs"] = len({json.dumps(r["hparams"], sort_keys=True) for r in lines
                               if r["label"] == b["label"] and r["epsilon_budget"] == b["epsilon_budget"]})
         out.append(b)
@@ -238,7 +262,7 @@ def write_report(spec, lines, out, elapsed=None):
     table = markdown_table(best)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(f"# Sweep: {spec.get('description', '')}\n\n{table}")
+        f.write(f"# Sweep: {spec.get('description', '')}\n\n{table}\n{STEP_TIME_NOTE}\n")
         if elapsed is not None:
             f.write(f"\n{len(lines)} runs, {elapsed / 60:.1f} min.\n")
     with open(os.path.join(out, "best.json"), "w") as f:

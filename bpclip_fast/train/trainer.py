@@ -37,7 +37,8 @@ MODELS = {
 # Settings that must not change between a checkpoint and its resumption.
 _RESUME_KEYS = ("data", "val_size", "limit", "model", "activation", "tempered", "method", "epsilon", "sigma",
                 "delta", "accountant", "sampling", "clip_fn", "conv_norm", "input_clip", "grad_clip",
-                "max_grad_norm", "batch_size", "optimizer", "lr", "momentum", "seed")
+                "max_grad_norm", "adaptive", "target_quantile", "clip_lr", "count_noise", "batch_size", "optimizer",
+                "lr", "momentum", "seed")
 
 
 @dataclass
@@ -67,6 +68,10 @@ class Config:
     input_clip: float = 2.0
     grad_clip: float = 1.0
     max_grad_norm: float = 1.0
+    adaptive: bool = False
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2
+    count_noise: float | None = None
     batch_size: int = 256
     epochs: int = 15
     optimizer: str = "adam"
@@ -113,12 +118,27 @@ class Config:
                 raise ValueError(f"--delta must be in (0, 1), got {c.delta}")
         else:  # no noise: ε and σ do not apply
             c.epsilon = c.sigma = None
+        if c.adaptive and c.method not in methods_mod.ADAPTIVE_METHODS:
+            raise ValueError(f"--adaptive (adaptive clipping thresholds) applies to --method "
+                             f"{', '.join(methods_mod.ADAPTIVE_METHODS)}, not {c.method}")
+        if c.adaptive:
+            methods_mod.adaptive_options(c)  # the engine's checks of the options, before any work
+        else:
+            given = [opt for opt, key in (("--target-quantile", "target_quantile"), ("--clip-lr", "clip_lr"),
+                                          ("--count-noise", "count_noise"))
+                     if getattr(c, key) != getattr(_DEFAULTS, key)]
+            if given:
+                raise ValueError(f"{', '.join(given)}: an option of the adaptive clipping thresholds, which "
+                                 "needs --adaptive")
         if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
             raise ValueError("--epochs, --batch-size and --lr must be positive")
         if c.resume and not c.checkpoint:
             raise ValueError("--resume needs --checkpoint PATH")
         parse_tempered(c.tempered)
         return c
+
+
+_DEFAULTS = Config()
 
 
 def default_model(data: str) -> str:
@@ -201,9 +221,10 @@ class _Bar:
 
 # --------------------------------------------------------------------------- checkpoints
 
-def _save_checkpoint(path, cfg, method, epoch, history, elapsed):
+def _save_checkpoint(path, cfg, method, epoch, history, elapsed, thresholds, step_times):
     state = {"format": "bpclip_fast.train/1", "config": dataclasses.asdict(cfg), "epoch": epoch,
-             "history": history, "elapsed_s": elapsed, "model": method.model_state_dict(),
+             "history": history, "elapsed_s": elapsed, "thresholds": thresholds, "step_times": step_times,
+             "model": method.model_state_dict(),
              "method": method.state_dict(), "sigma": (method.privacy().get("noise_multiplier")
                                                       if method.private else None)}
     tmp = f"{path}.tmp"
@@ -265,10 +286,22 @@ def run(cfg: Config) -> dict:
     method = methods_mod.build_method(cfg, net, train_ds, generator,
                                       sigma=state["sigma"] if state is not None else None)
     history, start_epoch, elapsed_before = [], 1, 0.0
+    # the clipping thresholds after every step (our engine's methods; None for the others) and the
+    # wall time of every step: both carried on through a checkpoint
+    thresholds, step_times = ([] if method.thresholds() is not None else None), []
     if state is not None:
         method.load_model_state_dict(state["model"])
         method.load_state_dict(state["method"])
         history, start_epoch, elapsed_before = list(state["history"]), state["epoch"] + 1, state["elapsed_s"]
+        step_times = list(state.get("step_times", []))
+        if thresholds is not None:
+            thresholds = list(state.get("thresholds") or [])
+    if thresholds is not None:
+        # where this process starts: step 0, or after a resume the thresholds the checkpoint restored
+        # (marked, so that run.json shows they carry on from the entry before)
+        entry = {"step": history[-1]["steps"] if history else 0, "values": method.thresholds()}
+        thresholds.append({**entry, "resumed": True} if state is not None else entry)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
 
     model = method.model
     model.train()
@@ -284,7 +317,13 @@ def run(cfg: Config) -> dict:
         for x, y in bar:
             steps_done += 1
             x, y = x.to(device), y.to(device)
+            sync(device)
+            t0 = time.perf_counter()
             ls, c = method.train_step(x, y)
+            sync(device)  # the step's kernels, not only their launch
+            step_times.append(time.perf_counter() - t0)
+            if thresholds is not None:
+                thresholds.append({"step": steps_done, "values": method.thresholds()})
             loss_sum, correct, seen = loss_sum + ls, correct + c, seen + len(y)
             bar.postfix(loss=f"{loss_sum / max(seen, 1):.3f}", acc=f"{correct / max(seen, 1):.3f}", **eps_so_far)
         val = evaluate(method.eval_model, splits.val, device)
@@ -301,7 +340,7 @@ def run(cfg: Config) -> dict:
         bar.close(**post)
         if cfg.checkpoint:
             _save_checkpoint(cfg.checkpoint, cfg, method, epoch, history,
-                             elapsed_before + time.perf_counter() - t_train)
+                             elapsed_before + time.perf_counter() - t_train, thresholds, step_times)
 
     test = evaluate(method.eval_model, splits.test, device)
     val = evaluate(method.eval_model, splits.val, device)
@@ -309,7 +348,8 @@ def run(cfg: Config) -> dict:
                                                           "input_shape": list(splits.input_shape)},
               "model_parameters": sum(p.numel() for p in model.parameters()),
               "history": history, "val_accuracy": val["accuracy"], "val_ece": val["ece"],
-              "test_accuracy": test["accuracy"], "test_loss": test["loss"], "ece": test["ece"]}
+              "test_accuracy": test["accuracy"], "test_loss": test["loss"], "ece": test["ece"],
+              "thresholds": thresholds, **step_time_summary(step_times)}
     if method.private:
         priv = method.privacy()
         result["epsilon"] = method.epsilon(cfg.delta)
@@ -336,7 +376,7 @@ def run(cfg: Config) -> dict:
     if cfg.out:
         os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "run.json"), "w") as f:
-            json.dump(_jsonable(result), f, indent=2)
+            f.write(_run_json_text(_jsonable(result)))
         try:
             from .report import plot_curves
 
@@ -344,6 +384,16 @@ def run(cfg: Config) -> dict:
         except ImportError as exc:  # matplotlib missing: run.json is still written
             warnings.warn(f"curves.png not written ({exc}); pip install matplotlib", stacklevel=2)
     return _jsonable(result)
+
+
+def step_time_summary(step_times) -> dict:
+    """The median and 90th percentile of the steps' wall times (seconds; None without steps): each
+    ``train_step`` alone (forward, backward, clipping, noise, optimizer), not data loading or evaluation."""
+    if not step_times:
+        return {"step_time_median_s": None, "step_time_p90_s": None, "step_time_n": 0}
+    t = np.asarray(step_times, dtype=float)
+    return {"step_time_median_s": float(np.median(t)), "step_time_p90_s": float(np.percentile(t, 90)),
+            "step_time_n": len(t)}
 
 
 def summary_line(result: dict) -> str:
@@ -357,6 +407,16 @@ def summary_line(result: dict) -> str:
     parts.append(f"ECE {result['ece']:.3f}")
     parts.append(f"wall time {result['wall_time_s']:.1f} s")
     return " | ".join(parts)
+
+
+def _run_json_text(result: dict) -> str:
+    """``run.json``: indented, except that each entry of the per-step ``thresholds`` takes one line."""
+    entries = result.get("thresholds") or []
+    marks = [f"@thresholds-entry-{i}@" for i in range(len(entries))]
+    text = json.dumps({**result, "thresholds": marks} if entries else result, indent=2)
+    for mark, entry in zip(marks, entries):
+        text = text.replace(json.dumps(mark), json.dumps(entry), 1)
+    return text + "\n"
 
 
 def _jsonable(x):
