@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import bpclip_fast
 from bpclip_fast import Adaptive, InsecureSeedWarning, StepRefused, _ops
 from bpclip_fast import adaptive as adaptive_mod
+from test_engine import train_steps
 from test_exact_engine import per_example
 from test_guarantee import SEED, expect_refused, mlp, moved, snapshot
 
@@ -41,25 +42,16 @@ def make(model, X, Y, mode, *, sigma=0.3, batch_size=None, lr=0.0, adaptive=True
     return engine, model, opt, loader
 
 
-def run_steps(model, opt, loader, steps, loss_fn, microbatches=1, on_step=None):
-    it = iter(loader)
-    for _ in range(steps):
-        try:
-            x, y = next(it)
-        except StopIteration:
-            it = iter(loader)
-            x, y = next(it)
-        opt.zero_grad()
-        for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
-            if len(xm):
-                loss_fn(model(xm), ym).backward()
-        opt.step()
-        if on_step is not None:
-            on_step()
-
-
 def ce(out, y):
     return F.cross_entropy(out, y)
+
+
+def layer_norms(plain, x, y):
+    """``{layer: [‖G_{l,i}‖]_i}`` of a plain (unconverted) model, from torch.func (sum loss)."""
+    layers = {}
+    for key, g in per_example(plain, x, y).items():
+        layers.setdefault(key.rsplit(".", 1)[0], []).append(g.flatten(1).pow(2).sum(1))
+    return {name: sum(parts).sqrt() for name, parts in layers.items()}
 
 
 # --------------------------------------------------------------------------- the noise split and the accounting
@@ -112,7 +104,7 @@ def test_accountant_gets_nominal_sigma_and_the_gradient_sigma_delta(mode):
     sigma_acc = sigma if mode != "backprop" else sigma / math.sqrt(L)
     before = snapshot(model)
     sens = [layer.sensitivity for _, layer in engine.clipped_layers]  # the step moves them afterwards
-    run_steps(model, opt, loader, 1, lambda out, y: (out * y).sum(1).mean())
+    train_steps(model, opt, loader, 1, loss_fn=lambda out, y: (out * y).sum(1).mean())
     history = engine.accountant.state_dict()["history"]
     assert [h[0] for h in history] == [pytest.approx(sigma_acc)]
     # dp_accounting: the per-step composition with the gradient's σ_Δ and the counts' σ_b is the nominal σ
@@ -140,7 +132,7 @@ def _known_norm_data(n=3000, d=8, m=4, seed=0):
 
 def _settle(engine, model, opt, loader, loss_fn, steps=160, tail=40):
     trace = []
-    run_steps(model, opt, loader, steps, loss_fn, on_step=lambda: trace.append(engine.thresholds()))
+    train_steps(model, opt, loader, steps, loss_fn=loss_fn, on_step=lambda: trace.append(engine.thresholds()))
     return {name: statistics.fmean(t[name] for t in trace[-tail:]) for name in trace[-1]}
 
 
@@ -166,11 +158,7 @@ def test_exact_thresholds_move_to_the_quantile_of_per_example_norms(mode):
     X = torch.randn(3000, 6) * torch.rand(3000, 1) * 3
     Y = torch.randint(0, 3, (3000,))
     model = mlp(init=3)
-    grads = per_example(model, X, Y)
-    layers = {}
-    for key, g in grads.items():
-        layers.setdefault(key.rsplit(".", 1)[0], []).append(g.flatten(1).pow(2).sum(1))
-    norms = {name: sum(parts).sqrt() for name, parts in layers.items()}
+    norms = layer_norms(model, X, Y)
     if mode == "flat":
         norms = {"": sum(n.square() for n in norms.values()).sqrt()}
     gamma = 0.3
@@ -198,11 +186,7 @@ def _expected_update(engine, model, x, y, mode, before, step):
     else:  # per-example gradients of a plain twin holding the same parameters
         twin = mlp()
         twin.load_state_dict({k: v.detach() for k, v in model.state_dict().items()})
-        grads = per_example(twin, x, y)
-        layers = {}
-        for key, gr in grads.items():
-            layers.setdefault(key.rsplit(".", 1)[0], []).append(gr.flatten(1).pow(2).sum(1))
-        n = {name: sum(parts).sqrt() for name, parts in layers.items()}
+        n = layer_norms(twin, x, y)
         if mode == "flat":
             total = sum(v.square() for v in n.values()).sqrt()
             unclipped = [int((total <= before["max_grad_norm"]).sum())]
@@ -259,7 +243,7 @@ def test_resume_continues_the_thresholds(mode):
     torch.manual_seed(3)
     X, Y = torch.randn(64, 6) * 2, torch.randint(0, 3, (64,))
     engine, model, opt, loader = make(mlp(init=0), X, Y, mode, batch_size=16, lr=0.1)
-    run_steps(model, opt, loader, 4, ce)
+    train_steps(model, opt, loader, 4, loss_fn=ce)
     saved, thresholds = opt.state_dict(), engine.thresholds()
     assert thresholds != make(mlp(init=0), X, Y, mode)[0].thresholds()  # they did move
     engine2, model2, opt2, loader2 = make(mlp(init=0), X, Y, mode, batch_size=16, lr=0.1)
@@ -270,7 +254,7 @@ def test_resume_continues_the_thresholds(mode):
     if mode == "per_layer":  # the noise bound follows the restored thresholds
         total = math.sqrt(sum(v * v for v in thresholds.values()))
         assert all(layer.noise_bound == pytest.approx(total) for layer in layers)
-    run_steps(model2, opt2, loader2, 1, ce)  # and training goes on from there
+    train_steps(model2, opt2, loader2, 1, loss_fn=ce)  # and training goes on from there
     fixed = make(mlp(init=0), X, Y, mode, batch_size=16, adaptive=None)
     with pytest.raises(ValueError, match="adaptive"):
         fixed[2].load_state_dict(saved)
@@ -300,7 +284,7 @@ def test_adaptive_thresholds_are_off_by_default_and_fixed_are_reported():
     engine, model, opt, loader = make(mlp(), X, Y, "per_layer", adaptive=None, max_grad_norm=2.0)
     assert engine.adaptive is None and engine.count_noise is None
     assert engine.gradient_noise_multiplier == engine.noise_multiplier
-    run_steps(model, opt, loader, 2, ce)
+    train_steps(model, opt, loader, 2, loss_fn=ce)
     assert engine.thresholds() == {"fc1.max_grad_norm": pytest.approx(2 / math.sqrt(2)),
                                    "fc2.max_grad_norm": pytest.approx(2 / math.sqrt(2))}
     assert "thresholds" not in engine.state_dict()
@@ -329,7 +313,7 @@ def test_make_private_with_epsilon_spends_the_budget_with_the_counts_included(mo
         model, opt, loader = engine.make_private_with_epsilon(
             module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(X, Y), batch_size=50), target_epsilon=3.0,
             target_delta=1e-5, epochs=2, clipping=mode, adaptive=True, noise_seed=SEED, **bounds)
-    run_steps(model, opt, loader, 2 * engine.steps_per_epoch, ce)
+    train_steps(model, opt, loader, 2 * engine.steps_per_epoch, loss_fn=ce)
     assert engine.get_epsilon(1e-5) == pytest.approx(3.0, rel=0.01) and engine.get_epsilon(1e-5) <= 3.0 + 1e-9
     per_layer = 1.0 if mode != "backprop" else math.sqrt(2)
     assert engine.effective_noise_multiplier == pytest.approx(engine.noise_multiplier / per_layer)

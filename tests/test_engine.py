@@ -37,8 +37,9 @@ def digits_like(n=96, seed=0):
     return TensorDataset(torch.rand(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def train_steps(model, opt, loader, steps, *, microbatches=1):
-    """``steps`` steps, each on one batch of ``loader`` split into ``microbatches`` backward passes."""
+def train_steps(model, opt, loader, steps, *, microbatches=1, loss_fn=nn.functional.cross_entropy, on_step=None):
+    """``steps`` steps, each on one batch of ``loader`` split into ``microbatches`` backward passes
+    (empty ones skipped); ``on_step()`` after each step."""
     it = iter(loader)
     for _ in range(steps):
         try:
@@ -48,8 +49,11 @@ def train_steps(model, opt, loader, steps, *, microbatches=1):
             x, y = next(it)
         opt.zero_grad()
         for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
-            nn.functional.cross_entropy(model(xm), ym).backward()
+            if len(xm):
+                loss_fn(model(xm), ym).backward()
         opt.step()
+        if on_step is not None:
+            on_step()
 
 
 def expected_draw(like, seed, step, layer, std, bias=False):
