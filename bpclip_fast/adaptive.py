@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["Adaptive", "noise_split", "Thresholds"]
@@ -114,22 +115,36 @@ class Thresholds:
         self.expected_batch = float(expected_batch)
         self.sigma_b = float(sigma_b)
 
-    def update(self, noisy_counts) -> list[float]:
-        """``C_k ← C_k·exp(−η(b̃_k/B̄ + ½ − γ))``, clamped; returns the new values."""
+    def proposed(self, noisy_counts) -> list[float]:
+        """``C_k·exp(−η(b̃_k/B̄ + ½ − γ))``, clamped (in log space: no overflow whatever the counts);
+        changes nothing (the engine computes it before the step's release, sets it after)."""
         eta, gamma = float(self.options.learning_rate), float(self.options.target_quantile)
         new = []
         for c, c0, b in zip(self.values, self.initial, noisy_counts):
-            c = c * math.exp(-eta * (float(b) / self.expected_batch + 0.5 - gamma))
-            new.append(min(max(c, c0 / _CLAMP), c0 * _CLAMP))
-        self.values = new
+            log_c = math.log(c) - eta * (float(b) / self.expected_batch + 0.5 - gamma)
+            log_c = min(max(log_c, math.log(c0) - math.log(_CLAMP)), math.log(c0) + math.log(_CLAMP))
+            new.append(math.exp(log_c))
         return new
 
-    def noisy(self, centered: torch.Tensor, seed: int, offset: int) -> list[float]:
-        """``b̃_k = centered_k + N(0, σ_b²)``, ``centered_k = Σ_{i in batch} (1[n_{k,i} ≤ C_k] − ½)`` (float64,
-        CPU; an example that did not reach a layer has gradient norm 0 there, so it counts as
-        unclipped): one Philox draw of ``k`` values at ``(seed, offset)``."""
-        from . import _ops
+    def within_range(self, values) -> bool:
+        """Whether ``values`` lie within the clamp range (a checkpoint's thresholds must)."""
+        return len(values) == len(self.initial) and all(
+            math.isfinite(v) and c0 / _CLAMP * (1 - 1e-12) <= v <= c0 * _CLAMP * (1 + 1e-12)
+            for v, c0 in zip(values, self.initial))
 
-        noise = torch.zeros(len(self.names), dtype=torch.float64)
-        _ops.philox_noise_(noise, seed, offset, self.sigma_b)
-        return (centered.to(torch.float64) + noise).tolist()
+    def noisy(self, centered: torch.Tensor, seed: int, counter: int) -> list[int]:
+        """``b̃_k = round(centered_k + N(0, σ_b²))`` with ``centered_k = Σ_{i in batch} (1[n_{k,i} ≤ C_k] − ½)``
+        (float64, CPU; an example that did not reach a layer has gradient norm 0 there, so it counts
+        as unclipped).
+
+        The rounding is what makes the noise hide the count in floating point: the thresholds are a
+        deterministic function of ``b̃`` and are published, so ``b̃`` is known to the last bit, and an
+        unrounded ``c + w`` with ``w`` on a finite grid of floats can rule out ``c ± ½`` (the
+        floating-point attack on the Laplace/Gaussian mechanism, Mironov 2012). Rounded to an
+        integer, ``b̃`` is post-processing of ``c + w``; ``w`` is drawn in float64 (numpy's
+        Philox4x64-10 keyed by the engine's seed and this step's ``counter``, its 53-bit normals), so
+        each integer's probability is that of the exact Gaussian up to ~2⁻⁵⁰, and the mechanism is the
+        Gaussian one followed by rounding."""
+        rng = np.random.Generator(np.random.Philox(key=(int(seed) << 64) | int(counter)))
+        noise = torch.from_numpy(rng.standard_normal(len(self.names)) * self.sigma_b)
+        return torch.round(centered.to(torch.float64) + noise).to(torch.int64).tolist()

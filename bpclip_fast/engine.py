@@ -630,19 +630,16 @@ class PrivacyEngine:
             centered = centered.cpu()
         return centered
 
-    def _adapt_thresholds(self, noisy_counts) -> None:
-        """Moves every threshold (``Thresholds.update``) and gives the layers their new bounds (under
-        per_layer every layer's noise bound is ``(Σ_l C_l²)^½`` of the new values)."""
-        self._apply_thresholds(self._thresholds.update(noisy_counts))
-
     def _apply_thresholds(self, values) -> None:
+        """Gives the layers the thresholds ``values`` (under per_layer every layer's noise bound is
+        ``(Σ_l C_l²)^½`` of them)."""
         mode = self._layers[0].clipping
         if mode == "flat":
             self._flat_group._set_max_grad_norm(values[0])
             for layer in self._layers:
                 layer._set_bounds(max_grad_norm=values[0], noise_bound=values[0])
         elif mode == "per_layer":
-            total = math.sqrt(sum(c * c for c in values))
+            total = math.hypot(*values)
             for layer, c in zip(self._layers, values):
                 layer._set_bounds(max_grad_norm=c, noise_bound=total)
         else:
@@ -998,15 +995,18 @@ class PrivacyEngine:
         if problems:
             self._refuse(problems)
         self._fallback_noise(pending)
-        noisy_counts = None
-        if self._thresholds is not None:  # released with the gradient: one draw per step, at its counters
+        new_thresholds = None
+        if self._thresholds is not None:  # released with the gradient: one draw per step, at its counters;
+            # computed before the release, so nothing after it can fail half-way
             noisy_counts = self._thresholds.noisy(self._centered_counts(), self._stream.seed,
                                                   self._stream.count_offset())
+            new_thresholds = self._thresholds.proposed(noisy_counts)
         optimizer.step()
         self._charge()
         self.steps += 1
-        if noisy_counts is not None:
-            self._adapt_thresholds(noisy_counts)
+        if new_thresholds is not None:
+            self._thresholds.values = new_thresholds
+            self._apply_thresholds(new_thresholds)
         self._delivered_at_step = self._counter.delivered
         for st in self._steps_of:
             st.record_released()
@@ -1166,9 +1166,9 @@ class PrivacyEngine:
         if saved is not None and list(saved) != self._thresholds.names:
             raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds {list(saved)} are not "
                              f"this model's {self._thresholds.names}")
-        if saved is not None and not all(math.isfinite(float(v)) and float(v) > 0 for v in saved.values()):
-            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds must be positive and "
-                             "finite")
+        if saved is not None and not self._thresholds.within_range([float(v) for v in saved.values()]):
+            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds lie outside the range "
+                             "adaptation can reach from this engine's initial ones (within a factor 10⁶)")
         self.accountant.load_state_dict(state["accountant_state"])
         self.steps = int(state["steps"])
         if saved is not None:

@@ -120,9 +120,11 @@ class _Clipped:
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
         self._bounds_version = 0  # bumped by _set_bounds: a backward must clip with its forward's bounds
 
-    # What the noise of an engine-armed layer is scaled to: changing it afterwards would clip to one
-    # bound and noise to another.
-    _FIXED_BY_ENGINE = ("clipping", "max_grad_norm", "noise_bound")
+    # What the noise of an engine-armed layer is scaled to (and the noise itself): changing it afterwards
+    # would clip to one bound and noise to another. The engine's adaptive thresholds go through
+    # _set_bounds, which a forward's backward checks (_bounds_version).
+    _FIXED_BY_ENGINE = ("clipping", "max_grad_norm", "noise_bound", "input_clip", "grad_clip", "clip_fn", "gamma",
+                        "norm", "noise_multiplier")
 
     def __setattr__(self, name, value):
         if name in _Clipped._FIXED_BY_ENGINE:

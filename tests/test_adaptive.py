@@ -12,6 +12,7 @@ import math
 import statistics
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,14 +20,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import bpclip_fast
-from bpclip_fast import Adaptive, InsecureSeedWarning, StepRefused, _ops
+from bpclip_fast import Adaptive, InsecureSeedWarning, StepRefused
 from bpclip_fast import adaptive as adaptive_mod
 from test_engine import train_steps
 from test_exact_engine import per_example
 from test_guarantee import SEED, expect_refused, mlp, moved, snapshot
 
 MODES = ["flat", "per_layer", "backprop"]
-COUNT_INDEX = (1 << 19) - 1  # the reserved "layer" of the counts' noise (offset = step << 20 | index << 1)
+COUNT_INDEX = (1 << 19) - 1  # the reserved "layer" of the counts' noise key (offset = step << 20 | index << 1)
 
 
 def make(model, X, Y, mode, *, sigma=0.3, batch_size=None, lr=0.0, adaptive=True, seed=SEED, **kw):
@@ -192,11 +193,11 @@ def _expected_update(engine, model, x, y, mode, before, step):
             unclipped = [int((total <= before["max_grad_norm"]).sum())]
         else:
             unclipped = [int((n[name.rsplit(".", 1)[0]] <= before[name]).sum()) for name in names]
-    noise = torch.zeros(len(names), dtype=torch.float64)
-    _ops.philox_noise_(noise, SEED, (step << 20) | (COUNT_INDEX << 1), engine.count_noise)
+    rng = np.random.Generator(np.random.Philox(key=(SEED << 64) | (step << 20) | (COUNT_INDEX << 1)))
+    noise = rng.standard_normal(len(names)) * engine.count_noise
     out = {}
     for name, u, z in zip(names, unclipped, noise.tolist()):
-        b = u - len(x) / 2 + z
+        b = round(u - len(x) / 2 + z)
         out[name] = before[name] * math.exp(-opts.learning_rate * (b / engine.expected_batch_size + 0.5
                                                                     - opts.target_quantile))
     return out
@@ -318,3 +319,62 @@ def test_make_private_with_epsilon_spends_the_budget_with_the_counts_included(mo
     per_layer = 1.0 if mode != "backprop" else math.sqrt(2)
     assert engine.effective_noise_multiplier == pytest.approx(engine.noise_multiplier / per_layer)
     assert engine.gradient_noise_multiplier == pytest.approx(engine.noise_multiplier / 0.9 ** 0.5)
+
+
+# --------------------------------------------------------------------------- what the attack review found
+def test_published_thresholds_reveal_the_noisy_count_only_as_an_integer():
+    """The thresholds are public and determine b̃ to the last bit; an unrounded count + float noise lets
+    an observer rule out c ± ½ from the float grid of the noise (Mironov 2012). b̃ recovered from
+    consecutive thresholds must be an integer, and its noise Gaussian of std σ_b (+ rounding)."""
+    torch.manual_seed(6)
+    X, Y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    engine, model, opt, loader = make(mlp(), X, Y, "flat", sigma=1.0, batch_size=32, lr=0.1)
+    trace = [engine.thresholds()["max_grad_norm"]]
+    train_steps(model, opt, loader, 30, loss_fn=ce, on_step=lambda: trace.append(engine.thresholds()["max_grad_norm"]))
+    eta, gamma = engine.adaptive.learning_rate, engine.adaptive.target_quantile
+    for c0, c1 in zip(trace, trace[1:]):
+        b = engine.expected_batch_size * (-math.log(c1 / c0) / eta - 0.5 + gamma)
+        assert abs(b - round(b)) < 1e-6, b
+    th = adaptive_mod.Thresholds(Adaptive(), ["a"], [1.0], 100, sigma_b=3.0)
+    draws = np.array([th.noisy(torch.tensor([2.5]), 7, t)[0] for t in range(20000)], dtype=float)
+    assert np.all(draws == np.round(draws))
+    assert draws.mean() == pytest.approx(2.5, abs=4 * 3.0 / math.sqrt(20000))
+    assert draws.var() == pytest.approx(9.0 + 1 / 12, rel=0.05)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bounds_and_noise_cannot_be_set_by_hand_after_make_private(mode):
+    """A bound changed by hand between forward and backward would clip to one value and noise to another
+    (813·Δ in the review's repro for grad_clip); the noise multiplier set to 0 would remove the noise."""
+    X, Y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    engine, model, opt, loader = make(mlp(), X, Y, mode)
+    names = ["noise_multiplier", "clip_fn", "gamma"] + (["input_clip", "grad_clip"] if mode == "backprop" else
+                                                        ["max_grad_norm", "noise_bound"])
+    for name in names:
+        with pytest.raises(AttributeError, match="fixed by make_private"):
+            setattr(model.fc1, name, 0.5 if name != "clip_fn" else "normalize")
+
+
+def test_huge_counts_or_learning_rates_cannot_overflow_the_update():
+    torch.manual_seed(7)
+    X, Y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    engine, model, opt, loader = make(mlp(), X, Y, "per_layer", batch_size=4, max_grad_norm=1.0,
+                                      adaptive=Adaptive(learning_rate=1e5))
+    train_steps(model, opt, loader, 3, loss_fn=ce)
+    assert engine.steps == 3
+    for value in engine.thresholds().values():
+        assert value == pytest.approx(2 ** -0.5 * 1e6) or value == pytest.approx(2 ** -0.5 * 1e-6)
+
+
+def test_a_checkpoint_with_thresholds_out_of_reach_is_refused_before_anything_changes():
+    X, Y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    engine, model, opt, loader = make(mlp(), X, Y, "per_layer", batch_size=16, lr=0.1)
+    train_steps(model, opt, loader, 2, loss_fn=ce)
+    state = engine.state_dict()
+    engine2, model2, opt2, loader2 = make(mlp(), X, Y, "per_layer", batch_size=16, lr=0.1)
+    before = (engine2.thresholds(), len(engine2.accountant), engine2.steps)
+    for bad in (1e300, float("inf"), -1.0):
+        crafted = dict(state, thresholds={k: bad for k in state["thresholds"]})
+        with pytest.raises(ValueError, match="thresholds"):
+            engine2.load_state_dict(crafted)
+        assert (engine2.thresholds(), len(engine2.accountant), engine2.steps) == before
