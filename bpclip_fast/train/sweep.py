@@ -8,7 +8,7 @@ reported as mean ± std over the seeds: the test split never influences a choice
 gives that setting's median step time (the median over its seeds of each run's median
 ``train_step`` wall time), to compare the methods' cost within one sweep.
 
-    bpclip-sweep --preset digits --out docs/sweep-digits          # the results page (docs/results.md)
+    bpclip-sweep --preset digits --jobs 2 --out runs/digits       # the results page (docs/results.md)
     bpclip-sweep --preset figure1 --data-dir ~/data --out runs/fig1  # the paper's Figure 1 set-up, MNIST
     bpclip-sweep --grid my_grid.json --out runs/mine
 

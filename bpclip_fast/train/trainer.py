@@ -46,8 +46,8 @@ class Config:
     """Every setting of a run (the CLI's options; see ``bpclip-train --help``).
 
     The defaults of the clipping bounds, batch size and learning rate were chosen for ``bpclip`` on
-    digits: the validation-selected setting at ε = 3 of ``bpclip-sweep --preset digits``
-    (``docs/results.md``)."""
+    digits: the validation-selected setting at ε = 3 of the first ``bpclip-sweep --preset digits``
+    (issue 6; the issue-14 sweep in ``docs/results.md`` selected ``grad_clip`` 0.2 there)."""
 
     data: str = "digits"
     data_dir: str = "data"
