@@ -577,7 +577,7 @@ class PrivacyEngine:
             self._steps_of.append(st)
         inner.register_forward_pre_hook(_OutsideCheck(self))
         self._inner = inner
-        self.noise_multiplier = sigma
+        self._noise_multiplier = sigma
         self.loss_reduction = loss_reduction
         self.max_input_shape = max_input_shape
         return module, inner
@@ -709,7 +709,7 @@ class PrivacyEngine:
 
     def _prepare_budget(self, max_epsilon, delta) -> None:
         """The step counters and the budget ``step()`` enforces."""
-        self.steps = 0
+        self._steps = 0
         self._taken_here = 0  # steps taken since make_private or the last load_state_dict
         self._checked_task = None  # the backward pass _check_new_pass last ran in
         self._delivered_at_step = 0
@@ -775,8 +775,30 @@ class PrivacyEngine:
         (sensitivity ``C``, noise ``σC`` on every coordinate), ``(Σ_l σ_l⁻²)^(-1/2) = σ/√L`` under
         backpropagation clipping."""
         if self._exact:
-            return float(self.noise_multiplier)
-        return float(_accounting().effective_noise_multiplier([self.noise_multiplier] * len(self._layers)))
+            return float(self._noise_multiplier)
+        return float(_accounting().effective_noise_multiplier([self._noise_multiplier] * len(self._layers)))
+
+    # σ and the step counter are read by the accountant and key the noise: an assignment would charge
+    # one σ while the layers add another, or draw a step's noise twice.
+    @property
+    def noise_multiplier(self) -> float:
+        """The σ of ``make_private`` (per layer under backprop clipping); fixed for the engine's life."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        raise AttributeError("PrivacyEngine.noise_multiplier is fixed at make_private: the layers' noise and the "
+                             "accountant both follow it; make a fresh model private for another σ")
+
+    @property
+    def steps(self) -> int:
+        """Steps taken (including those before a loaded checkpoint); keys each step's noise."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, value):
+        raise AttributeError("PrivacyEngine.steps is kept by the engine (it keys each step's noise draws); it "
+                             "changes only by step() and load_state_dict")
 
     @property
     def clipped_layers(self) -> list:
@@ -1003,7 +1025,7 @@ class PrivacyEngine:
             new_thresholds = self._thresholds.proposed(noisy_counts)
         optimizer.step()
         self._charge()
-        self.steps += 1
+        self._steps += 1
         if new_thresholds is not None:
             self._thresholds.values = new_thresholds
             self._apply_thresholds(new_thresholds)
@@ -1169,23 +1191,32 @@ class PrivacyEngine:
         if saved is not None and not self._thresholds.within_range([float(v) for v in saved.values()]):
             raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds lie outside the range "
                              "adaptation can reach from this engine's initial ones (within a factor 10⁶)")
-        self.accountant.load_state_dict(state["accountant_state"])
-        self.steps = int(state["steps"])
-        if saved is not None:
-            self._thresholds.values = [float(v) for v in saved.values()]
-            self._apply_thresholds(self._thresholds.values)
+        # Every field is read and checked before anything is assigned: a bad checkpoint changes nothing.
+        steps = int(state["steps"])
+        delivered = int(state["batches_delivered"])
+        claimed = int(state.get("batches_claimed", delivered))
         sampler = self.data_loader.batch_sampler
         secrets_ = state.get("secrets")
         if secrets_ is not None:
-            warnings.warn("PrivacyEngine.load_state_dict: the state holds the noise seed (include_secrets=True); "
-                          "the resumed run is reproducible and insecure", InsecureSeedWarning, stacklevel=2)
             noise_seed, sampler_seed = int(secrets_["noise_seed"]), int(secrets_["sampler_seed"])
-            self._secure = False
+            secure = False
         else:
             noise_seed, sampler_seed = secrets.randbits(63), secrets.randbits(63)
-            self._secure = bool(state["secure"]) and self._secure
+            secure = bool(state["secure"]) and self._secure
         if not self.poisson_sampling:
             sampler_seed = int(state["shuffle_seed"])
+        if not (steps >= 0 and 0 <= delivered <= claimed and 0 <= noise_seed < 2 ** 63):
+            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's counters or seeds are out of range")
+        type(self.accountant)(**self._accountant_kwargs).load_state_dict(state["accountant_state"])  # parses
+        if secrets_ is not None:
+            warnings.warn("PrivacyEngine.load_state_dict: the state holds the noise seed (include_secrets=True); "
+                          "the resumed run is reproducible and insecure", InsecureSeedWarning, stacklevel=2)
+        self.accountant.load_state_dict(state["accountant_state"])
+        self._steps = steps
+        self._secure = secure
+        if saved is not None:
+            self._thresholds.values = [float(v) for v in saved.values()]
+            self._apply_thresholds(self._thresholds.values)
         if self.distributed:
             noise_seed = self._broadcast_int(noise_seed, self._inner)
             sampler_seed = self._broadcast_int(sampler_seed, self._inner)
@@ -1193,8 +1224,8 @@ class PrivacyEngine:
         sampler.seed = sampler_seed
         if hasattr(sampler, "_perm"):
             sampler._perm = (None, None)
-        self._counter.delivered = int(state["batches_delivered"])
-        self._counter.claimed = int(state.get("batches_claimed", state["batches_delivered"]))
+        self._counter.delivered = delivered
+        self._counter.claimed = claimed
         self._delivered_at_step = self._counter.delivered
         self._budget_cache = None
         for st in self._steps_of:

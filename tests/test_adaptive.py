@@ -378,3 +378,31 @@ def test_a_checkpoint_with_thresholds_out_of_reach_is_refused_before_anything_ch
         with pytest.raises(ValueError, match="thresholds"):
             engine2.load_state_dict(crafted)
         assert (engine2.thresholds(), len(engine2.accountant), engine2.steps) == before
+
+
+def test_the_engines_sigma_and_step_counter_cannot_be_set():
+    """The second review: engine.noise_multiplier set by hand made the accountant charge σ = 50 while the
+    layers added 0.53 (ε 0.12 reported for 10.7); engine.steps rolled back reused a step's count noise,
+    which then cancels exactly in the difference of two rounded counts."""
+    X, Y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    engine, model, opt, loader = make(mlp(), X, Y, "flat", sigma=0.5, lr=0.1)
+    train_steps(model, opt, loader, 1, loss_fn=ce)
+    with pytest.raises(AttributeError, match="noise_multiplier is fixed"):
+        engine.noise_multiplier = 50.0
+    with pytest.raises(AttributeError, match="steps is kept by the engine"):
+        engine.steps -= 1
+    assert engine.noise_multiplier == 0.5 and engine.steps == 1
+
+
+def test_a_checkpoint_that_fails_to_parse_changes_nothing():
+    X, Y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    engine, model, opt, loader = make(mlp(), X, Y, "per_layer", batch_size=16, lr=0.1)
+    train_steps(model, opt, loader, 2, loss_fn=ce)
+    state = engine.state_dict(include_secrets=True)
+    engine2, model2, opt2, loader2 = make(mlp(), X, Y, "per_layer", batch_size=16, lr=0.1)
+    before = (engine2.thresholds(), len(engine2.accountant), engine2.steps, engine2._seed)
+    for broken in (dict(state, secrets={"noise_seed": "x", "sampler_seed": 1}), dict(state, steps=-3),
+                   dict(state, accountant_state={"mechanism": "nonsense"})):
+        with pytest.raises((ValueError, KeyError, TypeError)):
+            engine2.load_state_dict(broken)
+        assert (engine2.thresholds(), len(engine2.accountant), engine2.steps, engine2._seed) == before
