@@ -169,7 +169,7 @@ def test_fixed_thresholds_are_the_configured_bounds():
 
 @needs_adaptive
 @pytest.mark.parametrize("method", ["bpclip", "flat", "per-layer"])
-def test_adaptive_thresholds_move_every_step_within_the_budget(method, tmp_path):
+def test_adaptive_thresholds_follow_the_rule_within_the_budget(method, tmp_path):
     fixed = tiny(method=method, sigma=1.0)
     r = tiny(method=method, epsilon=3.0, epochs=2, adaptive=True, out=str(tmp_path / "run"))
     assert 3.0 - 0.05 <= r["epsilon"] <= 3.0
@@ -177,10 +177,16 @@ def test_adaptive_thresholds_move_every_step_within_the_budget(method, tmp_path)
     assert [t["step"] for t in th] == list(range(r["steps"] + 1))
     # they start at the configured bounds (the fixed run's), under the same names
     assert th[0]["values"] == fixed["thresholds"][0]["values"]
+    # each step multiplies a threshold by exp(−η(b̃/B̄ + ½ − γ)) with b̃ an integer (the rounded noisy count;
+    # b̃ = 0 at γ = ½ leaves it where it was), and the thresholds do move over the run
+    eta, gamma, bbar = 0.2, 0.5, r["config"]["batch_size"]  # B̄: the engine's expected batch
     for name in th[0]["values"]:
         values = [t["values"][name] for t in th]
         assert all(v > 0 and math.isfinite(v) for v in values)
-        assert all(a != b for a, b in zip(values, values[1:])), name  # moved (noisy counts) every step
+        assert len(set(values)) > len(values) // 2, name
+        for a, b in zip(values, values[1:]):
+            count = bbar * (-math.log(b / a) / eta - 0.5 + gamma)
+            assert abs(count - round(count)) < 1e-6, (name, count)
     # the accountant keeps σ; the gradient pays for the counts with a little more noise
     p = r["privacy"]
     assert p["noise_multiplier"] == r["sigma"] < p["gradient_noise_multiplier"] < 1.2 * r["sigma"]
