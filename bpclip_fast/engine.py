@@ -611,17 +611,15 @@ class PrivacyEngine:
         a layer's ``rows`` examples were counted, the rest of the batch did not reach it (norm 0)."""
         half = self._counter.last_rows / 2.0
         mode = self._layers[0].clipping
-        values = []
-        if mode == "flat":
-            held = [st for st in self._steps_of if st.rows]
-            st = held[0] if held else None
-            values.append(st.counts[0] - st.rows + half if st is not None else torch.tensor(half))
+        if mode == "flat":  # every flat layer holding a contribution holds the same count (_flat_problems)
+            slots = [(st, 0) for st in self._steps_of if st.rows][:1] or [(None, 0)]
         else:
-            for st in self._steps_of:
-                width = 1 if mode == "per_layer" else 2
-                for j in range(width):
-                    values.append(st.counts[j] - st.rows + half if st.rows else torch.tensor(half))
-        centered = torch.stack([torch.as_tensor(v, dtype=torch.float64).to("cpu") for v in values])
+            width = 1 if mode == "per_layer" else 2
+            slots = [(st if st.rows else None, j) for st in self._steps_of for j in range(width)]
+        live = [st.counts[j].reshape(()) for st, j in slots if st is not None]
+        counts = iter(torch.stack(live).to("cpu", torch.float64).tolist() if live else [])  # one device sync
+        centered = torch.tensor([next(counts) - st.rows + half if st is not None else half for st, _ in slots],
+                                dtype=torch.float64)
         if self.distributed:
             import torch.distributed as dist
 
