@@ -39,13 +39,13 @@ def _args(kind, batch, shape, device):
     if kind == "linear":
         t, d, p = shape
         x, g = torch.randn(batch, t, d, device=device), torch.randn(batch, t, p, device=device)
-        return lambda m: OPS.linear_grad_norms(g, x, [True, True], m, 64 << 20), (t, d, p)
+        return lambda m: OPS.linear_grad_norms(g, x, [True, True], m, 64 << 20, False), (t, d, p)
     cin, h, w, cout, k, s, pad, groups = shape
     x = torch.randn(batch, cin, h, w, device=device)
     ho, wo = (h + 2 * pad - k) // s + 1, (w + 2 * pad - k) // s + 1
     g = torch.randn(batch, cout, ho, wo, device=device)
     fn = lambda m: OPS.conv2d_grad_norms(g, x, [k, k], [s, s], [pad, pad], [1, 1], groups, [True, True], m,  # noqa: E731
-                                         64 << 20)
+                                         64 << 20, False)
     return fn, (ho * wo, cin // groups * k * k, cout // groups)
 
 

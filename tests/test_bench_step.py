@@ -106,3 +106,23 @@ def test_fixed_mmap_threshold_is_applied(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rec,) = json.loads((tmp_path / "r.json").read_text())
     assert rec["status"] == "ok" and rec["mmap_threshold_mb"] == 1.0 and rec["mallopt_ok"] is True
+
+
+def test_norm_cost_runs_and_reports_every_case(monkeypatch, capsys):
+    """bench/norm_cost.py calls the norm ops directly, so a change of their schema breaks it without
+    any other test noticing (it did once: the ``keep`` argument)."""
+    import bpclip_fast
+
+    if not bpclip_fast._ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    sys.path.insert(0, str(ROOT))
+    from bench import norm_cost
+
+    cases = [("small conv", "conv", 4, (3, 8, 8, 4, 3, 1, 1, 1)), ("small linear", "linear", 4, (5, 6, 7))]
+    monkeypatch.setattr(norm_cost, "CASES", cases)
+    norm_cost.main(["--reps", "1"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| small")]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["small conv", "small linear"]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert float(cells[5]) >= 0 and float(cells[6]) >= 0 and cells[7] in ("ghost", "instantiate")

@@ -75,7 +75,17 @@ def test_noise_device_agrees_with_emulator(sim, dtype, accumulate):
     sim.philox_noise(buf, n, 77, 12 << 20, 0.8, accumulate)
     dbuf = start.cuda() if accumulate else torch.zeros(n, dtype=dtype, device="cuda")
     torch.ops.bpclip_fast.philox_noise_(dbuf, 77, 12 << 20, 0.8, accumulate)
-    _close(dbuf, buf, max(TOL[dtype], 1e-6))
+    if not accumulate:
+        _close(dbuf, buf, max(TOL[dtype], 1e-6))
+        return
+    # buf = RN(start + noise): a noise value that differs by rounding (FMA) moves the sum by rounding
+    # of the operands' size, not of the sum's, which cancellation near 0 can make far smaller (seen
+    # on an H100: 40 of 100003 sums). So the bound is relative to |start| + |noise|, per element.
+    tol = max(TOL[dtype], 1e-6)
+    d, e, s = dbuf.cpu().double(), buf.double(), start.double()
+    scale = s.abs() + (e - s).abs()
+    bad = (d - e).abs() > tol * scale
+    assert not bad.any(), (int(bad.sum()), d[bad][:5], e[bad][:5], s[bad][:5])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
