@@ -20,7 +20,7 @@ def build_info() -> dict:
     return info
 
 
-from . import autograd, nn, reference  # noqa: E402,F401
+from . import autograd, modules, nn, reference  # noqa: E402,F401
 from .adaptive import Adaptive  # noqa: E402,F401
 from .boundary import StepRefused  # noqa: E402,F401
 from .engine import DPOptimizer, InsecureSeedWarning, PrivacyEngine  # noqa: E402,F401
