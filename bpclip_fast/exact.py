@@ -251,6 +251,8 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
     gradients (or ``None``; then from ``g`` and ``x``)."""
     seed, offset, std, d, scale = step_args
     mask = _trainable(layer)
+    if geometry is EXAMPLES:
+        return _release_examples(layer, kept, factor, step_args, mask)
     kw, kb = kept if kept is not None else (None, None)
     if x is None:
         x = g = layer.weight.new_empty(0)
@@ -315,25 +317,34 @@ class _ExactLayer(torch.autograd.Function):
         if not any(mask):
             return gx, None, None, None, None, None, None, None
         step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
-        d = step_args[3]
         bound, kept = _norms(layer, x, g, geometry, mask)
-        if book is not None:
-            _count_nonfinite(layer, bound)
-            held = (None, None) if kept is not None else (x, g)
-            book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
+        held = (None, None) if kept is not None else (x, g)
+        out = _clip(layer, book, bound, held, kept, step_args, geometry, x.dtype)
+        if out is None:
             return gx, None, None, torch.zeros((), device=g.device), None, None, None, None
-        if layer.max_grad_norm > layer.noise_bound:  # the noise is scaled to noise_bound
-            _refuse_release([layer],
-                            f"max_grad_norm {layer.max_grad_norm:g} above the noise bound {layer.noise_bound:g}",
-                            "do not change the clipping after make_private", rule="bounds")
-        factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
-                         x.dtype)
-        if layer._step is not None and layer._step.counting:  # adaptive thresholds: the examples within C_l
-            layer._step.count((bound <= layer.max_grad_norm / d).sum().reshape(1))
-        gw, gb = _release(layer, x, g, factor, step_args, geometry, kept)
-        if layer._step is not None:
-            layer._step.produced((gw, gb))
-        return gx, gw, gb, None, None, None, None, None
+        return gx, *out, None, None, None, None, None
+
+
+def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):
+    """The part of a layer's backward after its norm bounds: ``flat`` leaves an entry in the book
+    (returns ``None``); ``per_layer`` clips at once and returns ``(∇W, ∇b)``."""
+    d = step_args[3]
+    if book is not None:
+        _count_nonfinite(layer, bound)
+        book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
+        return None
+    if layer.max_grad_norm > layer.noise_bound:  # the noise is scaled to noise_bound
+        _refuse_release([layer],
+                        f"max_grad_norm {layer.max_grad_norm:g} above the noise bound {layer.noise_bound:g}",
+                        "do not change the clipping after make_private", rule="bounds")
+    factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
+                     data_dtype)
+    if layer._step is not None and layer._step.counting:  # adaptive thresholds: the examples within C_l
+        layer._step.count((bound <= layer.max_grad_norm / d).sum().reshape(1))
+    gw, gb = _release(layer, *held, factor, step_args, geometry, kept)
+    if layer._step is not None:
+        layer._step.produced((gw, gb))
+    return gw, gb
 
 
 def _step_args(layer, rows, sensitivity):
@@ -344,6 +355,19 @@ def _step_args(layer, rows, sensitivity):
     return layer._step.begin_backward(rows, sensitivity)
 
 
+def _flat_book(layer):
+    """``(book, token)`` of a flat layer's grad-enabled forward (refused outside its model's forward)."""
+    group = layer._flat
+    book = group.current() if group is not None else None
+    if book is None:
+        raise RuntimeError(
+            f"{layer.layer_name}: a flat-clipping layer ran with gradients enabled outside the forward of the "
+            "model its clipping belongs to (a submodule called directly, a layer recomputed by activation "
+            "checkpointing, or a layer built without convert_model); flat clipping needs every layer's norm of "
+            "the example, so call the whole model, or use clipping='per_layer'")
+    return book, book.tokens.get(id(layer))
+
+
 def exact_layer(x, layer, sensitivity, geometry=None):
     """The forward of ``layer`` (Linear, or Conv2d with ``geometry = (stride, padding, dilation,
     groups)``) under its exact clipping mode."""
@@ -352,14 +376,162 @@ def exact_layer(x, layer, sensitivity, geometry=None):
     needs = torch.is_grad_enabled() and any(_trainable(layer))
     book, token = None, None
     if layer.clipping == "flat" and needs:
-        group = layer._flat
-        book = group.current() if group is not None else None
-        if book is None:
-            raise RuntimeError(
-                f"{layer.layer_name}: a flat-clipping layer ran with gradients enabled outside the forward of the "
-                "model its clipping belongs to (a submodule called directly, a layer recomputed by activation "
-                "checkpointing, or a layer built without convert_model); flat clipping needs every layer's norm of "
-                "the example, so call the whole model, or use clipping='per_layer'")
-        token = book.tokens.get(id(layer))
+        book, token = _flat_book(layer)
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
     return _ExactLayer.apply(x, weight, bias, token, layer, sensitivity, geometry, book)
+
+
+# ------------------------------------------------------------------------------ layers whose per-example
+# gradients are instantiated: LayerNorm, GroupNorm, Embedding, PositionalEmbedding, ClassToken
+
+EXAMPLES = "examples"  # the geometry of an entry whose ``kept`` is a per-example representation
+
+
+def _grow(terms: int) -> float:
+    """``1 + (n + 4)·2^-52`` for ``n`` summed squares: covers the double sum and the two roundings
+    of ``√(sq·grow)`` (see :class:`DenseExamples`). Exact in double for ``n < 2^40``."""
+    return 1.0 + (terms + 4) * 2.0 ** -52
+
+
+class DenseExamples:
+    """Each example's gradient stored as a tensor: ``[B, *weight.shape]`` (and bias), in the dtype it
+    is released in. The release is ``Σ_i RZ(c_i·G_i)``, the very values normed here, so the bound
+    needs only the rounding of the norm:
+
+    The squares of fp32/bf16/fp16 entries are exact in double (an fp64 square rounds once, ``≤ v``,
+    ``v = 2^-53``); a double sum of ``n`` non-negative terms, in any order, errs by at most
+    ``γ_{n-1}(v)`` of the exact sum ``s = ‖G_i‖²``, so ``s ≤ ŝ / (1 − γ_n(v))``. The bound is
+    computed as ``√(ŝ·grow)``: the product and the root each round by at most ``(1 − v)``, so the
+    computed bound is ``≥ √(ŝ·grow)·(1 − v)^{3/2} ≥ ‖G_i‖`` whenever
+    ``grow ≥ 1/((1 − γ_n(v))(1 − v)³)``; ``grow = 1 + 2(n + 4)v`` is (for ``nv < 2^-13``).
+    ``factors`` then gives ``c_i·bound ≤ C`` (clip_rows' proof) and ``|RZ(c_i g)| ≤ c_i|g|`` entrywise
+    (``scale_rows``), so ``‖RZ(c_i·G_i)‖ ≤ C``: example ``i`` adds at most ``C`` to the release.
+    A non-finite ``G_i`` has a non-finite bound, factor 0, and adds exact zeros.
+    """
+
+    def __init__(self, gw, gb):
+        self.gw, self.gb = gw, gb
+
+    def bound(self, mask) -> torch.Tensor:
+        parts = [t for t, m in zip((self.gw, self.gb), mask) if m and t is not None]
+        b = parts[0].shape[0]
+        sq = sum(t.reshape(b, -1).double().square().sum(1) for t in parts)
+        terms = sum(t[0].numel() for t in parts)
+        return (sq * _grow(terms)).sqrt()
+
+    def release(self, factor, mask):
+        return tuple(_ops.scale_rows(t.reshape(t.shape[0], -1), factor).sum(0, dtype=factor.dtype).reshape(t.shape[1:])
+                     if m and t is not None else None for t, m in zip((self.gw, self.gb), mask))
+
+
+class RowExamples:
+    """An embedding table's per-example gradients as rows: row ``k`` is ``Σ_t g_{i,t}`` over the
+    positions ``t`` of example ``i = example[k]`` that read table row ``index[k]`` (ghost norm through
+    index equality: no ``[B, V, D]`` tensor). ``‖G_i‖² = Σ_{k of i} ‖row_k‖²``; the release is
+    ``Σ_k RZ(c_{example[k]}·row_k)`` into table row ``index[k]``, which holds example ``i``'s rows and
+    nothing else of it, so :class:`DenseExamples`' proof applies with ``n = D·(positions of i)``."""
+
+    def __init__(self, rows, example, index, batch, positions, num_embeddings):
+        self.rows, self.example, self.index = rows, example, index
+        self.batch, self.positions, self.num_embeddings = batch, positions, num_embeddings
+
+    def bound(self, mask) -> torch.Tensor:
+        sq = torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device)
+        sq.index_add_(0, self.example, self.rows.double().square().sum(1))
+        return (sq * _grow(self.rows.shape[1] * self.positions)).sqrt()
+
+    def release(self, factor, mask):
+        out = self.rows.new_zeros(self.num_embeddings, self.rows.shape[1])
+        out.index_add_(0, self.index, _ops.scale_rows(self.rows, factor[self.example]))
+        return out, None
+
+
+def affine_example_grads(g, x, mean, rstd, groups, layer_norm, weight_shape, has_bias):
+    """Per-example gradients ``([B, *weight_shape], [B, *weight_shape] or None)`` of a LayerNorm's
+    (``layer_norm``) or GroupNorm's affine parameters, in the accumulation dtype, from the statistics
+    the forward's ``native_layer_norm``/``native_group_norm`` returned."""
+    b = x.shape[0]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if layer_norm:
+        d = math.prod(weight_shape)
+        shape, stats = (b, -1, d), (b, -1, 1)
+    else:
+        c = x.shape[1]
+        shape, stats = (b, c, -1), (b, c, 1)
+        mean = mean.reshape(b, groups, 1).expand(b, groups, c // groups)
+        rstd = rstd.reshape(b, groups, 1).expand(b, groups, c // groups)
+    gg = g.reshape(shape).to(acc)
+    xh = (x.reshape(shape).to(acc) - mean.reshape(stats).to(acc)) * rstd.reshape(stats).to(acc)
+    dim = 1 if layer_norm else 2
+    gw = (gg * xh).sum(dim).reshape(b, *weight_shape)
+    gb = gg.sum(dim).reshape(b, *weight_shape) if has_bias else None
+    return gw, gb
+
+
+def _release_examples(layer, examples, factor, step_args, mask):
+    """``(∇W, ∇b)`` from per-example gradients: the clipped sum, the step's draw (counters
+    ``offset`` for the weight, ``offset + 1`` for the bias, as every layer), the mean-loss scale."""
+    seed, offset, std, d, scale = step_args
+    sums = examples.release(factor, mask)
+    out = []
+    for p, total, m, off in zip((layer.weight, layer.bias), sums, mask, (offset, offset + 1)):
+        if not m:
+            out.append(None)
+            continue
+        acc = total.to(torch.float64 if p.dtype == torch.float64 else torch.float32)
+        if std > 0:
+            _ops.philox_noise_(acc, seed, off, std, accumulate=True)
+        if scale != 1.0:
+            acc.mul_(scale)
+        out.append(acc.to(p.dtype))
+    return tuple(out)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on the layer's output, whose backward clips the layer's parameter gradients: the
+    output was computed with the parameters detached (so autograd takes the input gradient from the
+    unclipped upstream gradient, as for Linear), and this node alone carries their gradient, from the
+    layer's per-example gradients (``layer._examples(saved, g, mask)``)."""
+
+    @staticmethod
+    def forward(ctx, out, weight, bias, token, layer, sensitivity, book, *saved):
+        ctx.save_for_backward(*saved)
+        ctx.layer, ctx.sensitivity, ctx.book = layer, sensitivity, book
+        ctx.bounds_version = layer._bounds_version
+        ctx.dtype = out.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        ctx.layer._check_bounds_version(ctx.bounds_version)
+        saved = ctx.saved_tensors
+        layer, book = ctx.layer, ctx.book
+        nones = (None,) * (4 + len(saved))
+        mask = _trainable(layer) if book is not None else [ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        if not any(mask):
+            return grad_out, None, None, *nones
+        g = grad_out.contiguous()
+        step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
+        examples = layer._examples(saved, g, mask)
+        bound = examples.bound(mask)
+        out = _clip(layer, book, bound, (None, None), examples, step_args, EXAMPLES, ctx.dtype)
+        if out is None:
+            return grad_out, None, None, torch.zeros((), device=g.device), *nones[1:]
+        return grad_out, *out, *nones
+
+
+def example_layer(layer, x, sensitivity):
+    """The forward of a layer whose per-example gradients are instantiated (``layer._forward(x,
+    weight, bias, keep) -> (out, saved)``, ``layer._examples(saved, g, mask)``) under its exact mode."""
+    _ops.require_extension()
+    needs = torch.is_grad_enabled() and any(_trainable(layer))
+    weight, bias = layer.weight, layer.bias
+    detached = (weight.detach(), bias.detach() if bias is not None else None)
+    if not needs:
+        return layer._forward(x, *detached, False)[0]
+    book, token = _flat_book(layer) if layer.clipping == "flat" else (None, None)
+    if book is not None:
+        weight, bias = detached
+    out, saved = layer._forward(x, *detached, True)
+    return _Tap.apply(out, weight, bias, token, layer, sensitivity, book, *saved)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, exact, registry
+from . import autograd, exact, modules, registry
 from .boundary import LayerStep, StepRefused
 
 CLIP_FNS = ("clip", "global", "normalize")
@@ -374,6 +374,195 @@ class Conv2d(_Clipped, nn.Conv2d):
         return f"{super().extra_repr()}{norm}, {self._clip_repr()}"
 
 
+class _ExampleLayer(_Clipped):
+    """A layer whose per-example gradients are small enough to instantiate (affine parameters of a
+    normalisation, an embedding table's rows, an added parameter), clipped exactly by
+    :func:`bpclip_fast.exact.example_layer`; its bound is :class:`bpclip_fast.exact.DenseExamples`'.
+    Exact modes only: backpropagation clipping has no proved bound for these types."""
+
+    def _init_exact(self, clipping, max_grad_norm, clip_fn, gamma):
+        kind = type(self).__name__
+        if getattr(self, "weight", None) is None:
+            raise ValueError(f"{kind}: without affine parameters there is nothing to clip; use torch's "
+                             f"nn.{kind} for it")
+        if clipping == "backprop":
+            raise ValueError(f"{kind}: clipping='backprop' has no proved bound for a {kind}'s parameters; use "
+                             "clipping='flat' or 'per_layer' (exact per-example clipping: make_private(..., "
+                             f"clipping='flat')), or freeze the {kind} (requires_grad_(False))")
+        self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
+
+    def _shape_dependent(self, input_shape) -> bool:
+        return False
+
+    def sensitivity_for(self, input_shape=None) -> float:
+        """The noise bound ``C`` (exact clipping: each example's gradient is clipped to it)."""
+        return self.noise_bound
+
+    def forward(self, x):
+        self._check_input(x)
+        return exact.example_layer(self, x, self._noise_sensitivity(x))
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, {self._clip_repr()}"
+
+
+class LayerNorm(_ExampleLayer, nn.LayerNorm):
+    """``nn.LayerNorm`` (affine) under exact per-example clipping (``flat``/``per_layer``). Example
+    ``i``'s gradients are ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t`` over its positions ``t``."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, *, clipping="backprop",
+                 max_grad_norm=None, clip_fn="clip", gamma=0.01, norm_method="auto", device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias, device=device,
+                         dtype=dtype)
+        self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
+
+    def _check_input(self, x):
+        super()._check_input(x)
+        k = len(self.normalized_shape)
+        if x.dim() <= k or tuple(x.shape[-k:]) != tuple(self.normalized_shape):
+            raise ValueError(f"{self.layer_name}: the input must be [B, *, {', '.join(map(str, self.normalized_shape))}] "
+                             f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
+
+    def _forward(self, x, weight, bias, keep):
+        if not keep:
+            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps), ()
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(self.normalized_shape), weight, bias, self.eps)
+        return out, (x, mean, rstd)
+
+    def _examples(self, saved, g, mask):
+        x, mean, rstd = saved
+        return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, 0, True, self.weight.shape,
+                                                               self.bias is not None))
+
+
+class GroupNorm(_ExampleLayer, nn.GroupNorm):
+    """``nn.GroupNorm`` (affine) under exact per-example clipping. Example ``i``'s gradients are
+    ``Σ_s g_{c,s} x̂_{c,s}`` and ``Σ_s g_{c,s}`` per channel ``c`` over its positions ``s``."""
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, *, clipping="backprop", max_grad_norm=None,
+                 clip_fn="clip", gamma=0.01, norm_method="auto", device=None, dtype=None):
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
+        self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
+
+    def _check_input(self, x):
+        super()._check_input(x)
+        if x.dim() < 2 or x.shape[1] != self.num_channels:
+            raise ValueError(f"{self.layer_name}: the input must be [B, {self.num_channels}, *]; got {tuple(x.shape)}")
+
+    def _forward(self, x, weight, bias, keep):
+        if not keep:
+            return F.group_norm(x, self.num_groups, weight, bias, self.eps), ()
+        n, c = x.shape[:2]
+        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), self.num_groups,
+                                                           self.eps)
+        return out, (x, mean, rstd)
+
+    def _examples(self, saved, g, mask):
+        x, mean, rstd = saved
+        return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, self.num_groups, False,
+                                                               self.weight.shape, self.bias is not None))
+
+
+class Embedding(_ExampleLayer, nn.Embedding):
+    """``nn.Embedding`` under exact per-example clipping, with per-example norms through index
+    equality (:class:`bpclip_fast.exact.RowExamples`; no per-example copy of the table). Refused:
+    ``max_norm`` (the forward rewrites table rows outside the step), ``scale_grad_by_freq`` (a
+    token's gradient is divided by its count in the whole batch, so examples move each other) and
+    ``sparse`` gradients."""
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
+                 scale_grad_by_freq=False, sparse=False, _weight=None, _freeze=False, *, clipping="backprop",
+                 max_grad_norm=None, clip_fn="clip", gamma=0.01, norm_method="auto", device=None, dtype=None):
+        reason = _embedding_problem(max_norm, scale_grad_by_freq, sparse)
+        if reason:
+            raise ValueError(f"Embedding: {reason}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, _weight=_weight, _freeze=_freeze,
+                         device=device, dtype=dtype)
+        self.register_parameter("bias", None)
+        self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
+
+    def _check_input(self, x):
+        name = self.layer_name
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: expected an int64/int32 tensor of indices, got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.device != self.weight.device:
+            raise ValueError(f"{name}: the input is on {x.device} but the layer's parameters are on "
+                             f"{self.weight.device}; move the input or the model (.to(device)) so they match")
+        if x.dim() < 1:
+            raise ValueError(f"{name}: the input needs a batch dimension, [B, *]; got a scalar")
+
+    def _forward(self, x, weight, bias, keep):
+        return F.embedding(x, weight, self.padding_idx), ((x,) if keep else ())
+
+    def _examples(self, saved, g, mask):
+        (idx,) = saved
+        b, v, dim = idx.shape[0], self.num_embeddings, self.embedding_dim
+        idx = idx.reshape(b, -1).long()
+        positions = idx.shape[1]
+        keys = torch.arange(b, device=idx.device).unsqueeze(1) * v + idx
+        rows = g.reshape(b * positions, dim)
+        if self.padding_idx is not None:  # torch gives the padding row no gradient
+            keep = (idx != self.padding_idx).reshape(-1)
+            keys, rows = keys.reshape(-1)[keep], rows[keep]
+        keys, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
+        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+        summed = rows.new_zeros(keys.shape[0], dim, dtype=acc).index_add_(0, inverse, rows.to(acc))
+        return exact.RowExamples(summed, keys // v, keys % v, b, positions, v)
+
+
+def _embedding_problem(max_norm, scale_grad_by_freq, sparse) -> str | None:
+    if max_norm is not None:
+        return ("max_norm rewrites the rows an example reads during its forward, outside the private step; "
+                "use max_norm=None")
+    if scale_grad_by_freq:
+        return ("scale_grad_by_freq divides each token's gradient by its count in the whole batch, so one example "
+                "changes another's gradient; use scale_grad_by_freq=False")
+    if sparse:
+        return "sparse gradients are not supported; use sparse=False"
+    return None
+
+
+class PositionalEmbedding(_ExampleLayer, modules.PositionalEmbedding):
+    """:class:`bpclip_fast.modules.PositionalEmbedding` under exact per-example clipping: example
+    ``i``'s gradient is its upstream gradient."""
+
+    def __init__(self, *shape, clipping="backprop", max_grad_norm=None, clip_fn="clip", gamma=0.01,
+                 norm_method="auto", device=None, dtype=None):
+        super().__init__(*shape, device=device, dtype=dtype)
+        self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
+
+    def _check_input(self, x):
+        super()._check_input(x)
+        self._check_shape(x)
+
+    def _forward(self, x, weight, bias, keep):
+        return x + weight, ()
+
+    def _examples(self, saved, g, mask):
+        return exact.DenseExamples(g, None)
+
+
+class ClassToken(_ExampleLayer, modules.ClassToken):
+    """:class:`bpclip_fast.modules.ClassToken` under exact per-example clipping: example ``i``'s
+    gradient is its upstream gradient at the prepended positions."""
+
+    def __init__(self, dim, tokens=1, *, clipping="backprop", max_grad_norm=None, clip_fn="clip", gamma=0.01,
+                 norm_method="auto", device=None, dtype=None):
+        super().__init__(dim, tokens, device=device, dtype=dtype)
+        self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
+
+    def _check_input(self, x):
+        super()._check_input(x)
+        self._check_shape(x)
+
+    def _forward(self, x, weight, bias, keep):
+        return torch.cat([weight.expand(x.shape[0], -1, -1), x], dim=1), ()
+
+    def _examples(self, saved, g, mask):
+        return exact.DenseExamples(g[:, :self.weight.shape[0]].contiguous(), None)
+
+
 class TemperedSigmoid(nn.Module):
     """``s·sigmoid(T·x) − o`` (Papernot et al. 2021); the default (2, 2, 1) is tanh."""
 
@@ -494,6 +683,65 @@ def _convert_conv2d(layer: nn.Conv2d, **clipping) -> Conv2d:
                   device="meta", dtype=layer.weight.dtype, **clipping)
 
 
+def _exact_kwargs(clipping: dict) -> dict:
+    """The converters' keywords for a layer of the exact modes only."""
+    return {k: v for k, v in clipping.items() if k in ("clipping", "max_grad_norm", "clip_fn", "gamma", "norm_method")}
+
+
+def _convert_layer_norm(layer: nn.LayerNorm, **clipping) -> LayerNorm:
+    return LayerNorm(layer.normalized_shape, eps=layer.eps, bias=layer.bias is not None, device="meta",
+                     dtype=layer.weight.dtype, **_exact_kwargs(clipping))
+
+
+def _convert_group_norm(layer: nn.GroupNorm, **clipping) -> GroupNorm:
+    return GroupNorm(layer.num_groups, layer.num_channels, eps=layer.eps, device="meta", dtype=layer.weight.dtype,
+                     **_exact_kwargs(clipping))
+
+
+def _convert_embedding(layer: nn.Embedding, **clipping) -> Embedding:
+    return Embedding(layer.num_embeddings, layer.embedding_dim, padding_idx=layer.padding_idx, device="meta",
+                     dtype=layer.weight.dtype, **_exact_kwargs(clipping))
+
+
+def _convert_positional(layer: modules.PositionalEmbedding, **clipping) -> PositionalEmbedding:
+    return PositionalEmbedding(*layer.weight.shape, device="meta", dtype=layer.weight.dtype,
+                               **_exact_kwargs(clipping))
+
+
+def _convert_class_token(layer: modules.ClassToken, **clipping) -> ClassToken:
+    return ClassToken(layer.weight.shape[1], layer.weight.shape[0], device="meta", dtype=layer.weight.dtype,
+                      **_exact_kwargs(clipping))
+
+
+def _sqrt_numel(layer, x) -> float:
+    return math.sqrt(x.numel())
+
+
+def _sqrt_batch(layer, x) -> float:
+    return math.sqrt(x.shape[0]) if x.dim() else 1.0
+
+
+_EXACT = ("flat", "per_layer")
+registry.register_layer(nn.LayerNorm, LayerNorm, convert=_convert_layer_norm, modes=_EXACT, multiplier_norm=_sqrt_numel,
+                        plain=lambda layer, x, p: F.layer_norm(x, layer.normalized_shape, p.get("weight"), p.get("bias"),
+                                                               layer.eps))
+registry.register_layer(nn.GroupNorm, GroupNorm, convert=_convert_group_norm, modes=_EXACT, multiplier_norm=_sqrt_numel,
+                        plain=lambda layer, x, p: F.group_norm(x, layer.num_groups, p.get("weight"), p.get("bias"),
+                                                               layer.eps))
+registry.register_layer(nn.Embedding, Embedding, convert=_convert_embedding, modes=_EXACT, multiplier_norm=_sqrt_numel,
+                        plain=lambda layer, x, p: F.embedding(x, p["weight"], layer.padding_idx))
+registry.register_layer(modules.PositionalEmbedding, PositionalEmbedding, convert=_convert_positional, modes=_EXACT,
+                        multiplier_norm=_sqrt_batch, plain=lambda layer, x, p: x + p["weight"])
+registry.register_layer(modules.ClassToken, ClassToken, convert=_convert_class_token, modes=_EXACT,
+                        multiplier_norm=_sqrt_batch,
+                        plain=lambda layer, x, p: torch.cat([p["weight"].expand(x.shape[0], -1, -1), x], dim=1))
+
+
+@registry.register_module_check(nn.Embedding)
+def _embedding_options(module):
+    return _embedding_problem(module.max_norm, module.scale_grad_by_freq, module.sparse)
+
+
 registry.register_layer(nn.Linear, Linear, convert=_convert_linear,
                         plain=lambda layer, x, p: F.linear(x, p["weight"], p.get("bias")))
 registry.register_layer(nn.Conv2d, Conv2d, convert=_convert_conv2d,
@@ -505,7 +753,7 @@ def _convert(layer: nn.Module, **clipping) -> nn.Module:
     new = registry.layer_type(layer).convert(layer, **clipping)
     # The same Parameter objects: an optimizer built before the conversion keeps working.
     new.weight = layer.weight
-    if layer.bias is not None:
+    if getattr(layer, "bias", None) is not None:
         new.bias = layer.bias
     new._nonfinite = torch.zeros(2, dtype=torch.int64, device=layer.weight.device)
     new.train(layer.training)
@@ -520,7 +768,7 @@ def _thresholds(max_grad_norm, count: int, clipping: str) -> list:
         return [value if clipping == "flat" else value / math.sqrt(max(count, 1))] * count
     if len(max_grad_norm) != count:
         raise ValueError(f"convert_model: max_grad_norm has {len(max_grad_norm)} thresholds but the model has {count} "
-                         "layers to clip (one per trainable Linear/Conv2d, in named_modules order)")
+                         "layers to clip (one per trainable layer of a registered type, in named_modules order)")
     return [_check_positive(c, "max_grad_norm", "convert_model") for c in max_grad_norm]
 
 
@@ -545,6 +793,12 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
                          + "\n  ".join(problems))
     if clipping not in exact.MODES:
         raise ValueError(f"convert_model: clipping must be one of {exact.MODES}, got {clipping!r}")
+    unbounded = [registry.label(name, m, model) for name, m in model.named_modules()
+                 if registry.convertible(m) and clipping not in registry.layer_type(m).modes]
+    if unbounded:
+        raise ValueError(f"convert_model: clipping={clipping!r} has no proved bound for these layers: "
+                         f"{', '.join(unbounded)}; use clipping='flat' or 'per_layer' (exact per-example clipping), "
+                         "or freeze them (requires_grad_(False))")
     kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping)
     if clipping == "backprop":
         kw.update(input_clip=input_clip, grad_clip=grad_clip, norm=norm)

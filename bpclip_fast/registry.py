@@ -46,6 +46,9 @@ class LayerType:
     ``taps(layer)``: how many products of one input entry with one upstream gradient entry one
     parameter entry sums per output position (a convolution's kernel positions; 1 for Linear),
     which scales the probes' rounding tolerance.
+    ``modes``: the clipping modes with a proved bound for the type (``convert_model`` refuses others).
+    ``multiplier_norm(layer, x)``: the norm of what the weight gradient multiplies the upstream
+    gradient by, for the probes' tolerance (``None``: the input ``x`` itself, as Linear).
     """
 
     torch_type: type
@@ -53,6 +56,8 @@ class LayerType:
     convert: Callable
     plain: Callable
     taps: Callable
+    modes: tuple = ("backprop", "flat", "per_layer")
+    multiplier_norm: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,10 @@ _CHECKS: list[_Check] = []
 
 
 def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
-                   taps: Callable = lambda layer: 1) -> LayerType:
+                   taps: Callable = lambda layer: 1, modes: tuple = ("backprop", "flat", "per_layer"),
+                   multiplier_norm: Callable | None = None) -> LayerType:
     """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring)."""
-    entry = LayerType(torch_type, clipped_type, convert, plain, taps)
+    entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm)
     _LAYERS[torch_type] = entry
     return entry
 

@@ -453,7 +453,9 @@ def _own_gradients(layer: nn.Module, calls: list[_Call]):
             if gr is not None:
                 own[n] += gr
         rows = c.grad.numel() // max(layer.weight.shape[0], 1)
-        g_norm, x_norm = float(c.grad.double().norm()), float(c.input.double().norm())
+        g_norm = float(c.grad.double().norm())
+        x_norm = (kind.multiplier_norm(layer, c.input) if kind.multiplier_norm is not None
+                  else float(c.input.double().norm()))
         scale["weight"] += math.sqrt(taps) * g_norm * x_norm
         if "bias" in scale:
             scale["bias"] += math.sqrt(rows) * g_norm
