@@ -394,9 +394,10 @@ def _grow(terms: int) -> float:
 
 
 class DenseExamples:
-    """Each example's gradient stored as a tensor: ``[B, *weight.shape]`` (and bias), in the dtype it
-    is released in. The release is ``Σ_i RZ(c_i·G_i)``, the very values normed here, so the bound
-    needs only the rounding of the norm:
+    """Each example's gradient stored as a tensor: ``[B, *weight.shape]`` (and bias), rounded to the
+    parameters' dtype first (so that a lone example's release is exactly its stored values, with no
+    rounding after the clipping). The release is ``Σ_i RZ(c_i·G_i)`` (summed in the accumulation
+    dtype), the very values normed here, so the bound needs only the rounding of the norm:
 
     The squares of fp32/bf16/fp16 entries are exact in double (an fp64 square rounds once, ``≤ v``,
     ``v = 2^-53``); a double sum of ``n`` non-negative terms, in any order, errs by at most
@@ -409,8 +410,8 @@ class DenseExamples:
     A non-finite ``G_i`` has a non-finite bound, factor 0, and adds exact zeros.
     """
 
-    def __init__(self, gw, gb):
-        self.gw, self.gb = gw, gb
+    def __init__(self, gw, gb, dtype):
+        self.gw, self.gb = (t.to(dtype) if t is not None else None for t in (gw, gb))
 
     def bound(self, mask) -> torch.Tensor:
         parts = [t for t, m in zip((self.gw, self.gb), mask) if m and t is not None]
@@ -429,10 +430,11 @@ class RowExamples:
     positions ``t`` of example ``i = example[k]`` that read table row ``index[k]`` (ghost norm through
     index equality: no ``[B, V, D]`` tensor). ``‖G_i‖² = Σ_{k of i} ‖row_k‖²``; the release is
     ``Σ_k RZ(c_{example[k]}·row_k)`` into table row ``index[k]``, which holds example ``i``'s rows and
-    nothing else of it, so :class:`DenseExamples`' proof applies with ``n = D·(positions of i)``."""
+    nothing else of it, so :class:`DenseExamples`' proof applies with ``n = D·(positions of i)``
+    (rows rounded to the table's dtype first, as there)."""
 
-    def __init__(self, rows, example, index, batch, positions, num_embeddings):
-        self.rows, self.example, self.index = rows, example, index
+    def __init__(self, rows, example, index, batch, positions, num_embeddings, dtype):
+        self.rows, self.example, self.index = rows.to(dtype), example, index
         self.batch, self.positions, self.num_embeddings = batch, positions, num_embeddings
 
     def bound(self, mask) -> torch.Tensor:
@@ -441,8 +443,8 @@ class RowExamples:
         return (sq * _grow(self.rows.shape[1] * self.positions)).sqrt()
 
     def release(self, factor, mask):
-        out = self.rows.new_zeros(self.num_embeddings, self.rows.shape[1])
-        out.index_add_(0, self.index, _ops.scale_rows(self.rows, factor[self.example]))
+        out = self.rows.new_zeros(self.num_embeddings, self.rows.shape[1], dtype=factor.dtype)
+        out.index_add_(0, self.index, _ops.scale_rows(self.rows, factor[self.example]).to(factor.dtype))
         return out, None
 
 

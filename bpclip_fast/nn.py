@@ -432,7 +432,7 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
     def _examples(self, saved, g, mask):
         x, mean, rstd = saved
         return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, 0, True, self.weight.shape,
-                                                               self.bias is not None))
+                                                               self.bias is not None), self.weight.dtype)
 
 
 class GroupNorm(_ExampleLayer, nn.GroupNorm):
@@ -460,7 +460,8 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
     def _examples(self, saved, g, mask):
         x, mean, rstd = saved
         return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, self.num_groups, False,
-                                                               self.weight.shape, self.bias is not None))
+                                                               self.weight.shape, self.bias is not None),
+                                   self.weight.dtype)
 
 
 class Embedding(_ExampleLayer, nn.Embedding):
@@ -508,7 +509,7 @@ class Embedding(_ExampleLayer, nn.Embedding):
         keys, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         summed = rows.new_zeros(keys.shape[0], dim, dtype=acc).index_add_(0, inverse, rows.to(acc))
-        return exact.RowExamples(summed, keys // v, keys % v, b, positions, v)
+        return exact.RowExamples(summed, keys // v, keys % v, b, positions, v, self.weight.dtype)
 
 
 def _embedding_problem(max_norm, scale_grad_by_freq, sparse) -> str | None:
@@ -540,7 +541,7 @@ class PositionalEmbedding(_ExampleLayer, modules.PositionalEmbedding):
         return x + weight, ()
 
     def _examples(self, saved, g, mask):
-        return exact.DenseExamples(g, None)
+        return exact.DenseExamples(g, None, self.weight.dtype)
 
 
 class ClassToken(_ExampleLayer, modules.ClassToken):
@@ -560,7 +561,7 @@ class ClassToken(_ExampleLayer, modules.ClassToken):
         return torch.cat([weight.expand(x.shape[0], -1, -1), x], dim=1), ()
 
     def _examples(self, saved, g, mask):
-        return exact.DenseExamples(g[:, :self.weight.shape[0]].contiguous(), None)
+        return exact.DenseExamples(g[:, :self.weight.shape[0]].contiguous(), None, self.weight.dtype)
 
 
 class TemperedSigmoid(nn.Module):
