@@ -7,7 +7,8 @@
     engine.get_epsilon(delta)
 
 What ``make_private`` does: validates the model (listing every problem at once), converts its
-layers of the types in :mod:`bpclip_fast.registry` (``nn.Linear``/``nn.Conv2d``) to clipped layers
+layers of the types in :mod:`bpclip_fast.registry` (``nn.Linear``/``nn.Conv2d``; under exact clipping also
+``nn.LayerNorm``/``nn.GroupNorm``/``nn.Embedding`` and :mod:`bpclip_fast.modules`) to clipped layers
 (same ``Parameter`` objects), sets every layer's noise multiplier, replaces the loader by a private
 one that follows a :class:`bpclip_fast.data.SamplingPlan` and wraps the optimizer in
 :class:`DPOptimizer`, whose ``step()`` is the step boundary of the privacy analysis.
@@ -313,7 +314,7 @@ class PrivacyEngine:
         """Every problem that stops ``model`` from being trained privately, as a list of messages.
 
         The module checks of :mod:`bpclip_fast.registry` (trainable parameters outside the registered
-        layer types Linear/Conv2d, batch-mixing layers: BatchNorm in any mode, InstanceNorm with
+        layer types, batch-mixing layers: BatchNorm in any mode, InstanceNorm with
         running statistics; ``padding_mode`` other than zeros); with ``example_input``, the probes of
         :func:`bpclip_fast.validate.dynamic_problems` too (without it, the layers refuse reuse at
         training time). Empty list: nothing found.
@@ -541,11 +542,13 @@ class PrivacyEngine:
         converted = bnn.convert_model(inner, **clipping)
         if converted is not inner:  # a bare nn.Linear / nn.Conv2d
             if isinstance(module, _ddp_class()):
-                raise ValueError("make_private: wrap a container module in DDP, not a bare Linear/Conv2d")
+                raise ValueError("make_private: wrap a container module in DDP, not a bare layer")
             inner = module = converted
         layers = bnn.clipped_layers(inner)
         if not layers:
-            raise ValueError("make_private: the model has no trainable Linear/Conv2d layer to clip")
+            raise ValueError("make_private: the model has no trainable layer of a registered type to clip "
+                             "(bpclip_fast.registry: Linear, Conv2d; LayerNorm, GroupNorm, Embedding, "
+                             "bpclip_fast.modules under exact clipping)")
         self._fix_sensitivities(layers, shapes, max_input_shape is not None)
         mode = clipping["clipping"]
         if mode == "flat":  # one book-keeping over every layer, those built by the user included

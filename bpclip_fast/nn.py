@@ -775,8 +775,10 @@ def _thresholds(max_grad_norm, count: int, clipping: str) -> list:
 
 def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l15", clip_fn="clip", gamma=0.01,
                   clipping="backprop", max_grad_norm=None, norm_method="auto") -> nn.Module:
-    """Swaps every trainable layer of a registered type (``nn.Linear``, ``nn.Conv2d``) of ``model`` for
-    ours, in place, weights kept.
+    """Swaps every trainable layer of a registered type (``nn.Linear``, ``nn.Conv2d``; for the exact
+    modes also ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.Embedding`` and :mod:`bpclip_fast.modules`'
+    ``PositionalEmbedding``/``ClassToken``, which ``"backprop"`` refuses) of ``model`` for ours, in
+    place, weights kept.
 
     ``clipping="backprop"`` (input_clip, grad_clip, norm) or exact per-example clipping:
     ``"per_layer"`` (``max_grad_norm`` a list of ``C_l``, or ``C`` split as ``C/√L``; each layer's noise
@@ -786,7 +788,7 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
     Refuses (before changing anything) every module the registry's checks report
     (:func:`bpclip_fast.registry.module_problems`: batch statistics, padding modes other than zeros,
     trainable parameters outside the registered layer types). Frozen layers are left as they are.
-    Returns ``model`` (a bare ``nn.Linear``/``nn.Conv2d`` is returned converted).
+    Returns ``model`` (a bare layer of a registered type is returned converted).
     """
     problems = registry.module_problems(model)
     if problems:

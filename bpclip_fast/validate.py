@@ -10,7 +10,7 @@ problem message names the module (qualified name and type) and the rule, and say
     Found without running the model, by the checks of :mod:`bpclip_fast.registry` (the one home of
     what can be trained, which ``convert_model`` and the engine consult too): BatchNorm in any mode,
     InstanceNorm with running statistics, ``padding_mode`` other than zeros, trainable parameters
-    outside the registered layer types (Linear/Conv2d).
+    outside the registered layer types (:mod:`bpclip_fast.registry`).
 
 ``probe(model, example_input)``
     What the engine runs on one example today: a ``torch.no_grad()`` forward (buffers and random
@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import nn as _clipped_layers  # noqa: F401  (registers Linear/Conv2d in the registry)
+from . import nn as _clipped_layers  # noqa: F401  (registers the clipped layer types in the registry)
 from . import registry
 
 def static_problems(model: nn.Module) -> list[str]:
@@ -116,7 +116,7 @@ def _preserved_state(model: nn.Module):
 
 def probe(model: nn.Module, example_input) -> tuple[list[str], dict[str, tuple]]:
     """One forward pass of ``example_input``: (problems: modules with trainable parameters called more
-    than once, {qualified name: input shape} of every Linear/Conv2d)."""
+    than once, {qualified name: input shape} of every clipped layer)."""
     calls: dict[str, int] = {}
     shapes: dict[str, tuple] = {}
     handles = []
