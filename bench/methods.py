@@ -32,12 +32,25 @@ def _nonprivate(model, x, y, seed, crit):
     return step, model
 
 
+def _refuse_unbounded(model, method: str) -> None:
+    """Backpropagation clipping bounds Linear/Conv2d only; any other trained layer would go unclipped
+    (the reference's hooks would skip it silently), so the combination is not measured."""
+    from bpclip_fast.models import backprop_unclipped
+
+    unclipped = backprop_unclipped(model)
+    if unclipped:
+        raise NotImplementedError(f"{method}: backpropagation clipping is not supported for trainable "
+                                  f"{', '.join(sorted({u.split(' (')[1][:-1] for u in unclipped}))} layers "
+                                  "(exact per-example clipping: flat, per_layer)")
+
+
 def _bpclip_fast(model, x, y, seed, crit, clipping="backprop"):
     import torch
 
     import bpclip_fast.nn as bnn
 
     if clipping == "backprop":
+        _refuse_unbounded(model, "bpclip_fast")
         bnn.convert_model(model, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP)  # norm l15, clip_fn clip
     else:  # exact per-example clipping to Opacus' max_grad_norm (GRAD_CLIP), norms by the cost rule
         bnn.convert_model(model, clipping=clipping, max_grad_norm=GRAD_CLIP)
@@ -60,6 +73,7 @@ def _bpclip_reference(model, x, y, seed, crit):
 
     from bpclip_fast import reference as ref
 
+    _refuse_unbounded(model, "bpclip_reference")
     ref.attach(model, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP)
     shapes, _ = ref.record_input_shapes(model)
     gen = torch.Generator(device=x.device).manual_seed(seed)

@@ -1,8 +1,11 @@
-"""The benchmark's models: the paper's two nets and two more shapes of network.
+"""The benchmark's models: the paper's two nets, two more shapes of network, and the two models of
+exact per-example clipping.
 
-Every model is built from plain ``torch.nn`` modules (ordinary ``nn.Linear``/``nn.Conv2d``, no
-BatchNorm), so each training method of ``bench.step`` wraps the very same module: ``convert_model``
-for ``bpclip_fast``, hooks for ``bpclip_fast.reference``, ``make_private`` for Opacus.
+Every model is built from plain ``torch.nn`` modules (no BatchNorm), so each training method of
+``bench.step`` wraps the very same module: ``convert_model`` for ``bpclip_fast``, hooks for
+``bpclip_fast.reference``, ``make_private`` for Opacus. ``vit`` and ``resnet20-gn`` hold trainable
+LayerNorm/GroupNorm layers, a class token and positional embeddings, which backpropagation clipping
+does not bound: ``bpclip_fast`` and ``bpclip_reference`` record them as ``unsupported``.
 
 ``MODELS`` maps a name to ``(factory(act) -> nn.Module, input shape without the batch dim,
 number of classes)``.
@@ -14,7 +17,7 @@ from typing import Callable
 
 from torch import nn
 
-from bpclip_fast.models import cifar10_net, mnist_net
+from bpclip_fast.models import cifar10_net, mnist_net, resnet20_gn, vit
 
 ActFactory = Callable[[], nn.Module]
 
@@ -76,4 +79,6 @@ MODELS = {
     "cifar10": (cifar10_net, (3, 32, 32), 10),
     "mlp": (mlp_1024, (1, 28, 28), 10),
     "resnet20": (resnet20_nobn, (3, 32, 32), 10),
+    "vit": (vit, (1, 28, 28), 10),
+    "resnet20-gn": (resnet20_gn, (1, 28, 28), 10),
 }

@@ -32,7 +32,7 @@ from bench.methods import METHODS, import_for
 from bench.probes import mem_available_mb, wait_quiet
 from bench.report import aggregate, fmt, markdown_table, plot
 
-MODEL_NAMES = ("mnist", "cifar10", "mlp", "resnet20")
+MODEL_NAMES = ("mnist", "cifar10", "mlp", "resnet20", "vit", "resnet20-gn")
 
 # --quick: the targets of issue 5 (MNIST b512; CIFAR-10 b32 and b128) and the two other models small.
 QUICK_GRID = [("mnist", 512), ("cifar10", 32), ("cifar10", 128), ("mlp", 128), ("resnet20", 16)]

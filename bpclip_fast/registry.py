@@ -184,8 +184,9 @@ def _mode(module: nn.Module) -> str:
 @register_module_check(nn.modules.batchnorm._BatchNorm, mixes_batch=True)  # 1d/2d/3d, SyncBatchNorm, lazy
 def _batch_norm(module):
     return (f"BatchNorm {_mode(module)} normalises each example with statistics of the whole batch, so one example "
-            "moves every other example's gradient (and its running statistics are released without noise); use "
-            "GroupNorm/LayerNorm without affine parameters instead, or fold it into the preceding layer")
+            "moves every other example's gradient (and its running statistics are released without noise); "
+            "bpclip_fast.fix_model(model) replaces every BatchNorm by GroupNorm (statistics within each example), "
+            "or fold it into the preceding layer")
 
 
 @register_module_check(nn.modules.instancenorm._InstanceNorm, mixes_batch=True)

@@ -74,6 +74,24 @@ def test_failures_are_recorded(tmp_path):
     assert "| cifar10 | 4 | nonprivate |" in proc.stdout and "timeout" in proc.stdout
 
 
+def test_backprop_clipping_is_unsupported_on_the_exact_clipping_models(tmp_path):
+    """vit and resnet20-gn train LayerNorm/GroupNorm/embeddings, which backpropagation clipping does not
+    bound: its two methods are recorded as unsupported (not run with those layers unclipped)."""
+    cmd = [sys.executable, "-m", "bench.step", "--models", "vit,resnet20-gn", "--batch-sizes", "4", "--methods",
+           "nonprivate,bpclip_fast,bpclip_reference", "--reps", "1", "--warmup", "1", "--warmup-time", "0",
+           "--steps", "1", "--min-time", "0", "--threads", "1", "--timeout", "60", "--json", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = {(r["model"], r["method"]): r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert len(records) == 6
+    for model in ("vit", "resnet20-gn"):
+        assert records[(model, "nonprivate")]["status"] == "ok"
+        for method in ("bpclip_fast", "bpclip_reference"):
+            rec = records[(model, method)]
+            assert rec["status"] == "unsupported" and rec["step_ms_median"] is None, rec
+            assert "Norm" in " ".join(rec["errors"]), rec
+
+
 def test_live_bytes_is_the_peak_of_live_tensors():
     """LiveBytes sums allocations and frees in time order: 8 MB + 16 MB live together, then 4 MB."""
     import torch

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import bpclip_fast
-from bpclip_fast import accounting
+from bpclip_fast import accounting, models
 from bpclip_fast.train import Config, cli, data, expected_calibration_error, methods, report, run, sweep
 
 pytest.importorskip("sklearn")
@@ -136,6 +136,49 @@ def test_bad_pairings_and_options_are_refused(capsys):
         cli.main(["--help"])
     assert exc.value.code == 0
     assert "--method" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the models of exact clipping (issue 15)
+
+def test_help_lists_the_issue15_models(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "resnet20-gn" in out and "vit" in out
+    assert {"resnet20-gn", "vit"} <= set(cli.build_parser()._option_string_actions["--model"].choices)
+
+
+@pytest.mark.parametrize("model", ["vit", "resnet20-gn"])
+@pytest.mark.parametrize("method", ["bpclip", "clip-only"])
+def test_backprop_clipping_refuses_norm_and_embedding_models(model, method, capsys):
+    with pytest.raises(ValueError, match="--method flat or --method per-layer"):
+        Config(model=model, method=method).resolved()  # before any data is read
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--model", model, "--method", method, "--quiet"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--model {model}" in err and f"--method {method}" in err
+    assert ("GroupNorm" if model == "resnet20-gn" else "LayerNorm") in err
+    Config(model="mnist", method=method).resolved()  # Linear/Conv2d only: accepted
+
+
+@pytest.mark.parametrize("method", ["nonprivate", "dpsgd"])
+def test_vit_trains(method):
+    if method == "dpsgd":
+        pytest.importorskip("opacus")
+    r = tiny(model="vit", method=method, sigma=1.0 if method == "dpsgd" else None, limit=96)
+    assert r["model_parameters"] == sum(p.numel() for p in models.vit(act=torch.nn.Tanh).parameters())
+    assert r["steps"] > 0 and math.isfinite(r["history"][0]["train_loss"])
+
+
+def test_resnet20_gn_trains_and_checks_the_channels(tmp_path):
+    r = tiny(model="resnet20-gn", method="nonprivate", limit=64)
+    assert r["model_parameters"] == sum(p.numel() for p in models.resnet20_gn().parameters())
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data.write_cifar10_batch(str(folder / name), np.zeros((2, 3, 32, 32), np.uint8), np.zeros(2, int))
+    with pytest.raises(ValueError, match="takes 1-channel images but cifar10 has 3"):
+        tiny(model="resnet20-gn", method="nonprivate", data="cifar10", data_dir=str(tmp_path), val_size=2, limit=None)
 
 
 # ---------------------------------------------------------------- exact clipping (flat, per-layer), thresholds

@@ -10,6 +10,7 @@ import argparse
 import sys
 import textwrap
 
+from .. import models
 from . import data as data_mod
 from . import methods as methods_mod
 from .trainer import MODELS, Config, run, summary_line
@@ -72,8 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", choices=("auto",) + tuple(MODELS), default=_D.model,
                    help="mnist: the paper's MNIST net; cifar10: the paper's CIFAR-10 net (29.6M parameters); "
                         "papernot-mnist / papernot-cifar10: the nets of Papernot et al. 2021; "
+                        "resnet20-gn: ResNet-20 with GroupNorm, vit: a small vision transformer (1-channel "
+                        "28x28 images; --method flat/per-layer/dpsgd/nonprivate only, their norm layers and "
+                        "embeddings are not bpclip's Linear/Conv2d); "
                         "auto: mnist for digits/mnist/fmnist, cifar10 for cifar10 (default: %(default)s)")
-    g.add_argument("--activation", choices=("relu", "tanh", "tempered"), default=_D.activation,
+    g.add_argument("--activation", choices=models.ACTIVATIONS, default=_D.activation,
                    help="activation of every hidden layer (default: %(default)s)")
     g.add_argument("--tempered", default=_D.tempered, metavar="s,T,o",
                    help="tempered sigmoid s*sigmoid(T*x)-o for --activation tempered (default: %(default)s = tanh)")

@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -24,15 +25,29 @@ from ..environment import environment
 from . import data as data_mod
 from . import methods as methods_mod
 
-__all__ = ["Config", "run", "MODELS", "expected_calibration_error", "default_model"]
+__all__ = ["Config", "run", "MODELS", "ModelSpec", "expected_calibration_error", "default_model"]
 
-#: --model names -> (builder, input channels); "auto" picks by data set (see default_model)
+class ModelSpec(NamedTuple):
+    """A ``--model``: its builder (``build(act=...)``) and the image channels it takes."""
+
+    build: Callable
+    in_channels: int
+
+
+#: --model names; "auto" picks by data set (see default_model)
 MODELS = {
-    "mnist": models.mnist_net,                    # the paper's Fig. 3 net (no biases)
-    "cifar10": models.cifar10_net,                # the paper's Fig. 4 net, as reconstructed (29.6M)
-    "papernot-mnist": models.papernot_mnist_net,  # Papernot et al. 2021, Table 1
-    "papernot-cifar10": models.papernot_cifar10_net,  # Papernot et al. 2021, Table 2
+    "mnist": ModelSpec(models.mnist_net, 1),                    # the paper's Fig. 3 net (no biases)
+    "cifar10": ModelSpec(models.cifar10_net, 3),                # the paper's Fig. 4 net, as reconstructed (29.6M)
+    "papernot-mnist": ModelSpec(models.papernot_mnist_net, 1),  # Papernot et al. 2021, Table 1
+    "papernot-cifar10": ModelSpec(models.papernot_cifar10_net, 3),  # Papernot et al. 2021, Table 2
+    # GroupNorm/LayerNorm, class token, positional embedding: exact per-example clipping only
+    "resnet20-gn": ModelSpec(models.resnet20_gn, 1),            # ResNet-20 with GroupNorm (272k)
+    "vit": ModelSpec(models.vit, 1),                            # a small vision transformer (139k)
 }
+
+#: the methods whose clipping is backpropagation clipping (its bounds cover Linear/Conv2d only)
+BACKPROP_METHODS = tuple(m for m, mode in methods_mod.ENGINE_METHODS.items() if mode == "backprop") + ("clip-only",)
+
 
 # Settings that must not change between a checkpoint and its resumption.
 _RESUME_KEYS = ("data", "val_size", "limit", "model", "activation", "tempered", "method", "epsilon", "sigma",
@@ -96,6 +111,8 @@ class Config:
             raise ValueError(f"unknown model {c.model!r}; choose auto or one of {', '.join(MODELS)}")
         if c.method not in methods_mod.METHODS:
             raise ValueError(f"unknown method {c.method!r}; choose one of {', '.join(methods_mod.METHODS)}")
+        if c.method in BACKPROP_METHODS:
+            _check_backprop_model(c)
         # Which sampling each accountant analyses is the accountant's own attribute.
         samplings = {cls.sampling for cls in accounting.ACCOUNTANTS.values()}
         if c.accountant is None and c.sampling in samplings | {None}:
@@ -139,6 +156,19 @@ class Config:
 
 
 _DEFAULTS = Config()
+
+
+def _check_backprop_model(c: Config) -> None:
+    """Refuses a model with trainable layers that backpropagation clipping cannot bound, before any
+    data is read. The model is built on the meta device: its layer types, without memory or time."""
+    act = models.activation(c.activation, parse_tempered(c.tempered))
+    with torch.device("meta"):
+        unclipped = models.backprop_unclipped(MODELS[c.model].build(act=act))
+    if unclipped:
+        shown = ", ".join(unclipped[:4]) + (", ..." if len(unclipped) > 4 else "")
+        raise ValueError(f"--model {c.model} has trainable layers that backpropagation clipping (--method {c.method}) "
+                         f"has no bound for ({shown}): it clips Linear and Conv2d layers only; train this model "
+                         "with exact per-example clipping: --method flat or --method per-layer (or --method dpsgd)")
 
 
 def default_model(data: str) -> str:
@@ -262,10 +292,11 @@ def run(cfg: Config) -> dict:
     splits = data_mod.load_dataset(cfg.data, cfg.data_dir, val_size=cfg.val_size, download=cfg.download,
                                    limit=cfg.limit)
     act = models.activation(cfg.activation, parse_tempered(cfg.tempered))
-    net = MODELS[cfg.model](act=act)
-    if splits.input_shape[0] != net[0].in_channels:
-        raise ValueError(f"--model {cfg.model} takes {net[0].in_channels}-channel images but {cfg.data} has "
+    spec = MODELS[cfg.model]
+    if splits.input_shape[0] != spec.in_channels:
+        raise ValueError(f"--model {cfg.model} takes {spec.in_channels}-channel images but {cfg.data} has "
                          f"{splits.input_shape[0]}; use --model auto")
+    net = spec.build(act=act)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     elif device.type == "cpu" and sum(p.numel() for p in net.parameters()) < 1_000_000:
