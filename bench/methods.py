@@ -35,9 +35,9 @@ def _nonprivate(model, x, y, seed, crit):
 def _refuse_unbounded(model, method: str) -> None:
     """Backpropagation clipping bounds Linear/Conv2d only; any other trained layer would go unclipped
     (the reference's hooks would skip it silently), so the combination is not measured."""
-    from bpclip_fast.models import backprop_unclipped
+    from bpclip_fast import registry
 
-    unclipped = backprop_unclipped(model)
+    unclipped = registry.unbounded(model, "backprop")
     if unclipped:
         raise NotImplementedError(f"{method}: backpropagation clipping is not supported for trainable "
                                   f"{', '.join(sorted({u.split(' (')[1][:-1] for u in unclipped}))} layers "

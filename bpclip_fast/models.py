@@ -9,7 +9,7 @@ zero-argument factory called once per activation (a class such as ``nn.ReLU`` or
 :func:`resnet20_gn` and :func:`vit` hold trainable GroupNorm/LayerNorm layers, positional embeddings
 and a class token: they are for exact per-example clipping (``clipping="flat"`` / ``"per_layer"``),
 whose clipped layers cover those types; backpropagation clipping bounds Linear and Conv2d only
-(:func:`backprop_unclipped` lists what it cannot clip).
+(``bpclip_fast.registry.unbounded(model, "backprop")`` lists what it cannot clip).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from .modules import ClassToken, PositionalEmbedding
 
 __all__ = ["mnist_net", "cifar10_net", "digits_net", "papernot_mnist_net", "papernot_cifar10_net",
-           "resnet20_gn", "vit", "SelfAttention", "group_count", "backprop_unclipped", "ACTIVATIONS", "activation"]
+           "resnet20_gn", "vit", "SelfAttention", "group_count", "ACTIVATIONS", "activation"]
 
 ActFactory = Callable[[], nn.Module]
 
@@ -254,15 +254,6 @@ def vit(act: ActFactory = nn.GELU, in_channels: int = 1, num_classes: int = 10, 
     PositionalEmbedding. 139,018 parameters with the defaults (dim 64, depth 4, 4 heads, MLP 128).
     """
     return _ViT(act, in_channels, num_classes, image_size, patch, dim, depth, heads, mlp_ratio)
-
-
-def backprop_unclipped(model: nn.Module) -> list[str]:
-    """``"name (Type)"`` of every module of ``model`` owning a trainable parameter that backpropagation
-    clipping (``clipping="backprop"``, ``--method bpclip``) has no bound for: anything but a plain
-    ``nn.Linear``/``nn.Conv2d`` (its input and upstream-gradient bounds are theirs). Empty when the
-    model can be trained that way (as far as its layer types go)."""
-    return [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
-            if type(m) not in (nn.Linear, nn.Conv2d) and any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
 #: names accepted by :func:`activation`

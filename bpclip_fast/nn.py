@@ -796,8 +796,7 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
                          + "\n  ".join(problems))
     if clipping not in exact.MODES:
         raise ValueError(f"convert_model: clipping must be one of {exact.MODES}, got {clipping!r}")
-    unbounded = [registry.label(name, m, model) for name, m in model.named_modules()
-                 if registry.convertible(m) and clipping not in registry.layer_type(m).modes]
+    unbounded = registry.unbounded(model, clipping)
     if unbounded:
         raise ValueError(f"convert_model: clipping={clipping!r} has no proved bound for these layers: "
                          f"{', '.join(unbounded)}; use clipping='flat' or 'per_layer' (exact per-example clipping), "

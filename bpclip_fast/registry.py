@@ -33,7 +33,7 @@ from typing import Callable
 from torch import nn
 
 __all__ = ["LayerType", "register_layer", "register_module_check", "layer_type", "is_clipped", "owns_trainable",
-           "clipped_by_conversion", "trained_layer", "mixes_batch", "module_problems", "label"]
+           "clipped_by_conversion", "trained_layer", "unbounded", "mixes_batch", "module_problems", "label"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,13 @@ def trained_layer(module: nn.Module) -> bool:
     return clipped_by_conversion(module) and owns_trainable(module)
 
 
+def unbounded(model: nn.Module, clipping: str) -> list[str]:
+    """Labels of the modules ``convert_model`` would convert whose type has no proved bound under
+    ``clipping`` (``LayerType.modes``): what that mode must refuse."""
+    return [label(name, m, model) for name, m in model.named_modules()
+            if convertible(m) and clipping not in layer_type(m).modes]
+
+
 def mixes_batch(module: nn.Module) -> bool:
     return any(c.mixes_batch and isinstance(module, c.types) and c.check(module) is not None for c in _CHECKS)
 
@@ -152,6 +159,10 @@ def module_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+def _type_name(kind: type) -> str:
+    return f"nn.{kind.__name__}" if kind.__module__.startswith("torch.nn") else f"{kind.__module__}.{kind.__name__}"
+
+
 def _untrained_reason(name: str, module: nn.Module, own: list[str]) -> str:
     names = ", ".join(f"{name + '.' if name else ''}{pname}" for pname in own)
     suggestion = "freeze them (requires_grad_(False))"
@@ -160,13 +171,11 @@ def _untrained_reason(name: str, module: nn.Module, own: list[str]) -> str:
         suggestion += (f"; a {type(module).__name__} is clipped through its weight and bias only (a "
                        "reparametrisation such as torch.nn.utils.weight_norm adds parameters the bound does not "
                        "cover): remove it")
-    elif isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
-        suggestion += " or build the layer with elementwise_affine=False / affine=False"
     elif base is not None:
-        suggestion += (f" or use a plain nn.{base.__name__} (subclasses such as {type(module).__name__} are not "
+        suggestion += (f" or use a plain {_type_name(base)} (subclasses such as {type(module).__name__} are not "
                        "converted)")
     else:
-        kinds = "/".join(f"nn.{t.__name__}" for t in _LAYERS)
+        kinds = ", ".join(_type_name(t) for t in _LAYERS)
         suggestion += f" or replace the layer by {kinds} (which are converted to clipped layers)"
     return (f"trainable parameters outside bpclip_fast's clipped layers ({names}) would be trained without "
             f"clipping or noise; {suggestion}")

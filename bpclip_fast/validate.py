@@ -396,8 +396,8 @@ def _mixing_problems(probe_input, reference: _Pass, batch: int, run, labels: dic
                 found.setdefault((index, 1), (a.name, "output gradient"))
         output_mixes |= len(reference.outputs) != len(changed.outputs) or any(
             _rows_differ(a, b, row, batch) for a, b in zip(reference.outputs, changed.outputs))
-    advice = ("compute every statistic within one example (GroupNorm/LayerNorm without affine parameters instead "
-              "of batch statistics, attention within a sequence, nothing like h - h.mean(0) over the batch)")
+    advice = ("compute every statistic within one example (GroupNorm/LayerNorm instead of batch "
+              "statistics, bpclip_fast.fix_model(model) swaps BatchNorm for GroupNorm; attention within a sequence, nothing like h - h.mean(0) over the batch)")
     if found:
         (name, what), *rest = [found[k] for k in sorted(found)]
         where = "before this layer" if what == "input" else "after this layer (the backward brings it back here)"

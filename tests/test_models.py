@@ -12,7 +12,7 @@ from torch import nn
 
 import bpclip_fast
 from bpclip_fast import registry
-from bpclip_fast.models import SelfAttention, backprop_unclipped, group_count, mnist_net, resnet20_gn, vit
+from bpclip_fast.models import SelfAttention, group_count, mnist_net, resnet20_gn, vit
 from bpclip_fast.modules import ClassToken, PositionalEmbedding
 from bpclip_fast.validate import dynamic_problems, static_problems, validate
 
@@ -122,6 +122,10 @@ def test_attention_is_scaled_dot_product_attention_within_each_example():
     torch.testing.assert_close(attn(x[:1]), attn(x)[:1])
 
 
+def backprop_unclipped(model):
+    return registry.unbounded(model, "backprop")
+
+
 def test_backprop_unclipped_names_the_norms_and_embeddings():
     assert backprop_unclipped(mnist_net()) == []
     names = backprop_unclipped(vit())
@@ -162,13 +166,13 @@ def test_opacus_per_example_gradients_are_exact(build):
 
 # ------------------------------------------------------------------------------ the batch-independence probe
 
-# Until the clipped LayerNorm/ClassToken/PositionalEmbedding land (issue 15, the lead's part), a
-# model holding them trainable is refused statically, and the probes follow only trainable layers
-# of the registry. These tests therefore freeze them; once the clipped types are registered, drop
-# `frozen_norms` (or parametrise over it) so that the probe also follows the norms and embeddings.
+# Each probe test runs with the norms and embeddings trainable (the probes then follow them too)
+# and frozen (the probes see only the Linear/Conv2d layers).
 
 
-def frozen_norms(model):
+def frozen_norms(model, freeze=True):
+    if not freeze:
+        return model
     for m in model.modules():
         if isinstance(m, (nn.LayerNorm, nn.GroupNorm, ClassToken, PositionalEmbedding)):
             m.requires_grad_(False)
@@ -192,8 +196,9 @@ def mixing_vit(**kw):
     return model
 
 
-def test_the_correct_vit_passes_every_probe():
-    model = frozen_norms(vit(depth=2))
+@pytest.mark.parametrize("freeze", [False, True])
+def test_the_correct_vit_passes_every_probe(freeze):
+    model = frozen_norms(vit(depth=2), freeze)
     assert validate(model, torch.randn(4, 1, 28, 28)) == []
 
 
@@ -209,8 +214,9 @@ def test_the_buggy_attention_really_mixes_examples():
         assert not torch.allclose(attn(h)[1:], attn(changed)[1:])
 
 
-def test_attention_across_the_batch_is_refused_by_the_probe():
-    model = frozen_norms(mixing_vit(depth=2))
+@pytest.mark.parametrize("freeze", [False, True])
+def test_attention_across_the_batch_is_refused_by_the_probe(freeze):
+    model = frozen_norms(mixing_vit(depth=2), freeze)
     assert static_problems(model) == []  # nothing to see without running it
     problems = dynamic_problems(model, torch.randn(4, 1, 28, 28))
     mixing = [p for p in problems if "batch independence" in p]
@@ -219,10 +225,11 @@ def test_attention_across_the_batch_is_refused_by_the_probe():
     assert mixing[0].startswith("blocks.0.attn.proj (Linear): its input changed"), mixing
 
 
-def test_make_private_refuses_attention_across_the_batch():
+@pytest.mark.parametrize("freeze", [False, True])
+def test_make_private_refuses_attention_across_the_batch(freeze):
     from torch.utils.data import DataLoader, TensorDataset
 
-    model = frozen_norms(mixing_vit(depth=1))
+    model = frozen_norms(mixing_vit(depth=1), freeze)
     data = TensorDataset(torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
     with pytest.raises(ValueError, match="batch independence"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -256,10 +263,6 @@ def bn_mlp(affine=True):
                          nn.Linear(16, 3))
 
 
-def gn_registered():
-    return registry.layer_type(nn.GroupNorm(1, 2)) is not None
-
-
 def fixed(model):
     with pytest.warns(UserWarning, match="fix_model") as record:
         out = bpclip_fast.fix_model(model)
@@ -286,8 +289,7 @@ def test_fix_model_replaces_batchnorm2d_in_place():
     assert model(x).shape == shape
     problems = static_problems(model)
     assert not any("BatchNorm" in p for p in problems), problems
-    if gn_registered():
-        assert problems == []
+    assert problems == []
 
 
 def test_fix_model_replaces_batchnorm1d_on_feature_vectors():
@@ -314,8 +316,7 @@ def test_fixed_models_pass_validation():
         assert validate(model, x) == []
     model = BNResNet()
     fixed(model)
-    if gn_registered():
-        assert validate(model, torch.randn(3, 3, 8, 8)) == []
+    assert validate(model, torch.randn(3, 3, 8, 8)) == []
 
 
 def test_fix_model_shares_one_groupnorm_and_keeps_devices_modes_and_frozen_flags():

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import accounting, models
+from .. import accounting, models, registry
 from ..environment import environment
 from . import data as data_mod
 from . import methods as methods_mod
@@ -163,7 +163,7 @@ def _check_backprop_model(c: Config) -> None:
     data is read. The model is built on the meta device: its layer types, without memory or time."""
     act = models.activation(c.activation, parse_tempered(c.tempered))
     with torch.device("meta"):
-        unclipped = models.backprop_unclipped(MODELS[c.model].build(act=act))
+        unclipped = registry.unbounded(MODELS[c.model].build(act=act), "backprop")
     if unclipped:
         shown = ", ".join(unclipped[:4]) + (", ..." if len(unclipped) > 4 else "")
         raise ValueError(f"--model {c.model} has trainable layers that backpropagation clipping (--method {c.method}) "
