@@ -422,7 +422,8 @@ class DenseExamples:
         return (sq * _grow(terms)).sqrt()
 
     def release(self, factor, mask):
-        return tuple(_ops.scale_rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), factor).sum(0, dtype=factor.dtype).reshape(t.shape[1:])
+        return tuple(_ops.scale_rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), factor)
+                     .sum(0, dtype=factor.dtype).reshape(t.shape[1:])
                      if m and t is not None else None for t, m in zip((self.gw, self.gb), mask))
 
 

@@ -453,8 +453,8 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
         if not keep:
             return F.group_norm(x, self.num_groups, weight, bias, self.eps), ()
         n, c = x.shape[:2]
-        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, math.prod(x.shape[2:]), self.num_groups,
-                                                           self.eps)
+        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, math.prod(x.shape[2:]),
+                                                           self.num_groups, self.eps)
         return out, (x, mean, rstd)
 
     def _examples(self, saved, g, mask):

@@ -63,9 +63,9 @@ def test_empty_poisson_batch_through_the_engine_is_the_draw_alone(mode):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         engine = bpclip_fast.PrivacyEngine()
         with pytest.warns(bpclip_fast.InsecureSeedWarning):
-            model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=1),
-                                                     noise_multiplier=1.0, clipping=mode, max_grad_norm=1.0,
-                                                     noise_seed=2024, probe=False)
+            model, opt, loader = engine.make_private(module=model, optimizer=opt,
+                                                     data_loader=DataLoader(ds, batch_size=1), noise_multiplier=1.0,
+                                                     clipping=mode, max_grad_norm=1.0, noise_seed=2024, probe=False)
         for x, y in loader:
             before = [p.detach().clone() for p in model.parameters()]
             opt.zero_grad()
