@@ -416,12 +416,14 @@ class DenseExamples:
     def bound(self, mask) -> torch.Tensor:
         parts = [t for t, m in zip((self.gw, self.gb), mask) if m and t is not None]
         b = parts[0].shape[0]
-        sq = sum(t.reshape(b, -1).double().square().sum(1) for t in parts)
-        terms = sum(t[0].numel() for t in parts)
+        # explicit sizes, not reshape(b, -1): an empty (Poisson) batch has b = 0
+        sq = sum(t.reshape(b, math.prod(t.shape[1:])).double().square().sum(1) for t in parts)
+        terms = sum(math.prod(t.shape[1:]) for t in parts)
         return (sq * _grow(terms)).sqrt()
 
     def release(self, factor, mask):
-        return tuple(_ops.scale_rows(t.reshape(t.shape[0], -1), factor).sum(0, dtype=factor.dtype).reshape(t.shape[1:])
+        return tuple(_ops.scale_rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), factor)
+                     .sum(0, dtype=factor.dtype).reshape(t.shape[1:])
                      if m and t is not None else None for t, m in zip((self.gw, self.gb), mask))
 
 
@@ -454,12 +456,14 @@ def affine_example_grads(g, x, mean, rstd, groups, layer_norm, weight_shape, has
     the forward's ``native_layer_norm``/``native_group_norm`` returned."""
     b = x.shape[0]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # explicit sizes, not -1: an empty (Poisson) batch has b = 0
     if layer_norm:
         d = math.prod(weight_shape)
-        shape, stats = (b, -1, d), (b, -1, 1)
+        t = math.prod(x.shape[1:]) // d
+        shape, stats = (b, t, d), (b, t, 1)
     else:
         c = x.shape[1]
-        shape, stats = (b, c, -1), (b, c, 1)
+        shape, stats = (b, c, math.prod(x.shape[2:])), (b, c, 1)
         mean = mean.reshape(b, groups, 1).expand(b, groups, c // groups)
         rstd = rstd.reshape(b, groups, 1).expand(b, groups, c // groups)
     gg = g.reshape(shape).to(acc)
@@ -501,7 +505,11 @@ class _Tap(torch.autograd.Function):
         ctx.layer, ctx.sensitivity, ctx.book = layer, sensitivity, book
         ctx.bounds_version = layer._bounds_version
         ctx.dtype = out.dtype
-        return out.view_as(out)
+        # Not out.view_as(out): torch refuses in-place ops on a view made inside a custom Function, so
+        # ReLU(inplace=True) after a GroupNorm would fail. The detached alias shares out's storage and
+        # version counter; no backward saves out itself (layer norms save their input and statistics,
+        # + and cat nothing), and one that did would see an in-place edit as a version mismatch.
+        return out.detach()
 
     @staticmethod
     @once_differentiable

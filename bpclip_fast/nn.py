@@ -453,8 +453,8 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
         if not keep:
             return F.group_norm(x, self.num_groups, weight, bias, self.eps), ()
         n, c = x.shape[:2]
-        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), self.num_groups,
-                                                           self.eps)
+        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, math.prod(x.shape[2:]),
+                                                           self.num_groups, self.eps)
         return out, (x, mean, rstd)
 
     def _examples(self, saved, g, mask):
@@ -499,7 +499,7 @@ class Embedding(_ExampleLayer, nn.Embedding):
     def _examples(self, saved, g, mask):
         (idx,) = saved
         b, v, dim = idx.shape[0], self.num_embeddings, self.embedding_dim
-        idx = idx.reshape(b, -1).long()
+        idx = idx.reshape(b, math.prod(idx.shape[1:])).long()  # not -1: an empty batch has b = 0
         positions = idx.shape[1]
         keys = torch.arange(b, device=idx.device).unsqueeze(1) * v + idx
         rows = g.reshape(b * positions, dim)
