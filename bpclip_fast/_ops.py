@@ -133,6 +133,25 @@ if _LOAD_ERROR is None:
         return _clipped_grads_fake(weight, params)
 
 
+    def _layer_norm_row_size(x, mean):
+        """Mirrors layer_norm_row_size in csrc/common.h."""
+        if mean.numel() > 0:
+            return x.numel() // mean.numel()
+        axis = mean.dim()
+        while axis > 0 and mean.shape[axis - 1] == 1:
+            axis -= 1
+        d = 1
+        for size in x.shape[axis:]:
+            d *= size
+        return d
+
+    @torch.library.register_fake("bpclip_fast::norm_affine_example_grads")
+    def _norm_affine_example_grads_fake(grad_out, x, mean, rstd, batch, groups, layer_norm):
+        d = _layer_norm_row_size(x, mean) if layer_norm else x.shape[1]
+        gw = x.new_empty((batch, d), dtype=_acc_dtype(x))
+        return gw, torch.empty_like(gw)
+
+
 def build_config() -> dict:
     """What the extension was compiled with, as reported by the library itself."""
     require_extension()
@@ -161,3 +180,11 @@ def philox_noise_(buf, seed, offset, std, accumulate=False):
     """``buf = std*z`` (or ``buf += std*z``) with z ~ N(0, 1) from Philox4x32-10 keyed by (seed, offset)."""
     torch.ops.bpclip_fast.philox_noise_(buf, int(seed), int(offset), float(std), bool(accumulate))
     return buf
+
+
+def norm_affine_example_grads(grad_out, x, mean, rstd, batch, groups=1, layer_norm=True):
+    """Per-example gradients ``(gw, gb)`` of a LayerNorm (``layer_norm=True``; ``groups`` unused) or
+    GroupNorm affine weight and bias, from the statistics of ``torch.ops.aten.native_layer_norm`` /
+    ``native_group_norm``: ``[batch, D]`` (or ``[batch, C]``), float32 (float64 for float64 data)."""
+    return torch.ops.bpclip_fast.norm_affine_example_grads(grad_out, x, mean, rstd, int(batch), int(groups),
+                                                           bool(layer_norm))

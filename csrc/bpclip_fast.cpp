@@ -98,6 +98,15 @@ TORCH_LIBRARY(bpclip_fast, m) {
       "conv2d_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, int[2] stride,"
       " int[2] padding, int[2] dilation, int groups, bool[2] params, int[2] noise_key, float noise_std,"
       " Tensor? kept_w=None, Tensor? kept_b=None) -> (Tensor, Tensor)");
+  // Per-example gradients of the LayerNorm / GroupNorm affine weight and bias (issue 15), from the
+  // forward's statistics as native_layer_norm / native_group_norm return them (the data dtype or
+  // fp32 for half data; either is accepted). layer_norm: x viewed as [B, T, D] with D =
+  // x.numel() / mean.numel(), gw[b, d] = sum_t g (x - mean[b, t]) rstd[b, t]; otherwise x is
+  // [B, C, *] with `groups` groups of channels and stats [B, groups]. gb = the same sums of g.
+  // Returns (gw, gb), [B, D] or [B, C], fp32 (fp64 for fp64 data), accumulated in that dtype.
+  m.def(
+      "norm_affine_example_grads(Tensor grad_out, Tensor x, Tensor mean, Tensor rstd, int batch, int groups,"
+      " bool layer_norm) -> (Tensor, Tensor)");
   m.def("_build_config() -> str", &build_config);
 }
 

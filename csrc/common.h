@@ -104,6 +104,85 @@ inline void check_scale_rows_args(const at::Tensor& x, const at::Tensor& factor)
               " for ", x.scalar_type(), " data, got ", factor.scalar_type());
 }
 
+// The geometry of norm_affine_example_grads: B examples, each with D affine parameters (LayerNorm:
+// the normalized numel; GroupNorm: the channels) summed over R positions (LayerNorm: the T rows of
+// an example, strided by D; GroupNorm: the S contiguous elements of a channel), with G groups
+// (GroupNorm only; one statistic per (example, group)).
+struct NormAffineShape {
+  int64_t B, R, D, G;
+  bool layer_norm;
+};
+
+// What LayerNorm normalizes over, from its statistics: x.numel() / mean.numel() when there are
+// any; with none (an empty batch) the trailing size-1 dims of mean in native_layer_norm's layout
+// ([*leading, 1, ...]) name the normalized dims (a size-1 leading dim taken along changes nothing).
+inline int64_t layer_norm_row_size(const at::Tensor& x, const at::Tensor& mean) {
+  const int64_t M = mean.numel();
+  if (M > 0) {
+    TORCH_CHECK(x.numel() % M == 0, "bpclip_fast.norm_affine_example_grads: x has ", x.numel(),
+                " elements, not a multiple of mean's ", M, " rows");
+    return x.numel() / M;
+  }
+  TORCH_CHECK(x.numel() == 0, "bpclip_fast.norm_affine_example_grads: mean is empty but x has ", x.numel(),
+              " elements");
+  TORCH_CHECK(mean.dim() == x.dim(), "bpclip_fast.norm_affine_example_grads: with an empty mean, its shape must be",
+              " native_layer_norm's (", x.dim(), " dims, size 1 over the normalized ones) to tell the row size; got ",
+              mean.sizes());
+  int64_t axis = mean.dim();
+  while (axis > 0 && mean.size(axis - 1) == 1) --axis;
+  int64_t D = 1;
+  for (int64_t i = axis; i < x.dim(); ++i) D *= x.size(i);
+  return D;
+}
+
+inline NormAffineShape check_norm_affine_args(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,
+                                              const at::Tensor& rstd, int64_t batch, int64_t groups,
+                                              bool layer_norm) {
+  constexpr const char* op = "bpclip_fast.norm_affine_example_grads: ";
+  check_float_tensor(x, "x");
+  TORCH_CHECK(grad_out.scalar_type() == x.scalar_type(), op, "grad_out is ", grad_out.scalar_type(), " but x is ",
+              x.scalar_type());
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), op, "grad_out has shape ", grad_out.sizes(), " but x has shape ",
+              x.sizes());
+  check_same_device(x, grad_out, "x", "grad_out");
+  check_same_device(x, mean, "x", "mean");
+  check_same_device(x, rstd, "x", "rstd");
+  // ATen's statistics are fp32 for half data on CUDA, the data dtype on CPU (and fp32 again with
+  // mixed-dtype affine parameters): both are accepted, read as the accumulation dtype.
+  const auto st = mean.scalar_type();
+  if (x.scalar_type() == acc_type_of(x)) {
+    TORCH_CHECK(st == x.scalar_type(), op, "mean must be ", x.scalar_type(), " for ", x.scalar_type(), " data, got ",
+                st);
+  } else {
+    TORCH_CHECK(st == x.scalar_type() || st == acc_type_of(x), op, "mean must be ", x.scalar_type(), " or ",
+                acc_type_of(x), " for ", x.scalar_type(), " data, got ", st);
+  }
+  TORCH_CHECK(rstd.scalar_type() == st, op, "rstd is ", rstd.scalar_type(), " but mean is ", st);
+  TORCH_CHECK(rstd.numel() == mean.numel(), op, "rstd has ", rstd.numel(), " entries but mean has ", mean.numel());
+  TORCH_CHECK(batch >= 0, op, "batch must be >= 0, got ", batch);
+  NormAffineShape s{};
+  s.B = batch;
+  s.layer_norm = layer_norm;
+  if (layer_norm) {
+    s.G = 1;
+    s.D = layer_norm_row_size(x, mean);
+    const int64_t M = mean.numel();
+    TORCH_CHECK(batch == 0 ? M == 0 : M % batch == 0, op, "mean has ", M, " rows, not a multiple of batch = ", batch);
+    s.R = batch == 0 ? 0 : M / batch;
+    return s;
+  }
+  TORCH_CHECK(x.dim() >= 2, op, "group norm needs x of shape [B, C, *], got ", x.sizes());
+  TORCH_CHECK(x.size(0) == batch, op, "x has ", x.size(0), " examples but batch = ", batch);
+  TORCH_CHECK(groups >= 1 && x.size(1) % groups == 0, op, "groups must be >= 1 and divide C = ", x.size(1), ", got ",
+              groups);
+  TORCH_CHECK(mean.numel() == batch * groups, op, "mean needs batch * groups = ", batch * groups,
+              " entries, got ", mean.numel());
+  s.G = groups;
+  s.D = x.size(1);
+  s.R = batch * s.D == 0 ? 0 : x.numel() / (batch * s.D);
+  return s;
+}
+
 inline void check_noise_args(const at::Tensor& buf, double stdv) {
   check_float_tensor(buf, "buf");
   TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise_: std must be finite and >= 0, got ", stdv);

@@ -120,6 +120,35 @@ def test_philox_noise_grid_stride_loop(sim, request, blocks, threads):
                                  blocks=blocks, threads=threads) == []
 
 
+# norm_affine_example_grads. LayerNorm [B, T, D]: T at, one past and well past the 64-row chunk
+# (one chunk: no finalize; several: partials and finalize), outputs (B·D·chunks threads) below,
+# at and across a 256-thread block, D = 1, and normalized_shape of two dims. GroupNorm [B, C, S]:
+# S below, at and past a warp and across the 4096-element chunk, G = 1 and G = C, more
+# (example, channel) warps than a block holds (8).
+LN_AFFINE_CASES = [((1, 1, 1), 1), ((2, 64, 33), 1), ((2, 65, 33), 1), ((3, 200, 7), 1), ((1, 130, 300), 1),
+                   ((4, 3, 64), 1), ((5, 1), 1), ((2, 70, 1), 1), ((2, 9, 4, 5), 2), ((2, 3, 4, 5), 2)]
+GN_AFFINE_CASES = [((1, 1, 1), 1), ((2, 6, 31), 3), ((2, 4, 32), 2), ((3, 8, 33), 8), ((2, 3, 4097), 1),
+                   ((1, 2, 8193), 2), ((9, 5, 7), 1), ((2, 6, 5, 7), 6), ((3, 12, 3, 3), 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape,normalized_dims", LN_AFFINE_CASES, ids=str)
+def test_norm_affine_layer_norm(sim, request, shape, normalized_dims, dtype):
+    _schedule(sim, request)
+    g = _data(shape, dtype, seed=len(request.node.nodeid))
+    x = _data(shape, dtype, seed=len(request.node.nodeid) + 1) + 0.5
+    assert harness.compare_norm_affine(sim, g, x, True, normalized_dims=normalized_dims) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape,groups", GN_AFFINE_CASES, ids=str)
+def test_norm_affine_group_norm(sim, request, shape, groups, dtype):
+    _schedule(sim, request)
+    g = _data(shape, dtype, seed=len(request.node.nodeid))
+    x = _data(shape, dtype, seed=len(request.node.nodeid) + 1) - 0.25
+    assert harness.compare_norm_affine(sim, g, x, False, groups) == []
+
+
 @pytest.mark.parametrize("policy", ["in_order", "reverse", "random"])
 def test_results_do_not_depend_on_the_schedule(sim, policy):
     # Our reductions have a fixed order (no float atomics), so every schedule gives the same bits.
@@ -139,7 +168,8 @@ def test_every_global_kernel_is_launched(sim):
     """Fails when csrc/cuda has a __global__ kernel that the emulator tests never launch."""
     kernels = harness.global_kernels()
     assert {"row_partial_kernel", "finalize_rows_kernel", "scale_rows_kernel", "clip_jvp_kernel",
-            "philox_noise_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
+            "philox_noise_kernel", "ln_affine_partial_kernel", "gn_affine_partial_kernel",
+            "affine_finalize_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
     sim.schedule("random", 7)
     assert harness.sweep(sim) == []
     launched = {harness.kernel_base_name(name) for name in sim.stats()}
@@ -333,6 +363,9 @@ MUTANTS = {
                                       "const int64_t hi = lo + kScaleTile;\n  const fac_t f"),
     "half_rounds_toward_zero": ("dtypes.cuh", "return __float2half_rn(v);", "return __float2half_rz(v);"),
     "noise_writes_past_the_end": ("noise_kernels.cuh", "if (base + l >= n) break;", "if (base + l > n) break;"),
+    "affine_finalize_skips_last_chunk": ("norm_affine_kernels.cuh", "for (int64_t k = 0; k < K; ++k) s += p[k * O];",
+                                         "for (int64_t k = 0; k + 1 < K; ++k) s += p[k * O];"),
+    "gn_affine_wrong_group": ("norm_affine_kernels.cuh", "(o % D) / (D / G)", "(o % D) % G"),
     "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<fac_t>, warp_blocks(r.B),",
                                   "launch(finalize_rows_kernel<fac_t>, r.B / kWarpsPerBlock,"),
 }

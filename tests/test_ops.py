@@ -386,6 +386,10 @@ def _opcheck_cases(device):
         (OPS.linear_clipped_grads, (gol, xl, f, wl, [True, True], [3, 4], 0.1)),
         (OPS.linear_clipped_grads, (gol, xl, f, wl, [False, True], [0, 0], 0.0)),
         (OPS.conv2d_clipped_grads, (go, x, f, w, [1, 1], [0, 0], [1, 1], 1, [True, True], [3, 4], 0.1)),
+        (OPS.norm_affine_example_grads, (gol, torch.randn_like(gol), *torch.ops.aten.native_layer_norm(
+            gol, [6], None, None, 1e-5)[1:], 4, 1, True)),
+        (OPS.norm_affine_example_grads, (go, torch.randn_like(go), *torch.ops.aten.native_group_norm(
+            go, None, None, 4, 5, 16, 5, 1e-5)[1:], 4, 5, False)),
     ]
 
 

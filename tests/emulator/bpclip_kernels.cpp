@@ -2,6 +2,7 @@
 // C ABI for tests/test_emulator.py (ctypes). Buffers are host memory owned by the caller.
 #include "simt.h"
 
+#include <algorithm>
 #include <climits>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 
 #include "clip_launch.cuh"
 #include "noise_launch.cuh"
+#include "norm_affine_launch.cuh"
 
 namespace {
 
@@ -115,6 +117,19 @@ int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t o
     } else {
       launch(philox_noise_kernel<T>, blocks, threads, static_cast<T*>(buf), n, seed, offset, stdv, accumulate);
     }
+  });
+}
+
+// mean and rstd in the accumulation dtype (as the launcher converts them); gw, gb [B, D] likewise.
+int simt_norm_affine(int dtype, const void* g, const void* x, const void* mean, const void* rstd, int layer_norm,
+                     int64_t B, int64_t R, int64_t D, int64_t G, void* gw, void* gb) {
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    // NaN-poisoned like the launchers' workspace, so that a partial read before it is written shows.
+    std::vector<acc_t> work(static_cast<size_t>(std::max<int64_t>(1, affine_workspace_count(layer_norm, B, R, D))),
+                            static_cast<acc_t>(NAN));
+    norm_affine_device<T, acc_t>(static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const acc_t*>(mean),
+                                 static_cast<const acc_t*>(rstd), layer_norm != 0, B, R, D, G, work.data(),
+                                 static_cast<acc_t*>(gw), static_cast<acc_t*>(gb));
   });
 }
 

@@ -148,6 +148,7 @@ class Simt:
         lib.simt_scale_rows.argtypes = [i32, vp, vp, i64, i64, vp]
         lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
         lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32]
+        lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
             getattr(lib, name).argtypes = [vp, vp, i64, i32]
@@ -188,6 +189,11 @@ class Simt:
         N = g[0].numel() if B else 0
         self.call("simt_clip_rows_backward", DTYPES[g.dtype], _ptr(g), _ptr(xc), _ptr(factor), _ptr(norm), B, N,
                   bound, CLIP_FNS[clip_fn], _ptr(out))
+
+    def norm_affine(self, g, x, mean, rstd, gw, gb, *, layer_norm, B, R, D, G):
+        """mean/rstd flat in the accumulation dtype; gw, gb [B, D] buffers of that dtype."""
+        self.call("simt_norm_affine", DTYPES[x.dtype], _ptr(g), _ptr(x), _ptr(mean), _ptr(rstd), int(layer_norm), B,
+                  R, D, G, _ptr(gw), _ptr(gb))
 
     def box_muller(self, words: torch.Tensor) -> torch.Tensor:
         """philox.h's box_muller run as emulated device code on [pairs, 3] uint32 words (as int64)."""
@@ -352,6 +358,76 @@ def compare_noise(sim: Simt, n: int, dtype, seed: int, offset: int, std: float, 
     return problems
 
 
+def norm_stats(x: torch.Tensor, layer_norm: bool, groups: int = 1, normalized_dims: int = 1):
+    """(mean, rstd) as ATen's CPU forward returns them for ``x`` (eps 1e-5)."""
+    if layer_norm:
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, list(x.shape[x.dim() - normalized_dims:]), None, None,
+                                                         1e-5)
+    else:
+        n, c = x.shape[:2]
+        _, mean, rstd = torch.ops.aten.native_group_norm(x, None, None, n, c, x[0, 0].numel() if n and c else 0,
+                                                         groups, 1e-5)
+    return mean, rstd
+
+
+def norm_affine_terms(g, x, mean, rstd, layer_norm, groups, batch):
+    """The float64 terms g·(x − mean)·rstd and g, shaped [B, D, R] (the sums run over the last dim)."""
+    g64, x64, m64, r64 = g.double(), x.double(), mean.double().reshape(-1), rstd.double().reshape(-1)
+    if layer_norm:
+        d = x.numel() // max(mean.numel(), 1)
+        g64, x64 = g64.reshape(batch, -1, d), x64.reshape(batch, -1, d)
+        m64, r64 = m64.reshape(batch, -1, 1), r64.reshape(batch, -1, 1)
+        return (g64 * (x64 - m64) * r64).transpose(1, 2), g64.transpose(1, 2)
+    c = x.shape[1]
+    g64, x64 = g64.reshape(batch, c, -1), x64.reshape(batch, c, -1)
+    m64 = m64.reshape(batch, groups, 1).repeat_interleave(c // groups, 1)
+    r64 = r64.reshape(batch, groups, 1).repeat_interleave(c // groups, 1)
+    return g64 * (x64 - m64) * r64, g64
+
+
+def accumulation_bound(terms: torch.Tensor, acc) -> torch.Tensor:
+    """An upper bound on the error of summing ``terms`` [.., n] (each computed from exact inputs
+    with at most three roundings) in ``acc`` in any order: (n + 3)·u·Σ|term|, u = 2^-24 (2^-53)."""
+    u = 2.0 ** -53 if acc == torch.float64 else 2.0 ** -24
+    n = terms.shape[-1]
+    return (n + 3) * u * terms.abs().sum(-1) * 1.01
+
+
+def compare_norm_affine(sim: Simt, g, x, layer_norm: bool, groups: int = 1, normalized_dims: int = 1):
+    """Emulated norm_affine_example_grads vs the CPU op on the same inputs and ATen statistics; the
+    two may differ by their summation orders: each within accumulation_bound of the exact sums."""
+    batch = x.shape[0]
+    mean, rstd = norm_stats(x, layer_norm, groups, normalized_dims)
+    acc = acc_dtype(x.dtype)
+    if layer_norm:
+        D = x.numel() // mean.numel() if mean.numel() else x[0].numel()
+        R = mean.numel() // batch if batch else 0
+    else:
+        D = x.shape[1]
+        R = x[0, 0].numel() if batch and D else 0
+    wbuf, gw = guarded(batch * D, acc)
+    bbuf, gb = guarded(batch * D, acc)
+    sim.norm_affine(guarded_copy(g.contiguous()), guarded_copy(x.contiguous()),
+                    guarded_copy(mean.reshape(-1).to(acc)), guarded_copy(rstd.reshape(-1).to(acc)), gw, gb,
+                    layer_norm=layer_norm, B=batch, R=R, D=D, G=groups)
+    ref_w, ref_b = torch.ops.bpclip_fast.norm_affine_example_grads(g, x, mean, rstd, batch, groups, layer_norm)
+    problems = []
+    for name, buf in (("gw", wbuf), ("gb", bbuf)):
+        if not _guard_intact(buf, batch * D, float("nan")):
+            problems.append(f"{name}: written past its end")
+    tw, tb = norm_affine_terms(g, x, mean, rstd, layer_norm, groups, batch)
+    for name, out, ref, terms in (("gw", gw, ref_w, tw), ("gb", gb, ref_b, tb)):
+        out = out.reshape(batch, D)
+        if out.dtype != ref.dtype or ref.shape != out.shape:
+            problems.append(f"{name}: the CPU op gave {ref.dtype} {tuple(ref.shape)}")
+            continue
+        diff = (out.double() - ref.double()).abs()
+        bad = ~(diff <= 2 * accumulation_bound(terms, acc))  # NaN (unwritten) counts as bad
+        if bad.any():
+            problems.append(f"{name} differs at {int(bad.sum())} of {out.numel()} outputs, max {float(diff.max()):.3g}")
+    return problems
+
+
 def sweep(sim: Simt) -> list[str]:
     """A small run of every op, dtype and kernel path; the problems it finds, labelled."""
     problems = []
@@ -373,4 +449,10 @@ def sweep(sim: Simt) -> list[str]:
         for n, blocks in ((1001, 0), (4099, 3)):
             problems += [f"noise {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks)]
             problems += [f"noise+ {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks)]
+        for shape, ln, groups in (((3, 70, 33), True, 1), ((2, 5, 9), True, 1), ((2, 6, 4097), False, 3),
+                                  ((9, 4, 5), False, 2)):
+            g = torch.randn(shape, generator=gen).to(dtype)
+            x = torch.randn(shape, generator=gen).to(dtype)
+            problems += [f"norm_affine {'ln' if ln else 'gn'} {dtype} {shape}: {p}"
+                         for p in compare_norm_affine(sim, g, x, ln, groups)]
     return problems
