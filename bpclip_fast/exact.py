@@ -453,25 +453,11 @@ class RowExamples:
 def affine_example_grads(g, x, mean, rstd, groups, layer_norm, weight_shape, has_bias):
     """Per-example gradients ``([B, *weight_shape], [B, *weight_shape] or None)`` of a LayerNorm's
     (``layer_norm``) or GroupNorm's affine parameters, in the accumulation dtype, from the statistics
-    the forward's ``native_layer_norm``/``native_group_norm`` returned."""
+    the forward's ``native_layer_norm``/``native_group_norm`` returned: one fused pass over ``g`` and
+    ``x`` (``norm_affine_example_grads``, csrc/cpu/norm_affine_cpu.cpp and its CUDA kernels)."""
     b = x.shape[0]
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    # explicit sizes, not -1: an empty (Poisson) batch has b = 0
-    if layer_norm:
-        d = math.prod(weight_shape)
-        t = math.prod(x.shape[1:]) // d
-        shape, stats = (b, t, d), (b, t, 1)
-    else:
-        c = x.shape[1]
-        shape, stats = (b, c, math.prod(x.shape[2:])), (b, c, 1)
-        mean = mean.reshape(b, groups, 1).expand(b, groups, c // groups)
-        rstd = rstd.reshape(b, groups, 1).expand(b, groups, c // groups)
-    gg = g.reshape(shape).to(acc)
-    xh = (x.reshape(shape).to(acc) - mean.reshape(stats).to(acc)) * rstd.reshape(stats).to(acc)
-    dim = 1 if layer_norm else 2
-    gw = (gg * xh).sum(dim).reshape(b, *weight_shape)
-    gb = gg.sum(dim).reshape(b, *weight_shape) if has_bias else None
-    return gw, gb
+    gw, gb = _ops.norm_affine_example_grads(g, x, mean, rstd, b, max(groups, 1), layer_norm)
+    return gw.reshape(b, *weight_shape), (gb.reshape(b, *weight_shape) if has_bias else None)
 
 
 def _release_examples(layer, examples, factor, step_args, mask):
