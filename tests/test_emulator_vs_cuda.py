@@ -100,3 +100,26 @@ def test_scale_rows_device_agrees_with_emulator_bit_for_bit(sim, dtype):
     dout = torch.ops.bpclip_fast.scale_rows(x.cuda(), factor.cuda()).cpu()
     assert torch.equal(harness._bits(dout), harness._bits(out))
     assert torch.equal(harness._bits(dout), harness._bits(torch.ops.bpclip_fast.scale_rows(x, factor)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layer_norm,shape,groups", [(True, (3, 70, 33), 1), (True, (2, 5, 8, 768), 1),
+                                                     (False, (3, 12, 9, 9), 4), (False, (2, 64, 70, 70), 8)])
+def test_norm_affine_device_agrees_with_emulator(sim, dtype, layer_norm, shape, groups):
+    """The device kernels (LayerNorm: per (example, parameter, row chunk); GroupNorm: a warp per
+    (example, channel, chunk); their finalize) against the emulated ones and the CPU op, each within
+    the summation bound of the exact float64 sums (their orders differ)."""
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(shape, generator=gen).to(dtype)
+    x = (torch.randn(shape, generator=gen) + 0.5).to(dtype)
+    assert harness.compare_norm_affine(sim, g, x, layer_norm, groups) == []
+    mean, rstd = harness.norm_stats(x, layer_norm, groups, 1)
+    batch = shape[0]
+    dw, db = torch.ops.bpclip_fast.norm_affine_example_grads(g.cuda(), x.cuda(), mean.cuda(), rstd.cuda(), batch,
+                                                             groups, layer_norm)
+    tw, tb = harness.norm_affine_terms(g, x, mean, rstd, layer_norm, groups, batch)
+    acc = harness.acc_dtype(dtype)
+    for out, terms in ((dw, tw), (db, tb)):
+        exact = terms.sum(-1)
+        assert out.dtype == acc
+        assert bool(((out.cpu().double() - exact).abs() <= harness.accumulation_bound(terms, acc)).all())
