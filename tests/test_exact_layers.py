@@ -21,7 +21,6 @@ from fractions import Fraction
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import bpclip_fast

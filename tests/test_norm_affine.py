@@ -4,11 +4,17 @@ torch.func's per-example gradients of F.layer_norm / F.group_norm; dtypes, layou
 single-example batches, and the argument checks. The CUDA kernels against the CPU op: the emulator
 (tests/test_emulator.py) and the device cases here."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bpclip_fast import _ops
+
+sys.path.insert(0, str(Path(__file__).parent / "emulator"))
+import harness  # noqa: E402  (the float64 terms of the two sums and their summation bound)
 
 OPS = torch.ops.bpclip_fast
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -30,37 +36,15 @@ def gn_stats(x, groups):
     return mean, rstd
 
 
-def terms(g, x, mean, rstd, layer_norm, groups, batch):
-    """float64 terms [B, D, R] of the two sums: g·(x − mean)·rstd, and g."""
-    g, x, m, r = g.double(), x.double(), mean.double().reshape(-1), rstd.double().reshape(-1)
-    if layer_norm:
-        d = x.numel() // m.numel()
-        g, x = g.reshape(batch, -1, d), x.reshape(batch, -1, d)
-        m, r = m.reshape(batch, -1, 1), r.reshape(batch, -1, 1)
-        return (g * (x - m) * r).transpose(1, 2), g.transpose(1, 2)
-    c = x.shape[1]
-    g, x = g.reshape(batch, c, -1), x.reshape(batch, c, -1)
-    m = m.reshape(batch, groups, 1).repeat_interleave(c // groups, 1)
-    r = r.reshape(batch, groups, 1).repeat_interleave(c // groups, 1)
-    return g * (x - m) * r, g
-
-
-def bound(t, dtype):
-    """Worst-case error of summing the terms [.., n] in dtype, any order, each term from exact
-    inputs with three roundings: (n + 3)·u·Σ|term|."""
-    u = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
-    return (t.shape[-1] + 3) * u * t.abs().sum(-1) * 1.01
-
-
 def check_against_reference(gw, gb, g, x, mean, rstd, layer_norm, groups, batch):
     acc = acc_dtype(x.dtype)
-    tw, tb = terms(g.cpu(), x.cpu(), mean.cpu(), rstd.cpu(), layer_norm, groups, batch)
+    tw, tb = harness.norm_affine_terms(g.cpu(), x.cpu(), mean.cpu(), rstd.cpu(), layer_norm, groups, batch)
     assert gw.dtype == gb.dtype == acc
     assert gw.shape == gb.shape == tw.shape[:2]
     assert gw.is_contiguous() and gb.is_contiguous()
     for out, t in ((gw, tw), (gb, tb)):
         # The reference's own float64 rounding is part of the allowance.
-        tol = bound(t, acc) + bound(t, torch.float64)
+        tol = harness.accumulation_bound(t, acc) + harness.accumulation_bound(t, torch.float64)
         err = (out.cpu().double() - t.sum(-1)).abs()
         assert (err <= tol).all(), f"max error {err.max():.3g}, allowed {tol.max():.3g}"
 
