@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import bpclip_fast
+import bpclip_fast.models
 from bpclip_fast import modules
 from bpclip_fast import nn as bnn
 import exact_oracle as eo
@@ -362,3 +363,23 @@ def test_engine_noise_on_every_new_parameter_is_sigma_c_over_b():
     assert float(z.std()) == pytest.approx(1.0, rel=0.2) and abs(float(z.mean())) < 0.3
     draws = torch.cat([p.grad.reshape(-1) for k, p in model.named_parameters()])
     assert len(set(draws.tolist())) == draws.numel()  # no two layers share a draw
+
+
+@pytest.mark.parametrize("build", [lambda: bpclip_fast.models.vit(depth=1, dim=16, heads=2),
+                                   lambda: bpclip_fast.models.resnet20_gn(groups=4)], ids=["vit", "resnet20_gn"])
+def test_issue_models_flat_release_equals_opacus(build):
+    """End to end on the two models of issue 15 (float64, noise off): our flat release equals Opacus'
+    per-sample clipping and the torch.func oracle, with one example clipped and one not."""
+    pytest.importorskip("opacus")
+    torch.manual_seed(8)
+    net = perturbed(build(), seed=8).double()
+    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
+    y = torch.tensor([3, 7])
+    per_ex = eo.per_example_grads(net, x, y)
+    norms = sum(v.flatten(1).pow(2).sum(1) for v in per_ex.values()).sqrt()
+    c = float(norms.mean())  # between the two
+    assert float(norms.min()) < c < float(norms.max())
+    groups = eo.layer_groups(net)
+    assert_same(ours(net, x, y, "flat", c), eo.clipped_sum(per_ex, groups, c, "flat").sums, c, "oracle")
+    opacus = eo.opacus_clipped_sum(net, x, y, eo.sum_cross_entropy, c, "flat", dtype=torch.float64)
+    assert_same(opacus, eo.clipped_sum(per_ex, groups, c, "flat", eps=1e-6).sums, c, "opacus vs oracle")
