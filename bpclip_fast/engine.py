@@ -310,18 +310,19 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ validation
     @staticmethod
-    def validate(model: nn.Module, example_input=None) -> list[str]:
-        """Every problem that stops ``model`` from being trained privately, as a list of messages.
+    def validate(model: nn.Module, example_input=None, clipping: str = "backprop") -> list[str]:
+        """Every problem that stops ``model`` from being trained privately with ``clipping`` (the mode
+        to be passed to ``make_private``; its default), as a list of messages.
 
         The module checks of :mod:`bpclip_fast.registry` (trainable parameters outside the registered
-        layer types, batch-mixing layers: BatchNorm in any mode, InstanceNorm with
-        running statistics; ``padding_mode`` other than zeros); with ``example_input``, the probes of
+        layer types, layers the mode has no bound for, batch-mixing layers: BatchNorm in any mode,
+        InstanceNorm with running statistics; ``padding_mode`` other than zeros); with ``example_input``, the probes of
         :func:`bpclip_fast.validate.dynamic_problems` too (without it, the layers refuse reuse at
         training time). Empty list: nothing found.
         """
         if isinstance(model, _ddp_class()):
             model = model.module
-        return _validate.validate(model, example_input)
+        return _validate.validate(model, example_input, clipping)
 
     # ------------------------------------------------------------------ make_private
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -371,7 +372,7 @@ class PrivacyEngine:
         plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, "make_private")
         if max_input_shape is not None:
             max_input_shape = tuple(int(s) for s in max_input_shape)
-        shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe)
+        shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping)
         self._check_built_layers(inner, clipping, max_grad_norm)
         if clipping == "backprop":
             settings = dict(input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm)
@@ -489,10 +490,10 @@ class PrivacyEngine:
                                "initialised with more than one process")
         return module.module
 
-    def _model_problems(self, inner, optimizer, data_loader, max_input_shape, probe) -> dict:
+    def _model_problems(self, inner, optimizer, data_loader, max_input_shape, probe, clipping) -> dict:
         """Every problem of the model and the optimizer at once (raised as one ``ValueError``) before
         anything is changed; returns ``{layer: input shape}`` of the probe forward (Δ is fixed from it)."""
-        problems = _validate.static_problems(inner)
+        problems = _validate.static_problems(inner, clipping)
         shapes, example = {}, None
         if max_input_shape is not None:
             p0 = next(inner.parameters(), None)

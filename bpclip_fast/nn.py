@@ -796,11 +796,10 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
                          + "\n  ".join(problems))
     if clipping not in exact.MODES:
         raise ValueError(f"convert_model: clipping must be one of {exact.MODES}, got {clipping!r}")
-    unbounded = registry.unbounded(model, clipping)
+    unbounded = registry.mode_problems(model, clipping)
     if unbounded:
-        raise ValueError(f"convert_model: clipping={clipping!r} has no proved bound for these layers: "
-                         f"{', '.join(unbounded)}; use clipping='flat' or 'per_layer' (exact per-example clipping), "
-                         "or freeze them (requires_grad_(False))")
+        raise ValueError("convert_model: these layers cannot be trained with clipping=" f"{clipping!r}:\n  "
+                         + "\n  ".join(unbounded))
     kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping)
     if clipping == "backprop":
         kw.update(input_clip=input_clip, grad_clip=grad_clip, norm=norm)

@@ -33,7 +33,7 @@ from typing import Callable
 from torch import nn
 
 __all__ = ["LayerType", "register_layer", "register_module_check", "layer_type", "is_clipped", "owns_trainable",
-           "clipped_by_conversion", "trained_layer", "unbounded", "mixes_batch", "module_problems", "label"]
+           "clipped_by_conversion", "trained_layer", "unbounded", "mode_problems", "mixes_batch", "module_problems", "label"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,14 @@ def unbounded(model: nn.Module, clipping: str) -> list[str]:
     ``clipping`` (``LayerType.modes``): what that mode must refuse."""
     return [label(name, m, model) for name, m in model.named_modules()
             if convertible(m) and clipping not in layer_type(m).modes]
+
+
+def mode_problems(model: nn.Module, clipping: str) -> list[str]:
+    """``"<label>: <reason>"`` for every module of :func:`unbounded` (``convert_model`` and
+    ``validate`` report these)."""
+    return [f"{where}: clipping={clipping!r} has no proved bound for its parameters; use clipping='flat' or "
+            "'per_layer' (exact per-example clipping), or freeze it (requires_grad_(False))"
+            for where in unbounded(model, clipping)]
 
 
 def mixes_batch(module: nn.Module) -> bool:

@@ -82,10 +82,13 @@ from .models import group_count
 __all__ = ["static_problems", "probe", "dynamic_problems", "validate", "fix_model"]
 
 
-def static_problems(model: nn.Module) -> list[str]:
+def static_problems(model: nn.Module, clipping: str | None = None) -> list[str]:
     """Every problem that can be found without running the model: the registry's module checks
-    (:func:`bpclip_fast.registry.module_problems`), and a model with nothing to train."""
+    (:func:`bpclip_fast.registry.module_problems`), with ``clipping`` the layers that mode has no
+    bound for (:func:`bpclip_fast.registry.mode_problems`), and a model with nothing to train."""
     problems = registry.module_problems(model)
+    if clipping is not None:
+        problems += registry.mode_problems(model, clipping)
     if not any(p.requires_grad for p in model.parameters()):
         problems.append(f"{type(model).__name__}: no trainable parameters")
     return problems
@@ -609,9 +612,10 @@ def _probe(model: nn.Module, example_input) -> list[str]:
     return problems
 
 
-def validate(model: nn.Module, example_input=None) -> list[str]:
-    """Static problems, plus (with ``example_input``) the problems the probes find (module docstring)."""
-    problems = static_problems(model)
+def validate(model: nn.Module, example_input=None, clipping: str | None = None) -> list[str]:
+    """Static problems (for ``clipping``, if given), plus (with ``example_input``) the problems the
+    probes find (module docstring)."""
+    problems = static_problems(model, clipping)
     if example_input is not None:
         problems += dynamic_problems(model, example_input)
     return problems

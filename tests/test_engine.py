@@ -430,8 +430,8 @@ def test_validator_lists_every_problem():
     for expected in ["conv (Conv2d): padding_mode='reflect'", "bn (BatchNorm2d): BatchNorm in training mode",
                      "frozen_bn (BatchNorm2d): BatchNorm (in eval mode now, but model.train() switches it back)",
                      "inorm (InstanceNorm2d): InstanceNorm with track_running_stats=True in training mode",
-                     "ln (LayerNorm): trainable parameters outside bpclip_fast's clipped layers (ln.weight, ln.bias)",
-                     "elementwise_affine=False", "custom (WithParam): trainable parameters", "custom.scale",
+                     "ln (LayerNorm): clipping='backprop' has no proved bound for its parameters; use clipping='flat'",
+                     "custom (WithParam): trainable parameters", "custom.scale",
                      "shared (Linear): reached 2 times in one forward pass"]:
         assert expected in joined, (expected, problems)
     assert "gn (" not in joined and "head" not in joined

@@ -270,9 +270,12 @@ def test_backprop_clipping_is_refused_naming_the_exact_modes(make):
 def test_convert_model_and_make_private_refuse_backprop_before_changing_anything():
     net = AllTypes()
     before = [type(m) for m in net.modules()]
-    with pytest.raises(ValueError, match=r"emb \(Embedding\).*ln \(LayerNorm\).*clipping='flat' or 'per_layer'"):
+    with pytest.raises(ValueError, match=r"(?s)emb \(Embedding\).*ln \(LayerNorm\).*clipping='flat' or 'per_layer'"):
         bnn.convert_model(net, input_clip=1.0, grad_clip=1.0)
     assert [type(m) for m in net.modules()] == before
+    engine = bpclip_fast.PrivacyEngine
+    assert len(engine.validate(net)) == 5  # for make_private's default mode, backprop: each of the five
+    assert engine.validate(net, tokens(2), clipping="flat") == []
     data = torch.utils.data.TensorDataset(tokens(8), torch.arange(8) % 5)
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     with pytest.raises(ValueError, match="no proved bound"):
