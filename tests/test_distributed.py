@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from bpclip_fast import Adaptive
 from bpclip_fast.engine import InsecureSeedWarning, PrivacyEngine
 from bpclip_fast import nn as bnn
+from bpclip_fast.modules import PositionalEmbedding
 
 WORLD = 2
 STEPS = 6
@@ -35,8 +36,11 @@ def dataset():
     return TensorDataset(torch.rand(48, 1, 8, 8, generator=g), torch.randint(0, 10, (48,), generator=g))
 
 
-def model_fn():
+def model_fn(mode="backprop"):
     torch.manual_seed(1)
+    if mode.endswith("_norms"):  # the layer types of issue 15 (exact modes only)
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.MaxPool2d(2),
+                             nn.Flatten(), PositionalEmbedding(64), nn.LayerNorm(64), nn.Linear(4 * 4 * 4, 10))
     return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Flatten(),
                          nn.Linear(4 * 4 * 4, 10))
 
@@ -47,6 +51,8 @@ CLIPPING = {"backprop": dict(input_clip=2.0, grad_clip=0.5),
 # Adaptive thresholds: the counts are summed over the ranks and noised once (same seed everywhere), so
 # every rank moves the thresholds as the single process does.
 CLIPPING.update({f"{mode}_adaptive": dict(kw, adaptive=Adaptive(learning_rate=0.5)) for mode, kw in list(CLIPPING.items())})
+CLIPPING.update({"flat_norms": dict(clipping="flat", max_grad_norm=0.7),
+                 "per_layer_norms": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.3, 0.2, 0.6])})
 MODES = tuple(CLIPPING)
 
 
@@ -83,7 +89,7 @@ def _worker(rank, port, out_dir):
     try:
         for mode, prewrap in ((m, p) for m in MODES for p in (False, True)):  # the engine wraps in DDP / the user
             wrap = (lambda m: nn.parallel.DistributedDataParallel(m)) if prewrap else None
-            engine, model, sizes = run(model_fn(), BATCH, wrap=wrap, mode=mode)
+            engine, model, sizes = run(model_fn(mode), BATCH, wrap=wrap, mode=mode)
             assert isinstance(model, nn.parallel.DistributedDataParallel)
             layers = [m for m in model.modules() if isinstance(m, bnn._Clipped)]
             result = {"params": [p.detach().clone() for p in model.module.parameters()], "sizes": sizes,
@@ -123,7 +129,7 @@ def two_processes(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process():
-    return {mode: run(model_fn(), BATCH * WORLD, mode=mode) for mode in MODES}
+    return {mode: run(model_fn(mode), BATCH * WORLD, mode=mode) for mode in MODES}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,7 +148,7 @@ def test_two_processes_equal_one_process_on_the_same_batches(two_processes, sing
     assert engine.gradient_noise_multiplier == (0.8 if engine.adaptive is None else pytest.approx(0.8 / 0.9 ** 0.5))
     for r in ranks:  # the thresholds moved (adaptive) and every rank holds the single process's values
         assert r["thresholds"] == pytest.approx(engine.thresholds(), rel=1e-9)
-    assert (engine.adaptive is None) == (engine.thresholds() == run(model_fn(), BATCH * WORLD, mode=mode.split("_ad")[0])[0].thresholds())
+    assert (engine.adaptive is None) == (engine.thresholds() == run(model_fn(mode), BATCH * WORLD, mode=mode.split("_ad")[0])[0].thresholds())
     for r in ranks:
         assert r["steps"] == engine.steps == STEPS
         assert r["epsilon"] == pytest.approx(engine.get_epsilon(DELTA), rel=1e-12)
@@ -150,4 +156,4 @@ def test_two_processes_equal_one_process_on_the_same_batches(two_processes, sing
         for a, b in zip(r["params"], model.parameters()):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
     # The runs moved far from the start, so the comparison above is not trivial.
-    assert (ranks[0]["params"][0] - model_fn()[0].weight.detach()).abs().max() > 1e-2
+    assert (ranks[0]["params"][0] - model_fn(mode)[0].weight.detach()).abs().max() > 1e-2
