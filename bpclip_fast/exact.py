@@ -456,7 +456,7 @@ def affine_example_grads(g, x, mean, rstd, groups, layer_norm, weight_shape, has
     the forward's ``native_layer_norm``/``native_group_norm`` returned: one fused pass over ``g`` and
     ``x`` (``norm_affine_example_grads``, csrc/cpu/norm_affine_cpu.cpp and its CUDA kernels)."""
     b = x.shape[0]
-    gw, gb = _ops.norm_affine_example_grads(g, x, mean, rstd, b, max(groups, 1), layer_norm)
+    gw, gb = _ops.norm_affine_example_grads(g, x, mean, rstd, b, groups, layer_norm)
     return gw.reshape(b, *weight_shape), (gb.reshape(b, *weight_shape) if has_bias else None)
 
 

@@ -411,7 +411,7 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
     ``i``'s gradients are ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t`` over its positions ``t``."""
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, *, clipping="backprop",
-                 max_grad_norm=None, clip_fn="clip", gamma=0.01, norm_method="auto", device=None, dtype=None):
+                 max_grad_norm=None, clip_fn="clip", gamma=0.01, device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias, device=device,
                          dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
@@ -431,7 +431,7 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
 
     def _examples(self, saved, g, mask):
         x, mean, rstd = saved
-        return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, 0, True, self.weight.shape,
+        return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, 1, True, self.weight.shape,
                                                                self.bias is not None), self.weight.dtype)
 
 
@@ -440,7 +440,7 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
     ``Σ_s g_{c,s} x̂_{c,s}`` and ``Σ_s g_{c,s}`` per channel ``c`` over its positions ``s``."""
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, *, clipping="backprop", max_grad_norm=None,
-                 clip_fn="clip", gamma=0.01, norm_method="auto", device=None, dtype=None):
+                 clip_fn="clip", gamma=0.01, device=None, dtype=None):
         super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
@@ -473,7 +473,7 @@ class Embedding(_ExampleLayer, nn.Embedding):
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
                  scale_grad_by_freq=False, sparse=False, _weight=None, _freeze=False, *, clipping="backprop",
-                 max_grad_norm=None, clip_fn="clip", gamma=0.01, norm_method="auto", device=None, dtype=None):
+                 max_grad_norm=None, clip_fn="clip", gamma=0.01, device=None, dtype=None):
         reason = _embedding_problem(max_norm, scale_grad_by_freq, sparse)
         if reason:
             raise ValueError(f"Embedding: {reason}")
@@ -528,8 +528,8 @@ class PositionalEmbedding(_ExampleLayer, modules.PositionalEmbedding):
     """:class:`bpclip_fast.modules.PositionalEmbedding` under exact per-example clipping: example
     ``i``'s gradient is its upstream gradient."""
 
-    def __init__(self, *shape, clipping="backprop", max_grad_norm=None, clip_fn="clip", gamma=0.01,
-                 norm_method="auto", device=None, dtype=None):
+    def __init__(self, *shape, clipping="backprop", max_grad_norm=None, clip_fn="clip", gamma=0.01, device=None,
+                 dtype=None):
         super().__init__(*shape, device=device, dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
@@ -549,7 +549,7 @@ class ClassToken(_ExampleLayer, modules.ClassToken):
     gradient is its upstream gradient at the prepended positions."""
 
     def __init__(self, dim, tokens=1, *, clipping="backprop", max_grad_norm=None, clip_fn="clip", gamma=0.01,
-                 norm_method="auto", device=None, dtype=None):
+                 device=None, dtype=None):
         super().__init__(dim, tokens, device=device, dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
@@ -685,8 +685,9 @@ def _convert_conv2d(layer: nn.Conv2d, **clipping) -> Conv2d:
 
 
 def _exact_kwargs(clipping: dict) -> dict:
-    """The converters' keywords for a layer of the exact modes only."""
-    return {k: v for k, v in clipping.items() if k in ("clipping", "max_grad_norm", "clip_fn", "gamma", "norm_method")}
+    """The converters' keywords for a layer of the exact modes only (no norm_method: its per-example
+    gradients are instantiated, there is no ghost/instantiation choice)."""
+    return {k: v for k, v in clipping.items() if k in ("clipping", "max_grad_norm", "clip_fn", "gamma")}
 
 
 def _convert_layer_norm(layer: nn.LayerNorm, **clipping) -> LayerNorm:
