@@ -1,0 +1,12 @@
+"""Checks a user can run on the guarantee of their own set-up (issue 16).
+
+* :mod:`.sensitivity` — each example's exact contribution to every clipped layer's release,
+  measured through the real layers, against the bound the noise is scaled to; with an adversarial
+  search for examples that push it up.
+* :mod:`.empirical` — an ε lower bound from training runs of the real engine, layers, kernels,
+  sampler and accountant with white-box gradient canaries: one-run (Steinke, Nasr, Jagielski 2023)
+  and many-run (Clopper–Pearson) audits.
+* :mod:`.stats` — the statistics both empirical audits end in: the one-run bound, Clopper–Pearson
+  bounds, and each audit's power (the largest ε its sizes could certify at all).
+* :mod:`.cli` — ``bpclip-audit``.
+"""
