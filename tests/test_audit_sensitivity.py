@@ -372,3 +372,15 @@ def test_part_of_a_flat_model_is_refused():
     model, engine, _, _, _, shape, classes = private(mlp, "flat")
     with pytest.raises(RuntimeError, match="flat clipping's book-keeping did not survive the copy"):
         sensitivity(model[0:2], batch_for(shape, classes))
+
+
+def test_adversarial_search_finds_a_violation_the_batch_does_not_show(monkeypatch):
+    model, engine, *_, shape, classes = private(mlp, "flat", max_grad_norm=3.0)
+    real = exact.factors
+    monkeypatch.setattr(exact, "factors", lambda bound, max_norm, *a, **kw: real(bound, 2 * max_norm, *a, **kw))
+    small = batch_for(shape, classes, scale=0.01)
+    assert sensitivity(model, small, engine=engine).ok  # the batch stays below C: the bug does not show
+    report = sensitivity(model, small, engine=engine, adversarial_steps=25, scales=())
+    row = report.rows[0]
+    assert row.ratio < 0.9 and row.adversarial > 1.05 and row.status == "exceeded"
+    assert not report.ok and "EXCEEDED (flat)" in report.line()

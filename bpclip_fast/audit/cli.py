@@ -72,12 +72,18 @@ def _run_sensitivity(args) -> int:
     loader = DataLoader(train, batch_size=args.batch_size)
     bounds = (dict(input_clip=args.input_clip, grad_clip=args.grad_clip) if args.mode == "backprop"
               else dict(max_grad_norm=args.max_grad_norm))
+    if sum(p.numel() for p in model.parameters()) < 1_000_000:
+        torch.set_num_threads(1)  # as bpclip-train: thread start-up dominates the tiny kernels
     engine = PrivacyEngine(accountant="rdp")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. torch's notes on the probes; the audit reports for itself
-        model, _, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                          data_loader=loader, noise_multiplier=args.sigma, clipping=args.mode,
-                                          loss_reduction=args.loss_reduction, **bounds)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. torch's notes on the probes; the audit reports for itself
+            model, _, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                              data_loader=loader, noise_multiplier=args.sigma, clipping=args.mode,
+                                              loss_reduction=args.loss_reduction, **bounds)
+    except (ValueError, TypeError) as exc:
+        print(f"bpclip-audit sensitivity: --model {args.model} --mode {args.mode}: {exc}", file=sys.stderr)
+        return 2
     pick = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))[:args.batch_size]
     x, y = train[pick]
     report = sensitivity(model, (x, y), engine=engine, adversarial_steps=args.adversarial_steps,

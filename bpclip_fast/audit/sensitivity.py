@@ -37,8 +37,8 @@ engine's forward pre-hook pickles as a no-op; flat clipping's book-keeping is co
 model and checked to belong to the copy), cast to float64 by default, in eval mode (dropout's
 random masks would otherwise differ between the B + 1 passes; no clipped layer depends on the
 mode). The kernels are the same as in training, in double. Each coordinate of a release is a sum
-of at most ``N = (B + 1)·T`` products (``T``: positions per example, bounded here by the largest
-per-example output size of a clipped layer); with unit roundoff ``u`` its error is at most
+of at most ``N = (B + 1)·T`` products (``T``: the most positions one example has at a clipped
+layer, its output size over its channels); with unit roundoff ``u`` its error is at most
 ``γ_N ≈ N·u`` times the sum of the absolute terms, which the triangle inequalities of the bounds
 keep within ``(B + 1)·Δ`` (up to the cancellation inside one example's gradient, and the
 ``O(depth·u)`` relative error of each example's own activations). The difference of two releases
@@ -55,7 +55,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import nn
@@ -127,7 +127,7 @@ class SensitivityReport:
         return text + (f"; EXCEEDED ({', '.join(bad)})" if bad else "; OK")
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k not in ("rows", "contributions")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rows", "contributions")}
         out["rows"] = [asdict(r) for r in self.rows]
         out["ok"] = self.ok
         out["line"] = self.line()
@@ -226,8 +226,9 @@ class _Audit:
         self._positions = positions = [1]
 
         def record(module, args, out):  # a closure, not a bound method: copies of the model stay apart
-            if isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] > 0:
-                positions[0] = max(positions[0], out[0].numel())
+            if isinstance(out, torch.Tensor) and out.dim() > 1 and out.shape[0] > 0:
+                features = out.shape[1] if isinstance(module, (nn.Conv2d, nn.GroupNorm)) else out.shape[-1]
+                positions[0] = max(positions[0], out[0].numel() // max(features, 1))
 
         for layer in self.layers:
             layer.register_forward_hook(record)
@@ -471,8 +472,11 @@ class _Surrogate:
 
 
 def _adversarial(audit, units, rows, norms, full, x, y, steps, starts, scales, step_size, tol):
-    """Gradient ascent on one example's input (module docstring); every iterate's contribution
-    ``R(S ∪ {z}) − R(S)`` is measured through the real layers. Updates ``rows`` in place."""
+    """Gradient ascent on one example's input; every iterate's contribution ``R(S ∪ {z}) − R(S)``
+    (the add neighbour) is measured through the real layers. A step moves ``z`` by ``step_size``
+    times ``max(‖z‖, median input norm)`` along the surrogate's gradient; a start ends after
+    ``steps`` steps or when the surrogate has no direction left (every quantity at 4x its bound:
+    saturated). Updates ``rows`` in place."""
     if not x.is_floating_point():
         return {"skipped": f"integer inputs ({x.dtype}, e.g. token ids) cannot be moved by gradient ascent"}
     surrogate = _Surrogate(audit, units)
