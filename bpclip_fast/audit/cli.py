@@ -26,9 +26,11 @@ def _sensitivity_parser(sub) -> None:
                        description="Makes a model private with a real PrivacyEngine on the embedded digits data and "
                        "audits one batch (bpclip_fast.audit.sensitivity): the largest contribution of one example "
                        "to the released gradient, measured through the real layers with the noise off, against "
-                       "the bound the noise is scaled to. Exit code 0 if every bound holds, 1 if one is exceeded.")
+                       "the bound the noise is scaled to. Exit code 0 if every bound holds, 1 if one is exceeded, 2 if "
+                       "the model cannot be made private in that mode.")
     p.add_argument("--model", default="mlp", help="mlp (Flatten, Linear(784, 32), act, Linear(32, 10)) or a "
-                   "bpclip-train model: mnist, papernot-mnist, resnet20-gn, vit (default: mlp)")
+                   "bpclip-train model: mnist, papernot-mnist, resnet20-gn, vit (the last two: flat/per_layer only, and "
+                   "slower: 10-80 s with the default search) (default: mlp)")
     p.add_argument("--mode", default="backprop", choices=("backprop", "flat", "per_layer"))
     p.add_argument("--activation", default="tanh", help="relu, tanh, tempered, gelu (default: tanh)")
     p.add_argument("--sigma", type=float, default=1.0, help="noise multiplier (the audit draws no noise)")
