@@ -52,7 +52,6 @@ the draw must be added again); ``"micro-batches"`` (two micro-batches accumulate
 
 from __future__ import annotations
 
-import copy
 import math
 import secrets
 import time
@@ -64,7 +63,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from .. import nn as bnn
 from . import stats
+from .sensitivity import NoiseFree
 
 MODES = ("backprop", "flat", "per_layer")
 ACCOUNTANTS = ("rdp", "pld", "zcdp")
@@ -172,7 +173,7 @@ def _pairs(s: Settings, m: int, what: str):
 def _private(s: Settings, x: torch.Tensor, v: torch.Tensor, noise_seed, probe: bool = True):
     """``(engine, model, optimizer, loader)``: a fresh CanaryModel made private by the real engine
     (``probe``: its dynamic probes of the model, which release nothing; many-run runs them once)."""
-    from .. import PrivacyEngine
+    from ..engine import PrivacyEngine
 
     model = CanaryModel(s.heads, s.width, s.classes, s.bias).to(x.dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=s.lr)
@@ -214,14 +215,14 @@ def _one_step(s: Settings, model, optimizer, xb, vb) -> None:
 
 
 def _flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    """The clipped layers' parameters in the order of :func:`contributions` and :func:`_noise_scale`."""
+    return torch.cat([p.detach().reshape(-1).double() for _, layer in bnn.clipped_layers(model)
+                      for p in (layer.weight, layer.bias) if p is not None])
 
 
 def _noise_scale(s: Settings, engine, model, batch: int) -> torch.Tensor:
     """Per coordinate of the flattened parameters: the std of the noise the engine claims to add to
     the update (``lr·σ_l·Δ_l``, over ``B̄`` for a mean loss)."""
-    from .. import nn as bnn
-
     scale = []
     for _, layer in bnn.clipped_layers(model):
         std = float(layer.noise_multiplier) * float(layer.sensitivity) * s.lr
@@ -233,20 +234,13 @@ def _noise_scale(s: Settings, engine, model, batch: int) -> torch.Tensor:
     return torch.cat(scale)
 
 
-def contributions(model, x: torch.Tensor, v: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-    """``[n, P]``: each example's clipped contribution to the flattened parameter gradient, through a
-    noise-free copy of the real layers (a deep copy leaves the engine's step state behind: no noise,
-    no mean-loss scaling, sum loss), one example at a time."""
-    shadow = copy.deepcopy(model)
-    params = list(shadow.parameters())
-    out = []
-    for i in range(len(x)):
-        for p in params:
-            p.grad = None
-        linear_loss(shadow(x[i:i + 1]), v[i:i + 1], reduction).backward()
-        out.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double()
-                              for p in params]))
-    return torch.stack(out)
+def contributions(model, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[n, P]``: each example's clipped contribution, alone, to the flattened parameter gradient
+    (sum loss: in the units of the bounds), through a noise-free copy of the real layers
+    (:class:`bpclip_fast.audit.sensitivity.NoiseFree`, in the model's own dtype)."""
+    mode = bnn.clipped_layers(model)[0][1].clipping
+    shadow = NoiseFree(model, mode, "sum", None, lambda out, w: linear_loss(out, w, "sum"), dtype=None)
+    return torch.stack([torch.cat(shadow.release(x[i:i + 1], v[i:i + 1])).double() for i in range(len(x))])
 
 
 @dataclass
@@ -288,8 +282,6 @@ def _reach(model, raw: torch.Tensor) -> torch.Tensor:
     """Each canary's contribution over the bound the noise is scaled to (1: the full bound). Exact
     modes: ``‖c‖/C`` (flat's ``C``; per_layer's ``(Σ_l C_l²)^½``). Backprop, whose layers are noised
     separately: ``(Σ_l (‖c_l‖/Δ_l)²/L)^½``, 1 when the canary reaches every layer's ``Δ_l``."""
-    from .. import nn as bnn
-
     layers = [layer for _, layer in bnn.clipped_layers(model)]
     if layers[0].exact:
         return raw.norm(dim=1) / float(layers[0].noise_bound)

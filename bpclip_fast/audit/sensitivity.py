@@ -204,8 +204,9 @@ def _copy(inner, name="model"):
 # ------------------------------------------------------------------------------ the release, noise off
 
 
-class _Audit:
-    """A float64 (or ``dtype``) copy of the model whose releases are measured."""
+class NoiseFree:
+    """A float64 (or ``dtype``) copy of a private model whose releases are measured, noise off (module
+    docstring: arithmetic and units). Also the empirical audit's measure of its canaries."""
 
     def __init__(self, inner, mode, reduction, mean_batch, loss_fn, dtype):
         self.model = _copy(inner)
@@ -337,7 +338,7 @@ def sensitivity(model: nn.Module, batch, loss_fn=None, *, engine=None, loss_redu
         raise TypeError(f"sensitivity: loss_fn must be callable, got {type(loss_fn).__name__}")
     if int(adversarial_steps) < 0:
         raise ValueError(f"sensitivity: adversarial_steps must be >= 0, got {adversarial_steps}")
-    audit = _Audit(inner, mode, reduction, mean_batch, loss_fn, dtype)
+    audit = NoiseFree(inner, mode, reduction, mean_batch, loss_fn, dtype)
     p0 = audit.layers[0].weight
     x = x.to(p0.device, p0.dtype) if x.is_floating_point() else x.to(p0.device)
     y = y.to(p0.device)
