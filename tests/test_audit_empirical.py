@@ -55,6 +55,16 @@ def test_one_run_below_claim(mode, accountant):
     assert report["sample_rate"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_conv_layers_below_claim_and_delta_over_batch_caught(monkeypatch, mode):
+    settings = dict(ONE_RUN, mode=mode, layer="conv", bias=True, width=8, classes=1000, loss_reduction="sum")
+    report = empirical.one_run(**settings)
+    _below_claim(report)
+    assert report["canary_reach"] > 0.999
+    _patch_sensitivity(monkeypatch, lambda sens, rows: sens / max(rows, 1))
+    _above_claim(empirical.one_run(**settings))
+
+
 @pytest.mark.parametrize("loop", ["inplace-zero", "micro-batches"])
 def test_one_run_loops_below_claim(loop):
     _below_claim(empirical.one_run(mode="flat", loop=loop, **ONE_RUN))
@@ -133,6 +143,7 @@ def test_cli_exit_status_on_violation(monkeypatch, capsys):
 @pytest.mark.parametrize("bad, message", [
     (dict(mode="dpsgd"), "mode"), (dict(steps=0), "steps"), (dict(noise_multiplier=-1.0), "noise_multiplier"),
     (dict(delta=1.0), "delta"), (dict(canaries=5000), "canaries"), (dict(loop="twice"), "loop"),
+    (dict(bias=True), "classes"), (dict(layer="lstm"), "layer"),
 ])
 def test_bad_settings_are_named(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -102,7 +102,7 @@ def _run_sensitivity(args) -> int:
 # ---------------------------------------------------------------------------------------- empirical
 def _settings_arguments(p, *, sigma: float, steps: int, delta: float) -> None:
     """The audited configuration (``empirical.Settings``), shared by one-run and many-run."""
-    from .empirical import ACCOUNTANTS, LOOPS, MODES
+    from .empirical import ACCOUNTANTS, LAYERS, LOOPS, MODES
 
     g = p.add_argument_group("the audited configuration")
     g.add_argument("--mode", choices=MODES, default="flat", help="clipping mode (default flat)")
@@ -112,7 +112,9 @@ def _settings_arguments(p, *, sigma: float, steps: int, delta: float) -> None:
     g.add_argument("--steps", type=int, default=steps, help=f"optimizer steps per run (default {steps})")
     g.add_argument("--batch-size", type=int, default=None,
                    help="expected batch size (default: the whole dataset, sample rate 1)")
-    g.add_argument("--heads", type=int, default=2, help="parallel Linear layers of the audited model (default 2)")
+    g.add_argument("--heads", type=int, default=2, help="parallel layers of the audited model (default 2)")
+    g.add_argument("--layer", choices=LAYERS, default="linear",
+                   help="the audited layers: linear, or conv (1x1 Conv2d on a 1x1 image) (default linear)")
     g.add_argument("--bias", action="store_true", help="give the audited layers a bias")
     g.add_argument("--clip", type=float, default=1.0,
                    help="flat/per_layer max_grad_norm, or backprop input_clip = grad_clip (default 1)")
@@ -133,7 +135,7 @@ def _settings(args, fillers_default: int):
     from .empirical import Settings
 
     return Settings(mode=args.mode, accountant=args.accountant, noise_multiplier=args.sigma, steps=args.steps,
-                    batch_size=args.batch_size, heads=args.heads, bias=args.bias, clip=args.clip,
+                    batch_size=args.batch_size, heads=args.heads, layer=args.layer, bias=args.bias, clip=args.clip,
                     loss_reduction=args.loss_reduction, loop=args.loop,
                     fillers=fillers_default if args.fillers is None else args.fillers, delta=args.delta,
                     confidence=args.confidence, seed=args.seed)
@@ -166,10 +168,13 @@ def _one_run_parser(sub) -> None:
     def run(args):
         from .empirical import one_run
 
-        # width 64 x classes 16 gives 1024 distinct canary directions; more canaries need more classes
-        classes = max(16, -(-args.canaries // 64))
-        settings = _settings(args, 0)
-        return _finish(one_run(settings, canaries=args.canaries, classes=classes), args)
+        # Distinct canary directions: without bias width 64 x classes 16 gives 1024 (more canaries, more
+        # classes); with bias every canary needs an output of its own (empirical._pairs).
+        if args.bias:
+            layout = dict(width=8, classes=args.canaries)
+        else:
+            layout = dict(width=64, classes=max(16, -(-args.canaries // 64)))
+        return _finish(one_run(_settings(args, 0), canaries=args.canaries, **layout), args)
 
     p.set_defaults(run=run)
 

@@ -69,18 +69,26 @@ from .sensitivity import NoiseFree
 
 MODES = ("backprop", "flat", "per_layer")
 ACCOUNTANTS = ("rdp", "pld", "zcdp")
+LAYERS = ("linear", "conv")
 LOOPS = ("plain", "inplace-zero", "micro-batches")
 _OVERSHOOT = 10.0  # canary magnitude over the clipping bounds: every mode clips it to its bound
 
 
 class CanaryModel(nn.Module):
-    """``L`` parallel ``Linear(width, classes)`` heads; input ``[B, L, width]``, output ``[B, L, classes]``."""
+    """``L`` parallel heads, ``Linear(width, classes)`` or a 1×1 ``Conv2d(width, classes)`` on a 1×1
+    image (the same gradient ``v xᵀ`` through the convolution's kernels); input ``[B, L, width]``,
+    output ``[B, L, classes]``."""
 
-    def __init__(self, heads: int, width: int, classes: int, bias: bool):
+    def __init__(self, heads: int, width: int, classes: int, bias: bool, layer: str = "linear"):
         super().__init__()
-        self.heads = nn.ModuleList(nn.Linear(width, classes, bias=bias) for _ in range(heads))
+        self.conv = layer == "conv"
+        make = (lambda: nn.Conv2d(width, classes, 1, bias=bias)) if self.conv else \
+            (lambda: nn.Linear(width, classes, bias=bias))
+        self.heads = nn.ModuleList(make() for _ in range(heads))
 
     def forward(self, x):
+        if self.conv:
+            return torch.stack([head(x[:, i, :, None, None]).flatten(1) for i, head in enumerate(self.heads)], dim=1)
         return torch.stack([head(x[:, i]) for i, head in enumerate(self.heads)], dim=1)
 
 
@@ -102,6 +110,7 @@ class Settings:
     steps: int = 1
     batch_size: int | None = None   # default: the whole dataset (q = 1)
     heads: int = 2
+    layer: str = "linear"
     width: int = 64
     classes: int = 16
     bias: bool = False
@@ -115,7 +124,7 @@ class Settings:
     seed: int | None = None
 
     def check(self, what: str) -> None:
-        for name, allowed in (("mode", MODES), ("accountant", ACCOUNTANTS), ("loop", LOOPS),
+        for name, allowed in (("mode", MODES), ("accountant", ACCOUNTANTS), ("loop", LOOPS), ("layer", LAYERS),
                               ("loss_reduction", ("mean", "sum"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{what}: {name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -133,8 +142,6 @@ class Settings:
             raise ValueError(f"{what}: delta must be in (0, 1), got {self.delta!r}")
         if not 0 < self.confidence < 1:
             raise ValueError(f"{what}: confidence must be in (0, 1), got {self.confidence!r}")
-        if self.loop == "micro-batches" and self.accountant == "zcdp":
-            pass  # shuffled batches split fine; nothing to refuse
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -162,7 +169,15 @@ def _fillers(s: Settings, n: int, gen: torch.Generator, dtype, avoid=None) -> tu
 
 
 def _pairs(s: Settings, m: int, what: str):
-    """Canary ``j``'s (input feature, output) pair: distinct for every canary."""
+    """Canary ``j``'s (input feature, output) pair: distinct for every canary, so that the canaries'
+    contributions are orthogonal (one canary's inclusion does not move another's score). With a bias
+    the bias gradient is ``v`` itself, so every canary needs an output of its own."""
+    if s.bias:
+        if m > s.classes:
+            raise ValueError(f"{what}: with bias=True each of the {m} canaries needs its own output (the bias "
+                             f"gradient is the loss vector v), but classes = {s.classes}; set classes >= canaries "
+                             "(a small width keeps the model small), or bias=False")
+        return [(j % s.width, j) for j in range(m)]
     if m > s.width * s.classes:
         raise ValueError(f"{what}: {m} canaries need {m} distinct (input, output) pairs but width·classes = "
                          f"{s.width * s.classes}; raise width or classes, or use fewer canaries")
@@ -175,7 +190,7 @@ def _private(s: Settings, x: torch.Tensor, v: torch.Tensor, noise_seed, probe: b
     (``probe``: its dynamic probes of the model, which release nothing; many-run runs them once)."""
     from ..engine import PrivacyEngine
 
-    model = CanaryModel(s.heads, s.width, s.classes, s.bias).to(x.dtype)
+    model = CanaryModel(s.heads, s.width, s.classes, s.bias, s.layer).to(x.dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=s.lr)
     batch = s.batch_size or len(x)
     loader = DataLoader(TensorDataset(x, v), batch_size=batch)
@@ -235,20 +250,32 @@ def _noise_scale(s: Settings, engine, model, batch: int) -> torch.Tensor:
 
 
 def contributions(model, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``[n, P]``: each example's clipped contribution, alone, to the flattened parameter gradient
-    (sum loss: in the units of the bounds), through a noise-free copy of the real layers
-    (:class:`bpclip_fast.audit.sensitivity.NoiseFree`, in the model's own dtype)."""
+    """Sparse ``[n, P]``: each example's clipped contribution, alone, to the flattened parameter
+    gradient (sum loss: in the units of the bounds), through a noise-free copy of the real layers
+    (:class:`bpclip_fast.audit.sensitivity.NoiseFree`, in the model's own dtype). Sparse because a
+    canary touches a few coordinates of many (one output row and its bias per layer)."""
     mode = bnn.clipped_layers(model)[0][1].clipping
     shadow = NoiseFree(model, mode, "sum", None, lambda out, w: linear_loss(out, w, "sum"), dtype=None)
-    return torch.stack([torch.cat(shadow.release(x[i:i + 1], v[i:i + 1])).double() for i in range(len(x))])
+    rows, cols, vals, size = [], [], [], 0
+    for i in range(len(x)):
+        r = torch.cat(shadow.release(x[i:i + 1], v[i:i + 1])).double()
+        nz = r.nonzero().squeeze(1)
+        rows.append(torch.full_like(nz, i))
+        cols.append(nz)
+        vals.append(r[nz])
+        size = r.numel()
+    indices = torch.stack([torch.cat(rows), torch.cat(cols)])
+    return torch.sparse_coo_tensor(indices, torch.cat(vals), (len(x), size)).coalesce()
 
 
 @dataclass
 class _Scorer:
     """Accumulates each canary's log-likelihood-ratio score over the steps (module docstring)."""
 
-    directions: torch.Tensor   # [m, P] unit whitened contributions
-    mu: torch.Tensor           # [m]
+    rows: torch.Tensor         # canary of each stored coordinate
+    cols: torch.Tensor         # its coordinate in the flattened update
+    unit: torch.Tensor         # the canary's unit whitened contribution there
+    mu: torch.Tensor           # [m] the whitened contributions' norms
     scale: torch.Tensor        # [P] claimed noise std per coordinate of the update
     rate: float                # the chance a canary is in a step's batch
     scores: torch.Tensor = field(init=False)
@@ -257,7 +284,8 @@ class _Scorer:
         self.scores = torch.zeros(len(self.mu), dtype=torch.float64)
 
     def add(self, update: torch.Tensor) -> None:
-        y = self.directions @ (update / self.scale)
+        z = update / self.scale
+        y = torch.zeros_like(self.mu).index_add_(0, self.rows, self.unit * z[self.cols])
         llr = self.mu * y - self.mu ** 2 / 2
         if self.rate >= 1:
             self.scores += llr
@@ -269,13 +297,14 @@ def _scorer(s: Settings, engine, model, canary_x, canary_v, batch: int, rate: fl
     """The scorer for canaries ``(canary_x, canary_v)`` and the ratio of each canary's contribution
     to its bound (1: the canary reaches the full bound; below 1 the audit loses power)."""
     raw = contributions(model, canary_x, canary_v)
+    rows, cols = raw.indices()
     scale = _noise_scale(s, engine, model, batch)
-    per_update = raw * s.lr / (batch if s.loss_reduction == "mean" else 1)  # the canary's share of an update
-    whitened = per_update / scale
-    mu = whitened.norm(dim=1)
+    share = s.lr / (batch if s.loss_reduction == "mean" else 1)  # a contribution's share of an update
+    whitened = raw.values() * share / scale[cols]
+    mu = torch.zeros(len(canary_x), dtype=torch.float64).index_add_(0, rows, whitened ** 2).sqrt()
     if not bool((mu > 0).all()):
         raise RuntimeError("audit: a canary has no contribution through the model (is a layer frozen?)")
-    return _Scorer(whitened / mu[:, None], mu, scale, rate), _reach(model, raw)
+    return _Scorer(rows, cols, whitened / mu[rows], mu, scale, rate), _reach(model, raw)
 
 
 def _reach(model, raw: torch.Tensor) -> torch.Tensor:
@@ -283,14 +312,17 @@ def _reach(model, raw: torch.Tensor) -> torch.Tensor:
     modes: ``‖c‖/C`` (flat's ``C``; per_layer's ``(Σ_l C_l²)^½``). Backprop, whose layers are noised
     separately: ``(Σ_l (‖c_l‖/Δ_l)²/L)^½``, 1 when the canary reaches every layer's ``Δ_l``."""
     layers = [layer for _, layer in bnn.clipped_layers(model)]
+    rows, cols = raw.indices()
+    m = raw.shape[0]
     if layers[0].exact:
-        return raw.norm(dim=1) / float(layers[0].noise_bound)
-    parts, start = [], 0
-    for layer in layers:
-        n = sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-        parts.append((raw[:, start:start + n].norm(dim=1) / float(layer.sensitivity)) ** 2)
-        start += n
-    return torch.sqrt(torch.stack(parts).mean(0))
+        sq = torch.zeros(m, dtype=torch.float64).index_add_(0, rows, raw.values() ** 2)
+        return sq.sqrt() / float(layers[0].noise_bound)
+    sizes = [sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) for layer in layers]
+    layer_of = torch.repeat_interleave(torch.arange(len(layers)), torch.tensor(sizes))
+    delta = torch.tensor([float(layer.sensitivity) for layer in layers], dtype=torch.float64)
+    sq = torch.zeros(m * len(layers), dtype=torch.float64).index_add_(
+        0, rows * len(layers) + layer_of[cols], (raw.values() / delta[layer_of[cols]]) ** 2)
+    return sq.view(m, len(layers)).mean(1).sqrt()
 
 
 def _train(s: Settings, engine, model, optimizer, loader, scorer: _Scorer) -> None:
