@@ -100,45 +100,49 @@ def _run_sensitivity(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------- empirical
-def _settings_arguments(p, *, sigma: float, steps: int, delta: float) -> None:
-    """The audited configuration (``empirical.Settings``), shared by one-run and many-run."""
+def _settings_arguments(p, d) -> None:
+    """The audited configuration (``empirical.Settings``), shared by one-run and many-run; ``d``: the
+    audit's defaults (``empirical.ONE_RUN_DEFAULTS`` / ``MANY_RUN_DEFAULTS``)."""
     from .empirical import ACCOUNTANTS, LAYERS, LOOPS, MODES
 
     g = p.add_argument_group("the audited configuration")
-    g.add_argument("--mode", choices=MODES, default="flat", help="clipping mode (default flat)")
-    g.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp",
-                   help="rdp/pld: Poisson sampling; zcdp: shuffled disjoint batches (default rdp)")
-    g.add_argument("--sigma", type=float, default=sigma, help=f"noise multiplier (default {sigma:g})")
-    g.add_argument("--steps", type=int, default=steps, help=f"optimizer steps per run (default {steps})")
+    g.add_argument("--mode", choices=MODES, default=d.mode, help=f"clipping mode (default {d.mode})")
+    g.add_argument("--accountant", choices=ACCOUNTANTS, default=d.accountant,
+                   help=f"rdp/pld: Poisson sampling; zcdp: shuffled disjoint batches (default {d.accountant})")
+    g.add_argument("--sigma", type=float, default=d.noise_multiplier,
+                   help=f"noise multiplier (default {d.noise_multiplier:g})")
+    g.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps per run (default {d.steps})")
     g.add_argument("--batch-size", type=int, default=None,
                    help="expected batch size (default: the whole dataset, sample rate 1)")
-    g.add_argument("--heads", type=int, default=2, help="parallel layers of the audited model (default 2)")
+    g.add_argument("--heads", type=int, default=d.heads,
+                   help=f"parallel layers of the audited model (default {d.heads})")
     g.add_argument("--layer", choices=LAYERS, default="linear",
                    help="the audited layers: linear, or conv (1x1 Conv2d on a 1x1 image) (default linear)")
     g.add_argument("--bias", action="store_true", help="give the audited layers a bias")
-    g.add_argument("--clip", type=float, default=1.0,
-                   help="flat/per_layer max_grad_norm, or backprop input_clip = grad_clip (default 1)")
-    g.add_argument("--loss-reduction", choices=("mean", "sum"), default="mean")
+    g.add_argument("--clip", type=float, default=d.clip,
+                   help=f"flat/per_layer max_grad_norm, or backprop input_clip = grad_clip (default {d.clip:g})")
+    g.add_argument("--loss-reduction", choices=("mean", "sum"), default=d.loss_reduction)
     g.add_argument("--loop", choices=LOOPS, default="plain",
                    help="training loop: plain; inplace-zero (a first backward thrown away by "
                         "zero_grad(set_to_none=False)); micro-batches (two accumulated passes)")
-    g.add_argument("--fillers", type=int, default=None, help="ordinary examples beside the canaries")
+    g.add_argument("--fillers", type=int, default=d.fillers,
+                   help=f"ordinary examples beside the canaries (default {d.fillers})")
     a = p.add_argument_group("the statistics")
-    a.add_argument("--delta", type=float, default=delta, help=f"δ of the tested (ε, δ) claim (default {delta:g})")
-    a.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
+    a.add_argument("--delta", type=float, default=d.delta, help=f"δ of the tested (ε, δ) claim (default {d.delta:g})")
+    a.add_argument("--confidence", type=float, default=d.confidence,
+                   help=f"confidence of the lower bound (default {d.confidence:g})")
     a.add_argument("--seed", type=int, default=None,
                    help="reproducible run (inclusion, fillers and noise); default: fresh entropy")
     a.add_argument("--json", metavar="PATH", help="write the full report as JSON")
 
 
-def _settings(args, fillers_default: int):
-    from .empirical import Settings
+def _settings(args, defaults):
+    from dataclasses import replace
 
-    return Settings(mode=args.mode, accountant=args.accountant, noise_multiplier=args.sigma, steps=args.steps,
-                    batch_size=args.batch_size, heads=args.heads, layer=args.layer, bias=args.bias, clip=args.clip,
-                    loss_reduction=args.loss_reduction, loop=args.loop,
-                    fillers=fillers_default if args.fillers is None else args.fillers, delta=args.delta,
-                    confidence=args.confidence, seed=args.seed)
+    return replace(defaults, mode=args.mode, accountant=args.accountant, noise_multiplier=args.sigma,
+                   steps=args.steps, batch_size=args.batch_size, heads=args.heads, layer=args.layer, bias=args.bias,
+                   clip=args.clip, loss_reduction=args.loss_reduction, loop=args.loop, fillers=args.fillers,
+                   delta=args.delta, confidence=args.confidence, seed=args.seed)
 
 
 def _finish(report: dict, args) -> int:
@@ -163,7 +167,9 @@ def _one_run_parser(sub) -> None:
                                    "canaries, each included with probability 1/2; guesses on the highest and "
                                    "lowest scores give an ε lower bound (Steinke, Nasr, Jagielski, NeurIPS 2023).")
     p.add_argument("--canaries", type=int, default=1000, help="number of canaries m (default 1000)")
-    _settings_arguments(p, sigma=2.0, steps=1, delta=1e-5)
+    from .empirical import ONE_RUN_DEFAULTS
+
+    _settings_arguments(p, ONE_RUN_DEFAULTS)
 
     def run(args):
         from .empirical import one_run
@@ -174,7 +180,7 @@ def _one_run_parser(sub) -> None:
             layout = dict(width=8, classes=args.canaries)
         else:
             layout = dict(width=64, classes=max(16, -(-args.canaries // 64)))
-        return _finish(one_run(_settings(args, 0), canaries=args.canaries, **layout), args)
+        return _finish(one_run(_settings(args, ONE_RUN_DEFAULTS), canaries=args.canaries, **layout), args)
 
     p.set_defaults(run=run)
 
@@ -187,12 +193,14 @@ def _many_run_parser(sub) -> None:
     p.add_argument("--runs", type=int, default=4000, help="number of runs, half with the canary (default 4000)")
     p.add_argument("--split", type=float, default=0.25,
                    help="fraction of the runs that chooses the threshold; the rest bound ε (default 0.25)")
-    _settings_arguments(p, sigma=1.5, steps=1, delta=1e-2)
+    from .empirical import MANY_RUN_DEFAULTS
+
+    _settings_arguments(p, MANY_RUN_DEFAULTS)
 
     def run(args):
         from .empirical import many_run
 
-        return _finish(many_run(_settings(args, 15), runs=args.runs, split=args.split), args)
+        return _finish(many_run(_settings(args, MANY_RUN_DEFAULTS), runs=args.runs, split=args.split), args)
 
     p.set_defaults(run=run)
 
