@@ -23,8 +23,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from bpclip_fast import boundary
+from bpclip_fast import engine as engine_mod
+from bpclip_fast import nn as bnn
 from bpclip_fast.audit import cli, empirical, stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -34,8 +37,14 @@ ONE_RUN = dict(canaries=1000, noise_multiplier=2.0, steps=1, seed=11)
 
 def _below_claim(report):
     assert report["epsilon_lower_bound"] <= report["claimed_epsilon"], report
-    assert not report["violation"]
+    assert not report["violation"], report["violation_reasons"]
     assert 0 <= report["epsilon_lower_bound"] <= report["power"]
+    lo, hi = report["noise"]["std_interval"]
+    assert lo <= 1 <= hi and report["noise"]["ok"]
+
+
+def _violation(report, reason):
+    assert report["violation"] and any(reason in r for r in report["violation_reasons"]), report["violation_reasons"]
 
 
 def _above_claim(report):
@@ -120,6 +129,79 @@ def test_skipped_draw_after_inplace_zero_grad_is_caught(monkeypatch):
     monkeypatch.setattr(boundary.LayerStep, "sync_with_grads", sync_with_grads)
     _below_claim(empirical.one_run(mode="flat", loop="plain", **ONE_RUN))  # the bug needs the in-place zero
     _above_claim(empirical.one_run(mode="flat", loop="inplace-zero", **ONE_RUN))
+
+
+def test_zcdp_charging_one_delta_for_replace_one_is_caught(monkeypatch):
+    """The paper's convention (ρ = 1/(2σ²) under replace-one, DESIGN.md §2): the audit's excluded
+    canary is the canary with its loss negated, a replace-one neighbour 2Δ away, so the claim that
+    charges only Δ falls below what the runs show."""
+    from bpclip_fast.accounting import zcdp
+
+    settings = dict(mode="flat", accountant="zcdp", noise_multiplier=1.5, runs=2000, fillers=7, delta=1e-2, seed=7)
+    _below_claim(empirical.many_run(**settings))
+    monkeypatch.setattr(zcdp.ZCDPAccountant, "rho_per_step", lambda self, sigma: 0.5 / sigma ** 2)
+    _above_claim(empirical.many_run(**settings))
+
+
+# The residual noise check (bpclip_fast.audit.noise): bugs the ε bounds cannot resolve or cannot see.
+def test_noise_short_by_a_fifth_is_caught(monkeypatch):
+    _patch_sensitivity(monkeypatch, lambda sens, rows: sens * 0.8)
+    report = empirical.one_run(mode="flat", **ONE_RUN)
+    assert report["epsilon_lower_bound"] <= report["claimed_epsilon"]  # the ε bound alone misses it
+    _violation(report, "noise below the claim")
+    assert report["noise"]["std_interval"][1] < 0.9
+
+
+def test_one_draw_for_every_layer_is_caught(monkeypatch):
+    original = bnn.NoiseStream.offset
+    monkeypatch.setattr(bnn.NoiseStream, "offset", lambda self, index: original(self, 0))
+    _violation(empirical.one_run(mode="backprop", **ONE_RUN), "layers 0-1")
+
+
+def test_draw_reused_across_steps_is_caught(monkeypatch):
+    original = engine_mod.PrivacyEngine._arm
+
+    def arm(self):  # the bug: the step counter never reaches the noise key
+        original(self)
+        for index, st in enumerate(self._steps_of):
+            st.arm((self._stream.seed, self._stream.offset(index) & ((1 << 20) - 1)))
+
+    settings = dict(mode="flat", canaries=1000, noise_multiplier=1.5, steps=4, batch_size=500, seed=3)
+    _below_claim(empirical.one_run(**settings))
+    monkeypatch.setattr(engine_mod.PrivacyEngine, "_arm", arm)
+    _violation(empirical.one_run(**settings), "consecutive steps")
+
+
+def test_redraw_reusing_the_discarded_draw_is_caught(monkeypatch):
+    """After zero_grad(set_to_none=False) the layer must draw afresh: whoever logged the discarded
+    gradient could otherwise subtract the noise of the released one."""
+    monkeypatch.setattr(boundary, "redraw_seed", lambda seed, offset, k: seed)
+    _violation(empirical.one_run(mode="flat", loop="inplace-zero", **ONE_RUN), "discarded vs released")
+
+
+def test_clipping_above_the_noise_bound_is_caught(monkeypatch):
+    from bpclip_fast import exact
+
+    real = exact.factors
+    monkeypatch.setattr(exact, "factors", lambda bound, max_norm, *a, **kw: real(bound, 2 * max_norm, *a, **kw))
+    report = empirical.one_run(mode="flat", **ONE_RUN)
+    assert report["canary_reach"] == pytest.approx(2.0, rel=1e-4)
+    _violation(report, "exceeds its bound")
+
+
+def test_audits_leave_the_callers_state_alone():
+    threads = torch.get_num_threads()
+    torch.manual_seed(123)
+    torch.set_num_threads(2)
+    try:
+        expected = torch.rand(3)
+        torch.manual_seed(123)
+        empirical.one_run(mode="flat", canaries=50, seed=1)
+        empirical.many_run(runs=8, seed=1)
+        assert torch.equal(torch.rand(3), expected)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------ interface

@@ -66,6 +66,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .. import nn as bnn
 from . import stats
+from .noise import NoiseCheck
 from .sensitivity import NoiseFree
 
 MODES = ("backprop", "flat", "per_layer")
@@ -222,11 +223,15 @@ def _backward(s: Settings, model, xb, vb) -> None:
         linear_loss(model(xb), vb, s.loss_reduction).backward()
 
 
-def _one_step(s: Settings, model, optimizer, xb, vb) -> None:
-    """One step of the training loop ``s.loop`` on the batch ``(xb, vb)`` (possibly empty)."""
+def _one_step(s: Settings, model, optimizer, xb, vb):
+    """One step of the training loop ``s.loop`` on the batch ``(xb, vb)`` (possibly empty). Returns,
+    for ``inplace-zero``, the update the thrown-away gradient would have made (the auditor logs it,
+    as a user's loop might), else None."""
     optimizer.zero_grad()
+    discarded = None
     if s.loop == "inplace-zero":
         _backward(s, model, xb, vb)
+        discarded = _flat_grads(model) * s.lr
         optimizer.zero_grad(set_to_none=False)
         _backward(s, model, xb, vb)
     elif s.loop == "micro-batches":
@@ -236,12 +241,21 @@ def _one_step(s: Settings, model, optimizer, xb, vb) -> None:
     else:
         _backward(s, model, xb, vb)
     optimizer.step()
+    return discarded
+
+
+def _params(model):
+    """The clipped layers' parameters in the order of :func:`contributions` and :func:`_noise_scale`."""
+    return [p for _, layer in bnn.clipped_layers(model) for p in (layer.weight, layer.bias) if p is not None]
 
 
 def _flat_params(model) -> torch.Tensor:
-    """The clipped layers' parameters in the order of :func:`contributions` and :func:`_noise_scale`."""
-    return torch.cat([p.detach().reshape(-1).double() for _, layer in bnn.clipped_layers(model)
-                      for p in (layer.weight, layer.bias) if p is not None])
+    return torch.cat([p.detach().reshape(-1).double() for p in _params(model)])
+
+
+def _flat_grads(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
+                      for p in _params(model)])
 
 
 def _noise_scale(s: Settings, engine, model, batch: int) -> torch.Tensor:
@@ -258,13 +272,18 @@ def _noise_scale(s: Settings, engine, model, batch: int) -> torch.Tensor:
     return torch.cat(scale)
 
 
-def contributions(model, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Sparse ``[n, P]``: each example's clipped contribution, alone, to the flattened parameter
-    gradient (sum loss: in the units of the bounds), through a noise-free copy of the real layers
-    (:class:`bpclip_fast.audit.sensitivity.NoiseFree`, in the model's own dtype). Sparse because a
-    canary touches a few coordinates of many (one output row and its bias per layer)."""
+def noise_free(model) -> NoiseFree:
+    """A noise-free copy of the private ``model``'s real layers (its own dtype) whose ``release`` is
+    the clipped sum of a batch under the sum loss, in the units of the bounds. The canary model's
+    gradients do not depend on the weights, so one copy serves every step and run."""
     mode = bnn.clipped_layers(model)[0][1].clipping
-    shadow = NoiseFree(model, mode, "sum", None, lambda out, w: linear_loss(out, w, "sum"), dtype=None)
+    return NoiseFree(model, mode, "sum", None, lambda out, w: linear_loss(out, w, "sum"), dtype=None)
+
+
+def contributions(shadow: NoiseFree, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Sparse ``[n, P]``: each example's clipped contribution, alone, to the flattened parameter
+    gradient (``shadow``: :func:`noise_free`). Sparse because a canary touches a few coordinates of
+    many (one output row and its bias per layer)."""
     rows, cols, vals, size = [], [], [], 0
     for i in range(len(x)):
         r = torch.cat(shadow.release(x[i:i + 1], v[i:i + 1])).double()
@@ -303,9 +322,11 @@ class _Scorer:
 
 
 def _scorer(s: Settings, engine, model, canary_x, canary_v, batch: int, rate: float):
-    """The scorer for canaries ``(canary_x, canary_v)`` and the ratio of each canary's contribution
-    to its bound (1: the canary reaches the full bound; below 1 the audit loses power)."""
-    raw = contributions(model, canary_x, canary_v)
+    """``(scorer, reach, check)``: the scorer for canaries ``(canary_x, canary_v)``, the ratio of each
+    canary's contribution to its bound (1: the full bound; below 1 the audit loses power, above 1
+    the noise does not cover it), and the residual noise check (:mod:`bpclip_fast.audit.noise`)."""
+    shadow = noise_free(model)
+    raw = contributions(shadow, canary_x, canary_v)
     rows, cols = raw.indices()
     scale = _noise_scale(s, engine, model, batch)
     share = s.lr / (batch if s.loss_reduction == "mean" else 1)  # a contribution's share of an update
@@ -313,7 +334,19 @@ def _scorer(s: Settings, engine, model, canary_x, canary_v, batch: int, rate: fl
     mu = torch.zeros(len(canary_x), dtype=torch.float64).index_add_(0, rows, whitened ** 2).sqrt()
     if not bool((mu > 0).all()):
         raise RuntimeError("audit: a canary has no contribution through the model (is a layer frozen?)")
-    return _Scorer(rows, cols, whitened / mu[rows], mu, scale, rate), _reach(model, raw)
+    sizes = [p.numel() for p in _params(model)]
+    per_layer = [sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
+                 for _, layer in bnn.clipped_layers(model)]
+    starts = [sum(per_layer[:i]) for i in range(len(per_layer))]
+    slices = [slice(a, a + n) for a, n in zip(starts, per_layer)]
+
+    def expected(xb, vb):
+        if len(xb) == 0:
+            return torch.zeros(sum(sizes), dtype=torch.float64)
+        return torch.cat(shadow.release(xb, vb)).double() * share
+
+    check = NoiseCheck(expected, scale, slices)
+    return _Scorer(rows, cols, whitened / mu[rows], mu, scale, rate), _reach(model, raw), check
 
 
 def _reach(model, raw: torch.Tensor) -> torch.Tensor:
@@ -334,27 +367,32 @@ def _reach(model, raw: torch.Tensor) -> torch.Tensor:
     return sq.view(m, len(layers)).mean(1).sqrt()
 
 
-def _train(s: Settings, engine, model, optimizer, loader, scorer: _Scorer) -> None:
+def _train(s: Settings, engine, model, optimizer, loader, scorer: _Scorer, check: NoiseCheck) -> None:
     steps = 0
+    check.new_run()
     while steps < s.steps:
         for xb, vb in loader:
             before = _flat_params(model)
-            _one_step(s, model, optimizer, xb, vb)
-            scorer.add((before - _flat_params(model)))
+            discarded = _one_step(s, model, optimizer, xb, vb)
+            update = before - _flat_params(model)
+            scorer.add(update)
+            check.add(update, xb, vb, discarded)
             steps += 1
             if steps == s.steps:
                 return
 
 
-def _one_thread(audit):
-    """The audited model is tiny: one intra-op thread is faster than several (the caller's setting
-    is restored)."""
+def _isolated(audit):
+    """Leaves the caller's state as it was: torch's global RNG (the canary model's initialisation
+    draws from it) and the intra-op threads (one while the audit runs: the model is tiny, and one
+    thread is faster than several)."""
     @functools.wraps(audit)
     def run(*args, **kwargs):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return audit(*args, **kwargs)
+            with torch.random.fork_rng(devices=[]):
+                return audit(*args, **kwargs)
         finally:
             torch.set_num_threads(threads)
     return run
@@ -375,6 +413,37 @@ def _common(s: Settings, engine, claimed: float, started: float) -> dict:
             "settings": asdict(s), "seconds": round(time.perf_counter() - started, 3)}
 
 
+def _excluded(s: Settings, cx, cv, keep):
+    """The examples of the canary slots: a canary where ``keep``, else its neighbour as the
+    accountant defines neighbours — add/remove (rdp, pld): a null example (``x = v = 0``: gradient
+    exactly 0, as if absent, with the dataset size fixed); replace-one (zcdp): the canary with its
+    loss negated (``v → −v``), which moves the release by ``2Δ``, the move replace-one charges. (A
+    null example there would only test a ``Δ`` move, and the paper's convention of charging ``Δ``
+    would pass unseen.)"""
+    if s.accountant == "zcdp":
+        return cx, torch.where(keep, cv, -cv)
+    return cx * keep, cv * keep
+
+
+_REACH_TOL = 1e-5  # the canaries' contribution is measured in the model's float32
+
+
+def _verdict(report: dict, reach: torch.Tensor, check: NoiseCheck) -> dict:
+    """Adds the canaries' reach and the noise check, and the verdict: a violation when the bound
+    exceeds the claim, when the released noise is less (or more correlated) than claimed, or when a
+    canary's contribution exceeds the bound its noise is scaled to."""
+    report["canary_reach"] = float(reach.max())
+    report["canary_reach_min"] = float(reach.min())
+    report["noise"] = check.result()
+    report["violation_reasons"] = [reason for reason, bad in (
+        ("bound above the claim", report["epsilon_lower_bound"] > report["claimed_epsilon"]),
+        ("noise below the claim", report["noise"]["under_noised"]),
+        ("correlated noise: " + ", ".join(report["noise"]["correlated"]), bool(report["noise"]["correlated"])),
+        ("a canary's contribution exceeds its bound", report["canary_reach"] > 1 + _REACH_TOL)) if bad]
+    report["violation"] = bool(report["violation_reasons"])
+    return report
+
+
 def _bound(result) -> dict:
     """The statistics' result with its ε named for what it is."""
     out = result.to_dict()
@@ -383,7 +452,7 @@ def _bound(result) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- audits
-@_one_thread
+@_isolated
 def one_run(settings: Settings | None = None, *, canaries: int = 1000, guess_counts=None, return_scores=False,
             **overrides) -> dict:
     """Steinke–Nasr–Jagielski one-run audit (module docstring); returns the report (see :func:`line`),
@@ -400,26 +469,25 @@ def one_run(settings: Settings | None = None, *, canaries: int = 1000, guess_cou
     cx, cv = zip(*(_canary(s, pair, dtype) for pair in pairs))
     cx, cv = torch.stack(cx), torch.stack(cv)
     keep = torch.as_tensor(included)[:, None, None]
-    x, v = cx * keep, cv * keep                       # excluded canaries become null examples
+    x, v = _excluded(s, cx, cv, keep)
     if s.fillers:
         fx, fv = _fillers(s, s.fillers, gen, dtype)
         x, v = torch.cat([x, fx]), torch.cat([v, fv])
     engine, model, optimizer, loader = _private(s, x, v, noise_seed)
     batch = s.batch_size or len(x)
-    scorer, reach = _scorer(s, engine, model, cx, cv, batch, float(engine.accounting_sample_rate))
-    _train(s, engine, model, optimizer, loader, scorer)
+    scorer, reach, check = _scorer(s, engine, model, cx, cv, batch, float(engine.accounting_sample_rate))
+    _train(s, engine, model, optimizer, loader, scorer, check)
     claimed = float(engine.get_epsilon(s.delta))
     result = stats.one_run_audit(scorer.scores.numpy(), included, delta=s.delta, confidence=s.confidence,
                                  guess_counts=guess_counts)
-    report = {"audit": "one-run", "canaries": canaries, **_common(s, engine, claimed, started),
-              **_bound(result), "canary_reach": float(reach.min())}
-    report["violation"] = report["epsilon_lower_bound"] > claimed
+    report = _verdict({"audit": "one-run", "canaries": canaries, **_common(s, engine, claimed, started),
+                       **_bound(result)}, reach, check)
     if return_scores:
         report.update(scores=scorer.scores.tolist(), included=included.tolist())
     return report
 
 
-@_one_thread
+@_isolated
 def many_run(settings: Settings | None = None, *, runs: int = 4000, split: float = 0.25, return_scores=False,
              **overrides) -> dict:
     """Many-run audit: ``runs`` independent runs, half with the canary and half without (module
@@ -441,36 +509,38 @@ def many_run(settings: Settings | None = None, *, runs: int = 4000, split: float
     scorer = engine = None
     for r, with_canary in enumerate(order):
         fx, fv = _fillers(s, s.fillers, gen, dtype, avoid=pair)
-        keep = 1.0 if with_canary else 0.0
-        x = torch.cat([cx[None] * keep, fx])
-        v = torch.cat([cv[None] * keep, fv])
+        cx_r, cv_r = _excluded(s, cx[None], cv[None], torch.tensor(bool(with_canary)))
+        x, v = torch.cat([cx_r, fx]), torch.cat([cv_r, fv])
         seed = None if noise_seed is None else noise_seed + r
         engine, model, optimizer, loader = _private(s, x, v, seed, probe=r == 0)
         batch = s.batch_size or len(x)
         if scorer is None:  # the canary's contribution does not depend on the weights (linear loss)
-            scorer, reach = _scorer(s, engine, model, cx[None], cv[None], batch, float(engine.accounting_sample_rate))
+            scorer, reach, check = _scorer(s, engine, model, cx[None], cv[None], batch,
+                                           float(engine.accounting_sample_rate))
         scorer.scores.zero_()
-        _train(s, engine, model, optimizer, loader, scorer)
+        _train(s, engine, model, optimizer, loader, scorer, check)
         scores[bool(with_canary)].append(float(scorer.scores[0]))
     claimed = float(engine.get_epsilon(s.delta))
     rng = np.random.default_rng(None if s.seed is None else s.seed + 3)
     result = stats.many_run_audit(np.array(scores[True]), np.array(scores[False]), delta=s.delta,
                                   confidence=s.confidence, split=split, rng=rng)
-    report = {"audit": "many-run", "runs": runs, "fillers": s.fillers, **_common(s, engine, claimed, started),
-              **_bound(result), "canary_reach": float(reach.min())}
-    report["violation"] = report["epsilon_lower_bound"] > claimed
+    report = _verdict({"audit": "many-run", "runs": runs, "fillers": s.fillers,
+                       **_common(s, engine, claimed, started), **_bound(result)}, reach, check)
     if return_scores:
         report.update(scores_in=scores[True], scores_out=scores[False])
     return report
 
 
 def line(report: dict) -> str:
-    """The report in one line: the bound with its confidence beside the claimed ε, and the power."""
-    verdict = ("VIOLATION: the code releases more than its ε claims" if report["violation"]
+    """The report in one line: the bound with its confidence beside the claimed ε, the power, the
+    released noise against the claimed, and the verdict."""
+    verdict = ("VIOLATION (" + "; ".join(report["violation_reasons"]) + ")" if report["violation"]
                else "consistent with the claim")
     size = (f"{report['canaries']} canaries" if report["audit"] == "one-run" else f"{report['runs']} runs")
+    lo, hi = report["noise"]["std_interval"]
     return (f"{report['audit']} audit ({report['mode']}, {report['accountant']}, σ={report['noise_multiplier']:g}, "
             f"{report['steps']} step{'s' if report['steps'] != 1 else ''}, q={report['sample_rate']:.3g}): "
             f"ε ≥ {report['epsilon_lower_bound']:.3f} at {report['confidence']:.0%} confidence (δ={report['delta']:g}) "
-            f"vs claimed ε = {report['claimed_epsilon']:.3f}; {verdict}. Power: {size} certify at most "
-            f"ε = {report['power']:.3f}.")
+            f"vs claimed ε = {report['claimed_epsilon']:.3f} (power: {size} certify at most ε = {report['power']:.3f}); "
+            f"noise std {report['noise']['std_ratio']:.3f} of claimed ({lo:.3f}-{hi:.3f}); canary reach "
+            f"{report['canary_reach']:.4f}; {verdict}.")
