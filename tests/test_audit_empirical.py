@@ -143,6 +143,17 @@ def test_zcdp_charging_one_delta_for_replace_one_is_caught(monkeypatch):
     _above_claim(empirical.many_run(**settings))
 
 
+def test_accountant_treating_backprop_layers_separately_is_caught(monkeypatch):
+    """An accountant bug (DESIGN.md §2 calls it unsound): backprop's L per-layer Gaussians charged as
+    one of them (σ instead of σ/√L), so ε is under-reported. The canaries reach every layer's Δ_l,
+    so with 8 heads the runs show the √8 the claim left out."""
+    from bpclip_fast import accounting
+
+    monkeypatch.setattr(accounting, "effective_noise_multiplier", lambda sigmas: min(sigmas))
+    _above_claim(empirical.many_run(mode="backprop", heads=8, noise_multiplier=1.5, runs=2000, fillers=15,
+                                    delta=1e-2, seed=3))
+
+
 # The residual noise check (bpclip_fast.audit.noise): bugs the ε bounds cannot resolve or cannot see.
 def test_noise_short_by_a_fifth_is_caught(monkeypatch):
     _patch_sensitivity(monkeypatch, lambda sens, rows: sens * 0.8)
