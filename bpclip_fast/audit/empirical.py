@@ -17,12 +17,13 @@ its loss is the linear ``⟨v, model(x)⟩``, so its gradient at head ``l`` is `
 ``v_l``) whatever the weights. Canary ``j`` has ``x_l = R·e_{a_j}`` and ``v_l = R·e_{b_j}`` in every
 head with ``R`` ten times the clipping bounds: every mode clips it to exactly its bound (backprop:
 ``C_g·C_x`` per head, plus the bias; flat: ``C`` over all heads; per_layer: ``C_l`` per head), in a
-direction of its own pair ``(a_j, b_j)``. An *excluded* canary is replaced by a null example
-(``x = v = 0``), whose gradient is exactly zero in every mode: the release is then distributed as
-if the example were absent (``bpclip_fast.engine``: the release is ``(1/B̄)(Σ_i c_i + noise)`` with
-``c_i`` a function of example ``i`` alone), while the dataset size, hence the sample rate the
-accountant is told, stays fixed. So "included" versus "excluded" is add/remove adjacency for the
-Poisson accountants and replace-one adjacency for zCDP.
+direction of its own pair ``(a_j, b_j)`` (with a bias, an output of its own: the bias gradient is
+``v``). An *excluded* canary is replaced by the accountant's neighbour of it (:func:`_excluded`):
+a null example (``x = v = 0``) for add/remove, whose gradient is exactly zero in every mode, so
+the release is distributed as if the example were absent (``bpclip_fast.engine``: the release is
+``(1/B̄)(Σ_i c_i + noise)`` with ``c_i`` a function of example ``i`` alone) while the dataset size,
+hence the sample rate the accountant is told, stays fixed; the canary with its loss negated for
+replace-one (zCDP), ``2Δ`` away.
 
 The score reads every step
 --------------------------
@@ -36,6 +37,13 @@ log-likelihood ratio ``log(1 − q + q·exp(μ_j y − μ_j²/2))`` is added to 
 monotone function of the projection). Any score is a valid attack: the bounds of
 :mod:`bpclip_fast.audit.stats` hold whatever it is; this one is the most powerful against the
 claimed mechanism.
+
+Verdict
+-------
+A report is a violation when the lower bound exceeds the claimed ε, when the residual noise check
+(:mod:`bpclip_fast.audit.noise`: the released noise against the claimed Gaussian) finds less noise
+than claimed or correlated draws, or when a canary's contribution exceeds the bound its noise is
+scaled to (``canary_reach > 1``).
 
 Modes
 -----
