@@ -14,7 +14,13 @@ largest ε it can certify) exceeds the claim:
   scores at these settings the halved noise gave bounds 1.45-2.3 (median 1.84, 20 trials) and the
   correct noise 0.2-0.98; one-run cannot see a factor 2 (its power goes into counting guesses);
 * the draw skipped after ``zero_grad(set_to_none=False)`` (the ``inplace-zero`` loop): one-run as
-  for ``Δ/B``.
+  for ``Δ/B``;
+* zCDP charging ``Δ`` for replace-one (the paper's convention) and an accountant charging
+  backprop's layers as one Gaussian: many-run (the settings in each test).
+
+Bugs the ε bounds cannot resolve are the residual noise check's (``bpclip_fast.audit.noise``):
+noise 20% short, one draw for every layer, a draw reused across steps, a redraw reusing the
+discarded draw; and clipping above the noise's bound is the canaries' reach.
 
 Every run has a fixed seed (inclusion, fillers, noise), so the tests are deterministic.
 """
