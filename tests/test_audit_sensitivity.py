@@ -7,6 +7,13 @@
 * Mean and sum loss give the same contributions in bound units.
 * Tightness: inputs ×100 saturate the bound; the adversarial search reaches it from small inputs.
 * Planted bugs (a bound declared too small, a clip skipped) are caught, by the API and the CLI.
+* The noise the layers draw (the training path, on a copy) has std σ·Δ_l in every mode and
+  reduction; noise scaled to Δ/3, a sequence Linear's Δ without its T, a layer drawing none: caught.
+* Each example alone in the model's dtype: a 10% over-clip of the float32 kernels only, which the
+  float64 removal cannot see, is caught.
+* Training mode: mixing that happens only when ``self.training`` is caught; dropout is turned off,
+  other randomness or a drifting release falls back to eval mode with a note; the caller's
+  generator state is restored.
 * The private model and its engine are left exactly as they were.
 """
 
@@ -222,8 +229,10 @@ def test_backprop_input_clip_skipped_for_one_example_is_caught(monkeypatch):
     monkeypatch.setattr(autograd, "_backward", skip_example_0)
     report = sensitivity(model, batch_for(shape, classes, scale=100.0), engine=engine)
     assert not report.ok
-    bad = [r for r in report.rows if r.status == "exceeded"]
+    bad = [r for r in report.rows if "removal" in r.failed]
     assert bad and all(r.examples == [0] for r in bad)
+    # Alone, every example is row 0 of its backward: the alone check sees the skip for all of them.
+    assert all("alone" in r.failed for r in report.rows)
 
 
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
@@ -239,7 +248,7 @@ def test_clip_skipped_for_one_example_is_caught(monkeypatch, mode):
     monkeypatch.setattr(exact, "factors", skip_example_0)
     report = sensitivity(model, batch_for(shape, classes, scale=100.0), engine=engine)
     assert not report.ok
-    assert all(r.examples == [0] and r.ratio > 2 for r in report.rows if r.status == "exceeded")
+    assert all(r.examples == [0] and r.ratio > 2 for r in report.rows if "removal" in r.failed)
 
 
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
@@ -366,6 +375,14 @@ def test_cli_exits_1_when_a_bound_is_exceeded(monkeypatch, capsys):
     assert rc == 1 and "EXCEEDED" in line
 
 
+def test_cli_exits_1_when_a_layer_is_under_noised(monkeypatch, capsys):
+    real = bnn._Clipped._noise_sensitivity
+    monkeypatch.setattr(bnn._Clipped, "_noise_sensitivity", lambda self, x: real(self, x) / 3)
+    rc = cli.main(["sensitivity", "--mode", "flat", "--batch-size", "8", "--adversarial-steps", "0"])
+    line = capsys.readouterr().out.strip()
+    assert rc == 1 and "UNDER-NOISED" in line and "EXCEEDED" not in line
+
+
 def test_part_of_a_flat_model_is_refused():
     """Flat clipping's factor needs every layer's norm: a slice of the model has the book-keeping of
     the whole, which the audit must not run half of."""
@@ -383,4 +400,230 @@ def test_adversarial_search_finds_a_violation_the_batch_does_not_show(monkeypatc
     report = sensitivity(model, small, engine=engine, adversarial_steps=25, scales=())
     row = report.rows[0]
     assert row.ratio < 0.9 and row.adversarial > 1.05 and row.status == "exceeded"
-    assert not report.ok and "EXCEEDED (flat)" in report.line()
+    assert not report.ok and "EXCEEDED (flat: adversarial)" in report.line()
+
+
+# --------------------------------------------------------------------------- the noise the layers draw
+
+def sequence_net():
+    """Biased Linear layers on [B, T=5, 6]: backprop's Δ = C_g √(C_x² + T) needs the T of max_input_shape."""
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), eo.MeanOverTime()), (5, 6), 3
+
+
+def noise_rows(report):
+    return [r for r in report.noise if r.status != "frozen"]
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_the_noise_drawn_is_sigma_times_the_bound(mode, reduction):
+    """Correct code: every layer's noise, drawn by the training path and measured as the noisy minus
+    the noise-free release of the batch (in bound units), has std σ·Δ_l within its interval."""
+    model, engine, *_, shape, classes = private(conv_net, mode, reduction)
+    report = sensitivity(model, batch_for(shape, classes), engine=engine)
+    assert report.ok and "UNDER-NOISED" not in report.line()
+    layers = dict(bnn.clipped_layers(model))
+    assert [r.name for r in report.noise] == list(layers)
+    for row in noise_rows(report):
+        assert row.status == "ok" and row.sigma == SIGMA and row.claimed_sigma == SIGMA
+        assert row.bound == pytest.approx(layers[row.name].sensitivity)
+        assert row.low <= 1 <= row.high and abs(row.ratio - 1) < 0.1 and row.coordinates >= 1000
+        assert row.high / row.low < 1.5  # thousands of coordinates: a precise estimate
+    assert "noise 0.9" in report.line() or "noise 1.0" in report.line()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_noise_scaled_to_a_third_of_the_bound_is_caught(monkeypatch, mode, reduction):
+    """The layers scale their draw to a Δ three times too small: the contributions still meet the
+    declared bound (the removal check passes); only the measured noise shows it."""
+    model, engine, *_, shape, classes = private(conv_net, mode, reduction)
+    real = bnn._Clipped._noise_sensitivity
+    monkeypatch.setattr(bnn._Clipped, "_noise_sensitivity", lambda self, x: real(self, x) / 3)
+    report = sensitivity(model, batch_for(shape, classes), engine=engine)
+    assert all(r.status in ("ok", "info") for r in report.rows)
+    assert not report.ok and "UNDER-NOISED" in report.line()
+    for row in noise_rows(report):
+        assert row.status == "under" and row.high < 1 and row.ratio == pytest.approx(1 / 3, rel=0.1)
+
+
+def test_biased_sequence_linear_noise_forgetting_t_is_caught(monkeypatch):
+    """A [B, T, in] biased Linear whose noise is scaled to the Δ of T = 1 (√(C_x² + 1) instead of
+    √(C_x² + T)): 0.58 of the claimed std."""
+    model, shape, classes = sequence_net()
+    x, y = batch_for(shape, classes, n=32, seed=9)
+    engine = PrivacyEngine()
+    model, *_ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                    data_loader=DataLoader(TensorDataset(x, y), batch_size=BBAR),
+                                    noise_multiplier=SIGMA, max_input_shape=shape, **BACKPROP)
+    assert sensitivity(model, batch_for(shape, classes), engine=engine).ok
+    monkeypatch.setattr(bnn.Linear, "_noise_sensitivity",
+                        lambda self, x: self.sensitivity_for((1, self.in_features)))
+    report = sensitivity(model, batch_for(shape, classes), engine=engine)
+    assert not report.ok
+    want = (1 + 1) ** 0.5 / (1 + 5) ** 0.5  # C_x = 1, T = 5
+    for row in noise_rows(report):
+        assert row.status == "under" and row.ratio == pytest.approx(want, rel=0.1)
+
+
+def test_a_layer_drawing_no_noise_is_caught_unless_its_engine_claims_none(monkeypatch):
+    model, engine, *_, shape, classes = private(mlp, "flat")
+    layer = model[2]
+    object.__setattr__(layer, "noise_multiplier", 0.0)  # past the engine's guard: a layer that forgot σ
+    report = sensitivity(model, batch_for(shape, classes), engine=engine)
+    rows = {r.name: r for r in report.noise}
+    assert not report.ok and rows["2"].status == "under" and rows["2"].ratio == 0 and rows["0"].status == "ok"
+    # A DDP rank other than 0: its layers add no noise (rank 0 adds the draw), as its engine claims.
+    monkeypatch.setattr(engine, "rank", 1)
+    object.__setattr__(model[0], "noise_multiplier", 0.0)
+    report = sensitivity(model, batch_for(shape, classes), engine=engine)
+    assert report.ok and all(r.status == "σ = 0" for r in report.noise)
+    assert "no noise" in report.line()
+    # noise_draws=0: no measurement, said so
+    monkeypatch.setattr(engine, "rank", 0)
+    report = sensitivity(model, batch_for(shape, classes), engine=engine, noise_draws=0)
+    assert report.ok and report.noise_draws == 0 and all(r.status == "not measured" for r in report.noise)
+    assert "noise not measured" in report.line()
+
+
+# --------------------------------------------------------------------------- the model's own dtype
+
+def overclip_float32(monkeypatch, factor=1.1):
+    """Plants a bug of the float32 kernels only: every float32 weight gradient a clipped layer
+    returns is 10% larger (backprop: autograd._outputs; exact modes: exact._release)."""
+    real_outputs, real_release = autograd._outputs, exact._release
+
+    def bigger(gw):
+        return gw * factor if gw is not None and gw.dtype == torch.float32 else gw
+
+    monkeypatch.setattr(autograd, "_outputs",
+                        lambda layer, ctx, gw, gb, scale: real_outputs(layer, ctx, bigger(gw), gb, scale))
+
+    def release(*args, **kw):
+        gw, gb = real_release(*args, **kw)
+        return bigger(gw), gb
+
+    monkeypatch.setattr(exact, "_release", release)
+
+
+def saturating(mode):
+    """A model whose examples ×100 reach the bound: backprop's bounds are loose below the top layer,
+    and the conv net's top Linear stays at 0.72 of its Δ; the exact modes saturate on the conv net."""
+    return mlp if mode == "backprop" else conv_net
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_each_example_alone_in_the_models_dtype_meets_the_bound(mode, reduction):
+    model, engine, *_, shape, classes = private(saturating(mode), mode, reduction)
+    report = sensitivity(model, batch_for(shape, classes, scale=100.0), engine=engine)
+    assert report.ok and report.dtype == "torch.float64" and report.native_dtype == "torch.float32"
+    assert report.native_tol < 1e-3  # (positions)·u of float32, with margin: a 10% over-clip is seen
+    for row in report.rows:
+        assert row.alone is not None and row.alone <= 1 + report.native_tol
+        assert row.alone == pytest.approx(row.ratio, rel=1e-4)  # float32 alone = float64 removal
+    assert "alone in float32 1.0000" in report.line()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_an_overclip_of_the_float32_kernels_only_is_caught(monkeypatch, mode, reduction):
+    model, engine, *_, shape, classes = private(saturating(mode), mode, reduction)
+    overclip_float32(monkeypatch)
+    report = sensitivity(model, batch_for(shape, classes, scale=100.0), engine=engine)
+    assert not report.ok and "EXCEEDED" in report.line() and "alone in float32" in report.line()
+    checked = [r for r in report.rows if r.checked]
+    assert all(r.ratio <= 1 + report.tol for r in checked)  # the float64 removal cannot see it
+    top = max(r.alone for r in checked)
+    # backprop: √(1.21 C_x² + 1)/√(C_x² + 1) at a saturated biased layer; exact modes: 1.1 of the weights
+    assert top > 1.04
+    assert all("alone" in r.failed for r in checked if r.status == "exceeded")
+
+
+# --------------------------------------------------------------------------- training mode
+
+class CenterInTraining(nn.Module):
+    """Mixes the batch in training mode only (a hand-written batch norm): invisible in eval mode."""
+
+    def forward(self, h):
+        return h - h.mean(0) if self.training else h
+
+
+def private_unprobed(model, mode="flat", reduction="sum"):
+    x, y = batch_for((6,), 3, n=32, seed=9)
+    engine = PrivacyEngine()
+    bounds = BACKPROP if mode == "backprop" else dict(max_grad_norm=1.0)
+    model, *_ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                    data_loader=DataLoader(TensorDataset(x, y), batch_size=BBAR),
+                                    noise_multiplier=SIGMA, clipping=mode, loss_reduction=reduction, probe=False,
+                                    **bounds)
+    return model, engine
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat"])
+def test_mixing_in_training_mode_only_is_caught(mode):
+    torch.manual_seed(0)
+    model, engine = private_unprobed(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), CenterInTraining(), nn.Linear(8, 3)),
+                                     mode)
+    report = sensitivity(model, batch_for((6,), 3, scale=100.0), engine=engine)
+    assert report.training == "train"
+    assert any(n.startswith("examples mix") for n in report.notes)
+    if mode == "flat":  # flat: 1.4 of C (eval mode: 1.00000)
+        assert not report.ok and max(r.ratio for r in report.rows if r.checked) > 1.2
+    else:  # backprop's loose bounds absorb it on this batch: removal 0.86, alone 0.71 of Δ
+        top = max((r for r in report.rows if r.checked), key=lambda r: r.ratio)
+        assert top.ratio > top.alone + 0.1
+
+
+def test_dropout_runs_off_in_training_mode_and_the_rng_is_restored():
+    """Dropout draws random masks: removal shifts every later example's mask, so the audit turns
+    dropout off and keeps the rest in training mode (the batch mixing is still seen)."""
+    torch.manual_seed(0)
+    model, engine = private_unprobed(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.5), CenterInTraining(),
+                                                   nn.Linear(8, 3)))
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    report = sensitivity(model, batch_for((6,), 3, scale=100.0), engine=engine, adversarial_steps=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert report.training == "train, dropout off" and any("dropout" in n for n in report.notes)
+    assert not report.ok  # CenterInTraining still seen
+    torch.manual_seed(0)
+    model, engine = private_unprobed(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 3)))
+    report = sensitivity(model, batch_for((6,), 3, scale=100.0), engine=engine)
+    assert report.ok and report.training == "train, dropout off"
+
+
+class NoisyInTraining(nn.Module):
+    """Functional randomness the audit cannot turn off: it falls back to eval mode and says so."""
+
+    def forward(self, h):
+        return h + 0.01 * torch.randn_like(h) if self.training else h
+
+
+def test_randomness_that_cannot_be_turned_off_falls_back_to_eval_mode_with_a_note():
+    torch.manual_seed(0)
+    model, engine = private_unprobed(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), NoisyInTraining(), nn.Linear(8, 3)))
+    report = sensitivity(model, batch_for((6,), 3), engine=engine)
+    assert report.training == "eval" and report.ok
+    assert any("eval mode" in n and "random" in n for n in report.notes)
+
+
+class DriftingInTraining(nn.Module):
+    """A training forward that changes from pass to pass without touching the generators."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += self.training
+        return h * (1 + 0.1 * (self.calls % 2)) if self.training else h
+
+
+def test_a_release_that_drifts_in_training_mode_falls_back_to_eval_mode_with_a_note():
+    torch.manual_seed(0)
+    model, engine = private_unprobed(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), DriftingInTraining(), nn.Linear(8, 3)))
+    report = sensitivity(model, batch_for((6,), 3), engine=engine)
+    assert report.training == "eval" and report.ok
+    assert any("eval mode" in n and "between two passes" in n for n in report.notes)

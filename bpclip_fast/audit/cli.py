@@ -22,18 +22,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------------------- sensitivity
 def _sensitivity_parser(sub) -> None:
-    p = sub.add_parser("sensitivity", help="each example's exact contribution to the release against its bound",
+    p = sub.add_parser("sensitivity", help="each example's exact contribution to the release, and the noise drawn, "
+                       "against the bounds",
                        description="Makes a model private with a real PrivacyEngine on the embedded digits data and "
                        "audits one batch (bpclip_fast.audit.sensitivity): the largest contribution of one example "
-                       "to the released gradient, measured through the real layers with the noise off, against "
-                       "the bound the noise is scaled to. Exit code 0 if every bound holds, 1 if one is exceeded, 2 if "
-                       "the model cannot be made private in that mode.")
+                       "to the released gradient, measured through the real layers in training mode with the noise "
+                       "off (by removal in float64, and alone in the model's own dtype), against the bound the noise "
+                       "is scaled to; and the std of the noise the layers draw against sigma times that bound. Exit "
+                       "code 0 if every bound holds and no layer is under-noised, 1 otherwise, 2 if the model cannot "
+                       "be made private in that mode. The report holds data-dependent values: do not publish it for "
+                       "private data.")
     p.add_argument("--model", default="mlp", help="mlp (Flatten, Linear(784, 32), act, Linear(32, 10)) or a "
                    "bpclip-train model: mnist, papernot-mnist, resnet20-gn, vit (the last two: flat/per_layer only, and "
                    "slower: 10-80 s with the default search) (default: mlp)")
     p.add_argument("--mode", default="backprop", choices=("backprop", "flat", "per_layer"))
     p.add_argument("--activation", default="tanh", help="relu, tanh, tempered, gelu (default: tanh)")
-    p.add_argument("--sigma", type=float, default=1.0, help="noise multiplier (the audit draws no noise)")
+    p.add_argument("--sigma", type=float, default=1.0,
+                   help="noise multiplier (the audit measures the noise the layers draw, on a copy of the model)")
     p.add_argument("--input-clip", type=float, default=2.0, help="backprop: C_x (default 2)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="backprop: C_g (default 1)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="flat/per_layer: C (per_layer: split C/sqrt(L))")

@@ -1,12 +1,18 @@
-"""The sensitivity audit: each example's exact contribution to the release, against the declared bound.
+"""The sensitivity audit: each example's exact contribution to the release, and the noise drawn, against the bounds.
 
 ``sensitivity(model, (x, y), engine=engine)`` measures, through the model's own clipped layers and
-kernels with the noise off, how far each example of a batch moves each clipped layer's released
-gradient, and compares it with the bound the noise is scaled to (DESIGN.md §5): backprop, each
-layer's ``Δ_l = layer.sensitivity``; per_layer, each layer's ``C_l = layer.max_grad_norm`` and the
-whole ``C = layer.noise_bound = (Σ_l C_l²)^½``; flat, one ``C = layer.noise_bound`` for the
-concatenation of all layers. With ``adversarial_steps > 0`` it also searches for inputs that push
-one example's contribution up.
+kernels, how far each example of a batch moves each clipped layer's released gradient, and compares
+it with the bound the noise is scaled to (DESIGN.md §5): backprop, each layer's ``Δ_l =
+layer.sensitivity``; per_layer, each layer's ``C_l = layer.max_grad_norm`` and the whole ``C =
+layer.noise_bound = (Σ_l C_l²)^½``; flat, one ``C = layer.noise_bound`` for the concatenation of all
+layers. It then measures the noise the layers actually draw against ``σ·Δ_l``. Three checks of the
+contributions, one of the noise:
+
+* **removal** (float64): ``R(S) − R(S∖{i})`` for every ``i``, the precise test of batch-independence;
+* **alone** (the model's own dtype): each example's release as a batch of one;
+* **adversarial** (``adversarial_steps > 0``): a search for inputs that push one example's
+  contribution up;
+* **noise**: per layer, the std of the noise the training path draws, with a confidence interval.
 
 Why removal
 -----------
@@ -17,7 +23,31 @@ the release of its batch: the sum of the clipped layers' parameter gradients, no
 contribution ``R(S ∪ {z}) − R(S)`` of each adversarial input ``z``. Nothing is assumed about how the
 layers compute: an example that moved another example's clipped gradient (a batch-dependent clip,
 batch statistics, a loss that is not a sum of per-example terms) shows up in the difference as it
-would in the released gradient.
+would in the released gradient. Where this batch keeps the bound anyway, the mixing still shows as a
+gap between the removal and the example's release alone (both in float64, beyond twice the removal's
+tolerance): the report then notes that examples mix.
+
+Training mode
+-------------
+The copies run in training mode, the mode the released gradients are computed in: a module that
+mixes the batch only when ``self.training`` (a hand-written batch norm) is invisible in eval mode.
+Every pass starts from the same state of the torch generators (CPU and the model's CUDA device;
+the caller's states are restored afterwards), which is a coupling of the B + 1 passes only if the
+training forward draws nothing from them:
+
+* a training forward that leaves the generators' state unchanged runs as is (``training ==
+  "train"``);
+* one that draws (dropout) cannot be coupled by a common seed: removing example ``i`` shifts the
+  random numbers of every later example (and of every later layer), so ``R(S) − R(S∖{i})`` would
+  mix other examples' mask changes into ``i``'s contribution. Dropout (torch's ``_DropoutNd``
+  modules, which act on each entry alone and mix nothing) is turned off and the rest of the model
+  stays in training mode (``"train, dropout off"``);
+* randomness that remains (a functional ``F.dropout``, noise injection) makes the audit fall back to
+  eval mode (``"eval"``), with a note: mixing that happens only in training mode is then not tested.
+
+Then the full batch is released twice: the two must agree within the removal's tolerance (rounding
+only: a GPU's atomics may reorder sums); a larger drift (state the generators do not hold, a
+counter in a module) also falls back to eval mode, with a note.
 
 Units
 -----
@@ -26,28 +56,77 @@ units of Δ. Under ``"mean"`` the engine's layers compute ``(1/B̄)(Σ_i c_i + N
 proof in :mod:`bpclip_fast.engine`): the copy's layers get the engine's own step state,
 ``boundary.LayerStep(enforce=False, mean_loss_batch=B̄)`` with no key armed, so ``begin_backward``
 draws no noise but clips at ``C/d`` with the backward's own ``d`` and scales by ``d/B̄``, exactly as
-in training; the difference is then multiplied by ``B̄``, the factor between the noise std in the
-release (``σΔ/B̄``) and ``σΔ``. Either way a ratio ``‖contribution‖/Δ`` above 1 means the noise is
-too small for that example.
+in training; the release is then multiplied by ``B̄`` (in float64), the factor between the noise
+std in the release (``σΔ/B̄``) and ``σΔ``. Either way a ratio ``‖contribution‖/Δ`` above 1 means the
+noise is too small for that example.
 
-Arithmetic and tolerance
-------------------------
-The audit runs on a deep copy of the model (clipped layers drop their engine step when copied; the
-engine's forward pre-hook pickles as a no-op; flat clipping's book-keeping is copied with the
-model and checked to belong to the copy), cast to float64 by default, in eval mode (dropout's
-random masks would otherwise differ between the B + 1 passes; no clipped layer depends on the
-mode). The kernels are the same as in training, in double. Each coordinate of a release is a sum
-of at most ``N = (B + 1)·T`` products (``T``: the most positions one example has at a clipped
-layer, its output size over its channels); with unit roundoff ``u`` its error is at most
-``γ_N ≈ N·u`` times the sum of the absolute terms, which the triangle inequalities of the bounds
-keep within ``(B + 1)·Δ`` (up to the cancellation inside one example's gradient, and the
-``O(depth·u)`` relative error of each example's own activations). The difference of two releases
-therefore errs by at most about ``2·N·(B + 1)·u·Δ``; the audit uses
-``tol = max(1e-9, 64·N·(B + 1)·u)`` (a factor 32 of margin for depth and cancellation): about
-``1e-9`` in float64 for the models here, so a ratio ``≤ 1 + tol`` is an honest pass. The report
-also gives the rounding actually observed (the release of the batch minus that of the same batch
-in reverse order, in bound units). In float32 (``dtype=None`` on a float32 model) the same formula
-gives a tolerance near 1: only gross violations are resolved.
+Removal: arithmetic and tolerance
+---------------------------------
+The removal runs on a deep copy of the model (clipped layers drop their engine step when copied;
+the engine's forward pre-hook pickles as a no-op; flat clipping's book-keeping is copied with the
+model and checked to belong to the copy), cast to float64 by default. The kernels are the same as
+in training, in double. Each coordinate of a release is a sum of at most ``N = (B + 1)·T`` products
+(``T``: the most positions one example has at a clipped layer, its output size over its channels);
+with unit roundoff ``u`` its error is at most ``γ_N ≈ N·u`` times the sum of the absolute terms,
+which the triangle inequalities of the bounds keep within ``(B + 1)·Δ`` (up to the cancellation
+inside one example's gradient, and the ``O(depth·u)`` relative error of each example's own
+activations). The difference of two releases therefore errs by at most about ``2·N·(B + 1)·u·Δ``;
+the audit uses ``tol = max(1e-9, 64·N·(B + 1)·u)`` (a factor 32 of margin for depth and
+cancellation): about ``1e-9`` in float64 for the models here, so a ratio ``≤ 1 + tol`` is an honest
+pass. The report also gives the rounding actually observed (the release of the batch minus that of
+the same batch in reverse order, in bound units). In float32 (``dtype=None`` on a float32 model) the
+same formula gives a tolerance near 1: only gross violations are resolved, hence the next check.
+
+Alone, in the model's own dtype
+-------------------------------
+The kernels have separate float32/bfloat16/float16 paths, which a float64 copy never runs. A second
+copy in the model's own dtype releases each example as a batch of one, ``R({i})``: that release
+carries only example ``i``'s own rounding, so it can be held to a tolerance of the dtype's order
+instead of the removal's ``(B + 1)²·T·u``. Its error: the kernels store the clipped values so that
+the bound holds *after* rounding (backprop's clipped inputs and upstream gradients,
+``csrc/include/bpclip_fast/clip.h``; the exact modes' factors from rounded-up norm bounds,
+:mod:`bpclip_fast.exact`). What follows is a GEMM over the example's ``T`` positions, accumulated in
+``u_acc`` (float32 for the half types, as torch's GEMMs and our kernels accumulate them; float64
+for float64): each coordinate errs by at most ``γ_T(u_acc)`` times the sum of its absolute terms,
+whose norm the bound's own triangle inequalities keep within Δ (backprop: ``‖Σ_t |g̃_t||x̃_t|ᵀ‖ ≤
+Σ_t ‖g̃_t‖‖x̃_t‖ ≤ Δ``; the exact modes up to the cancellation between one example's positions);
+then at most two roundings to the dtype (the output, the mean-loss scale ``1/B̄``) and ``×B̄`` in
+float64. So ``‖R({i})‖/Δ ≤ 1 + T·u_acc/(1 − T·u_acc) + 3u``; the audit uses
+``native_tol = max(1e-12, 32·T·u_acc + 4·u)`` (margin 32 on the GEMM term, for the cancellation):
+``3e-4`` for float32 at ``T = 196``, so a 10% over-clip of the float32 kernels is plain, where the
+removal's float32 tolerance (about 0.8 on a conv net) hides it. The float64 removal stays the
+precise test of batch-independence; a row reports both (``ratio``: removal; ``alone``: this check).
+
+Noise
+-----
+The contributions are compared with the bound the noise is *claimed* to be scaled to; the noise
+itself is measured too. The copy in the model's own dtype gets each private layer's σ
+(``layer.noise_multiplier``, what training draws with) and is armed as a training step is:
+:func:`bpclip_fast.nn.arm_noise` gives each layer's ``LayerStep(enforce=False, mean_loss_batch=B̄)``
+a Philox key, so the real forward and backward draw the noise by the training path
+(``begin_backward`` → the kernels' Philox noise, scaled as in training). The noisy release of the
+audited batch minus its noise-free release, in bound units, is under the claim a vector of i.i.d.
+``N(0, s²)`` coordinates with ``s = σ·Δ_l`` (σ the engine's ``gradient_noise_multiplier``, or the
+layer's own without an engine; ``Δ_l = layer.sensitivity``, the noise bound ``C`` in the exact
+modes). With ``n`` coordinates (``P_l`` per draw, ``draws`` noisy releases with fresh keys, enough
+for 2048 coordinates per layer, at most 64), ``n·ŝ²/s² ~ χ²_n`` for the true std ``s``: the ratio
+``ŝ/(σΔ_l)`` comes with the interval ``[ŝ/(σΔ_l)·√(n/χ²_{n,1−a/2}), ŝ/(σΔ_l)·√(n/χ²_{n,a/2})]`` for
+the true ratio, ``a = 1e-6`` over the number of intervals (Bonferroni: each layer, and each of its
+weight and bias alone, so a parameter left without noise is seen). A layer whose interval lies
+below 1 is under-noised (status ``"under"``, the report fails); above 1, over-noised (``"over"``,
+a note: a utility loss, not a privacy one). A layer whose claimed σ is 0 (a DistributedDataParallel
+rank other than 0, whose layers leave the draw to rank 0; a converted model never armed) is
+reported as ``"σ = 0"``. The rounding of the two releases in the model's dtype adds
+``O(u·‖R‖)`` per coordinate, negligible against ``σΔ`` unless σ is tiny; it can only inflate ``ŝ``.
+The copy's noise key is an explicit seed (``noise_seed``): that noise is never released.
+
+The report is not private
+-------------------------
+The report holds data-dependent values: each unit's largest contribution norm and the batch
+indices attaining it, the adversarial inputs' ratios, the observed rounding, the measured noise std
+(the noisy minus noise-free release of the audited batch), and with ``keep_contributions`` every
+example's contribution vector. None of it is covered by the privacy guarantee of the training run:
+do not publish a report made on private data.
 """
 
 from __future__ import annotations
@@ -63,9 +142,12 @@ from torch import nn
 from .. import nn as bnn, registry
 from ..boundary import LayerStep
 
-__all__ = ["sensitivity", "SensitivityReport", "SensitivityRow"]
+__all__ = ["sensitivity", "SensitivityReport", "SensitivityRow", "NoiseRow"]
 
 _CAP = math.log(4.0)  # the surrogate stops pushing a quantity once it is 4x its bound
+NOISE_ALPHA = 1e-6          # the noise check's significance, over all its intervals (Bonferroni)
+NOISE_COORDINATES = 2048    # coordinates wanted per layer (the smallest decides the draws)
+NOISE_MAX_DRAWS = 64
 
 
 @dataclass
@@ -75,13 +157,16 @@ class SensitivityRow:
     name: str
     bound: float            # the declared bound the noise is scaled to (Δ_l, C_l or C)
     symbol: str             # "Δ", "C_l" or "C"
-    largest: float          # the largest contribution norm over the batch
+    largest: float          # the largest contribution norm over the batch (removal, float64)
     ratio: float            # largest / bound
     examples: list          # batch indices attaining the largest (within tol)
     saturated: int          # examples whose contribution is at the bound (within tol)
     status: str             # "ok", "exceeded", "info" (not checked: flat's per-layer rows), "frozen"
     adversarial: float | None = None  # the best ratio the adversarial search found
     adversarial_from: str | None = None
+    alone: float | None = None        # the largest ratio of one example released alone, in the model's dtype
+    alone_examples: list = field(default_factory=list)
+    failed: list = field(default_factory=list)  # the checks that exceeded: "removal", "alone", "adversarial"
 
     @property
     def checked(self) -> bool:
@@ -89,25 +174,52 @@ class SensitivityRow:
 
 
 @dataclass
+class NoiseRow:
+    """The noise one clipped layer draws, in bound units (module docstring: noise)."""
+
+    name: str
+    sigma: float            # the σ the layer draws with (the private layer's noise_multiplier)
+    claimed_sigma: float    # the σ claimed (the engine's gradient_noise_multiplier; without one, sigma)
+    bound: float            # Δ_l the noise is claimed to be scaled to
+    std: float | None       # measured std of the noise, in bound units
+    ratio: float | None     # std / (claimed_sigma · bound)
+    low: float | None       # the ratio's confidence interval
+    high: float | None
+    coordinates: int        # noise coordinates measured (parameters × draws)
+    parts: dict             # {"weight"/"bias": [ratio, low, high]}
+    status: str             # "ok", "under", "over" (a note), "σ = 0", "frozen", "not measured"
+
+
+@dataclass
 class SensitivityReport:
-    """What :func:`sensitivity` found; ``.ok``, ``.line()``, ``.to_dict()``."""
+    """What :func:`sensitivity` found; ``.ok``, ``.line()``, ``.to_dict()``. Holds data-dependent
+    values: not covered by the privacy guarantee (module docstring)."""
 
     mode: str
     examples: int
     loss_reduction: str
     mean_batch_size: float | None
-    dtype: str
+    dtype: str                # of the removal copy
     tol: float
     rounding: float           # the largest observed rounding of a release, in bound units
+    native_dtype: str         # of the alone check and the noise measurement (the model's own)
+    native_tol: float
+    training: str             # how the copies ran: "train", "train, dropout off" or "eval"
     rows: list
+    noise: list               # NoiseRow per clipped layer
+    noise_draws: int
     adversarial: dict
     notes: list
     seconds: float
     contributions: dict = field(default=None, repr=False)  # keep_contributions: {unit: [B, P] tensor}
 
     @property
+    def under_noised(self) -> list:
+        return [r for r in self.noise if r.status == "under"]
+
+    @property
     def ok(self) -> bool:
-        return all(r.status != "exceeded" for r in self.rows)
+        return all(r.status != "exceeded" for r in self.rows) and not self.under_noised
 
     def line(self) -> str:
         head = f"sensitivity: {self.mode}, {self.examples} examples"
@@ -117,18 +229,40 @@ class SensitivityReport:
         top = max(checked, key=lambda r: r.ratio)
         where = "" if top.name == "flat" else "total, " if top.name == "total" else f"layer {top.name}, "
         at = ", ".join(map(str, top.examples[:3])) + (", ..." if len(top.examples) > 3 else "")
+        native = self.native_dtype.replace("torch.", "")
         text = (f"{head}, largest contribution {top.ratio:.5f} of {top.symbol}={top.bound:.4g} "
-                f"({where}example{'s' if len(top.examples) > 1 else ''} {at})")
+                f"({where}example{'s' if len(top.examples) > 1 else ''} {at}), "
+                f"alone in {native} {max(r.alone for r in checked):.5f}")
         if "skipped" in self.adversarial:
             text += f", adversarial skipped ({self.adversarial['skipped']})"
         elif self.adversarial:
             text += f", adversarial {self.adversarial['best']:.4f}"
-        bad = [r.name for r in checked if r.status == "exceeded"]
-        return text + (f"; EXCEEDED ({', '.join(bad)})" if bad else "; OK")
+        measured = [r for r in self.noise if r.ratio is not None]
+        if measured:
+            lo, hi = min(r.ratio for r in measured), max(r.ratio for r in measured)
+            text += f", noise {lo:.3f}" + (f"-{hi:.3f}" if f"{hi:.3f}" != f"{lo:.3f}" else "") + " of σΔ"
+        elif any(r.status == "not measured" for r in self.noise):
+            text += ", noise not measured"
+        elif self.noise and all(r.status in ("σ = 0", "frozen") for r in self.noise):
+            text += ", no noise (σ = 0)"
+        bad = [r for r in checked if r.status == "exceeded"]
+        verdict = []
+        if bad:
+            names = {"alone": f"alone in {native}"}
+            verdict.append("EXCEEDED (" + ", ".join(f"{r.name}: {' and '.join(names.get(c, c) for c in r.failed)}"
+                                                     for r in bad) + ")")
+        if self.under_noised:
+            def under(r):  # the layer, or its parameter whose noise is short (a bias left without noise)
+                parts = [f"{r.name}.{p}: {v[0]:.3f}" for p, v in r.parts.items() if v[2] < 1] if r.high >= 1 else []
+                return ", ".join(parts) or f"{r.name}: {r.ratio:.3f}"
+            verdict.append("UNDER-NOISED (" + ", ".join(map(under, self.under_noised)) + " of σΔ)")
+        return text + ("; " + "; ".join(verdict) if verdict else "; OK")
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rows", "contributions")}
+        skip = ("rows", "noise", "contributions")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["rows"] = [asdict(r) for r in self.rows]
+        out["noise"] = [asdict(r) for r in self.noise]
         out["ok"] = self.ok
         out["line"] = self.line()
         return out
@@ -204,15 +338,41 @@ def _copy(inner, name="model"):
 # ------------------------------------------------------------------------------ the release, noise off
 
 
+class _Generators:
+    """The torch generators a forward can draw from: the CPU's and the model's CUDA device's."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
+
+    def fork(self):
+        """A context that restores the caller's states on exit (``torch.random.fork_rng``)."""
+        return torch.random.fork_rng(devices=[self.index] if self.cuda else [])
+
+    def state(self):
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(self.index) if self.cuda else None)
+
+    def set(self, state):
+        torch.set_rng_state(state[0])
+        if self.cuda:
+            torch.cuda.set_rng_state(state[1], self.index)
+
+    @staticmethod
+    def same(a, b) -> bool:
+        return all((s is None and t is None) or torch.equal(s, t) for s, t in zip(a, b))
+
+
 class NoiseFree:
     """A float64 (or ``dtype``) copy of a private model whose releases are measured, noise off (module
-    docstring: arithmetic and units). Also the empirical audit's measure of its canaries."""
+    docstring: arithmetic and units). Also the empirical audit's measure of its canaries.
+    ``training=False``: eval mode; the sensitivity audit passes ``True`` and calls :meth:`settle`."""
 
-    def __init__(self, inner, mode, reduction, mean_batch, loss_fn, dtype):
+    def __init__(self, inner, mode, reduction, mean_batch, loss_fn, dtype, training=False):
         self.model = _copy(inner)
         if dtype is not None:
             self.model.to(dtype)
-        self.model.eval()
+        self.model.train(training)
+        self.generators = None  # set by settle(): every release starts from this state of the generators
         self.layers = [layer for _, layer in bnn.clipped_layers(self.model)]
         self.names = [name for name, _ in bnn.clipped_layers(inner)]
         self.mode, self.loss_fn = mode, loss_fn
@@ -249,13 +409,56 @@ class NoiseFree:
         """An upper bound on the positions one example adds to a gradient coordinate (module docstring)."""
         return self._positions[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].weight.dtype
+
     def trainable(self, layer):
         return [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
 
+    def settle(self, x, y) -> tuple[str, str | None]:
+        """Training mode with every release starting from one state of the generators; dropout off,
+        or eval mode, where a training forward still draws random numbers (module docstring:
+        training mode). Returns ``(how the copy runs, a note or None)``. Call inside
+        :meth:`_Generators.fork`; :func:`_audit` checks the determinism that is left."""
+        if not self.model.training:
+            return "eval", None
+        gen = _Generators(self.layers[0].weight.device)
+        self.generators, self._start = gen, gen.state()
+
+        def draws_random_numbers():
+            self.release(x, y)
+            return not gen.same(gen.state(), self._start)
+
+        if not draws_random_numbers():
+            return "train", None
+        # Dropout masks cannot be kept per example across batches of different sizes; dropout acts on
+        # each entry alone, so turning it off hides no mixing.
+        for m in self.model.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                m.eval()
+        if not draws_random_numbers():
+            return "train, dropout off", ("the copies ran in training mode with dropout off (removing an example "
+                                          "would shift the other examples' dropout masks)")
+        self.model.eval()
+        return "eval", ("the copies ran in eval mode: the training forward draws random numbers besides dropout's, "
+                        "which removal cannot keep for the other examples; mixing that happens only in training "
+                        "mode is not tested")
+
+    def follow(self, other) -> None:
+        """Runs in the modes of ``other`` (a copy of the same model in another dtype), each release from
+        its generator state."""
+        for mine, theirs in zip(self.model.modules(), other.model.modules()):
+            mine.training = theirs.training
+        self.generators, self._start = other.generators, getattr(other, "_start", None)
+
     def release(self, x, y):
-        """Per layer, the flattened ``[∇W, ∇b]`` of the batch ``(x, y)`` (noise off), in bound units."""
+        """Per layer, the flattened ``[∇W, ∇b]`` of the batch ``(x, y)`` in bound units (float64), noise
+        off unless the layers were armed (:func:`_noise`)."""
         for p in self.model.parameters():
             p.grad = None
+        if self.generators is not None:
+            self.generators.set(self._start)
         if x.shape[0] > 0:
             loss = self.loss_fn(self.model(x), y)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
@@ -265,7 +468,8 @@ class NoiseFree:
         out = []
         for layer in self.layers:
             parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.trainable(layer)]
-            out.append(torch.cat(parts).detach() * self.unit if parts else None)
+            # float64 before the unit: ×B̄ adds no rounding of the model's dtype
+            out.append(torch.cat(parts).detach().double() * self.unit if parts else None)
         for p in self.model.parameters():
             p.grad = None
         return out
@@ -300,10 +504,16 @@ def _delta(layer, audit):
         return float(layer.sensitivity_for(tuple(audit.shapes[id(layer)])))
 
 
-def _norms(units, full, other):
-    """``[unit] -> ‖full − other‖`` over each unit's layers."""
-    sq = [None if f is None else (f - o).square().sum() for f, o in zip(full, other)]
+def _norms(units, full, other=None):
+    """``[unit] -> ‖full − other‖`` (``‖full‖`` without ``other``) over each unit's layers."""
+    sq = [None if f is None else (f if other is None else f - other[k]).square().sum() for k, f in enumerate(full)]
     return [math.sqrt(float(sum((sq[k] for k in ks if sq[k] is not None), 0.0))) for _, ks, *_ in units]
+
+
+def _on(copy_, x, y):
+    """The batch on the copy's device, floating inputs in its dtype."""
+    p = copy_.layers[0].weight
+    return (x.to(p.device, p.dtype) if x.is_floating_point() else x.to(p.device)), y.to(p.device)
 
 
 # ------------------------------------------------------------------------------ the audit
@@ -312,20 +522,29 @@ def _norms(units, full, other):
 def sensitivity(model: nn.Module, batch, loss_fn=None, *, engine=None, loss_reduction: str | None = None,
                 mean_batch_size: float | None = None, adversarial_steps: int = 0, starts: int = 2,
                 scales=(10.0, 100.0), step_size: float = 0.5, dtype=torch.float64,
-                keep_contributions: bool = False) -> SensitivityReport:
-    """Audits each example's contribution to the release of ``model`` on ``batch`` (module docstring).
+                keep_contributions: bool = False, noise_draws: int | None = None,
+                noise_seed: int = 0) -> SensitivityReport:
+    """Audits each example's contribution to the release of ``model`` on ``batch``, and the noise
+    its layers draw (module docstring).
 
     ``model``: made private by :class:`bpclip_fast.PrivacyEngine` (possibly DDP-wrapped), or any
     module whose trainable layers are clipped layers; it and ``engine`` are not changed (the audit
-    runs on a copy: no gradient, step state, noise draw or accountant charge). ``engine``: gives the
-    loss reduction and ``B̄``; without it ``loss_reduction`` (default ``"sum"``) and, for ``"mean"``,
-    ``mean_batch_size``. ``batch``: ``(inputs, targets)``. ``loss_fn(outputs, targets)``: the
-    training criterion (default cross-entropy with the reduction in use).
+    runs on copies: no gradient, step state, noise draw or accountant charge; the torch generators'
+    states are restored). ``engine``: gives the loss reduction, ``B̄`` and the claimed σ; without it
+    ``loss_reduction`` (default ``"sum"``) and, for ``"mean"``, ``mean_batch_size``. ``batch``:
+    ``(inputs, targets)``. ``loss_fn(outputs, targets)``: the training criterion (default
+    cross-entropy with the reduction in use).
     ``adversarial_steps``: gradient-ascent steps on the input of one example from each start: the
     ``starts`` examples of largest ratio and their copies scaled by ``scales``; the direction comes
     from a plain-torch surrogate of the model, every iterate is evaluated through the real layers.
-    ``dtype``: of the copy (float64 default; ``None`` keeps the model's). ``keep_contributions``:
-    also return every contribution vector, ``report.contributions[unit name]`` (``[B, P]``).
+    ``dtype``: of the removal copy (float64 default; ``None`` keeps the model's); the alone check and
+    the noise run in the model's own dtype. ``keep_contributions``: also return every removal
+    contribution vector, ``report.contributions[unit name]`` (``[B, P]``). ``noise_draws``: noisy
+    releases of the batch (default: enough for 2048 coordinates per layer, at most 64; 0: no noise
+    measurement). ``noise_seed``: the copy's Philox seed.
+
+    The report holds data-dependent values and is not covered by the privacy guarantee: do not
+    publish it for private data.
     """
     start = time.perf_counter()
     inner = _unwrap(model)
@@ -338,25 +557,103 @@ def sensitivity(model: nn.Module, batch, loss_fn=None, *, engine=None, loss_redu
         raise TypeError(f"sensitivity: loss_fn must be callable, got {type(loss_fn).__name__}")
     if int(adversarial_steps) < 0:
         raise ValueError(f"sensitivity: adversarial_steps must be >= 0, got {adversarial_steps}")
-    audit = NoiseFree(inner, mode, reduction, mean_batch, loss_fn, dtype)
-    p0 = audit.layers[0].weight
-    x = x.to(p0.device, p0.dtype) if x.is_floating_point() else x.to(p0.device)
-    y = y.to(p0.device)
+    if noise_draws is not None and int(noise_draws) < 0:
+        raise ValueError(f"sensitivity: noise_draws must be >= 0 or None, got {noise_draws}")
+    audit = NoiseFree(inner, mode, reduction, mean_batch, loss_fn, dtype, training=True)
+    with _Generators(audit.layers[0].weight.device).fork():  # the caller's generator states come back
+        return _audit(inner, engine, audit, mode, reduction, mean_batch, loss_fn, x, y, start,
+                      adversarial_steps=int(adversarial_steps), starts=int(starts), scales=tuple(scales),
+                      step_size=float(step_size), keep_contributions=keep_contributions, noise_draws=noise_draws,
+                      noise_seed=int(noise_seed))
+
+
+def _audit(inner, engine, audit, mode, reduction, mean_batch, loss_fn, x0, y0, start, *, adversarial_steps, starts,
+           scales, step_size, keep_contributions, noise_draws, noise_seed):
+    x, y = _on(audit, x0, y0)
     audit.shapes = {}
 
     def shape(module, args):  # each layer's input shape: the Δ of a layer whose Δ was never fixed
         audit.shapes.setdefault(id(module), tuple(args[0].shape))
 
     hooks = [m.register_forward_pre_hook(shape) for m in audit.layers]
+    training, note = audit.settle(x, y)
     full = audit.release(x, y)
     for h in hooks:
         h.remove()
     units = _units(audit, mode)
     b = x.shape[0]
+    u_round = torch.finfo(audit.dtype).eps / 2
+    tol = max(1e-9, 64 * (b + 1) * audit.positions * (b + 1) * u_round)
+    # The same batch again must give the same release up to rounding (atomics on a GPU reorder sums);
+    # more is randomness or state the generators do not hold: removal in training mode would be noise.
+    drift = max(n / u[2] for n, u in zip(_norms(units, full, audit.release(x, y)), units))
+    if drift > tol and audit.model.training:
+        audit.model.eval()
+        training, note = "eval", (f"the copies ran in eval mode: in training mode the release of the batch moved by "
+                                  f"{drift:.3g} of the bound between two passes; mixing that happens only in training "
+                                  "mode is not tested")
+        full = audit.release(x, y)
+    # ---- removal (float64): R(S) − R(S∖{i})
     rev = audit.release(x.flip(0), y.flip(0))
     rounding = max((n / u[2] for n, u in zip(_norms(units, full, rev), units)), default=0.0)
-    u_round = torch.finfo(p0.dtype).eps / 2
-    tol = max(1e-9, 64 * (b + 1) * audit.positions * (b + 1) * u_round)
+    norms, kept = _removal(audit, units, full, x, y, keep_contributions)
+    # ---- alone, in the model's own dtype (the same copy when the removal already runs in it)
+    native = audit
+    if audit.dtype != _model_dtype(inner):
+        native = NoiseFree(inner, mode, reduction, mean_batch, loss_fn, None, training=True)
+        native.follow(audit)
+    xn, yn = _on(native, x0, y0)
+    alone = _alone(native, units, xn, yn)
+    native_u = torch.finfo(native.dtype).eps / 2
+    acc_u = torch.finfo(torch.float64 if native.dtype == torch.float64 else torch.float32).eps / 2
+    native_tol = max(1e-12, 32 * native.positions * acc_u + 4 * native_u)
+    rows = []
+    for u, (name, ks, bound, symbol, checked) in enumerate(units):
+        frozen = all(full[k] is None for k in ks)
+        ratios, alone_ratios = norms[u] / bound, alone[u] / bound
+        top, top_alone = float(ratios.max()), float(alone_ratios.max())
+        failed = [check for check, bad in (("removal", top > 1 + tol), ("alone", top_alone > 1 + native_tol)) if bad]
+        rows.append(SensitivityRow(
+            name=name, bound=float(bound), symbol=symbol, largest=float(norms[u].max()), ratio=top,
+            examples=[int(i) for i in torch.nonzero(ratios >= top - tol).reshape(-1)] if not frozen else [],
+            saturated=int(((ratios - 1).abs() <= tol).sum()),
+            status="frozen" if frozen else ("exceeded" if failed else "ok") if checked else "info",
+            alone=None if frozen else top_alone,
+            alone_examples=[] if frozen else [int(i) for i in torch.nonzero(alone_ratios >= top_alone - native_tol)
+                                                                  .reshape(-1)],
+            failed=failed if checked and not frozen else []))
+    notes = [note] if note else []
+    # A contribution that is a function of its example alone is the same removed from the batch as
+    # released alone; a gap is mixing (DESIGN.md §5), a note even where this batch keeps the bound.
+    # Compared in the removal's dtype: the model's own rounds its norm bounds up (a smaller factor).
+    alone_removal = alone if native is audit else _alone(audit, units, x, y)
+    gap = [float(((norms[u] - alone_removal[u]).abs() / unit[2]).max()) for u, unit in enumerate(units)]
+    mixed = [u for u in range(len(units)) if rows[u].status != "frozen" and gap[u] > 2 * tol]
+    if mixed:
+        notes.append(f"examples mix: at {', '.join(units[u][0] for u in mixed)} an example's removal from the batch "
+                     f"and its release alone differ by up to {max(gap[u] for u in mixed):.3g} of the bound (its "
+                     "contribution depends on the other examples)")
+    if mode == "flat" and audit.layers[0]._flat.max_grad_norm != units[0][2]:
+        notes.append(f"flat clipping clips at {audit.layers[0]._flat.max_grad_norm:g}, the noise is scaled to "
+                     f"{units[0][2]:g}")
+    # ---- the noise the layers draw
+    deltas = [_delta(layer, audit) for layer in audit.layers]
+    noise, draws = _noise(native, inner, engine, deltas, xn, yn, noise_draws, noise_seed, notes)
+    adversarial = {}
+    if adversarial_steps:
+        adversarial = _adversarial(audit, units, rows, norms, full, x, y, adversarial_steps, starts, scales,
+                                   step_size, tol)
+    return SensitivityReport(
+        mode=mode, examples=b, loss_reduction=reduction, mean_batch_size=mean_batch, dtype=str(audit.dtype),
+        tol=tol, rounding=rounding, native_dtype=str(native.dtype), native_tol=native_tol, training=training,
+        rows=rows, noise=noise, noise_draws=draws, adversarial=adversarial, notes=notes,
+        seconds=time.perf_counter() - start,
+        contributions={k: torch.stack(v) for k, v in kept.items()} if kept is not None else None)
+
+
+def _removal(audit, units, full, x, y, keep_contributions):
+    """``([unit, example] norms of R(S) − R(S∖{i}), {unit: [contribution vectors]} or None)``."""
+    b = x.shape[0]
     norms = torch.zeros(len(units), b, dtype=torch.float64)
     kept = {name: [] for name, *_ in units} if keep_contributions else None
     keep = torch.ones(b, dtype=torch.bool, device=x.device)
@@ -369,29 +666,95 @@ def sensitivity(model: nn.Module, batch, loss_fn=None, *, engine=None, loss_redu
             for name, ks, *_ in units:
                 parts = [full[k] - other[k] for k in ks if full[k] is not None]
                 kept[name].append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64))
+    return norms, kept
+
+
+def _alone(copy_, units, x, y):
+    """``[unit, example]``: the norm of each example's release as a batch of one."""
+    out = torch.zeros(len(units), x.shape[0], dtype=torch.float64)
+    for i in range(x.shape[0]):
+        out[:, i] = torch.tensor(_norms(units, copy_.release(x[i:i + 1], y[i:i + 1])), dtype=torch.float64)
+    return out
+
+
+def _model_dtype(inner):
+    return bnn.clipped_layers(inner)[0][1].weight.dtype
+
+
+# ------------------------------------------------------------------------------ the noise drawn
+
+
+def _claimed_sigmas(inner, engine):
+    """``(σ each private layer draws with, σ claimed for it)``: the engine's gradient noise multiplier
+    on rank 0 (other DDP ranks leave the draw to rank 0); without an engine, the layer's own."""
+    drawn = [float(layer.noise_multiplier) for _, layer in bnn.clipped_layers(inner)]
+    if engine is None:
+        return drawn, drawn
+    claim = float(engine.gradient_noise_multiplier) if engine.rank == 0 else 0.0
+    return drawn, [claim] * len(drawn)
+
+
+def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
+    """``([NoiseRow], draws)``: the noisy minus the noise-free release of ``(x, y)`` per layer, drawn
+    by the training path on the copy ``native`` (module docstring: noise)."""
+    from scipy.stats import chi2
+
+    drawn, claimed = _claimed_sigmas(inner, engine)
+    sizes = [[(("weight", "bias")[j], p.numel()) for j, p in enumerate((layer.weight, layer.bias))
+              if p is not None and p.requires_grad] for layer in native.layers]
+    measured = [k for k, layer in enumerate(native.layers) if sizes[k] and claimed[k] > 0]
+    if draws is None:
+        smallest = min((sum(n for _, n in sizes[k]) for k in measured), default=NOISE_COORDINATES)
+        draws = min(NOISE_MAX_DRAWS, -(-NOISE_COORDINATES // smallest))
+    if not draws:
+        measured = []
+    sq = [{part: 0.0 for part, _ in s} for s in sizes]
+    if measured:
+        base = native.release(x, y)
+        stream = bnn.NoiseStream(seed)  # explicit seed: this noise is never released
+        try:
+            for layer, sigma in zip(native.layers, drawn):
+                layer.noise_multiplier = sigma
+            for _ in range(draws):
+                bnn.arm_noise(native.model, stream)  # a fresh key per draw, the engine's layer offsets
+                noisy = native.release(x, y)
+                for k in measured:
+                    for (part, _), d in zip(sizes[k], (noisy[k] - base[k]).split([n for _, n in sizes[k]])):
+                        sq[k][part] += float(d.square().sum())
+        except RuntimeError as exc:  # e.g. a shape-dependent Δ never fixed: training refuses to draw too
+            notes.append(f"the noise was not measured: {exc}")
+            measured, draws = [], 0
+        finally:
+            for layer in native.layers:  # back to noise-free releases
+                layer._step.arm(None)
+                layer.noise_multiplier = 0.0
+    tests = sum(1 + len(sizes[k]) for k in measured)
+    a = NOISE_ALPHA / max(tests, 1)
+
+    def interval(total, n, s):
+        ratio = math.sqrt(total / n) / s
+        return [ratio, ratio * math.sqrt(n / chi2.ppf(1 - a / 2, n)), ratio * math.sqrt(n / chi2.ppf(a / 2, n))]
+
     rows = []
-    for u, (name, ks, bound, symbol, checked) in enumerate(units):
-        frozen = all(full[k] is None for k in ks)
-        ratios = norms[u] / bound
-        top = float(ratios.max())
-        rows.append(SensitivityRow(
-            name=name, bound=float(bound), symbol=symbol, largest=float(norms[u].max()), ratio=top,
-            examples=[int(i) for i in torch.nonzero(ratios >= top - tol).reshape(-1)] if not frozen else [],
-            saturated=int(((ratios - 1).abs() <= tol).sum()),
-            status="frozen" if frozen else ("exceeded" if top > 1 + tol else "ok") if checked else "info"))
-    notes = ["the copy ran in eval mode (dropout off); clipping does not depend on the mode"]
-    if mode == "flat" and audit.layers[0]._flat.max_grad_norm != units[0][2]:
-        notes.append(f"flat clipping clips at {audit.layers[0]._flat.max_grad_norm:g}, the noise is scaled to "
-                     f"{units[0][2]:g}")
-    adversarial = {}
-    if adversarial_steps:
-        adversarial = _adversarial(audit, units, rows, norms, full, x, y, int(adversarial_steps), int(starts),
-                                   tuple(scales), float(step_size), tol)
-    return SensitivityReport(
-        mode=mode, examples=b, loss_reduction=reduction, mean_batch_size=mean_batch, dtype=str(p0.dtype),
-        tol=tol, rounding=rounding, rows=rows, adversarial=adversarial, notes=notes,
-        seconds=time.perf_counter() - start,
-        contributions={k: torch.stack(v) for k, v in kept.items()} if kept is not None else None)
+    for k, layer in enumerate(native.layers):
+        row = NoiseRow(name=native.names[k], sigma=drawn[k], claimed_sigma=claimed[k], bound=deltas[k], std=None,
+                       ratio=None, low=None, high=None, coordinates=0, parts={},
+                       status="frozen" if not sizes[k] else "σ = 0" if claimed[k] == 0 else "not measured")
+        if k in measured:
+            s = claimed[k] * deltas[k]
+            n = draws * sum(m for _, m in sizes[k])
+            row.parts = {part: interval(sq[k][part], draws * m, s) for part, m in sizes[k]}
+            row.ratio, row.low, row.high = interval(sum(sq[k].values()), n, s)
+            row.std, row.coordinates = row.ratio * s, n
+            under = row.high < 1 or any(hi < 1 for _, _, hi in row.parts.values())
+            row.status = "under" if under else "over" if row.low > 1 else "ok"
+        rows.append(row)
+    over = [r.name for r in rows if r.status == "over"]
+    if over:
+        notes.append(f"more noise than claimed at {', '.join(over)} (a utility loss, not a privacy one)")
+    if any(r.status == "σ = 0" and r.sigma > 0 for r in rows):
+        notes.append("layers whose engine leaves the draw to rank 0 draw noise too: more noise than claimed")
+    return rows, draws if measured else 0
 
 
 # ------------------------------------------------------------------------------ adversarial search
@@ -512,6 +875,7 @@ def _adversarial(audit, units, rows, norms, full, x, y, steps, starts, scales, s
         row.adversarial, row.adversarial_from = best[u]
         if row.adversarial > 1 + tol:
             row.status = "exceeded"
+            row.failed.append("adversarial")
     top = max(checked, key=lambda u: best[u][0])
     return {"best": best[top][0], "unit": units[top][0], "found": best[top][1], "steps": steps,
             "starts": [f"example {i}" for i in order], "scales": list(scales), "evaluations": evaluations}
