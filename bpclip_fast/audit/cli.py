@@ -193,8 +193,8 @@ def _one_run_parser(sub) -> None:
 def _many_run_parser(sub) -> None:
     p = sub.add_parser("many-run", help="ε lower bound from many short runs with and without one canary",
                        description="--runs independent runs of the real engine, half with one white-box "
-                                   "canary and half without; Clopper-Pearson bounds at a threshold chosen on a "
-                                   "held-out half of the runs. The tight check of a single step.")
+                                   "canary and half without; a threshold chosen on a quarter of the runs (--split) "
+                                   "and Clopper-Pearson bounds on the rest. The tight check of a single step.")
     p.add_argument("--runs", type=int, default=4000, help="number of runs, half with the canary (default 4000)")
     p.add_argument("--split", type=float, default=0.25,
                    help="fraction of the runs that chooses the threshold; the rest bound ε (default 0.25)")

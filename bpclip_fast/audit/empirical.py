@@ -460,17 +460,22 @@ def _bound(result) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- audits
+def _start(what: str, settings: Settings, overrides: dict, size_name: str, size, minimum: int):
+    """``(settings, start time, seeds)`` of an audit, its arguments checked."""
+    s = replace(settings, **overrides)
+    s.check(what)
+    if int(size) != size or size < minimum:
+        raise ValueError(f"{what}: {size_name} must be an integer ≥ {minimum}, got {size!r}")
+    return s, time.perf_counter(), _seeds(s)
+
+
 @_isolated
 def one_run(settings: Settings | None = None, *, canaries: int = 1000, guess_counts=None, return_scores=False,
             **overrides) -> dict:
     """Steinke–Nasr–Jagielski one-run audit (module docstring); returns the report (see :func:`line`),
     with every canary's score and inclusion when ``return_scores``."""
-    s = replace(settings or ONE_RUN_DEFAULTS, **overrides)
-    s.check("one_run")
-    if int(canaries) != canaries or canaries < 2:
-        raise ValueError(f"one_run: canaries must be an integer ≥ 2, got {canaries!r}")
-    started = time.perf_counter()
-    np_seed, gen, noise_seed = _seeds(s)
+    s, started, (np_seed, gen, noise_seed) = _start("one_run", settings or ONE_RUN_DEFAULTS, overrides,
+                                                    "canaries", canaries, 2)
     included = np.random.default_rng(np_seed).random(canaries) < 0.5
     dtype = torch.float32
     pairs = _pairs(s, canaries, "one_run")
@@ -503,12 +508,8 @@ def many_run(settings: Settings | None = None, *, runs: int = 4000, split: float
     ``split``: the fraction of each side's runs that chooses the threshold (the rest bound ε); a
     quarter gave the best bounds on simulated Gaussian scores (a threshold needs fewer runs to
     place than the Clopper–Pearson bounds need to be tight)."""
-    s = replace(settings or MANY_RUN_DEFAULTS, **overrides)
-    s.check("many_run")
-    if int(runs) != runs or runs < 4:
-        raise ValueError(f"many_run: runs must be an integer ≥ 4, got {runs!r}")
-    started = time.perf_counter()
-    np_seed, gen, noise_seed = _seeds(s)
+    s, started, (np_seed, gen, noise_seed) = _start("many_run", settings or MANY_RUN_DEFAULTS, overrides,
+                                                    "runs", runs, 4)
     dtype = torch.float32
     pair = (0, 0)
     cx, cv = _canary(s, pair, dtype)
