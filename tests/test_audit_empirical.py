@@ -172,7 +172,7 @@ def test_noise_short_by_a_fifth_is_caught(monkeypatch):
 def test_one_draw_for_every_layer_is_caught(monkeypatch):
     original = bnn.NoiseStream.offset
     monkeypatch.setattr(bnn.NoiseStream, "offset", lambda self, index: original(self, 0))
-    _violation(empirical.one_run(mode="backprop", **ONE_RUN), "layers 0-1")
+    _violation(empirical.one_run(mode="backprop", **ONE_RUN), "heads.0.weight and heads.1.weight")
 
 
 def test_draw_reused_across_steps_is_caught(monkeypatch):
@@ -186,7 +186,107 @@ def test_draw_reused_across_steps_is_caught(monkeypatch):
     settings = dict(mode="flat", canaries=1000, noise_multiplier=1.5, steps=4, batch_size=500, seed=3)
     _below_claim(empirical.one_run(**settings))
     monkeypatch.setattr(engine_mod.PrivacyEngine, "_arm", arm)
-    _violation(empirical.one_run(**settings), "consecutive steps")
+    _violation(empirical.one_run(**settings), "steps 1 apart")
+
+
+def _plant_noise(monkeypatch, draw):
+    """Moves the noise out of the layers' kernels into the inner optimizer's step, where ``draw(grad,
+    seed, offset, std, is_bias)`` adds it: the harness for bugs that need the noise's layout changed
+    (the kernels' own layout is C++). The control ``draw`` (the library's Philox op at the kernels'
+    offsets) must pass."""
+    original = boundary.LayerStep.begin_backward
+    pending = {}
+
+    def begin_backward(self, rows, sensitivity):
+        seed, offset, std, d, scale = original(self, rows, sensitivity)
+        if std > 0:
+            pending[id(self)] = (self.layer, seed, offset, std * scale)
+        return seed, offset, 0.0, d, scale
+
+    step = torch.optim.SGD.step
+
+    def sgd_step(self, *args, **kwargs):
+        for layer, seed, offset, std in pending.values():
+            for p, is_bias in ((layer.weight, False), (layer.bias, True)):
+                if p is not None and p.grad is not None:
+                    draw(p.grad, seed, offset, std, is_bias)
+        pending.clear()
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(boundary.LayerStep, "begin_backward", begin_backward)
+    monkeypatch.setattr(torch.optim.SGD, "step", sgd_step)
+
+
+def _philox(grad, seed, offset, std, is_bias, bias_offset=1):
+    from bpclip_fast import _ops
+
+    _ops.philox_noise_(grad, seed, offset + (bias_offset if is_bias else 0), std, accumulate=True)
+
+
+BIASED = dict(mode="flat", runs=400, bias=True, fillers=7, seed=5)
+
+
+def test_bias_reusing_its_weights_draw_is_caught(monkeypatch):
+    """The bias drawn at the weight's offset (the kernels use offset + 1): its noise equals the
+    weight's first coordinates, and weight[0, 0] − bias[0] shows the canary with no noise at all."""
+    _plant_noise(monkeypatch, _philox)
+    _below_claim(empirical.many_run(**BIASED))
+    monkeypatch.undo()
+    _plant_noise(monkeypatch, lambda *a: _philox(*a, bias_offset=0))
+    _violation(empirical.many_run(**BIASED), "heads.0.weight and heads.0.bias")
+
+
+def test_bias_without_noise_is_caught(monkeypatch):
+    _plant_noise(monkeypatch, lambda grad, seed, offset, std, is_bias: None if is_bias else
+                 _philox(grad, seed, offset, std, is_bias))
+    report = empirical.many_run(**BIASED)
+    _violation(report, "noise below the claim")
+    assert {"heads.0.bias", "heads.1.bias"} <= set(report["noise"]["under_noised"])
+    assert "heads.0.weight" not in report["noise"]["under_noised"]
+
+
+def test_uniform_noise_of_the_claimed_std_is_caught(monkeypatch):
+    """Bounded noise: the two neighbouring worlds have outputs the other cannot produce."""
+    gen = torch.Generator().manual_seed(0)
+
+    def uniform(grad, seed, offset, std, is_bias):
+        grad.add_((torch.rand(grad.shape, generator=gen, dtype=torch.float64) * 2 - 1).mul_(std * 3 ** 0.5)
+                  .to(grad.dtype))
+
+    _plant_noise(monkeypatch, uniform)
+    report = empirical.one_run(mode="flat", **ONE_RUN)
+    assert report["noise"]["std_interval"][0] <= 1 <= report["noise"]["std_interval"][1]  # the std is right
+    _violation(report, "noise not Gaussian")
+
+
+def test_parameters_moved_by_other_than_the_released_gradient_are_caught(monkeypatch):
+    """Noise added to .grad after the update: the gradient read is noised, the parameters are not."""
+    step = torch.optim.SGD.step
+    original = boundary.LayerStep.begin_backward
+    pending = []
+
+    def begin_backward(self, rows, sensitivity):
+        seed, offset, std, d, scale = original(self, rows, sensitivity)
+        if std > 0:
+            pending.append((self.layer, seed, offset, std * scale))
+        return seed, offset, 0.0, d, scale
+
+    def sgd_step(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        for layer, seed, offset, std in pending:
+            _philox(layer.weight.grad, seed, offset, std, False)
+        pending.clear()
+        return out
+
+    monkeypatch.setattr(boundary.LayerStep, "begin_backward", begin_backward)
+    monkeypatch.setattr(torch.optim.SGD, "step", sgd_step)
+    _violation(empirical.one_run(mode="flat", **ONE_RUN), "parameters moved by other than the released gradient")
+
+
+def test_tiny_learning_rates_raise_no_false_alarm():
+    """The released gradient is read from .grad: a float32 parameter difference would round an
+    update below the parameters' ulp away (the second review's false alarm at lr 1e-7)."""
+    _below_claim(empirical.one_run(mode="flat", lr=1e-9, **ONE_RUN))
 
 
 def test_redraw_reusing_the_discarded_draw_is_caught(monkeypatch):

@@ -342,18 +342,18 @@ def _scorer(s: Settings, engine, model, canary_x, canary_v, batch: int, rate: fl
     mu = torch.zeros(len(canary_x), dtype=torch.float64).index_add_(0, rows, whitened ** 2).sqrt()
     if not bool((mu > 0).all()):
         raise RuntimeError("audit: a canary has no contribution through the model (is a layer frozen?)")
+    names = [f"{name}.{kind}" for name, layer in bnn.clipped_layers(model)
+             for kind, p in (("weight", layer.weight), ("bias", layer.bias)) if p is not None]
     sizes = [p.numel() for p in _params(model)]
-    per_layer = [sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-                 for _, layer in bnn.clipped_layers(model)]
-    starts = [sum(per_layer[:i]) for i in range(len(per_layer))]
-    slices = [slice(a, a + n) for a, n in zip(starts, per_layer)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    params = [(name, slice(a, a + n)) for name, a, n in zip(names, starts, sizes)]
 
     def expected(xb, vb):
         if len(xb) == 0:
             return torch.zeros(sum(sizes), dtype=torch.float64)
         return torch.cat(shadow.release(xb, vb)).double() * share
 
-    check = NoiseCheck(expected, scale, slices)
+    check = NoiseCheck(expected, scale, params)
     return _Scorer(rows, cols, whitened / mu[rows], mu, scale, rate), _reach(model, raw), check
 
 
@@ -382,7 +382,10 @@ def _train(s: Settings, engine, model, optimizer, loader, scorer: _Scorer, check
         for xb, vb in loader:
             before = _flat_params(model)
             discarded = _one_step(s, model, optimizer, xb, vb)
-            update = before - _flat_params(model)
+            # The released gradient, read exactly (a float32 parameter difference rounds away an
+            # update below the parameters' ulp); the check confirms it is what moved the parameters.
+            update = _flat_grads(model) * s.lr
+            check.applied(before, _flat_params(model), update, torch.finfo(_params(model)[0].dtype).eps)
             scorer.add(update)
             check.add(update, xb, vb, discarded)
             steps += 1
@@ -445,8 +448,10 @@ def _verdict(report: dict, reach: torch.Tensor, check: NoiseCheck) -> dict:
     report["noise"] = check.result()
     report["violation_reasons"] = [reason for reason, bad in (
         ("bound above the claim", report["epsilon_lower_bound"] > report["claimed_epsilon"]),
-        ("noise below the claim", report["noise"]["under_noised"]),
+        ("noise below the claim: " + ", ".join(report["noise"]["under_noised"]), bool(report["noise"]["under_noised"])),
         ("correlated noise: " + ", ".join(report["noise"]["correlated"]), bool(report["noise"]["correlated"])),
+        ("noise not Gaussian", report["noise"]["not_gaussian"]),
+        ("parameters moved by other than the released gradient", bool(report["noise"]["misapplied"])),
         ("a canary's contribution exceeds its bound", report["canary_reach"] > 1 + _REACH_TOL)) if bad]
     report["violation"] = bool(report["violation_reasons"])
     return report

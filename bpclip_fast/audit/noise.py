@@ -3,23 +3,34 @@
 The auditor of :mod:`bpclip_fast.audit.empirical` is white-box: it knows every example of every
 batch the loader drew and, because its canary model's gradients do not depend on the weights,
 the noise-free release of that batch (through the real layers with the noise off,
-:class:`bpclip_fast.audit.sensitivity.NoiseFree`). Subtracting it from an update leaves the noise
-the step actually released. Under the claim — each layer ``l`` adds ``N(0, σ_l²Δ_l²)`` to every
-coordinate, independently of every other coordinate, layer, step and draw — the residual divided
-by the claimed std is i.i.d. ``N(0, 1)``. The check tests that directly:
+:class:`bpclip_fast.audit.sensitivity.NoiseFree`). Subtracting it from the released gradient
+leaves the noise the step actually released (the gradient read after ``step()``, which must be
+the one the parameters moved by: :meth:`NoiseCheck.applied`). Under the claim — each layer ``l`` adds
+``N(0, σ_l²Δ_l²)`` to every coordinate, independently of every other coordinate, parameter, step
+and draw — the residual divided by the claimed std is i.i.d. ``N(0, 1)``. The check tests that:
 
-* **std**: ``Σ r²`` over ``n`` coordinates is ``χ²(n)`` under the claim, which gives an interval for
-  the ratio of the released std to the claimed one. Its upper end below 1 means *less noise than
-  claimed* (a violation). With the thousands of coordinates of one step the interval is a few per
-  cent wide: a noise 20% short is found where the ε lower bounds, which must resolve tails, cannot.
-* **correlations**, each ``r·√n ≈ N(0, 1)`` under independence: between the layers (one draw used
-  for every layer), between consecutive steps of a run (a draw reused across steps), and between
-  the gradient the ``inplace-zero`` loop throws away and the one it releases (a redraw that reuses
-  the discarded draw: whoever logged the first gradient could subtract the noise of the second).
+* **std**, pooled and per parameter: ``Σ r²`` over ``n`` coordinates is ``χ²(n)``, which gives an
+  interval for the released std over the claimed one. An upper end below 1 means *less noise than
+  claimed* (a violation). With the thousands of coordinates of one step the pooled interval is a
+  few per cent wide: a noise 20% short is found where the ε lower bounds, which must resolve
+  tails, cannot; per parameter, a bias left without noise.
+* **shape**: the residuals' counts in 100 bins equiprobable under ``N(0, 1)``, a χ² goodness-of-fit
+  test (once 500 residuals are in). The claim is a Gaussian: noise of the right std but bounded
+  support (uniform: the two neighbouring worlds then have outputs the other cannot produce, an
+  unbounded ε) or the wrong tails (Laplace) is not what the accountant analysed.
+* **correlations**, each ``r·√n ≈ N(0, 1)`` under independence: between the first coordinates of
+  every two parameters of a step (a Philox key used twice — layers sharing a draw, a bias reusing
+  its weight's — makes the streams equal from their first element), between neighbouring
+  coordinates of one parameter (one draw broadcast over a row), between steps 1, 2 and 3 apart in
+  a run (a draw reused across steps), and between the gradient the ``inplace-zero`` loop throws
+  away and the one it releases (a redraw that reuses the discarded draw: whoever logged the first
+  gradient could subtract the noise of the second).
 
 The significance is :data:`SIGNIFICANCE` for the whole check, split over its tests (Bonferroni):
 the check exists to find code that is clearly not the claimed mechanism, not to fluctuate. A std
 significantly *above* the claim is reported, not failed (over-noising costs accuracy, not privacy).
+Every test assumes independent coordinates under the claim, which correct code gives; a bug that
+correlates coordinates in a way no test above looks at is detected only by chance.
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ import torch
 from scipy import stats as sps
 
 SIGNIFICANCE = 1e-6
+_BINS = 100
+_LAGS = (1, 2, 3)
+_EDGES = torch.tensor(sps.norm.ppf([i / _BINS for i in range(1, _BINS)]), dtype=torch.float64)
 
 
 @dataclass
@@ -57,60 +71,95 @@ class _Pair:
 
 
 @dataclass
-class NoiseCheck:
-    """Accumulates whitened residuals ``(update − lr·share·Σ_batch c_i)/scale`` over steps and runs.
+class _Sq:
+    """Running ``Σ r²`` and ``n`` of one group of coordinates."""
 
-    ``expected(xb, vb)`` gives the noise-free update of a batch; ``layers`` the slices of the
-    flattened update that belong to each clipped layer."""
+    sum_sq: float = 0.0
+    n: int = 0
+
+    def add(self, r: torch.Tensor) -> None:
+        self.sum_sq += float(r @ r)
+        self.n += r.numel()
+
+    def interval(self, alpha: float) -> tuple[float, float, float]:
+        """``(ratio, lo, hi)``: ``Σr²/n = s²·χ²(n)/n``, so inverting the χ² quantiles bounds ``s``."""
+        ratio = math.sqrt(self.sum_sq / self.n)
+        return (ratio, ratio / math.sqrt(sps.chi2.ppf(1 - alpha / 2, self.n) / self.n),
+                ratio / math.sqrt(sps.chi2.ppf(alpha / 2, self.n) / self.n))
+
+
+@dataclass
+class NoiseCheck:
+    """Accumulates whitened residuals ``(update − expected(batch))/scale`` over steps and runs.
+
+    ``expected(xb, vb)`` gives the noise-free update of a batch; ``params`` is ``[(name, slice)]``,
+    the coordinates of each parameter in the flattened update."""
 
     expected: callable
     scale: torch.Tensor
-    layers: list
-    sum_sq: float = 0.0
-    n: int = 0
+    params: list
+    pooled: _Sq = field(default_factory=_Sq)
+    per_param: dict = field(default_factory=dict)
     pairs: dict = field(default_factory=dict)
-    steps: _Pair = field(default_factory=_Pair)
-    discarded: _Pair = field(default_factory=_Pair)
-    _previous: torch.Tensor | None = None
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(_BINS, dtype=torch.float64))
+    misapplied: int = 0
+    _history: list = field(default_factory=list)
 
     def new_run(self) -> None:
-        self._previous = None
+        self._history = []
+
+    def _pair(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.pairs.setdefault(name, _Pair()).add(a, b)
+
+    def applied(self, before: torch.Tensor, after: torch.Tensor, released: torch.Tensor, eps: float) -> None:
+        """Counts the coordinates where the parameters moved by other than ``released`` (SGD's
+        ``θ − lr·g`` in a float of unit roundoff ``eps`` errs by at most ``eps·(|θ'| + |lr·g|)``):
+        the gradient scored must be the one applied (a noise added to ``.grad`` after the update
+        would otherwise be scored but never released)."""
+        slack = 2 * eps * (before.abs() + after.abs() + released.abs())
+        self.misapplied += int(((before - after) - released).abs().gt(slack).sum())
 
     def add(self, update: torch.Tensor, xb, vb, discarded: torch.Tensor | None = None) -> None:
         """One step: its update, its batch, and (``inplace-zero``) the update the discarded
         gradient would have made."""
         base = self.expected(xb, vb)
         r = (update - base) / self.scale
-        self.sum_sq += float(r @ r)
-        self.n += r.numel()
-        parts = [r[s] for s in self.layers]
-        for a in range(len(parts)):
-            for b in range(a + 1, len(parts)):
-                if parts[a].numel() == parts[b].numel():
-                    self.pairs.setdefault((a, b), _Pair()).add(parts[a], parts[b])
-        if self._previous is not None:
-            self.steps.add(self._previous, r)
-        self._previous = r
+        self.pooled.add(r)
+        self.counts += torch.bincount(torch.bucketize(r, _EDGES), minlength=_BINS).double()
+        parts = [(name, r[s]) for name, s in self.params]
+        for i, (name, part) in enumerate(parts):
+            self.per_param.setdefault(name, _Sq()).add(part)
+            if part.numel() > 1:
+                self._pair(f"neighbouring coordinates of {name}", part[:-1], part[1:])
+            for other, second in parts[i + 1:]:
+                k = min(part.numel(), second.numel())
+                self._pair(f"{name} and {other}", part[:k], second[:k])
+        for lag in _LAGS:
+            if len(self._history) >= lag:
+                self._pair(f"steps {lag} apart", self._history[-lag], r)
+        self._history = (self._history + [r])[-max(_LAGS):]
         if discarded is not None:
-            self.discarded.add((discarded - base) / self.scale, r)
+            self._pair("discarded vs released", (discarded - base) / self.scale, r)
 
     def result(self) -> dict:
-        """The std ratio with its interval, each correlation with its z, and the verdicts."""
-        tests = {}
-        for (a, b), pair in self.pairs.items():
-            tests[f"layers {a}-{b}"] = pair.z()
-        tests["consecutive steps"] = self.steps.z()
-        tests["discarded vs released"] = self.discarded.z()
-        tests = {k: v for k, v in tests.items() if v is not None}
-        alpha = SIGNIFICANCE / (1 + len(tests))
-        ratio = math.sqrt(self.sum_sq / self.n)
-        lo = math.sqrt(sps.chi2.ppf(alpha / 2, self.n) / self.n)
-        hi = math.sqrt(sps.chi2.ppf(1 - alpha / 2, self.n) / self.n)
-        interval = (ratio / hi, ratio / lo)  # Σr²/n = ratio² · χ²(n)/n: invert the χ² quantiles
+        """The std ratios with their intervals, the shape test, each correlation, and the verdicts."""
+        corr = {k: v for k, v in ((k, p.z()) for k, p in self.pairs.items()) if v is not None}
+        n = self.pooled.n
+        shape = n >= 5 * _BINS
+        alpha = SIGNIFICANCE / (1 + len(self.per_param) + len(corr) + shape)
+        ratio, lo, hi = self.pooled.interval(alpha)
+        per_param = {name: sq.interval(alpha) for name, sq in self.per_param.items()}
+        under = sorted(name for name, (_, _, top) in per_param.items() if top < 1.0)
+        if hi < 1.0:
+            under.insert(0, "all")
         limit = sps.norm.isf(alpha / 2)
-        correlated = sorted(k for k, (_, z) in tests.items() if abs(z) > limit)
-        under = interval[1] < 1.0
-        return {"samples": self.n, "std_ratio": ratio, "std_interval": list(interval),
-                "correlations": {k: r for k, (r, _) in tests.items()}, "correlated": correlated,
-                "significance": SIGNIFICANCE, "under_noised": under, "over_noised": interval[0] > 1.0,
-                "ok": not under and not correlated}
+        correlated = sorted(k for k, (_, z) in corr.items() if abs(z) > limit)
+        shape_p = float(sps.chi2.sf(float(((self.counts - n / _BINS) ** 2).sum() / (n / _BINS)), _BINS - 1)) \
+            if shape else None
+        not_gaussian = shape_p is not None and shape_p < alpha
+        return {"samples": n, "std_ratio": ratio, "std_interval": [lo, hi], "misapplied": self.misapplied,
+                "per_parameter": {k: {"std_ratio": v[0], "interval": [v[1], v[2]]} for k, v in per_param.items()},
+                "shape_p_value": shape_p, "correlations": {k: r for k, (r, _) in corr.items()},
+                "significance": SIGNIFICANCE, "under_noised": under, "correlated": correlated,
+                "not_gaussian": not_gaussian, "over_noised": lo > 1.0,
+                "ok": not under and not correlated and not not_gaussian and not self.misapplied}
