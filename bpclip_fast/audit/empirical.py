@@ -27,10 +27,10 @@ replace-one (zCDP), ``2Δ`` away.
 
 The score reads every step
 --------------------------
-Training uses plain SGD (``lr``, no momentum, no weight decay), so each step's update is
-``lr`` times the released gradient; the auditor reads it after every step (white box). It whitens
-each layer's coordinates by the noise std the engine *claims* for that layer (``σ_l Δ_l``, over
-``B̄`` for a mean loss) and projects on canary ``j``'s whitened contribution ``w_j`` (measured once
+Training uses plain SGD (``lr``, no momentum, no weight decay); after every step the auditor
+reads the released gradient (white box; :mod:`bpclip_fast.audit.noise` checks that it is what
+moved the parameters). It whitens each layer's coordinates by the noise std the engine *claims*
+for that layer (``σ_l Δ_l``, over ``B̄`` for a mean loss) and projects on canary ``j``'s whitened contribution ``w_j`` (measured once
 through a noise-free copy of the real layers): under the claim, the projection is
 ``N(μ_j·[j in the batch], 1)`` with ``μ_j = ‖w_j‖``. With sample rate ``q`` the step's
 log-likelihood ratio ``log(1 − q + q·exp(μ_j y − μ_j²/2))`` is added to the score (for ``q = 1`` a
@@ -206,7 +206,7 @@ def _pairs(s: Settings, m: int, what: str):
 def _private(s: Settings, x: torch.Tensor, v: torch.Tensor, noise_seed, probe: bool = True):
     """``(engine, model, optimizer, loader)``: a fresh CanaryModel made private by the real engine
     (``probe``: its dynamic probes of the model, which release nothing; many-run runs them once)."""
-    from ..engine import PrivacyEngine
+    from ..engine import InsecureSeedWarning, PrivacyEngine
 
     model = CanaryModel(s.heads, s.width, s.classes, s.bias, s.layer).to(x.dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=s.lr)
@@ -217,8 +217,8 @@ def _private(s: Settings, x: torch.Tensor, v: torch.Tensor, noise_seed, probe: b
         clipping = dict(input_clip=s.clip, grad_clip=s.clip)
     else:
         clipping = dict(clipping=s.mode, max_grad_norm=s.clip)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # an explicit seed warns that it is insecure: here it is the point
+    with warnings.catch_warnings():  # an explicit seed warns that it is insecure: here it is the point
+        warnings.filterwarnings("ignore", category=InsecureSeedWarning)
         model, optimizer, loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=s.noise_multiplier,
             loss_reduction=s.loss_reduction, poisson_sampling=s.accountant != "zcdp", noise_seed=noise_seed,
