@@ -433,6 +433,21 @@ def test_the_noise_drawn_is_sigma_times_the_bound(mode, reduction):
     assert "noise 0.9" in report.line() or "noise 1.0" in report.line()
 
 
+@pytest.mark.parametrize("mode", ["backprop", "flat"])
+def test_one_draw_for_every_layer_is_caught(monkeypatch, mode):
+    """Every layer drawn at layer 0's key: each std is right, but the draws are equal from their
+    first element (audit.noise.NoiseCheck's correlations on the same draws)."""
+    model, engine, *_, shape, classes = private(conv_net, mode)
+    correct = sensitivity(model, batch_for(shape, classes), engine=engine)
+    assert correct.ok and not correct.malformed_noise and correct.noise_structure["shape_p_value"] > 1e-6
+    original = bnn.NoiseStream.offset
+    monkeypatch.setattr(bnn.NoiseStream, "offset", lambda self, index: original(self, 0))
+    report = sensitivity(model, batch_for(shape, classes), engine=engine)
+    assert all(r.status == "ok" for r in noise_rows(report))  # the std alone is as claimed
+    assert not report.ok and "NOISE NOT AS CLAIMED" in report.line()
+    assert any("weight and" in name for name in report.malformed_noise)
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
 def test_noise_scaled_to_a_third_of_the_bound_is_caught(monkeypatch, mode, reduction):

@@ -71,8 +71,9 @@ class _Pair:
 
 
 @dataclass
-class _Sq:
-    """Running ``Σ r²`` and ``n`` of one group of coordinates."""
+class SumOfSquares:
+    """Running ``Σ r²`` and ``n`` of one group of whitened coordinates (also the sensitivity audit's
+    per-layer noise rows)."""
 
     sum_sq: float = 0.0
     n: int = 0
@@ -98,7 +99,7 @@ class NoiseCheck:
     expected: callable
     scale: torch.Tensor
     params: list
-    pooled: _Sq = field(default_factory=_Sq)
+    pooled: SumOfSquares = field(default_factory=SumOfSquares)
     per_param: dict = field(default_factory=dict)
     pairs: dict = field(default_factory=dict)
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(_BINS, dtype=torch.float64))
@@ -128,7 +129,7 @@ class NoiseCheck:
         self.counts += torch.bincount(torch.bucketize(r, _EDGES), minlength=_BINS).double()
         parts = [(name, r[s]) for name, s in self.params]
         for i, (name, part) in enumerate(parts):
-            self.per_param.setdefault(name, _Sq()).add(part)
+            self.per_param.setdefault(name, SumOfSquares()).add(part)
             if part.numel() > 1:
                 self._pair(f"neighbouring coordinates of {name}", part[:-1], part[1:])
             for other, second in parts[i + 1:]:

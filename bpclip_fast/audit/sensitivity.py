@@ -141,6 +141,7 @@ from torch import nn
 
 from .. import nn as bnn, registry
 from ..boundary import LayerStep
+from .noise import NoiseCheck, SumOfSquares
 
 __all__ = ["sensitivity", "SensitivityReport", "SensitivityRow", "NoiseRow"]
 
@@ -208,6 +209,7 @@ class SensitivityReport:
     rows: list
     noise: list               # NoiseRow per clipped layer
     noise_draws: int
+    noise_structure: dict | None  # the draws' shape and correlation tests (audit.noise.NoiseCheck)
     adversarial: dict
     notes: list
     seconds: float
@@ -218,8 +220,14 @@ class SensitivityReport:
         return [r for r in self.noise if r.status == "under"]
 
     @property
+    def malformed_noise(self) -> list:
+        """The structure tests the noise failed: correlated draws, or a shape other than Gaussian."""
+        st = self.noise_structure or {}
+        return list(st.get("correlated", [])) + (["not Gaussian"] if st.get("not_gaussian") else [])
+
+    @property
     def ok(self) -> bool:
-        return all(r.status != "exceeded" for r in self.rows) and not self.under_noised
+        return all(r.status != "exceeded" for r in self.rows) and not self.under_noised and not self.malformed_noise
 
     def line(self) -> str:
         head = f"sensitivity: {self.mode}, {self.examples} examples"
@@ -256,6 +264,8 @@ class SensitivityReport:
                 parts = [f"{r.name}.{p}: {v[0]:.3f}" for p, v in r.parts.items() if v[2] < 1] if r.high >= 1 else []
                 return ", ".join(parts) or f"{r.name}: {r.ratio:.3f}"
             verdict.append("UNDER-NOISED (" + ", ".join(map(under, self.under_noised)) + " of σΔ)")
+        if self.malformed_noise:
+            verdict.append("NOISE NOT AS CLAIMED (" + ", ".join(self.malformed_noise) + ")")
         return text + ("; " + "; ".join(verdict) if verdict else "; OK")
 
     def to_dict(self) -> dict:
@@ -638,7 +648,7 @@ def _audit(inner, engine, audit, mode, reduction, mean_batch, loss_fn, x0, y0, s
                      f"{units[0][2]:g}")
     # ---- the noise the layers draw
     deltas = [_delta(layer, audit) for layer in audit.layers]
-    noise, draws = _noise(native, inner, engine, deltas, xn, yn, noise_draws, noise_seed, notes)
+    noise, draws, structure = _noise(native, inner, engine, deltas, xn, yn, noise_draws, noise_seed, notes)
     adversarial = {}
     if adversarial_steps:
         adversarial = _adversarial(audit, units, rows, norms, full, x, y, adversarial_steps, starts, scales,
@@ -646,7 +656,7 @@ def _audit(inner, engine, audit, mode, reduction, mean_batch, loss_fn, x0, y0, s
     return SensitivityReport(
         mode=mode, examples=b, loss_reduction=reduction, mean_batch_size=mean_batch, dtype=str(audit.dtype),
         tol=tol, rounding=rounding, native_dtype=str(native.dtype), native_tol=native_tol, training=training,
-        rows=rows, noise=noise, noise_draws=draws, adversarial=adversarial, notes=notes,
+        rows=rows, noise=noise, noise_draws=draws, noise_structure=structure, adversarial=adversarial, notes=notes,
         seconds=time.perf_counter() - start,
         contributions={k: torch.stack(v) for k, v in kept.items()} if kept is not None else None)
 
@@ -695,10 +705,11 @@ def _claimed_sigmas(inner, engine):
 
 
 def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
-    """``([NoiseRow], draws)``: the noisy minus the noise-free release of ``(x, y)`` per layer, drawn
-    by the training path on the copy ``native`` (module docstring: noise)."""
-    from scipy.stats import chi2
-
+    """``([NoiseRow], draws, structure)``: the noisy minus the noise-free release of ``(x, y)`` per
+    layer, drawn by the training path on the copy ``native`` (module docstring: noise); ``structure``
+    the shape and correlation tests of :class:`bpclip_fast.audit.noise.NoiseCheck` on the same draws
+    (a key used twice — a bias at its weight's offset, two layers sharing a draw — or non-Gaussian
+    noise of the claimed std), None when nothing was measured."""
     drawn, claimed = _claimed_sigmas(inner, engine)
     sizes = [[(("weight", "bias")[j], p.numel()) for j, p in enumerate((layer.weight, layer.bias))
               if p is not None and p.requires_grad] for layer in native.layers]
@@ -708,9 +719,17 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
         draws = min(NOISE_MAX_DRAWS, -(-NOISE_COORDINATES // smallest))
     if not draws:
         measured = []
-    sq = [{part: 0.0 for part, _ in s} for s in sizes]
+    sq = [{part: SumOfSquares() for part, _ in s} for s in sizes]
+    names = [f"{native.names[k]}.{part}" for k in measured for part, _ in sizes[k]]
+    lengths = [n for k in measured for _, n in sizes[k]]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    check = None
     if measured:
         base = native.release(x, y)
+        scale = torch.cat([torch.full((sum(n for _, n in sizes[k]),), claimed[k] * deltas[k], dtype=torch.float64)
+                           for k in measured])
+        flat_base = torch.cat([base[k].double() for k in measured])
+        check = NoiseCheck(lambda *_: flat_base, scale, [(n, slice(a, a + m)) for n, a, m in zip(names, starts, lengths)])
         stream = bnn.NoiseStream(seed)  # explicit seed: this noise is never released
         try:
             for layer, sigma in zip(native.layers, drawn):
@@ -718,22 +737,20 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
             for _ in range(draws):
                 bnn.arm_noise(native.model, stream)  # a fresh key per draw, the engine's layer offsets
                 noisy = native.release(x, y)
+                check.add(torch.cat([noisy[k].double() for k in measured]), None, None)
                 for k in measured:
+                    s = claimed[k] * deltas[k]
                     for (part, _), d in zip(sizes[k], (noisy[k] - base[k]).split([n for _, n in sizes[k]])):
-                        sq[k][part] += float(d.square().sum())
+                        sq[k][part].add(d.double() / s)
         except RuntimeError as exc:  # e.g. a shape-dependent Δ never fixed: training refuses to draw too
             notes.append(f"the noise was not measured: {exc}")
-            measured, draws = [], 0
+            measured, draws, check = [], 0, None
         finally:
             for layer in native.layers:  # back to noise-free releases
                 layer._step.arm(None)
                 layer.noise_multiplier = 0.0
     tests = sum(1 + len(sizes[k]) for k in measured)
     a = NOISE_ALPHA / max(tests, 1)
-
-    def interval(total, n, s):
-        ratio = math.sqrt(total / n) / s
-        return [ratio, ratio * math.sqrt(n / chi2.ppf(1 - a / 2, n)), ratio * math.sqrt(n / chi2.ppf(a / 2, n))]
 
     rows = []
     for k, layer in enumerate(native.layers):
@@ -742,10 +759,10 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
                        status="frozen" if not sizes[k] else "σ = 0" if claimed[k] == 0 else "not measured")
         if k in measured:
             s = claimed[k] * deltas[k]
-            n = draws * sum(m for _, m in sizes[k])
-            row.parts = {part: interval(sq[k][part], draws * m, s) for part, m in sizes[k]}
-            row.ratio, row.low, row.high = interval(sum(sq[k].values()), n, s)
-            row.std, row.coordinates = row.ratio * s, n
+            whole = SumOfSquares(sum(q.sum_sq for q in sq[k].values()), sum(q.n for q in sq[k].values()))
+            row.parts = {part: list(sq[k][part].interval(a)) for part, _ in sizes[k]}
+            row.ratio, row.low, row.high = whole.interval(a)
+            row.std, row.coordinates = row.ratio * s, whole.n
             under = row.high < 1 or any(hi < 1 for _, _, hi in row.parts.values())
             row.status = "under" if under else "over" if row.low > 1 else "ok"
         rows.append(row)
@@ -754,7 +771,11 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
         notes.append(f"more noise than claimed at {', '.join(over)} (a utility loss, not a privacy one)")
     if any(r.status == "σ = 0" and r.sigma > 0 for r in rows):
         notes.append("layers whose engine leaves the draw to rank 0 draw noise too: more noise than claimed")
-    return rows, draws if measured else 0
+    structure = None
+    if check is not None:
+        result = check.result()
+        structure = {k: result[k] for k in ("correlated", "not_gaussian", "shape_p_value", "correlations")}
+    return rows, draws if measured else 0, structure
 
 
 # ------------------------------------------------------------------------------ adversarial search
