@@ -204,7 +204,8 @@ def criterion_problems(model: nn.Module, first_batch, criterion, loss_reduction:
     """Problems of ``criterion`` (rule *coupled loss*, module docstring) on a probe batch shaped like
     ``first_batch`` (one collated batch of the loader: ``(input, *targets)`` or the input alone) with
     ``rows`` examples (clamped to ``[3, MAX_ROWS]``). The model, its buffers, modes and gradients and
-    the global random number generators are left as they were. Raises whatever the model raises."""
+    the global random number generators are left as they were. A model or criterion that fails on the
+    probe batch is reported as a problem."""
     if not callable(criterion):
         return [f"make_private: criterion must be callable as criterion(output, target), got "
                 f"{type(criterion).__name__}"]
@@ -218,13 +219,17 @@ def criterion_problems(model: nn.Module, first_batch, criterion, loss_reduction:
             torch.random.fork_rng(devices=_v._cuda_devices(work)):
         work.train()
         _v._seed(_v._cuda_devices(work))
-        probe_input = _rows_of(example_input, index, _v._SEED)
-        probe_targets = _rows_of(targets, index, _v._SEED + 101)
-        points = [(_outputs(work, probe_input), probe_targets, "")]
-        for row in (0, batch - 1):
-            changed_input = _change_row(probe_input, row, _v._SEED + 1 + row)
-            points.append((_outputs(work, changed_input), _change_row(probe_targets, row, _v._SEED + 201 + row),
-                           f" (example {row} changed)"))
+        try:
+            probe_input = _rows_of(example_input, index, _v._SEED)
+            probe_targets = _rows_of(targets, index, _v._SEED + 101)
+            points = [(_outputs(work, probe_input), probe_targets, "")]
+            for row in (0, batch - 1):
+                changed_input = _change_row(probe_input, row, _v._SEED + 1 + row)
+                points.append((_outputs(work, changed_input), _change_row(probe_targets, row, _v._SEED + 201 + row),
+                               f" (example {row} changed)"))
+        except Exception as exc:  # noqa: BLE001
+            return [f"criterion: could not build its probe batch of {batch} examples from the loader's first batch "
+                    f"(the model failed on it: {exc!r}); the criterion is checked on the model's outputs"]
         scale = 1.0 if loss_reduction == "sum" else 1.0 / batch
         try:
             evaluation = _Evaluation(_float64_criterion(criterion), torch.float64)
