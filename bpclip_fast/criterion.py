@@ -166,8 +166,10 @@ def _point_problem(evaluation: _Evaluation, output, targets, batch: int, scale: 
     singles, single_grads = [], [[] for _ in grads]
     for i in range(batch):
         rows = torch.tensor([i])
-        one = _v._map_tensors(output, lambda t: t[rows.to(t.device)] if t.dim() > 0 and t.shape[0] == batch else t)
-        one_targets = _v._map_tensors(targets, lambda t: t[rows.to(t.device)] if t.dim() > 0 and t.shape[0] == batch else t)
+        def row(t: torch.Tensor, rows=rows) -> torch.Tensor:
+            return t[rows.to(t.device)] if t.dim() > 0 and t.shape[0] == batch else t
+
+        one, one_targets = _v._map_tensors(output, row), _v._map_tensors(targets, row)
         value, gs = evaluation.value_and_grads(one, one_targets, 1)
         singles.append(value)
         for k, g in enumerate(gs):
