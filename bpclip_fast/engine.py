@@ -127,7 +127,7 @@ from torch.utils.data import DataLoader
 
 from . import _ops, adaptive as _adaptive, data, registry
 from . import nn as bnn
-from . import validate as _validate
+from . import criterion as _criterion, validate as _validate
 from .boundary import DistributedRecorder, LayerStep, StepRefused
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
@@ -331,7 +331,8 @@ class PrivacyEngine:
                      norm_method: str = "auto", clip_fn: str = "clip", gamma: float = 0.01, loss_reduction: str = "mean",
                      poisson_sampling: bool = True, noise_seed: int | None = None,
                      max_epsilon: float | None = None, delta: float | None = None,
-                     max_input_shape=None, nonfinite: str = "drop", probe: bool = True, adaptive=None):
+                     max_input_shape=None, nonfinite: str = "drop", probe: bool = True, adaptive=None,
+                     criterion=None):
         """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
 
         ``clipping``: ``"backprop"`` (backpropagation clipping: ``input_clip``/``grad_clip``, per-example
@@ -351,6 +352,12 @@ class PrivacyEngine:
         ``nonfinite``: ``"drop"`` (an example with a NaN/Inf value gets clip factor 0 and the step goes on;
         ``nonfinite_counts()`` reports them) or ``"raise"`` (such a step is refused, and charged).
         ``probe``: run :func:`bpclip_fast.validate.dynamic_problems` on the loader's first batch.
+        ``criterion``: the loss function the loop will call as ``criterion(model(x), *batch[1:])``
+        (Opacus' argument; optional, checked whenever given, also with ``probe=False``): refused if it
+        couples the examples of a batch (InfoNCE with in-batch negatives, top-k hard-example mining, a
+        class-weighted mean), or is not the sum (``loss_reduction="sum"``) or plain mean (``"mean"``)
+        of its values on each example alone (:mod:`bpclip_fast.criterion`: a probe at random values,
+        which cannot see a loss the loop computes otherwise). It is not wrapped or returned.
         ``adaptive``: :class:`bpclip_fast.Adaptive` (or ``True`` for its defaults): every clipping
         threshold of the mode (flat's ``C``, per_layer's ``C_l``, backprop's ``input_clip`` and
         ``grad_clip`` of every layer, starting from the values given) follows a target quantile of
@@ -372,7 +379,8 @@ class PrivacyEngine:
         plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, "make_private")
         if max_input_shape is not None:
             max_input_shape = tuple(int(s) for s in max_input_shape)
-        shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping)
+        shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping,
+                                      criterion, loss_reduction, plan.batch_size)
         self._check_built_layers(inner, clipping, max_grad_norm)
         if clipping == "backprop":
             settings = dict(input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm)
@@ -490,7 +498,8 @@ class PrivacyEngine:
                                "initialised with more than one process")
         return module.module
 
-    def _model_problems(self, inner, optimizer, data_loader, max_input_shape, probe, clipping) -> dict:
+    def _model_problems(self, inner, optimizer, data_loader, max_input_shape, probe, clipping, criterion=None,
+                        loss_reduction="mean", rows=3) -> dict:
         """Every problem of the model and the optimizer at once (raised as one ``ValueError``) before
         anything is changed; returns ``{layer: input shape}`` of the probe forward (Δ is fixed from it)."""
         problems = _validate.static_problems(inner, clipping)
@@ -516,6 +525,8 @@ class PrivacyEngine:
                                 "is fixed from it, so the model must run on one example (or on max_input_shape)")
         if probe:
             problems += self._dynamic_problems(inner, data_loader)
+        if criterion is not None:
+            problems += self._criterion_problems(inner, data_loader, criterion, loss_reduction, rows)
         problems += self._optimizer_problems(inner, optimizer)
         if problems:
             raise ValueError("make_private: the model cannot be trained privately as it is:\n  - "
@@ -875,6 +886,16 @@ class PrivacyEngine:
             return [f"make_private: could not draw a first batch for the dynamic probes ({exc!r}); pass "
                     "probe=False to skip them"]
         return _validate.dynamic_problems(inner, _to_device(_first_input(batch), inner))
+
+    @staticmethod
+    def _criterion_problems(inner, data_loader, criterion, loss_reduction, rows) -> list[str]:
+        """:func:`bpclip_fast.criterion.criterion_problems` on the structure of the loader's first batch,
+        with ``rows`` (the plan's public expected batch size) examples."""
+        try:
+            batch = next(iter(data_loader))
+        except Exception as exc:  # noqa: BLE001
+            return [f"make_private: could not draw a first batch to check the criterion ({exc!r})"]
+        return _criterion.criterion_problems(inner, _to_device(batch, inner), criterion, loss_reduction, rows)
 
     # ------------------------------------------------------------------ non-finite values
     def nonfinite_counts(self) -> dict:
