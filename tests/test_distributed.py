@@ -108,8 +108,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def spawn(out_dir, timeout=150):
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
+def spawn(out_dir, timeout=150, worker=None):
+    ctx = mp.start_processes(worker or _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
@@ -118,6 +118,8 @@ def spawn(out_dir, timeout=150):
                 if p.is_alive():
                     p.terminate()
             pytest.fail(f"the {WORLD}-process run did not finish within {timeout} s")
+    if worker is not None:
+        return out_dir
     return {(mode, prewrap): [torch.load(out_dir / f"{mode}_prewrap{int(prewrap)}_rank{r}.pt", weights_only=True)
                               for r in range(WORLD)] for mode in MODES for prewrap in (False, True)}
 
@@ -157,3 +159,125 @@ def test_two_processes_equal_one_process_on_the_same_batches(two_processes, sing
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
     # The runs moved far from the start, so the comparison above is not trivial.
     assert (ranks[0]["params"][0] - model_fn(mode)[0].weight.detach()).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------- every rank must pass the same dataset
+# The engine takes rank r's share of one global Poisson batch over the dataset each rank passes
+# (rate W·batch_size/N). With per-rank shards, each rank derived its own N, rate and (under
+# make_private_with_epsilon) σ, while only rank 0's σ is drawn: examples of a shard half as long were
+# sampled at twice the rate under rank 0's noise (ε 3.87 where 1.99 was reported). make_private must
+# refuse on every rank, before the model is changed, naming the argument and each rank's value.
+
+class _Shard(torch.utils.data.Dataset):
+    """Items ``start, start + step, ...`` of ``dataset()`` (a user's own sharding, e.g. Subset)."""
+
+    def __init__(self, n, start=0, step=1, jitter=False):
+        self.base, self.n, self.start, self.step, self.jitter = dataset(), n, start, step, jitter
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x, y = self.base[(self.start + i * self.step) % len(self.base)]
+        if self.jitter:  # random augmentation: every read differs (continuous noise, never equal twice)
+            x = x + 0.01 * torch.randn(x.shape)
+        return x, y
+
+
+def _big(n):
+    g = torch.Generator().manual_seed(n)
+    return TensorDataset(torch.rand(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+SHARD_CASES = {
+    # name: (per-rank loader kwargs, make_private overrides per rank, use make_private_with_epsilon)
+    "unequal_length": (lambda r: dict(dataset=_big(1000 if r == 0 else 500), batch_size=6), {}, False),
+    "unequal_batch": (lambda r: dict(dataset=dataset(), batch_size=6 if r == 0 else 3), {}, False),
+    "epsilon_unequal_length": (lambda r: dict(dataset=_big(1000 if r == 0 else 500), batch_size=6), {}, True),
+    "unequal_bound": (lambda r: dict(dataset=dataset(), batch_size=6), {1: dict(max_grad_norm=0.9)}, False),
+    "unequal_loss_reduction": (lambda r: dict(dataset=dataset(), batch_size=6), {1: dict(loss_reduction="sum")},
+                               False),
+    "equal_length_shards": (lambda r: dict(dataset=_Shard(24, start=r, step=WORLD), batch_size=3), {}, False),
+    "same_dataset_augmented": (lambda r: dict(dataset=_Shard(48, jitter=True), batch_size=6), {}, False),
+}
+
+
+def _shard_worker(rank, port, out_dir):
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for name, (loader_kw, overrides, by_epsilon) in SHARD_CASES.items():
+            model = model_fn("flat")
+            torch.manual_seed(100 + rank)  # the augmentation's draws differ between the ranks
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            engine = PrivacyEngine()
+            kw = dict(CLIPPING["flat"], noise_seed=SEED, **overrides.get(rank, {}))
+            result = {"error": None}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    if by_epsilon:
+                        engine.make_private_with_epsilon(module=model, optimizer=opt,
+                                                         data_loader=DataLoader(**loader_kw(rank)),
+                                                         target_epsilon=2.0, target_delta=DELTA, epochs=1, **kw)
+                    else:
+                        engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(**loader_kw(rank)),
+                                            noise_multiplier=0.8, **kw)
+                    result["sigma"] = engine.noise_multiplier
+                    result["sample_rate"] = engine.sample_rate
+                except Exception as exc:  # noqa: BLE001
+                    result["error"] = f"{type(exc).__name__}: {exc}"
+            result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                                  if not issubclass(w.category, InsecureSeedWarning)]
+            result["converted"] = any(isinstance(m, bnn._Clipped) for m in model.modules())
+            torch.save(result, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def shard_runs(tmp_path_factory):
+    out = spawn(tmp_path_factory.mktemp("shards"), worker=_shard_worker)
+    return {name: [torch.load(out / f"{name}_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+            for name in SHARD_CASES}
+
+
+@pytest.mark.parametrize("case, argument, values", [
+    ("unequal_length", "len(data_loader.dataset)", ("1000", "500")),
+    ("unequal_batch", "data_loader.batch_size", ("6", "3")),
+    # make_private_with_epsilon calibrated σ per rank (1000 vs 500 examples): refused, never two σ.
+    ("epsilon_unequal_length", "noise_multiplier", None),
+    ("unequal_bound", "max_grad_norm", ("0.7", "0.9")),
+    ("unequal_loss_reduction", "loss_reduction", ("'mean'", "'sum'")),
+])
+def test_ranks_that_disagree_are_refused_on_every_rank(shard_runs, case, argument, values):
+    ranks = shard_runs[case]
+    for rank, r in enumerate(ranks):
+        assert r["error"] is not None, f"rank {rank} was made private with {case}"
+        assert r["error"].startswith("ValueError: ")
+        assert argument in r["error"] and "same full dataset" in r["error"], r["error"]
+        if values is not None:
+            assert f"rank 0: {values[0]}" in r["error"] and f"rank 1: {values[1]}" in r["error"], r["error"]
+        assert not r["converted"], "the refusal must come before the model is changed"
+    assert ranks[0]["error"] == ranks[1]["error"]
+    if case == "epsilon_unequal_length":
+        assert "len(data_loader.dataset)" in ranks[0]["error"] and "sample rate" in ranks[0]["error"]
+
+
+def test_equal_length_shards_warn_that_most_of_each_shard_is_unused(shard_runs):
+    """Sound (each rank's used examples are sampled at the accounted rate under the one σ), but every
+    rank uses only its residue class of its own shard: not silent."""
+    for r in shard_runs["equal_length_shards"]:
+        assert r["error"] is None and r["converted"]
+        assert any("differ between the ranks" in w for w in r["warnings"]), r["warnings"]
+
+
+def test_same_dataset_with_random_augmentation_is_neither_refused_nor_warned(shard_runs):
+    """Every read of an augmented dataset differs, so its items cannot be compared between ranks: a
+    false refusal (or warning) there would stop an ordinary training run."""
+    for r in shard_runs["same_dataset_augmented"]:
+        assert r["error"] is None and r["converted"] and r["warnings"] == [], r
