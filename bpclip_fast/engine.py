@@ -125,7 +125,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import _ops, adaptive as _adaptive, data, registry
+from . import _ops, adaptive as _adaptive, data, ranks as _ranks, registry
 from . import nn as bnn
 from . import validate as _validate
 from .boundary import DistributedRecorder, LayerStep, StepRefused
@@ -372,6 +372,17 @@ class PrivacyEngine:
         plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, "make_private")
         if max_input_shape is not None:
             max_input_shape = tuple(int(s) for s in max_input_shape)
+        if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
+            calibrated = "" if self._sigma_effective is None else " (calibrated by make_private_with_epsilon)"
+            _ranks.check({"len(data_loader.dataset)": plan.num_samples, "data_loader.batch_size": plan.batch_size,
+                          "sample rate": plan.sample_rate, "poisson_sampling": plan.poisson,
+                          "noise_multiplier" + calibrated: sigma, "clipping": clipping, "input_clip": input_clip,
+                          "grad_clip": grad_clip, "conv_norm": conv_norm, "max_grad_norm": max_grad_norm,
+                          "norm_method": norm_method, "clip_fn": clip_fn, "gamma": gamma,
+                          "loss_reduction": loss_reduction, "nonfinite": nonfinite, "max_input_shape": max_input_shape,
+                          "adaptive": adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
+                          "max_epsilon": max_epsilon, "delta": delta},
+                         data_loader.dataset, plan.num_samples, self._collective_device())
         shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping)
         self._check_built_layers(inner, clipping, max_grad_norm)
         if clipping == "backprop":

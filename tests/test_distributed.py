@@ -198,6 +198,7 @@ SHARD_CASES = {
     "unequal_loss_reduction": (lambda r: dict(dataset=dataset(), batch_size=6), {1: dict(loss_reduction="sum")},
                                False),
     "equal_length_shards": (lambda r: dict(dataset=_Shard(24, start=r, step=WORLD), batch_size=3), {}, False),
+    "same_data_own_order": (lambda r: dict(dataset=_Shard(48, start=5 * r), batch_size=6), {}, False),
     "same_dataset_augmented": (lambda r: dict(dataset=_Shard(48, jitter=True), batch_size=6), {}, False),
 }
 
@@ -268,12 +269,17 @@ def test_ranks_that_disagree_are_refused_on_every_rank(shard_runs, case, argumen
         assert "len(data_loader.dataset)" in ranks[0]["error"] and "sample rate" in ranks[0]["error"]
 
 
-def test_equal_length_shards_warn_that_most_of_each_shard_is_unused(shard_runs):
-    """Sound (each rank's used examples are sampled at the accounted rate under the one σ), but every
-    rank uses only its residue class of its own shard: not silent."""
-    for r in shard_runs["equal_length_shards"]:
-        assert r["error"] is None and r["converted"]
-        assert any("differ between the ranks" in w for w in r["warnings"]), r["warnings"]
+@pytest.mark.parametrize("case", ["equal_length_shards", "same_data_own_order"])
+def test_equal_lengths_with_different_items_are_refused_on_every_rank(shard_runs, case):
+    """Every argument agrees, but the items at the same index differ: disjoint shards would be half unused
+    (each rank trains its residue class only), and a per-rank order of one dataset trains an example
+    on two ranks with independent coins (twice the accounted rate). The engine cannot tell them apart."""
+    ranks = shard_runs[case]
+    for r in ranks:
+        assert r["error"] is not None and r["error"].startswith("ValueError: "), r
+        assert "items at the same indices differ between the ranks" in r["error"], r["error"]
+        assert "same full dataset" in r["error"] and not r["converted"]
+    assert ranks[0]["error"] == ranks[1]["error"]
 
 
 def test_same_dataset_with_random_augmentation_is_neither_refused_nor_warned(shard_runs):
@@ -281,3 +287,31 @@ def test_same_dataset_with_random_augmentation_is_neither_refused_nor_warned(sha
     false refusal (or warning) there would stop an ordinary training run."""
     for r in shard_runs["same_dataset_augmented"]:
         assert r["error"] is None and r["converted"] and r["warnings"] == [], r
+
+
+def test_fingerprint_compares_only_reproducible_items():
+    """Single process: what make_private's collective compares (bpclip_fast.ranks)."""
+    from bpclip_fast import ranks
+
+    fixed = _Shard(48)
+    prints = ranks.fingerprint(fixed, len(fixed))
+    assert len(prints) == ranks.K and all(p >= 0 for p in prints) and len(set(prints)) == ranks.K
+    assert prints == ranks.fingerprint(_Shard(48), 48)  # the same data built anew: the same print
+    assert prints != ranks.fingerprint(_Shard(48, start=1), 48)
+    torch.manual_seed(0)
+    assert ranks.fingerprint(_Shard(48, jitter=True), 48) == [-1.0] * ranks.K  # never compared
+
+    class Flip(torch.utils.data.Dataset):  # one item random among two outcomes: the whole print is skipped
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            x, y = fixed[i]
+            return (x.flip(-1) if i == 47 and torch.rand(()) < 0.5 else x), y
+
+    torch.manual_seed(0)
+    assert ranks.fingerprint(Flip(), 48) == [-1.0] * ranks.K
+    assert ranks.fingerprint([(object(), 1)] * 48, 48) == [-1.0] * ranks.K  # no exact bytes to compare
+    assert ranks.fingerprint(TensorDataset(torch.arange(3.0)), 3)[3:] == [-2.0] * (ranks.K - 3)
+    assert ranks._normal(1) == ranks._normal(1.0) and ranks._normal([0.5, 2]) == ranks._normal((0.5, 2.0))
+    assert ranks._normal(0.7) != ranks._normal(0.7000000000000001)
