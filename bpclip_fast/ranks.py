@@ -132,24 +132,74 @@ def fingerprint(dataset, n: int) -> list[float]:
     return prints + [-2.0] * (K - len(prints))
 
 
-def check(fields: dict, dataset, n: int, device, what: str = "make_private") -> None:
-    """Refuses (``ValueError``, on every rank) unless every rank passed equal ``fields`` (``{argument
-    name: value}``, in the same order everywhere) and, where comparable, the same items of ``dataset``
-    (of length ``n``).
+FIELDS = ("len(data_loader.dataset)", "data_loader.batch_size", "sample rate", "poisson_sampling",
+          "noise_multiplier", "clipping", "input_clip", "grad_clip", "conv_norm", "max_grad_norm", "norm_method",
+          "clip_fn", "gamma", "loss_reduction", "nonfinite", "max_input_shape", "adaptive", "accountant",
+          "max_epsilon", "delta")
+_SLOTS = 1 + len(FIELDS) + K  # [a rank failed before the check] + the fields' digests + the item prints
 
-    One ``all_gather`` of ``len(fields) + K`` float64; only on a refusal, a second one of the
-    values' texts for the message. Every rank sees the same gathered values, so every rank takes
-    the same branch and no collective is left unmatched.
-    """
+
+def _gather(mine: list[float], device) -> list[list[float]]:
     import torch.distributed as dist
 
-    normal = {name: _normal(v) for name, v in fields.items()}
-    mine = [_digest(repr(v).encode()) for v in normal.values()] + fingerprint(dataset, int(n))
     local = torch.tensor(mine, dtype=torch.float64, device=device)
-    world = dist.get_world_size()
-    gathered = [torch.empty_like(local) for _ in range(world)]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    rows = [g.cpu().tolist() for g in gathered]
+    return [g.cpu().tolist() for g in gathered]
+
+
+def _gather_texts(mine):
+    import torch.distributed as dist
+
+    texts = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, mine)
+    return texts
+
+
+class failures_joined:
+    """``with failures_joined(what, device_fn):`` around the per-rank checks that precede :func:`check`.
+
+    A rank that raises there (its own shard too short for ``batch_size·W``, its own ε calibration
+    failing) would leave the others waiting in :func:`check`'s collective until the process group's
+    timeout. Instead it joins that collective with a failure flag, and every rank refuses, naming
+    the rank and its error; the failing rank re-raises its own. The block must end before
+    :func:`check` is reached on the rank that runs it (no collective in between)."""
+
+    def __init__(self, distributed: bool, what: str, device_fn):
+        self.distributed, self.what, self.device_fn = distributed, what, device_fn
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or not self.distributed or not isinstance(exc, Exception):
+            return False
+        _gather([1.0] + [0.0] * (_SLOTS - 1), self.device_fn())
+        _gather_texts(f"{type(exc).__name__}: {exc}")
+        return False  # the rank's own exception propagates
+
+
+def check(fields: dict, dataset, n: int, device, what: str = "make_private") -> None:
+    """Refuses (``ValueError``, on every rank) unless every rank passed equal ``fields`` (``{name in
+    FIELDS: value}``) and, where comparable, the same items of ``dataset`` (of length ``n``), and no
+    rank failed in its :class:`failures_joined` block.
+
+    One ``all_gather`` of ``_SLOTS`` float64; only on a refusal, a second one of texts for the
+    message. Every rank sees the same gathered values, so every rank takes the same branch and no
+    collective is left unmatched.
+    """
+    if tuple(fields) != FIELDS:
+        raise AssertionError(f"bpclip_fast.ranks.check: fields {tuple(fields)} are not {FIELDS}")
+    normal = {name: _normal(v) for name, v in fields.items()}
+    rows = _gather([0.0] + [_digest(repr(v).encode()) for v in normal.values()] + fingerprint(dataset, int(n)),
+                   device)
+    failed = [r for r, row in enumerate(rows) if row[0] != 0.0]
+    if failed:
+        texts = _gather_texts(None)
+        raise ValueError(f"{what}: " + "; ".join(f"rank {r} refused ({texts[r]})" for r in failed)
+                         + ". Every rank refuses with it: the ranks of a distributed run set up one private "
+                         "training together. " + REMEDY)
+    rows = [row[1:] for row in rows]
     names = list(normal)
     differ = [j for j in range(len(names)) if any(row[j] != rows[0][j] for row in rows)]
     prints = [row[len(names):] for row in rows]
@@ -157,8 +207,8 @@ def check(fields: dict, dataset, n: int, device, what: str = "make_private") -> 
     items_differ = not differ and comparable and any(row != prints[0] for row in prints)
     if not differ and not items_differ:
         return
-    texts = [None] * world
-    dist.all_gather_object(texts, [repr(normal[names[j]]) for j in differ])
+    texts = _gather_texts([repr(normal[names[j]]) for j in differ])
+    world = len(rows)
     problems = [f"{names[j]} is " + ", ".join(f"rank {r}: {texts[r][k]}" for r in range(world))
                 for k, j in enumerate(differ)]
     if items_differ:

@@ -198,6 +198,9 @@ SHARD_CASES = {
     "unequal_loss_reduction": (lambda r: dict(dataset=dataset(), batch_size=6), {1: dict(loss_reduction="sum")},
                                False),
     "equal_length_shards": (lambda r: dict(dataset=_Shard(24, start=r, step=WORLD), batch_size=3), {}, False),
+    # rank 1's shard is shorter than batch_size·W: it fails alone, before the collective
+    "shard_too_small": (lambda r: dict(dataset=_big(48 if r == 0 else 5), batch_size=6), {}, False),
+    "epsilon_shard_too_small": (lambda r: dict(dataset=_big(48 if r == 0 else 5), batch_size=6), {}, True),
     "same_data_own_order": (lambda r: dict(dataset=_Shard(48, start=5 * r), batch_size=6), {}, False),
     "same_dataset_augmented": (lambda r: dict(dataset=_Shard(48, jitter=True), batch_size=6), {}, False),
 }
@@ -267,6 +270,18 @@ def test_ranks_that_disagree_are_refused_on_every_rank(shard_runs, case, argumen
     assert ranks[0]["error"] == ranks[1]["error"]
     if case == "epsilon_unequal_length":
         assert "len(data_loader.dataset)" in ranks[0]["error"] and "sample rate" in ranks[0]["error"]
+
+
+@pytest.mark.parametrize("case", ["shard_too_small", "epsilon_shard_too_small"])
+def test_a_rank_failing_alone_is_not_left_waiting(shard_runs, case):
+    """Rank 1 refuses its own arguments (batch_size·W exceeds its shard); rank 0, already in the
+    agreement collective, must refuse too, naming rank 1's error, not wait for the process group's
+    timeout (60 s here: then rank 0 reports a gloo timeout, not this message)."""
+    ranks = shard_runs[case]
+    assert "exceeds the dataset size 5" in ranks[1]["error"], ranks[1]["error"]
+    assert "rank 1 refused" in ranks[0]["error"] and "exceeds the dataset size 5" in ranks[0]["error"], ranks[0]
+    assert "same full dataset" in ranks[0]["error"]
+    assert not ranks[0]["converted"] and not ranks[1]["converted"]
 
 
 @pytest.mark.parametrize("case", ["equal_length_shards", "same_data_own_order"])
