@@ -92,6 +92,8 @@ layer rank 0's backward did not reach gets the draw in ``step()`` on every rank,
 after rank 0 broadcasts which layers those are: the same post-all-reduce value on every rank.
 With ``loss_reduction="sum"`` the released gradient is the same divided by ``W`` (DDP's average),
 as for any DDP model.
+All of this needs every rank to pass the same dataset and the same arguments; ``make_private``
+checks that in one collective and refuses otherwise (:mod:`bpclip_fast.ranks`).
 
 Budget
 ------
