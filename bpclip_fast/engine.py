@@ -92,6 +92,8 @@ layer rank 0's backward did not reach gets the draw in ``step()`` on every rank,
 after rank 0 broadcasts which layers those are: the same post-all-reduce value on every rank.
 With ``loss_reduction="sum"`` the released gradient is the same divided by ``W`` (DDP's average),
 as for any DDP model.
+All of this needs every rank to pass the same dataset and the same arguments; ``make_private``
+checks that in one collective and refuses otherwise (:mod:`bpclip_fast.ranks`).
 
 Budget
 ------
@@ -125,7 +127,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import _ops, adaptive as _adaptive, data, registry
+from . import _ops, adaptive as _adaptive, data, ranks as _ranks, registry
 from . import nn as bnn
 from . import criterion as _criterion, validate as _validate
 from .boundary import DistributedRecorder, LayerStep, StepRefused
@@ -367,18 +369,30 @@ class PrivacyEngine:
         In phases: arguments, then every problem of the model at once (nothing is changed before
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
         """
-        sigma = self._check_arguments(module, optimizer, data_loader, noise_multiplier=noise_multiplier,
-                                      input_clip=input_clip, grad_clip=grad_clip, clipping=clipping,
-                                      max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
-                                      nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta,
-                                      noise_seed=noise_seed)
-        self._check_pairing(poisson_sampling)
-        adaptive = self._check_adaptive(adaptive)
-        self.rank, self.world_size, self.distributed = _distributed()
-        inner = self._unwrapped(module)
-        plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, "make_private")
-        if max_input_shape is not None:
-            max_input_shape = tuple(int(s) for s in max_input_shape)
+        what = "make_private" if self._sigma_effective is None else "make_private_with_epsilon"
+        with _ranks.failures_joined(_distributed()[2], what, self._collective_device):  # no rank left waiting
+            sigma = self._check_arguments(module, optimizer, data_loader, noise_multiplier=noise_multiplier,
+                                          input_clip=input_clip, grad_clip=grad_clip, clipping=clipping,
+                                          max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
+                                          nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta,
+                                          noise_seed=noise_seed)
+            self._check_pairing(poisson_sampling)
+            adaptive = self._check_adaptive(adaptive)
+            self.rank, self.world_size, self.distributed = _distributed()
+            inner = self._unwrapped(module)
+            plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, what)
+            if max_input_shape is not None:
+                max_input_shape = tuple(int(s) for s in max_input_shape)
+        if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
+            _ranks.check({"len(data_loader.dataset)": plan.num_samples, "data_loader.batch_size": plan.batch_size,
+                          "sample rate": plan.sample_rate, "poisson_sampling": plan.poisson,
+                          "noise_multiplier": sigma, "clipping": clipping, "input_clip": input_clip,
+                          "grad_clip": grad_clip, "conv_norm": conv_norm, "max_grad_norm": max_grad_norm,
+                          "norm_method": norm_method, "clip_fn": clip_fn, "gamma": gamma,
+                          "loss_reduction": loss_reduction, "nonfinite": nonfinite, "max_input_shape": max_input_shape,
+                          "adaptive": adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
+                          "max_epsilon": max_epsilon, "delta": delta},
+                         data_loader.dataset, plan.num_samples, self._collective_device(), what)
         shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping,
                                       criterion, loss_reduction, plan.batch_size)
         self._check_built_layers(inner, clipping, max_grad_norm)
@@ -740,19 +754,20 @@ class PrivacyEngine:
         are converted (a count taken before the probe forward could miss a layer the model builds
         in it, and under-noise). ``kwargs`` as ``make_private``.
         """
-        if "noise_multiplier" in kwargs:
-            raise TypeError("make_private_with_epsilon: noise_multiplier is computed, do not pass it")
-        _positive(target_epsilon, "target_epsilon")
-        if not 0 < float(target_delta) < 1:
-            raise ValueError(f"make_private_with_epsilon: target_delta must be in (0, 1), got {target_delta}")
-        if int(epochs) != epochs or epochs < 1:
-            raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
-        poisson = kwargs.get("poisson_sampling", True)
-        self._check_pairing(poisson)
-        plan = data.SamplingPlan.of_loader(data_loader, _distributed()[1], poisson, "make_private_with_epsilon")
-        sigma_eff = _accounting().get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
-            steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
+        with _ranks.failures_joined(_distributed()[2], "make_private_with_epsilon", self._collective_device):
+            if "noise_multiplier" in kwargs:
+                raise TypeError("make_private_with_epsilon: noise_multiplier is computed, do not pass it")
+            _positive(target_epsilon, "target_epsilon")
+            if not 0 < float(target_delta) < 1:
+                raise ValueError(f"make_private_with_epsilon: target_delta must be in (0, 1), got {target_delta}")
+            if int(epochs) != epochs or epochs < 1:
+                raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
+            poisson = kwargs.get("poisson_sampling", True)
+            self._check_pairing(poisson)
+            plan = data.SamplingPlan.of_loader(data_loader, _distributed()[1], poisson, "make_private_with_epsilon")
+            sigma_eff = _accounting().get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
+                steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
         self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
         self._sigma_effective = float(sigma_eff)
         try:

@@ -108,8 +108,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def spawn(out_dir, timeout=150):
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
+def spawn(out_dir, timeout=150, worker=None):
+    ctx = mp.start_processes(worker or _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
@@ -118,6 +118,8 @@ def spawn(out_dir, timeout=150):
                 if p.is_alive():
                     p.terminate()
             pytest.fail(f"the {WORLD}-process run did not finish within {timeout} s")
+    if worker is not None:
+        return out_dir
     return {(mode, prewrap): [torch.load(out_dir / f"{mode}_prewrap{int(prewrap)}_rank{r}.pt", weights_only=True)
                               for r in range(WORLD)] for mode in MODES for prewrap in (False, True)}
 
@@ -157,3 +159,174 @@ def test_two_processes_equal_one_process_on_the_same_batches(two_processes, sing
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
     # The runs moved far from the start, so the comparison above is not trivial.
     assert (ranks[0]["params"][0] - model_fn(mode)[0].weight.detach()).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------- every rank must pass the same dataset
+# The engine takes rank r's share of one global Poisson batch over the dataset each rank passes
+# (rate W·batch_size/N). With per-rank shards, each rank derived its own N, rate and (under
+# make_private_with_epsilon) σ, while only rank 0's σ is drawn: examples of a shard half as long were
+# sampled at twice the rate under rank 0's noise (ε 3.87 where 1.99 was reported). make_private must
+# refuse on every rank, before the model is changed, naming the argument and each rank's value.
+
+class _Shard(torch.utils.data.Dataset):
+    """Items ``start, start + step, ...`` of ``dataset()`` (a user's own sharding, e.g. Subset)."""
+
+    def __init__(self, n, start=0, step=1, jitter=False):
+        self.base, self.n, self.start, self.step, self.jitter = dataset(), n, start, step, jitter
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x, y = self.base[(self.start + i * self.step) % len(self.base)]
+        if self.jitter:  # random augmentation: every read differs (continuous noise, never equal twice)
+            x = x + 0.01 * torch.randn(x.shape)
+        return x, y
+
+
+def _big(n):
+    g = torch.Generator().manual_seed(n)
+    return TensorDataset(torch.rand(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+SHARD_CASES = {
+    # name: (per-rank loader kwargs, make_private overrides per rank, use make_private_with_epsilon)
+    "unequal_length": (lambda r: dict(dataset=_big(1000 if r == 0 else 500), batch_size=6), {}, False),
+    "unequal_batch": (lambda r: dict(dataset=dataset(), batch_size=6 if r == 0 else 3), {}, False),
+    "epsilon_unequal_length": (lambda r: dict(dataset=_big(1000 if r == 0 else 500), batch_size=6), {}, True),
+    "unequal_bound": (lambda r: dict(dataset=dataset(), batch_size=6), {1: dict(max_grad_norm=0.9)}, False),
+    "unequal_loss_reduction": (lambda r: dict(dataset=dataset(), batch_size=6), {1: dict(loss_reduction="sum")},
+                               False),
+    "equal_length_shards": (lambda r: dict(dataset=_Shard(24, start=r, step=WORLD), batch_size=3), {}, False),
+    # rank 1's shard is shorter than batch_size·W: it fails alone, before the collective
+    "shard_too_small": (lambda r: dict(dataset=_big(48 if r == 0 else 5), batch_size=6), {}, False),
+    "epsilon_shard_too_small": (lambda r: dict(dataset=_big(48 if r == 0 else 5), batch_size=6), {}, True),
+    "same_data_own_order": (lambda r: dict(dataset=_Shard(48, start=5 * r), batch_size=6), {}, False),
+    "same_dataset_augmented": (lambda r: dict(dataset=_Shard(48, jitter=True), batch_size=6), {}, False),
+}
+
+
+def _shard_worker(rank, port, out_dir):
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for name, (loader_kw, overrides, by_epsilon) in SHARD_CASES.items():
+            model = model_fn("flat")
+            torch.manual_seed(100 + rank)  # the augmentation's draws differ between the ranks
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            engine = PrivacyEngine()
+            kw = dict(CLIPPING["flat"], noise_seed=SEED, **overrides.get(rank, {}))
+            result = {"error": None}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    if by_epsilon:
+                        engine.make_private_with_epsilon(module=model, optimizer=opt,
+                                                         data_loader=DataLoader(**loader_kw(rank)),
+                                                         target_epsilon=2.0, target_delta=DELTA, epochs=1, **kw)
+                    else:
+                        engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(**loader_kw(rank)),
+                                            noise_multiplier=0.8, **kw)
+                    result["sigma"] = engine.noise_multiplier
+                    result["sample_rate"] = engine.sample_rate
+                except Exception as exc:  # noqa: BLE001
+                    result["error"] = f"{type(exc).__name__}: {exc}"
+            result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                                  if not issubclass(w.category, InsecureSeedWarning)]
+            result["converted"] = any(isinstance(m, bnn._Clipped) for m in model.modules())
+            torch.save(result, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def shard_runs(tmp_path_factory):
+    out = spawn(tmp_path_factory.mktemp("shards"), worker=_shard_worker)
+    return {name: [torch.load(out / f"{name}_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+            for name in SHARD_CASES}
+
+
+@pytest.mark.parametrize("case, argument, values", [
+    ("unequal_length", "len(data_loader.dataset)", ("1000", "500")),
+    ("unequal_batch", "data_loader.batch_size", ("6", "3")),
+    # make_private_with_epsilon calibrated σ per rank (1000 vs 500 examples): refused, never two σ.
+    ("epsilon_unequal_length", "noise_multiplier", None),
+    ("unequal_bound", "max_grad_norm", ("0.7", "0.9")),
+    ("unequal_loss_reduction", "loss_reduction", ("'mean'", "'sum'")),
+])
+def test_ranks_that_disagree_are_refused_on_every_rank(shard_runs, case, argument, values):
+    ranks = shard_runs[case]
+    for rank, r in enumerate(ranks):
+        assert r["error"] is not None, f"rank {rank} was made private with {case}"
+        assert r["error"].startswith("ValueError: ")
+        assert argument in r["error"] and "same full dataset" in r["error"], r["error"]
+        if values is not None:
+            assert f"rank 0: {values[0]}" in r["error"] and f"rank 1: {values[1]}" in r["error"], r["error"]
+        assert not r["converted"], "the refusal must come before the model is changed"
+    assert ranks[0]["error"] == ranks[1]["error"]
+    if case == "epsilon_unequal_length":
+        assert "len(data_loader.dataset)" in ranks[0]["error"] and "sample rate" in ranks[0]["error"]
+
+
+@pytest.mark.parametrize("case", ["shard_too_small", "epsilon_shard_too_small"])
+def test_a_rank_failing_alone_is_not_left_waiting(shard_runs, case):
+    """Rank 1 refuses its own arguments (batch_size·W exceeds its shard); rank 0, already in the
+    agreement collective, must refuse too, naming rank 1's error, not wait for the process group's
+    timeout (60 s here: then rank 0 reports a gloo timeout, not this message)."""
+    ranks = shard_runs[case]
+    assert "exceeds the dataset size 5" in ranks[1]["error"], ranks[1]["error"]
+    assert "rank 1 refused" in ranks[0]["error"] and "exceeds the dataset size 5" in ranks[0]["error"], ranks[0]
+    assert "same full dataset" in ranks[0]["error"]
+    assert not ranks[0]["converted"] and not ranks[1]["converted"]
+
+
+@pytest.mark.parametrize("case", ["equal_length_shards", "same_data_own_order"])
+def test_equal_lengths_with_different_items_are_refused_on_every_rank(shard_runs, case):
+    """Every argument agrees, but the items at the same index differ: disjoint shards would be half unused
+    (each rank trains its residue class only), and a per-rank order of one dataset trains an example
+    on two ranks with independent coins (twice the accounted rate). The engine cannot tell them apart."""
+    ranks = shard_runs[case]
+    for r in ranks:
+        assert r["error"] is not None and r["error"].startswith("ValueError: "), r
+        assert "items at the same indices differ between the ranks" in r["error"], r["error"]
+        assert "same full dataset" in r["error"] and not r["converted"]
+    assert ranks[0]["error"] == ranks[1]["error"]
+
+
+def test_same_dataset_with_random_augmentation_is_neither_refused_nor_warned(shard_runs):
+    """Every read of an augmented dataset differs, so its items cannot be compared between ranks: a
+    false refusal (or warning) there would stop an ordinary training run."""
+    for r in shard_runs["same_dataset_augmented"]:
+        assert r["error"] is None and r["converted"] and r["warnings"] == [], r
+
+
+def test_fingerprint_compares_only_reproducible_items():
+    """Single process: what make_private's collective compares (bpclip_fast.ranks)."""
+    from bpclip_fast import ranks
+
+    fixed = _Shard(48)
+    prints = ranks.fingerprint(fixed, len(fixed))
+    assert len(prints) == ranks.K and all(p >= 0 for p in prints) and len(set(prints)) == ranks.K
+    assert prints == ranks.fingerprint(_Shard(48), 48)  # the same data built anew: the same print
+    assert prints != ranks.fingerprint(_Shard(48, start=1), 48)
+    torch.manual_seed(0)
+    assert ranks.fingerprint(_Shard(48, jitter=True), 48) == [-1.0] * ranks.K  # never compared
+
+    class Flip(torch.utils.data.Dataset):  # one item random among two outcomes: the whole print is skipped
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            x, y = fixed[i]
+            return (x.flip(-1) if i == 47 and torch.rand(()) < 0.5 else x), y
+
+    torch.manual_seed(0)
+    assert ranks.fingerprint(Flip(), 48) == [-1.0] * ranks.K
+    assert ranks.fingerprint([(object(), 1)] * 48, 48) == [-1.0] * ranks.K  # no exact bytes to compare
+    assert ranks.fingerprint(TensorDataset(torch.arange(3.0)), 3)[3:] == [-2.0] * (ranks.K - 3)
+    assert ranks._normal(1) == ranks._normal(1.0) and ranks._normal([0.5, 2]) == ranks._normal((0.5, 2.0))
+    assert ranks._normal(0.7) != ranks._normal(0.7000000000000001)
