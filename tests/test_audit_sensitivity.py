@@ -29,7 +29,7 @@ import exact_oracle as eo
 from bpclip_fast import PrivacyEngine, autograd, exact, reference
 from bpclip_fast import nn as bnn
 from bpclip_fast.audit import cli
-from bpclip_fast.audit.sensitivity import sensitivity
+from bpclip_fast.audit import sensitivity
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -1,6 +1,6 @@
 """``bpclip-audit``: check the guarantee of a set-up (``bpclip-audit --help``).
 
-Subcommands: ``sensitivity`` (:mod:`.sensitivity`), ``one-run`` and ``many-run`` (:mod:`.empirical`).
+Subcommands: ``sensitivity`` (:func:`bpclip_fast.audit.sensitivity`, in :mod:`.contribution`), ``one-run`` and ``many-run`` (:mod:`.empirical`).
 Each prints one line and, with ``--json PATH``, writes the full report as JSON.
 """
 
@@ -25,7 +25,7 @@ def _sensitivity_parser(sub) -> None:
     p = sub.add_parser("sensitivity", help="each example's exact contribution to the release, and the noise drawn, "
                        "against the bounds",
                        description="Makes a model private with a real PrivacyEngine on the embedded digits data and "
-                       "audits one batch (bpclip_fast.audit.sensitivity): the largest contribution of one example "
+                       "audits one batch (bpclip_fast.audit.sensitivity()): the largest contribution of one example "
                        "to the released gradient, measured through the real layers in training mode with the noise "
                        "off (by removal in float64, and alone in the model's own dtype), against the bound the noise "
                        "is scaled to; and the std of the noise the layers draw against sigma times that bound. Exit "
@@ -62,7 +62,7 @@ def _run_sensitivity(args) -> int:
     from .. import PrivacyEngine, models
     from ..train import data as data_mod
     from ..train.trainer import MODELS
-    from .sensitivity import sensitivity
+    from .contribution import sensitivity
 
     torch.manual_seed(args.seed)
     act = models.activation(args.activation)

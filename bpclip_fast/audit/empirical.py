@@ -75,7 +75,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from .. import nn as bnn
 from . import stats
 from .noise import NoiseCheck
-from .sensitivity import NoiseFree
+from .contribution import NoiseFree
 
 MODES = ("backprop", "flat", "per_layer")
 ACCOUNTANTS = ("rdp", "pld", "zcdp")
