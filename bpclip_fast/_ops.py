@@ -118,8 +118,9 @@ if _LOAD_ERROR is None:
                            groups, params, method, keep)
 
     def _clipped_grads_fake(weight, params):
-        gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if params[0] else weight.new_empty((0,))
-        gb = weight.new_empty((weight.shape[0],)) if params[1] else weight.new_empty((0,))
+        acc = _acc_dtype(weight)  # the noised sum before its one rounding to the weight's dtype (csrc/exact.cpp)
+        gw = weight.new_empty(weight.shape, dtype=acc) if params[0] else weight.new_empty((0,), dtype=acc)
+        gb = weight.new_empty((weight.shape[0],), dtype=acc) if params[1] else weight.new_empty((0,), dtype=acc)
         return gw, gb
 
     @torch.library.register_fake("bpclip_fast::linear_clipped_grads")

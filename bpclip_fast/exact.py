@@ -43,6 +43,10 @@ MODES = ("backprop", "flat", "per_layer")
 EXACT_MODES = ("flat", "per_layer")
 NORM_METHODS = ("auto", "ghost", "instantiate")
 WORKSPACE_BYTES = 64 << 20  # temporaries of the norms (instantiated gradients, Gram matrices) per layer
+# Factors below this are set to 0: the bounds of csrc/exact.cpp cover the absolute (subnormal)
+# rounding of the release only for factors >= 1/K, K = 2^60 (kFloorInverse there). It drops only
+# examples whose bound exceeds 2^60·C; they are not counted as non-finite (no finite example is).
+FACTOR_FLOOR = 2.0 ** -60
 
 
 def factors(bound: torch.Tensor, max_norm: float, clip_fn: str, gamma: float, nonfinite: torch.Tensor,
@@ -50,14 +54,15 @@ def factors(bound: torch.Tensor, max_norm: float, clip_fn: str, gamma: float, no
     """The per-example clip factors for norm upper bounds ``bound`` (float64): ``clip_rows`` on the
     bounds as rows of one element, so ``c·bound ≤ C`` after rounding (csrc/include/bpclip_fast/clip.h).
     The bounds are rounded *up* to the factor dtype (fp32; fp64 for fp64 data); a non-finite bound
-    gives factor 0 and is counted in ``nonfinite``."""
+    gives factor 0 and is counted in ``nonfinite``; a factor below :data:`FACTOR_FLOOR` is set to 0
+    (the subnormal part of the bound's proof, csrc/exact.cpp)."""
     acc = torch.float64 if data_dtype == torch.float64 else torch.float32
     b = bound.to(acc)
     if acc != torch.float64:
         b = torch.where(b.double() < bound, torch.nextafter(b, b.new_tensor(math.inf)), b)
     _, factor, _ = torch.ops.bpclip_fast.clip_rows(b.unsqueeze(1), nonfinite, float(max_norm), "l2", clip_fn,
                                                    float(gamma))
-    return factor
+    return factor.masked_fill_(factor < FACTOR_FLOOR, 0.0)
 
 
 def _trainable(layer):
@@ -248,7 +253,8 @@ def _count_nonfinite(layer, bound):
 def _release(layer, x, g, factor, step_args, geometry, kept):
     """``(∇W, ∇b)`` of one layer: ``Σ_i c_i G_i`` plus the step's draw, times the mean-loss scale;
     ``None`` for a parameter that does not train. ``kept``: the norms op's kept per-example
-    gradients (or ``None``; then from ``g`` and ``x``)."""
+    gradients (or ``None``; then from ``g`` and ``x``). The ops return the noised sum in fp32 (fp64)
+    for every data dtype; it is rounded to the parameter dtype here, once, after the noise."""
     seed, offset, std, d, scale = step_args
     mask = _trainable(layer)
     if geometry is EXAMPLES:
@@ -263,8 +269,8 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
         stride, padding, dilation, groups = geometry
         gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, layer.weight, stride, padding, dilation,
                                                             groups, mask, [seed, offset], std, kw, kb)
-    gw = (gw.mul_(scale) if scale != 1.0 else gw) if mask[0] else None
-    gb = (gb.mul_(scale) if scale != 1.0 else gb) if mask[1] else None
+    gw = (gw.mul_(scale) if scale != 1.0 else gw).to(layer.weight.dtype) if mask[0] else None
+    gb = (gb.mul_(scale) if scale != 1.0 else gb).to(layer.bias.dtype) if mask[1] else None
     return gw, gb
 
 

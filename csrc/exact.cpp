@@ -8,10 +8,10 @@
 // Conv2d: the output positions of each channel group gamma) with input vectors x_t (Linear: the
 // input row; Conv2d: the zero-padded patch U_{gamma,t}) and upstream gradients g_t. Its gradient is
 // G = [G_W, G_b] with G_W = sum_t g_t x_t^T (block-diagonal over the groups) and G_b = sum_t g_t.
-// The ops return sq (the computed ||G||^2) and bound, an upper bound on what the release can hold
-// of example i at factor 1, with the spread P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) >= ||G||:
+// The ops return sq (the computed ||G||^2) and bound, with c * bound an upper bound on the norm of
+// what the release holds of example i at factor c (below), with the spread P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) >= ||G||:
 //
-//   bound = sqrt(sq * grow + eps * P^2) + kappa * P
+//   bound = sqrt(sq * grow + eps * P^2) + kappa * P + 2K q sqrt(p) X,   X = sum_t sqrt(||x_t||^2 [W] + [b])
 //
 // (u: unit roundoff of the GEMMs' arithmetic, 2^-24 for fp32, 2^-11 or 2^-8 when torch lets fp32
 // matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u)):
@@ -24,15 +24,41 @@
 //   gamma_T(u) sum_t |g_t||x_t|, so ||G_W - G_W^|| <= gamma_T(u) M; its squares round once (u) and
 //   are summed in double: ||G_W^||^2 <= sq_W grow.
 // * The bias sum is taken in double (error <= gamma_T(v) sum_t ||g_t|| <= gamma_T(v) P).
-// * The release scales g_t by the factor c and rounds toward zero to the data dtype
-//   (scale_rows): |RZ(c g) - c g| <= r |c g| entrywise (r = 2^-23 fp32, 2^-10 fp16, 2^-7 bf16,
-//   2^-52 fp64), which moves example i's contribution by <= c r P.
+// * The release works in the accumulation dtype A (fp32; fp64 for fp64 data), also for fp16/bf16
+//   data, whose values are exact in fp32: it scales g_t by c and rounds toward zero to A
+//   (scale_rows), g^_t = RZ_A(c g_t), and multiplies by the inputs x_t as stored (upcast exactly).
+//   Entrywise |RZ_A(y) - y| <= r |y| for a normal result and < q for a subnormal one (r = 2^-23,
+//   q = 2^-149 for fp32; 2^-52 and 2^-1074 for fp64), so g^_t - c g_t = e'_t + e''_t with
+//   |e'_t| <= r c |g_t| and |e''_t| <= q entrywise. Example i's part of the release is
+//   sum_t g^_t [x_t; 1]^T (over the trained parameters; per channel group for Conv2d, whose
+//   groups are disjoint blocks), and the two errors move it by <= r c P and by
+//   <= sum_t q sqrt(p) ||[x_t; 1]|| = q sqrt(p) X (p: the output channels of a group). Where torch
+//   may run the release's fp32 GEMM or convolution in TF32/bf16 (float32_matmul_precision below
+//   'highest'; cuDNN's allow_tf32 for convolutions on CUDA; oneDNN's fp32 precision), its inputs
+//   g^ and x are rounded to nearest at r_in first (2^-11, 2^-8), which multiplies each position's
+//   term by at most (1 + r_in)^2 more: the relative part is then (1 + r)(1 + r_in)^2 - 1 =: r'.
 // Hence, by the triangle inequality on [G_W, G_b] and these perturbations, the contribution the
-// release holds, c * ||G~||, is <= c * bound with grow = (1 - u)^-1 (1 - gamma_n(v))^-1 (n the terms
-// summed), eps as above (0 for instantiation) and kappa = gamma_T(u) [instantiation] + gamma_T(v)
-// + r. clip_rows then gives c with c * bound <= C (its own proof). Not covered: an fp16/bf16 value
-// c g_t that falls in the subnormal range loses up to one subnormal quantum absolutely (fp16: 2^-24),
-// which no relative margin covers; keep fp16 gradients out of that range (as any fp16 training must).
+// release holds is <= c (bound - 2K q sqrt(p) X) + q sqrt(p) X with grow = (1 - u)^-1 (1 -
+// gamma_n(v))^-1 (n the terms summed), eps as above (0 for instantiation) and kappa = gamma_T(u)
+// [instantiation] + gamma_T(v) + r'. The absolute part q sqrt(p) X does not scale with c: the
+// bound carries it as 2K q sqrt(p) X (K = 2^60; the 2 covers the double rounding of that term and
+// its share of the last addition's) and exact.factors gives factor 0 to every example whose
+// factor falls below 1/K, so every kept example has c 2K q sqrt(p) X >= q sqrt(p) X and its
+// contribution is <= c * bound. clip_rows then gives c with c * bound <= C (its own proof). The
+// factor floor drops only examples whose bound exceeds 2^60 C; they are not counted non-finite
+// (a finite example never is: the count would release a data-dependent bit under strict mode).
+// fp16/bf16 data: the clipped sum and the noise are added in A and rounded to the parameter dtype
+// once, by the caller, after the noise (post-processing of the noised value): no sum over the
+// batch is rounded to a low-precision dtype before the noise, and the scaled upstream gradient is
+// never rounded to fp16 (whose subnormals, 2^-24 apart, lost the cancellation of positions).
+// Not covered: subnormals flushed to zero (torch.set_flush_denormal(True), or a GEMM that flushes
+// its fp32 inputs) move an entry by up to 2^-126 rather than q; the rounding of the batch sum
+// itself (the GEMM over all examples) is outside the per-example argument, as everywhere.
+//
+// ---- Memory layout ------------------------------------------------------------------------------
+// Every op reads its tensors by their logical indices (reshape, narrow, convolution, and the
+// patches' view, built from the padded input's own strides), so channels_last, permuted, sliced or
+// expanded inputs and upstream gradients give the norms of the values the release multiplies.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <torch/library.h>
@@ -77,18 +103,37 @@ double position_unit(const at::Tensor& x, at::ScalarType acc) {
   return std::max(gemm_unit(acc), x.is_cuda() ? 0x1p-11 : 0x1p-24);
 }
 
-// Relative error of rounding c*g toward zero to the data dtype (scale_rows), for normal results.
-double rz_unit(at::ScalarType s) {
-  switch (s) {
-    case at::kDouble:
-      return 0x1p-52;
-    case at::kHalf:
-      return 0x1p-10;
-    case at::kBFloat16:
-      return 0x1p-7;
+// The release rounds c*g toward zero to the accumulation dtype (scale_rows; fp32 also for fp16/bf16
+// data): relative error r for a normal result, absolute < q (the smallest subnormal) otherwise.
+double rz_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-52 : 0x1p-23; }
+double subnormal_quantum(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1074 : 0x1p-149; }
+
+// K of the file comment: exact.factors gives factor 0 below 1/K (bpclip_fast/exact.py, FACTOR_FLOOR).
+constexpr double kFloorInverse = 0x1p60;
+
+// Unit of the rounding to nearest that torch may apply to the release's fp32 GEMM or convolution
+// inputs (TF32: 2^-11, bf16: 2^-8), 0 where it computes in plain fp32 (or fp64).
+double release_input_unit(const at::Tensor& x, at::ScalarType acc, bool conv) {
+  if (acc == at::kDouble) return 0.0;
+  auto& ctx = at::globalContext();
+  double r = 0.0;
+  switch (ctx.float32MatmulPrecision()) {
+    case at::Float32MatmulPrecision::HIGH:
+      r = 0x1p-11;
+      break;
+    case at::Float32MatmulPrecision::MEDIUM:
+      r = 0x1p-8;
+      break;
     default:
-      return 0x1p-23;
+      break;
   }
+  if (conv) {
+    if (x.is_cuda() && ctx.allowTF32CuDNN(at::Float32Op::CONV)) r = std::max(r, 0x1p-11);
+    const auto mkldnn = ctx.float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::CONV);
+    if (mkldnn == at::Float32Precision::TF32) r = std::max(r, 0x1p-11);
+    if (mkldnn == at::Float32Precision::BF16) r = std::max(r, 0x1p-8);
+  }
+  return r;
 }
 
 enum class Method { kGhost, kInstantiate };
@@ -105,9 +150,9 @@ Method parse_method(c10::string_view s, bool ghost_cheaper) {
 // multiply-adds (two Gram matrices), instantiation T d p; ghost wins when T (d + p) < d p.
 bool ghost_cheaper(int64_t T, int64_t d, int64_t p) { return T == 1 || T * (d + p) < d * p; }
 
-// Per-example parts of the bound, all double [b]: sq_W, sq_b, and the spread P.
+// Per-example parts of the bound, all double [b]: sq_W, sq_b, the spread P and the input sum X.
 struct Parts {
-  at::Tensor sq, spread, kept_w, kept_b;  // kept_*: the instantiated [G_W], [G_b] per example, when kept
+  at::Tensor sq, spread, inputs, kept_w, kept_b;  // kept_*: the instantiated [G_W], [G_b] per example, when kept
 };
 
 // What the margins need to know about a layer's shapes (see the file comment).
@@ -115,6 +160,7 @@ struct Dims {
   int64_t T, d, p;
   bool weight, bias;
   double u_pos;  // unit roundoff of the position norms (fp32 convolutions may run in TF32 on CUDA)
+  double r_in;   // rounding of the release's inputs by TF32/bf16 arithmetic (release_input_unit)
 };
 
 // Per-position norms ||x_t||, ||g_t|| of [n, T, k] tensors -> [n, T]: in double for T = 1 (they give
@@ -124,15 +170,17 @@ at::Tensor position_norms(const at::Tensor& a, bool exact) {
   return exact ? at::linalg_vector_norm(a, 2, {2}, false, at::kDouble) : at::linalg_vector_norm(a, 2, {2}, false);
 }
 
-// P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) per row, in double. From norms in fp32 (T > 1) it is
-// computed with relative error below gamma_{d+p+T+4}(u_pos) (positive terms only), so it is
-// inflated by twice that to stay an upper bound.
-at::Tensor spread(const at::Tensor& xn, const at::Tensor& gn, const Dims& dims) {
+// P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) and X = sum_t sqrt(||x_t||^2 [W] + [b]) per row, in
+// double. From norms in fp32 (T > 1) they are computed with relative error below
+// gamma_{d+p+T+4}(u_pos) (positive terms only), so they are inflated by twice that to stay upper
+// bounds. X costs a sum over the [n, T] position norms only, never a pass over g or x.
+std::pair<at::Tensor, at::Tensor> spread(const at::Tensor& xn, const at::Tensor& gn, const Dims& dims) {
   const at::Tensor x2 = dims.weight ? xn.to(at::kDouble).square() : at::zeros(xn.sizes(), xn.options().dtype(at::kDouble));
-  const at::Tensor terms = (dims.bias ? x2 + 1.0 : x2).sqrt() * gn.to(at::kDouble);
-  const at::Tensor sp = terms.sum(1);
-  if (xn.scalar_type() == at::kDouble) return sp;
-  return sp * (1.0 + 2.0 * gamma_k(static_cast<double>(dims.d + dims.p + dims.T + 4), dims.u_pos));
+  const at::Tensor rows = (dims.bias ? x2 + 1.0 : x2).sqrt();
+  const at::Tensor sp = (rows * gn.to(at::kDouble)).sum(1), xs = rows.sum(1);
+  if (xn.scalar_type() == at::kDouble) return {sp, xs};
+  const double grow = 1.0 + 2.0 * gamma_k(static_cast<double>(dims.d + dims.p + dims.T + 4), dims.u_pos);
+  return {sp * grow, xs * grow};
 }
 
 // x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; returns per example
@@ -162,15 +210,16 @@ Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& x
     sq = sq + sums.square().sum(1);
     if (kept_w.defined()) kept_b = sums.reshape({n / per, -1});
   }
-  const at::Tensor sp = spread(xn, gn, dims);
-  if (per == 1) return {sq, sp, kept_w, kept_b};
-  return {sq.reshape({-1, per}).sum(1), sp.reshape({-1, per}).sum(1), kept_w, kept_b};
+  const auto [sp, xs] = spread(xn, gn, dims);
+  if (per == 1) return {sq, sp, xs, kept_w, kept_b};
+  return {sq.reshape({-1, per}).sum(1), sp.reshape({-1, per}).sum(1), xs.reshape({-1, per}).sum(1), kept_w, kept_b};
 }
 
-// The bound of the file comment, from the computed sq and spread.
-at::Tensor norm_bound(const at::Tensor& sq, const at::Tensor& sp, Method method, const Dims& dims, double u,
-                      at::ScalarType data) {
-  const double r = rz_unit(data);
+// The bound of the file comment, from the computed sq, spread P and input sum X.
+at::Tensor norm_bound(const at::Tensor& sq, const at::Tensor& sp, const at::Tensor& xs, Method method,
+                      const Dims& dims, double u, at::ScalarType acc) {
+  const double r = (1.0 + rz_unit(acc)) * (1.0 + dims.r_in) * (1.0 + dims.r_in) - 1.0;
+  const double absolute = 2.0 * kFloorInverse * subnormal_quantum(acc) * std::sqrt(static_cast<double>(dims.p));
   const int64_t terms = method == Method::kGhost ? dims.T * dims.T : dims.d * dims.p;
   const double grow = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2), kV)));
   double eps = 0.0, kappa = gamma_k(static_cast<double>(dims.T), kV) + r;
@@ -181,7 +230,7 @@ at::Tensor norm_bound(const at::Tensor& sq, const at::Tensor& sp, Method method,
   } else {
     kappa += gamma_k(static_cast<double>(dims.T), u);
   }
-  return (sq * grow + eps * sp.square()).sqrt() + kappa * sp;
+  return (sq * grow + eps * sp.square()).sqrt() + kappa * sp + absolute * xs;
 }
 
 // Examples per chunk so that one chunk's temporaries stay within `workspace` bytes.
@@ -214,16 +263,18 @@ bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t group
 }
 
 Norms finish(std::vector<Parts>& parts, const at::Tensor& x, Method method, const Dims& dims, double u) {
-  std::vector<at::Tensor> sqs, sps, kws, kbs;
+  std::vector<at::Tensor> sqs, sps, xss, kws, kbs;
   for (auto& part : parts) {
     sqs.push_back(part.sq);
     sps.push_back(part.spread);
+    xss.push_back(part.inputs);
     if (part.kept_w.defined()) kws.push_back(part.kept_w);
     if (part.kept_b.defined()) kbs.push_back(part.kept_b);
   }
   at::Tensor sq = sqs.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sqs);
   at::Tensor sp = sps.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sps);
-  return {sq, norm_bound(sq, sp, method, dims, u, x.scalar_type()), kws.empty() ? x.new_empty({0}) : at::cat(kws),
+  at::Tensor xs = xss.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(xss);
+  return {sq, norm_bound(sq, sp, xs, method, dims, u, acc_dtype(x)), kws.empty() ? x.new_empty({0}) : at::cat(kws),
           kbs.empty() ? x.new_empty({0}) : at::cat(kbs)};
 }
 
@@ -235,7 +286,7 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const int64_t B = x.size(0), d = x.size(-1), p = grad_out.size(-1);
   const int64_t T = B == 0 ? 1 : x.numel() / (B * std::max<int64_t>(d, 1));
   const at::ScalarType acc = acc_dtype(x);
-  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc)};
+  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc), release_input_unit(x, acc, false)};
   const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
@@ -254,16 +305,21 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
 // The zero-padded patches as [n, C_in kh kw, T] (im2col's layout: channel-major, so channel group
 // gamma's rows are one block of d), by one strided view of the padded input and one copy: ATen's
 // CPU im2col loops over the examples and measured 50x slower than this copy on the MNIST net.
+// The view is built from the padded tensor's own strides (and storage offset): constant_pad_nd
+// keeps a channels_last input channels_last, and a permuted, sliced or expanded input has strides
+// of its own, so strides assumed from the shape would read other pixels than the release uses.
 at::Tensor patches(const at::Tensor& x, at::IntArrayRef k, at::IntArrayRef stride, at::IntArrayRef padding,
                    at::IntArrayRef dilation) {
-  const at::Tensor xp = (padding[0] || padding[1])
-                            ? at::constant_pad_nd(x, {padding[1], padding[1], padding[0], padding[0]}, 0)
-                            : x.contiguous();
+  const at::Tensor xp =
+      (padding[0] || padding[1]) ? at::constant_pad_nd(x, {padding[1], padding[1], padding[0], padding[0]}, 0) : x;
   const int64_t n = xp.size(0), c = xp.size(1), hp = xp.size(2), wp = xp.size(3);
   const int64_t ho = (hp - dilation[0] * (k[0] - 1) - 1) / stride[0] + 1;
   const int64_t wo = (wp - dilation[1] * (k[1] - 1) - 1) / stride[1] + 1;
+  const auto s = xp.strides();
   const at::Tensor view = xp.as_strided({n, c, k[0], k[1], ho, wo},
-                                        {c * hp * wp, hp * wp, dilation[0] * wp, dilation[1], stride[0] * wp, stride[1]});
+                                        {s[0], s[1], dilation[0] * s[2], dilation[1] * s[3], stride[0] * s[2],
+                                         stride[1] * s[3]},
+                                        xp.storage_offset());
   return view.reshape({n, c * k[0] * k[1], ho * wo});
 }
 
@@ -279,7 +335,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const int64_t d = x.size(1) / G * kernel_size[0] * kernel_size[1], p = grad_out.size(1) / G;
   const int64_t T = grad_out.size(2) * grad_out.size(3);
   const at::ScalarType acc = acc_dtype(x);
-  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc)};
+  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc), release_input_unit(x, acc, true)};
   const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
@@ -307,12 +363,14 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
 }
 
 // The gradient the release holds: each example's upstream gradient scaled by its factor (rounded
-// toward zero, zeros where the factor is 0), its input row zeroed where the factor is 0 (so a
-// non-finite example cannot reach the sum through 0 * Inf), the noise first.
+// toward zero to the accumulation dtype, zeros where the factor is 0), its input row zeroed where
+// the factor is 0 (so a non-finite example cannot reach the sum through 0 * Inf). fp16/bf16 data
+// is upcast first (exactly): c g rounded to fp16 would land in its subnormals (file comment).
 std::tuple<at::Tensor, at::Tensor> scaled_inputs(const at::Tensor& grad_out, const at::Tensor& x,
                                                  const at::Tensor& factor) {
   TORCH_CHECK(factor.dim() == 1 && factor.size(0) == x.size(0), "bpclip_fast: factor needs one entry per example");
-  return {scale_rows(grad_out, factor), scale_rows(x, factor.gt(0).to(factor.scalar_type()))};
+  const at::ScalarType acc = acc_dtype(x);
+  return {scale_rows(grad_out.to(acc), factor), scale_rows(x.to(acc), factor.gt(0).to(factor.scalar_type()))};
 }
 
 void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntArrayRef noise_key, double noise_std,
@@ -324,19 +382,20 @@ void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntAr
 
 // The release from kept per-example gradients: sum_i c_i G_i as one GEMV over the batch (fp32, or
 // double for the bias sums), rows with c = 0 zeroed first (a non-finite example's G_i), the noise
-// added into the same buffer.
+// added into the same buffer, in the accumulation dtype (the caller rounds once, after the noise).
 Pair kept_release(const at::Tensor& kept_w, const at::Tensor& kept_b, const at::Tensor& factor,
                   const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key, double noise_std) {
   const at::Tensor keep = factor.gt(0).unsqueeze(1);
-  at::Tensor gw = weight.new_empty({0}), gb = weight.new_empty({0});
+  const at::ScalarType acc = acc_dtype(weight);
+  at::Tensor gw = weight.new_empty({0}, weight.options().dtype(acc)), gb = gw;
   if (params[0]) {
     const at::Tensor w = at::where(keep, kept_w, at::zeros({}, kept_w.options()));
     const at::Tensor sum = w.t().mv(factor.to(kept_w.scalar_type()));
-    gw = sum.to(weight.scalar_type()).reshape(weight.sizes()).contiguous();
+    gw = sum.to(acc).reshape(weight.sizes()).contiguous();
   }
   if (params[1]) {
     const at::Tensor b = at::where(keep, kept_b, at::zeros({}, kept_b.options()));
-    gb = b.t().mv(factor.to(kept_b.scalar_type())).to(weight.scalar_type());
+    gb = b.t().mv(factor.to(kept_b.scalar_type())).to(acc);
   }
   add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true);
   return {gw, gb};
@@ -362,9 +421,10 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
   check_grads_args(grad_out, x, weight, noise_key, noise_std, "linear_clipped_grads");
   auto [gs, xs] = scaled_inputs(grad_out, x, factor);
   const at::Tensor g2 = gs.reshape({-1, weight.size(0)}), x2 = xs.reshape({-1, weight.size(1)});
-  at::Tensor gw = weight.new_empty({0}), gb = weight.new_empty({0});
+  const at::TensorOptions out = weight.options().dtype(acc_dtype(weight));
+  at::Tensor gw = at::empty({0}, out), gb = gw;
   if (params[0]) {
-    gw = at::empty_like(weight, at::MemoryFormat::Contiguous);
+    gw = at::empty(weight.sizes(), out);
     if (noise_std > 0.0) {  // the noise first, the GEMM accumulates into it: one buffer
       philox_noise_(gw, noise_key[0], noise_key[1], noise_std, false);
       gw.addmm_(g2.t(), x2);
@@ -384,14 +444,15 @@ Pair conv2d_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
                           const c10::optional<at::Tensor>& kept_b) {
   if (has_kept(kept_w)) return kept_release(*kept_w, *kept_b, factor, weight, params, noise_key, noise_std);
   check_grads_args(grad_out, x, weight, noise_key, noise_std, "conv2d_clipped_grads");
-  at::Tensor gw = weight.new_empty({0}), gb = weight.new_empty({0});
+  const at::TensorOptions out = weight.options().dtype(acc_dtype(weight));
+  at::Tensor gw = at::empty({0}, out), gb = gw;
   if (x.size(0) == 0) {
-    if (params[0]) gw = at::zeros_like(weight, at::MemoryFormat::Contiguous);
-    if (params[1]) gb = at::zeros({weight.size(0)}, weight.options());
+    if (params[0]) gw = at::zeros(weight.sizes(), out);
+    if (params[1]) gb = at::zeros({weight.size(0)}, out);
   } else if (params[0] || params[1]) {
     auto [gs, xs] = scaled_inputs(grad_out, x, factor);
     const std::vector<int64_t> bias_sizes{weight.size(0)};
-    auto grads = at::convolution_backward(gs, xs, weight,
+    auto grads = at::convolution_backward(gs, xs, weight.to(gs.scalar_type()),
                                           params[1] ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt, stride,
                                           padding, dilation, false, {0, 0}, groups, {false, params[0], params[1]});
     if (params[0]) gw = std::get<1>(grads).contiguous();

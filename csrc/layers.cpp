@@ -69,6 +69,13 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, cons
 // training. Recomputing costs one elementwise pass in the backward.
 at::Tensor reclip(const at::Tensor& x, const at::Tensor& factor) { return scale_rows(x, factor); }
 
+// fp16/bf16 weight and bias gradients are summed over the batch, and noised, in fp32, and rounded
+// to the parameter dtype once, after the noise: a sum rounded to fp16 before the noise would move
+// by up to half an ulp of |sum| per entry, a rounding that depends on every example (so one
+// example could move the release by more than Delta). The clipped values are exact in fp32.
+bool low_precision(const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
+at::Tensor widened(const at::Tensor& t) { return low_precision(t) ? t.to(at::kFloat) : t; }
+
 Triple linear_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       at::Tensor& nonfinite, double input_bound, c10::string_view clip_fn, double gamma) {
   check_layer_inputs(x, weight, bias, "linear_forward");
@@ -90,18 +97,21 @@ Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   const at::Tensor x2 = x_clipped.reshape({-1, in_f});
 
   // The noise goes in first and the GEMM accumulates into it: one buffer, no extra pass.
-  at::Tensor gw = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  const at::Tensor g2w = widened(g2), x2w = widened(x2);
+  at::Tensor gw = at::empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
   if (a.noise_std > 0.0) {
     philox_noise_(gw, a.seed, a.offset, a.noise_std, false);
-    gw.addmm_(g2.t(), x2);
+    gw.addmm_(g2w.t(), x2w);
   } else {
-    at::mm_out(gw, g2.t(), x2);
+    at::mm_out(gw, g2w.t(), x2w);
   }
   at::Tensor gb = weight.new_empty({0});
   if (a.has_bias) {
-    gb = g2.sum(0);
+    gb = g2w.sum(0);
     if (a.noise_std > 0.0) philox_noise_(gb, a.seed, a.offset + 1, a.noise_std, true);
+    gb = gb.to(weight.scalar_type());
   }
+  gw = gw.to(weight.scalar_type());
   at::Tensor gx = x_clipped.new_empty({0});
   if (a.input_grad) {
     const at::Tensor gxc = at::mm(g2, weight).reshape(x_clipped.sizes());
@@ -136,10 +146,18 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
     if (a.input_grad) gx_c = at::zeros_like(x_clipped);
   } else {
     const std::vector<int64_t> bias_sizes{weight.size(0)};
-    auto grads = at::convolution_backward(gc, x_clipped, weight,
-                                          a.has_bias ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt, stride,
-                                          padding, dilation, false, {0, 0}, groups, {a.input_grad, true, a.has_bias});
-    gx_c = std::get<0>(grads);
+    const auto bias = a.has_bias ? c10::OptionalIntArrayRef(bias_sizes) : c10::nullopt;
+    // fp16/bf16: the input gradient in the data dtype, the parameters' in fp32 (see widened).
+    const bool wide = low_precision(weight);
+    auto grads = at::convolution_backward(wide ? widened(gc) : gc, wide ? widened(x_clipped) : x_clipped,
+                                          wide ? widened(weight) : weight, bias, stride, padding, dilation, false,
+                                          {0, 0}, groups, {a.input_grad && !wide, true, a.has_bias});
+    if (wide && a.input_grad) {
+      gx_c = std::get<0>(at::convolution_backward(gc, x_clipped, weight, c10::nullopt, stride, padding, dilation,
+                                                  false, {0, 0}, groups, {true, false, false}));
+    } else {
+      gx_c = std::get<0>(grads);
+    }
     gw = std::get<1>(grads).contiguous();
     gb = std::get<2>(grads);
   }
@@ -149,6 +167,8 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
     philox_noise_(gw, a.seed, a.offset, a.noise_std, true);
     if (a.has_bias) philox_noise_(gb, a.seed, a.offset + 1, a.noise_std, true);
   }
+  gw = gw.to(weight.scalar_type());
+  if (a.has_bias) gb = gb.to(weight.scalar_type());
   if (!a.has_bias) gb = weight.new_empty({0});
   at::Tensor gx = x_clipped.new_empty({0});
   if (a.input_grad) gx = clip_rows_backward(gx_c, x_clipped, x_factor, x_norm, a.input_bound, a.clip_fn);

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from bpclip_fast import exact
 from bpclip_fast import nn as bnn
 
 OPS = torch.ops.bpclip_fast
@@ -145,7 +146,8 @@ def test_norms_cover_only_the_parameters_that_train(case, params):
     torch.testing.assert_close(sq, sq_norms(per_example(layer, x, g)), rtol=1e-12, atol=0)
 
 
-RZ_UNIT = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+# the release scales c·g toward zero in fp32 for every data dtype (csrc/exact.cpp)
+RZ_UNIT = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -23, torch.bfloat16: 2.0 ** -23}
 
 
 def spread(layer, x, g):
@@ -374,7 +376,10 @@ def exact_sq(t):
 def test_one_examples_release_is_within_the_bound_exactly_from_stored_values(dtype, mode, clip_fn):
     """B = 1 through a biased Linear on 2-D input: the bias gradient is the stored RZ(c·g) itself, so
     the contribution ‖RZ(c g) x^T‖² + ‖RZ(c g)‖² is computed exactly (fractions) from what the layer
-    stored, on rows scaled so that the bound falls between representable norms."""
+    stored, on rows scaled so that the bound falls between representable norms. fp16/bf16 layers
+    release the fp32 sum plus the noise rounded once to their dtype (post-processing of the noised
+    value, csrc/exact.cpp): there the fp32 values the op returns before that rounding are checked,
+    and the stored gradient must be exactly them rounded to nearest."""
     gen = torch.Generator().manual_seed(11)
     for trial in range(12):
         lin = nn.Linear(5, 4, dtype=dtype)
@@ -389,5 +394,13 @@ def test_one_examples_release_is_within_the_bound_exactly_from_stored_values(dty
         bnn.convert_model(model, clipping=mode, max_grad_norm=c, clip_fn=clip_fn, gamma=GAMMA)
         model(x).backward(g)
         gb = model[0].bias.grad
+        if dtype != torch.float32:
+            _, bound, _, _ = OPS.linear_grad_norms(g, x, [True, True], "auto", 1 << 20, False)
+            factor = exact.factors(bound, c, clip_fn, GAMMA, torch.zeros(1, dtype=torch.long), dtype)
+            gw32, gb32 = OPS.linear_clipped_grads(g, x, factor, lin.weight.detach(), [True, True], [0, 0], 0.0,
+                                                  None, None)
+            assert gb32.dtype == torch.float32
+            assert torch.equal(gb, gb32.to(dtype)) and torch.equal(model[0].weight.grad, gw32.to(dtype))
+            gb = gb32
         contribution = exact_sq(gb) * (exact_sq(x) + 1)
         assert contribution <= target, f"trial {trial}: {math.sqrt(contribution)!r} > {c!r}"  # one layer: C_l = C
