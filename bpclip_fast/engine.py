@@ -701,11 +701,10 @@ class PrivacyEngine:
             persistent_workers=dl.persistent_workers, prefetch_factor=dl.prefetch_factor)
 
     def _prepare_distributed(self, module):
-        """Wraps the model in DDP if the user did not (our counters are per process: not broadcast)."""
+        """Wraps the model in DDP if the user did not (our counters are per process and not buffers:
+        DDP never broadcasts them)."""
         ddp = _ddp_class()
         if self.distributed and not isinstance(module, ddp):
-            ddp._set_params_and_buffers_to_ignore_for_model(
-                module, [f"{name}._nonfinite" for name, _ in bnn.clipped_layers(module)])
             module = ddp(module)
         return module
 

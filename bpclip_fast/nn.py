@@ -111,10 +111,10 @@ class _Clipped:
         self.clip_fn = clip_fn
         self.gamma = _check_positive(gamma, "gamma", kind)
         self.noise_multiplier = 0.0
-        # [inputs, upstream gradients] found non-finite since the last check_finite; non-persistent
-        # so that state_dicts load both ways with torch's own layers.
-        self.register_buffer("_nonfinite", torch.zeros(2, dtype=torch.int64, device=self.weight.device),
-                             persistent=False)
+        # [inputs, upstream gradients] found non-finite since the last check_finite: how many sampled
+        # examples were dropped, a membership oracle. A plain attribute, not a buffer (state_dict,
+        # named_buffers, DDP and EMA copies never see it), moved by _apply and zeroed in a copy.
+        self._nonfinite = torch.zeros(2, dtype=torch.int64, device=self.weight.device)
         self._bp_name = None
         self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
@@ -162,10 +162,19 @@ class _Clipped:
 
     def __getstate__(self):
         # A pickled or deep-copied layer leaves its step behind: the step holds the secret noise key,
-        # hooks and weak references. The copy is a bare clipped layer.
+        # hooks and weak references. The copy is a bare clipped layer, and its non-finite counter is
+        # zero: the live one counts the dropped examples of the data (the engine's
+        # nonfinite_counts() still reads it).
         state = self.__dict__.copy()
         state["_step"] = None
+        state["_nonfinite"] = torch.zeros_like(self._nonfinite)
         return state
+
+    def _apply(self, fn, recurse=True):
+        # The counter follows the layer across devices, as a buffer would.
+        out = super()._apply(fn, recurse)
+        self._nonfinite = fn(self._nonfinite)
+        return out
 
     def _check_input(self, x: torch.Tensor) -> None:
         name = self.layer_name
