@@ -53,24 +53,21 @@ def saved_forms(mode: str, dtype: str, bad) -> dict:
             records = sorted((n, z.read(n)) for n in z.namelist() if not n.endswith("serialization_id"))
         return hashlib.sha256(repr(records).encode()).hexdigest()
 
+    class Digest(pickle.Pickler):
+        """pickle.dumps with each tensor replaced by its exact contents (a pickled tensor embeds a
+        torch.save of its storage, with a fresh serialization id)."""
+
+        def persistent_id(self, o):
+            if isinstance(o, torch.Tensor):
+                t = o.detach().cpu().contiguous().reshape(-1)
+                return ("tensor", type(o).__name__, str(o.dtype), tuple(o.shape), t.view(torch.uint8).numpy().tobytes())
+            return None
+
     def pickled(obj) -> str:
+        buf = io.BytesIO()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns that tensor hooks are not pickled
-            return torch_save_free_pickle(obj)
-
-    def torch_save_free_pickle(obj) -> str:
-        # pickle.dumps of a tensor embeds a torch.save of its storage (with a fresh serialization id):
-        # tensors are replaced by their exact contents instead.
-        class Digest(pickle.Pickler):
-            def persistent_id(self, o):
-                if isinstance(o, torch.Tensor):
-                    t = o.detach().cpu().contiguous().reshape(-1)
-                    return ("tensor", type(o).__name__, str(o.dtype), tuple(o.shape),
-                            t.view(torch.uint8).numpy().tobytes())
-                return None
-
-        buf = io.BytesIO()
-        Digest(buf, protocol=4).dump(obj)
+            Digest(buf, protocol=4).dump(obj)
         return hashlib.sha256(buf.getvalue()).hexdigest()
 
     torch.set_num_threads(1)
