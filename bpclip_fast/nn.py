@@ -145,6 +145,8 @@ class _Clipped:
     def _check_bounds_version(self, version: int) -> None:
         """Refuses a backward whose forward ran before the bounds last changed."""
         if version != self._bounds_version:
+            if self._step is not None:  # a step was taken since the forward: the budget may be spent
+                self._step.check_budget("a backward")
             details = (f"{self.layer_name}: this backward's forward ran before the clipping thresholds were adapted "
                        "at the last step, so its noise is scaled to the old bounds")
             if self._step is not None:
@@ -227,9 +229,11 @@ class _Clipped:
         when noise is to be drawn, since the std would then follow the batch's shape."""
         if self.exact:
             return self.noise_bound
+        training = torch.is_grad_enabled()
+        if training and self._step is not None:  # before the shape is looked at: its refusal is charged
+            self._step.check_budget("a training forward")
         shape = tuple(x.shape)
         sens = self.sensitivity_for(shape)
-        training = torch.is_grad_enabled()
         if self._max_shape is not None:
             fixed = self.sensitivity_for((1, *self._max_shape))
             if training and sens > fixed * (1 + 1e-12):
