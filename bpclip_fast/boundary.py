@@ -169,6 +169,7 @@ class LayerStep:
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
+        self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
 
     # ------------------------------------------------------------------ parameters and hooks
     @property
@@ -209,6 +210,7 @@ class LayerStep:
             except RuntimeError:  # torch refuses the question inside autograd.grad(): a capture
                 lands = False
             if not lands:
+                self.check_budget("torch.autograd.grad of a private parameter")
                 self.refuse("captured", f"torch.autograd.grad asked for {self._param_name(i)}'s gradient")
                 from_step = "a private parameter's gradient requested from torch.autograd.grad"
                 raise StepRefused("captured", from_step, [self.name], charged=False)
@@ -403,6 +405,12 @@ class LayerStep:
         for i, g in enumerate(grads):
             if g is not None:
                 self._produced[i] = _record(g)
+
+    def check_budget(self, what: str) -> None:
+        """Before anything that may end in a charged refusal: the engine's budget must cover the charge
+        (else ``PrivacyBudgetError``, not charged; engine ``_budget_covers``)."""
+        if self.budget is not None:
+            self.budget(f"{what} ({self.name})")
 
     def refuse(self, rule: str, details: str) -> None:
         """A refusal found inside a forward (the input is larger than the fixed Δ allows)."""

@@ -317,6 +317,9 @@ class DPDataLoader(DataLoader):
                          worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                          persistent_workers=persistent_workers and num_workers > 0, **kwargs)
         self.counter = batch_sampler.counter
+        # Called with t before batch t is handed over; may refuse it (the engine's budget: an uncharged
+        # PrivacyBudgetError, a function of public counters). A refused batch is skipped, as a prefetched one.
+        self.before_delivery = None
         # torch's iterator -> the sampler pass it reads. With persistent workers every ``iter(loader)``
         # resets the one shared torch iterator onto a new pass, so the pass is looked up per batch.
         self._pass_of = weakref.WeakKeyDictionary()
@@ -347,6 +350,8 @@ class DPDataLoader(DataLoader):
                 raise RuntimeError("DPDataLoader: a batch arrived from a loader iterator that failed or was reset; "
                                    "start a new loop over the loader")
             t, rows = current.produced.popleft()
+            if self.before_delivery is not None:
+                self.before_delivery(t)
             self.counter.delivered += 1
             self.counter.last_rows = rows
             self.counter.last_t = t

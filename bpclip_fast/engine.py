@@ -102,7 +102,12 @@ refuses (``PrivacyBudgetError``) if it exceeds ``max_epsilon``: that step's grad
 nothing is updated, no noise is released; every allowed step, the last included, is taken (with
 PLD's discretised ε, possibly one step early, never late). The
 number of steps left is found once by bisection on the accountant (``Accountant.max_steps``: ε
-grows with the number of steps) and cached while (σ, q, max_epsilon, δ) do not change.
+grows with the number of steps) and cached while (σ, q, max_epsilon, δ) do not change. Charged
+refusals spend the budget too, so a charged event may only happen where the budget covers its
+charge (``_budget_covers``): the private loader does not hand over a batch the budget cannot
+charge with those drawn since the last step, and every training forward, backward pass and step
+checks the budget before anything whose refusal is charged. Those ``PrivacyBudgetError`` refusals
+depend only on the public accountant and batch counters, and are not charged.
 
 Checkpoints
 -----------
@@ -602,6 +607,7 @@ class PrivacyEngine:
             st.after_backward = recorder
             st.batch_rows = self._last_rows
             st.on_new_pass = self._check_new_pass
+            st.budget = self._require_budget
             layer._step = st
             self._steps_of.append(st)
         inner.register_forward_pre_hook(_OutsideCheck(self))
@@ -719,18 +725,19 @@ class PrivacyEngine:
         self.steps_per_epoch = plan.steps_per_epoch
         self.poisson_sampling = plan.poisson
         dl = data_loader
-        return data.DPDataLoader(
+        loader = data.DPDataLoader(
             dl.dataset, plan.sampler(sampler_seed, self.rank, self._counter), collate_fn=dl.collate_fn,
             num_workers=dl.num_workers, pin_memory=dl.pin_memory, timeout=dl.timeout,
             worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context,
             persistent_workers=dl.persistent_workers, prefetch_factor=dl.prefetch_factor)
+        loader.before_delivery = self._before_delivery
+        return loader
 
     def _prepare_distributed(self, module):
-        """Wraps the model in DDP if the user did not (our counters are per process: not broadcast)."""
+        """Wraps the model in DDP if the user did not (our counters are per process and not buffers:
+        DDP never broadcasts them)."""
         ddp = _ddp_class()
         if self.distributed and not isinstance(module, ddp):
-            ddp._set_params_and_buffers_to_ignore_for_model(
-                module, [f"{name}._nonfinite" for name, _ in bnn.clipped_layers(module)])
             module = ddp(module)
         return module
 
@@ -851,16 +858,57 @@ class PrivacyEngine:
         return float(self.accountant.get_epsilon(delta))
 
     def _steps_left(self) -> int:
-        """How many more steps keep ε ≤ max_epsilon (the accountant's bisection, cached)."""
-        key = (self.effective_noise_multiplier, self._accounting_rate, self.max_epsilon, self.delta)
+        """How many more steps keep ε ≤ max_epsilon (the accountant's bisection, cached; asked at every
+        training forward, so the key is what σ_eff is computed from, not σ_eff itself)."""
+        key = (self._noise_multiplier, len(self._layers), self._accounting_rate, self.max_epsilon, self.delta)
         base = len(self.accountant)
         cache = self._budget_cache
         if cache is not None and cache[0] == key and cache[1] <= base <= cache[1] + cache[2]:
             return cache[2] - (base - cache[1])
-        left = self.accountant.max_steps(self.max_epsilon, self.delta, noise_multiplier=key[0],
-                                         sample_rate=key[1])
+        left = self.accountant.max_steps(self.max_epsilon, self.delta, noise_multiplier=self.effective_noise_multiplier,
+                                         sample_rate=self._accounting_rate)
         self._budget_cache = (key, base, left)
         return left
+
+    def _drawn(self) -> int:
+        """Batches the private loader delivered since the last step (or refusal)."""
+        return self._counter.delivered - self._delivered_at_step
+
+    def _budget_need(self, next_t=None) -> int:
+        """The accountant steps a charged refusal now would add (with ``next_t``: after batch
+        ``next_t`` is delivered too); at least one, since no step is begun that the budget cannot
+        hold. Poisson: one per batch drawn since the last step (``_refuse``); shuffled: the
+        accountant goes to length ``t + 1`` for the last batch ``t`` (``_charge``), which may be
+        ahead of it after skipped batches."""
+        drawn, t = self._drawn(), self._counter.last_t
+        if next_t is not None:
+            drawn, t = drawn + 1, next_t
+        if self.poisson_sampling:
+            return max(1, drawn)
+        return max(1, (0 if t is None else t + 1) - len(self.accountant))
+
+    def _budget_covers(self, next_t=None) -> bool:
+        """Whether ``max_epsilon`` covers ``_budget_need(next_t)``. A charged event may only happen
+        where the budget covers its charge, so this is asked before anything whose refusal is
+        charged, and a ``False`` is refused uncharged: it depends only on the public accountant and
+        batch counters."""
+        return self.max_epsilon is None or self._steps_left() >= self._budget_need(next_t)
+
+    def _require_budget(self, what: str, next_t=None) -> None:
+        """Raises ``PrivacyBudgetError`` (not charged) unless ``_budget_covers(next_t)``."""
+        if self._budget_covers(next_t):
+            return
+        raise _accounting().PrivacyBudgetError(
+            f"{what} refused: {self._budget_need(next_t)} more step(s) could be charged for it, and after "
+            f"{self._steps_left()} more ε would exceed max_epsilon={self.max_epsilon:g} at δ={self.delta:g} (spent "
+            f"so far: ε={self.get_epsilon(self.delta):.4g} over {self.steps} steps; {self._drawn()} batch(es) drawn "
+            "since the last step, each charged if refused). Nothing the budget cannot cover is computed: take "
+            "one optimizer.step() per batch drawn, or stop training")
+
+    def _before_delivery(self, t: int) -> None:
+        """The private loader's gate: batch ``t`` is handed to the loop only if the budget covers it
+        with the batches drawn since the last step (a second batch drawn is charged, per batch)."""
+        self._require_budget("the private data loader's next batch", next_t=t)
 
     # ------------------------------------------------------------------ set-up helpers
     def _set_noise_seed(self, seed: int) -> None:
@@ -948,24 +996,25 @@ class PrivacyEngine:
         return self._counter.last_rows
 
     def _check_new_pass(self):
-        """Before a backward pass adds to the step: no trainable parameter outside the clipped layers,
-        at most one batch drawn since the last step (a loop that never calls the private step(), or
-        draws a second batch, stops here, charged), and budget left (after the budget, a backward
-        would only make gradients nothing may release). Once per backward pass, not per layer."""
+        """Before a backward pass adds to the step: budget left for the charge of any refusal in the
+        pass (first; after the budget, a backward would only make gradients nothing may release), no
+        trainable parameter outside the clipped layers, at most one batch drawn since the last step
+        (a loop that never calls the private step(), or draws a second batch, stops here, charged).
+        Once per backward pass, not per layer."""
         task = torch._C._current_graph_task_id()
         if task == self._checked_task:
             return
         self._checked_task = task
-        self._check_outside(in_backward=True)
-        if self.max_epsilon is not None and self._steps_left() < 1:
+        if not self._budget_covers():  # first: everything below may be charged
             self._discard(self.optimizer.original_optimizer)
             raise _accounting().PrivacyBudgetError(
                 f"backward refused: any further step would exceed max_epsilon={self.max_epsilon:g} at "
                 f"δ={self.delta:g}; the budget is spent, so no gradient of private data is computed any more")
-        drawn = self._counter.delivered - self._delivered_at_step
+        self._check_outside(in_backward=True)
+        drawn = self._drawn()
         if drawn > 1:
             self._refuse([("batches", f"{drawn} batches were drawn from the private loader since the last step "
-                           "and a backward pass was run", [])], batches=drawn)
+                           "and a backward pass was run", [])])
 
     def _outside_params(self):
         """``(name, parameter)`` of the private model that no clipped layer of this engine owns, as the
@@ -986,6 +1035,7 @@ class PrivacyEngine:
         if bad:
             for _, p in outside:
                 p.grad = None
+            self._require_budget("the forward of the private model")
             self._refuse([("unclipped-param", f"{', '.join(bad)} is trainable but not a clipped layer of this "
                            "engine (unfrozen, added or replaced after make_private)", bad)])
 
@@ -1016,10 +1066,12 @@ class PrivacyEngine:
         self._delivered_at_step = self._counter.delivered
         self._arm()
 
-    def _refuse(self, problems, charged=True, batches=1):
-        """Discards the step's gradients, charges it (see ``bpclip_fast.boundary``) and raises."""
+    def _refuse(self, problems, charged=True):
+        """Discards the step's gradients, charges it (see ``bpclip_fast.boundary``) and raises. Every
+        batch drawn since the last step may have been used, so each is charged (shuffled: _charge
+        follows t). Callers have checked that the budget covers it (``_budget_covers``)."""
         if charged:
-            for _ in range(batches if self.poisson_sampling else 1):  # shuffled: _charge follows t
+            for _ in range(max(1, self._drawn()) if self.poisson_sampling else 1):
                 self._charge()
         self._discard(self.optimizer.original_optimizer)
         rule = problems[0][0]
@@ -1031,10 +1083,17 @@ class PrivacyEngine:
         self._refuse([(rule, details, names)])
 
     def _step(self, optimizer):
-        delivered = self._counter.delivered - self._delivered_at_step
+        delivered = self._drawn()
+        if not self._budget_covers():  # before anything charged (the loader's gate keeps delivered within it)
+            eps_now = self.get_epsilon(self.delta)
+            self._discard(optimizer)
+            raise _accounting().PrivacyBudgetError(
+                f"DPOptimizer.step() refused: after this step ε would exceed max_epsilon={self.max_epsilon:g} at "
+                f"δ={self.delta:g} (spent so far: ε={eps_now:.4g} over {self.steps} steps). The gradients of this "
+                "step were discarded and nothing was updated.")
         if delivered > 1:  # the batches were drawn and may have been used: charged, one step each
             self._refuse([("batches", f"{delivered} batches were drawn from the private data loader since the "
-                           "last step", [])], batches=delivered)
+                           "last step", [])])
         if delivered != 1:
             self._discard(optimizer)
             raise RuntimeError(
@@ -1044,13 +1103,6 @@ class PrivacyEngine:
                 "loss(model(x_mb)).backward()) and step once; for a larger batch raise the loader's batch_size. "
                 "The gradients of this step were discarded (this refusal depends only on the loop, not on the "
                 "data, and is not charged).")
-        if self.max_epsilon is not None and self._steps_left() < 1:
-            eps_now = self.get_epsilon(self.delta)
-            self._discard(optimizer)
-            raise _accounting().PrivacyBudgetError(
-                f"DPOptimizer.step() refused: after this step ε would exceed max_epsilon={self.max_epsilon:g} at "
-                f"δ={self.delta:g} (spent so far: ε={eps_now:.4g} over {self.steps} steps). The gradients of this "
-                "step were discarded and nothing was updated.")
         problems, pending = self._verify(optimizer)
         if problems:
             self._refuse(problems)

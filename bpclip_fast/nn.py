@@ -111,10 +111,10 @@ class _Clipped:
         self.clip_fn = clip_fn
         self.gamma = _check_positive(gamma, "gamma", kind)
         self.noise_multiplier = 0.0
-        # [inputs, upstream gradients] found non-finite since the last check_finite; non-persistent
-        # so that state_dicts load both ways with torch's own layers.
-        self.register_buffer("_nonfinite", torch.zeros(2, dtype=torch.int64, device=self.weight.device),
-                             persistent=False)
+        # [inputs, upstream gradients] found non-finite since the last check_finite: how many sampled
+        # examples were dropped, a membership oracle. A plain attribute, not a buffer (state_dict,
+        # named_buffers, DDP and EMA copies never see it), moved by _apply and zeroed in a copy.
+        self._nonfinite = torch.zeros(2, dtype=torch.int64, device=self.weight.device)
         self._bp_name = None
         self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
@@ -145,6 +145,8 @@ class _Clipped:
     def _check_bounds_version(self, version: int) -> None:
         """Refuses a backward whose forward ran before the bounds last changed."""
         if version != self._bounds_version:
+            if self._step is not None:  # a step was taken since the forward: the budget may be spent
+                self._step.check_budget("a backward")
             details = (f"{self.layer_name}: this backward's forward ran before the clipping thresholds were adapted "
                        "at the last step, so its noise is scaled to the old bounds")
             if self._step is not None:
@@ -162,10 +164,19 @@ class _Clipped:
 
     def __getstate__(self):
         # A pickled or deep-copied layer leaves its step behind: the step holds the secret noise key,
-        # hooks and weak references. The copy is a bare clipped layer.
+        # hooks and weak references. The copy is a bare clipped layer, and its non-finite counter is
+        # zero: the live one counts the dropped examples of the data (the engine's
+        # nonfinite_counts() still reads it).
         state = self.__dict__.copy()
         state["_step"] = None
+        state["_nonfinite"] = torch.zeros_like(self._nonfinite)
         return state
+
+    def _apply(self, fn, recurse=True):
+        # The counter follows the layer across devices, as a buffer would.
+        out = super()._apply(fn, recurse)
+        self._nonfinite = fn(self._nonfinite)
+        return out
 
     def _check_input(self, x: torch.Tensor) -> None:
         name = self.layer_name
@@ -218,9 +229,11 @@ class _Clipped:
         when noise is to be drawn, since the std would then follow the batch's shape."""
         if self.exact:
             return self.noise_bound
+        training = torch.is_grad_enabled()
+        if training and self._step is not None:  # before the shape is looked at: its refusal is charged
+            self._step.check_budget("a training forward")
         shape = tuple(x.shape)
         sens = self.sensitivity_for(shape)
-        training = torch.is_grad_enabled()
         if self._max_shape is not None:
             fixed = self.sensitivity_for((1, *self._max_shape))
             if training and sens > fixed * (1 + 1e-12):

@@ -723,8 +723,8 @@ def test_charged_refusals_grow_the_accountant_and_the_older_refusals_do_not():
 
     # The budget refusal is not charged either.
     engine, model, opt, loader = private(mlp(), X, Y, max_epsilon=1e-3, delta=DELTA)
-    x, y = next(iter(loader))
-    with pytest.raises(PrivacyBudgetError):  # the new code refuses at the backward already
+    with pytest.raises(PrivacyBudgetError):  # the new code refuses at the loader (or the backward) already
+        x, y = next(iter(loader))
         F.cross_entropy(model(x), y).backward()
         opt.step()
     assert len(engine.accountant) == 0
