@@ -747,8 +747,8 @@ class PrivacyEngine:
         self._taken_here = 0  # steps taken since make_private or the last load_state_dict
         self._checked_task = None  # the backward pass _check_new_pass last ran in
         self._delivered_at_step = 0
-        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
-        self.delta = None if delta is None else float(delta)
+        self._max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self._delta = None if delta is None else float(delta)
         self._budget_cache = None
 
     def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon: float,
@@ -834,6 +834,28 @@ class PrivacyEngine:
     def steps(self, value):
         raise AttributeError("PrivacyEngine.steps is kept by the engine (it keys each step's noise draws); it "
                              "changes only by step() and load_state_dict")
+
+    # The budget is what the loader's and the step's gates keep ε under: lowering it between a batch
+    # drawn and its step would leave batches the budget no longer covers, charged or not.
+    @property
+    def max_epsilon(self):
+        """The ε budget of ``make_private`` (None: no budget); fixed for the engine's life."""
+        return self._max_epsilon
+
+    @max_epsilon.setter
+    def max_epsilon(self, value):
+        raise AttributeError("PrivacyEngine.max_epsilon is fixed at make_private: the private loader and step() "
+                             "keep every charge within it; make a fresh make_private set-up for another budget")
+
+    @property
+    def delta(self):
+        """The δ at which ``max_epsilon`` is measured; fixed for the engine's life."""
+        return self._delta
+
+    @delta.setter
+    def delta(self, value):
+        raise AttributeError("PrivacyEngine.delta is fixed at make_private (the budget max_epsilon is measured at "
+                             "it); make a fresh make_private set-up for another δ")
 
     @property
     def clipped_layers(self) -> list:
@@ -1297,7 +1319,12 @@ class PrivacyEngine:
             sampler_seed = int(state["shuffle_seed"])
         if not (steps >= 0 and 0 <= delivered <= claimed and 0 <= noise_seed < 2 ** 63):
             raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's counters or seeds are out of range")
-        type(self.accountant)(**self._accountant_kwargs).load_state_dict(state["accountant_state"])  # parses
+        loaded = type(self.accountant)(**self._accountant_kwargs)
+        loaded.load_state_dict(state["accountant_state"])  # parses
+        if self.max_epsilon is not None and len(loaded) and loaded.get_epsilon(self.delta) > self.max_epsilon:
+            raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint has already spent "
+                             f"ε={loaded.get_epsilon(self.delta):.4g} at δ={self.delta:g}, more than this engine's "
+                             f"max_epsilon={self.max_epsilon:g}; it cannot be continued within that budget")
         if secrets_ is not None:
             warnings.warn("PrivacyEngine.load_state_dict: the state holds the noise seed (include_secrets=True); "
                           "the resumed run is reproducible and insecure", InsecureSeedWarning, stacklevel=2)

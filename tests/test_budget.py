@@ -180,3 +180,33 @@ def test_shuffled_batches_skipped_by_prefetching_are_charged_within_the_budget()
     exc = attempt(engine, max_eps, loop, "a step on batch 5 with one step of budget left")
     assert isinstance(exc, PrivacyBudgetError), repr(exc)
     assert len(engine.accountant) == 3
+
+
+def test_budget_and_delta_cannot_be_reassigned():
+    """Lowering ``max_epsilon`` (or moving ``delta``) after batches were drawn would leave batches the
+    budget no longer covers: both are fixed at make_private, as σ is."""
+    X, Y = data()
+    engine, model, opt, loader, max_eps = one_step_left(mlp(), X, Y, layers=2)
+    with pytest.raises(AttributeError, match="max_epsilon is fixed"):
+        engine.max_epsilon = max_eps / 2
+    with pytest.raises(AttributeError, match="delta is fixed"):
+        engine.delta = DELTA / 10
+    assert (engine.max_epsilon, engine.delta) == (max_eps, DELTA)
+
+
+def test_a_checkpoint_beyond_the_budget_is_refused_on_load():
+    """A checkpoint that has spent more than the engine's max_epsilon cannot be continued within it: the
+    load is refused before anything is assigned (ε would exceed the budget at once)."""
+    X, Y = data()
+    engine, model, opt, loader, max_eps = one_step_left(mlp(), X, Y, layers=2)
+    legit_step(model, opt, loader, None)  # the last step the budget allows
+    state = opt.state_dict()
+    spent = engine.get_epsilon(DELTA)
+    assert spent <= max_eps
+    fresh, model2, opt2, loader2 = private(mlp(), X, Y, max_epsilon=spent / 2, delta=DELTA)[0:4]
+    with pytest.raises(ValueError, match="already spent"):
+        opt2.load_state_dict(state)
+    assert fresh.get_epsilon(DELTA) == 0.0 and fresh.steps == 0
+    same, model3, opt3, loader3 = private(mlp(), X, Y, max_epsilon=max_eps, delta=DELTA)[0:4]
+    opt3.load_state_dict(state)  # within the budget: accepted
+    assert same.get_epsilon(DELTA) == pytest.approx(spent, rel=0, abs=0)
