@@ -261,10 +261,7 @@ class DPOptimizer(torch.optim.Optimizer):
                            "trained without clipping or noise); build the optimizer with all of them first")
 
     def __getstate__(self):
-        return self.__dict__
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
+        raise TypeError(_NO_PICKLE.format("DPOptimizer"))
 
     def __repr__(self):
         return f"DPOptimizer({self.original_optimizer!r})"
@@ -299,6 +296,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.load_state_dict(privacy)
 
 
+# An engine holds the secret noise and sampling seeds and the live step records: a pickled or copied
+# engine (or an optimizer holding it) would carry the seed into a file, or continue the same draws.
+_NO_PICKLE = ("{} cannot be pickled or copied: it holds the secret noise seed and the live step state. "
+              "Save optimizer.state_dict() (it carries engine.state_dict(), never the seed) and load it into "
+              "a fresh make_private set-up")
+
+
 class PrivacyEngine:
     """Opacus-style entry point: ``make_private``, ``make_private_with_epsilon``, ``get_epsilon``.
 
@@ -314,6 +318,9 @@ class PrivacyEngine:
         self._accountant_kwargs = kwargs
         self._made_private = False
         self._sigma_effective = None  # set by make_private_with_epsilon for the make_private it calls
+
+    def __getstate__(self):
+        raise TypeError(_NO_PICKLE.format("PrivacyEngine"))
 
     # ------------------------------------------------------------------ validation
     @staticmethod

@@ -122,3 +122,28 @@ def test_the_saved_forms_are_deterministic():
     """The comparison above can fail only through the data: two identical runs give identical forms."""
     a, b = run_fresh("backprop", "float32", None), run_fresh("backprop", "float32", None)
     assert a["hashes"] == b["hashes"]
+
+
+@pytest.mark.parametrize("what", ["engine", "optimizer"])
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+def test_engine_and_optimizer_refuse_to_be_saved_whole(what, how):
+    """The engine (and the DPOptimizer, which holds it) carries the secret noise seed: pickled whole it
+    would put the seed in a file, and a copy would continue the same draws. Both refuse with a message
+    that names what to save instead; optimizer.state_dict() stays the way to checkpoint."""
+    import copy
+    import io
+    import pickle
+
+    import torch
+
+    from test_guarantee import data, legit_step, mlp, private
+
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)[0:4]
+    legit_step(model, opt, loader, None)
+    obj = engine if what == "engine" else opt
+    save = {"pickle": pickle.dumps, "deepcopy": copy.deepcopy, "torch.save": lambda o: torch.save(o, io.BytesIO())}
+    with pytest.raises(TypeError, match="secret noise seed.*optimizer.state_dict"):
+        save[how](obj)
+    privacy = opt.state_dict()["bpclip_fast_privacy_engine"]
+    assert "secrets" not in privacy and engine._seed not in privacy.values()
