@@ -396,7 +396,8 @@ class PrivacyEngine:
                           "norm_method": norm_method, "clip_fn": clip_fn, "gamma": gamma,
                           "loss_reduction": loss_reduction, "nonfinite": nonfinite, "max_input_shape": max_input_shape,
                           "adaptive": adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
-                          "max_epsilon": max_epsilon, "delta": delta},
+                          "max_epsilon": max_epsilon, "delta": delta,
+                          "clipped layers built by hand": _ranks.built_layers(inner)},
                          data_loader.dataset, plan.num_samples, self._collective_device(), what)
         shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping,
                                       criterion, loss_reduction, plan.batch_size)
