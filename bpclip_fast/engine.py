@@ -886,7 +886,14 @@ class PrivacyEngine:
             drawn, t = drawn + 1, next_t
         if self.poisson_sampling:
             return max(1, drawn)
-        return max(1, (0 if t is None else t + 1) - len(self.accountant))
+        return max(1, self._charged_batch(t) + 1 - len(self.accountant))
+
+    def _charged_batch(self, t=None) -> int:
+        """Shuffled batches: the batch a charge now is for, ``t`` (default the last delivered). Before
+        any was delivered (a refusal before the loop's first batch) it is the next to be claimed: its
+        epoch's charge, the same ρ whatever of the epoch is used."""
+        t = self._counter.last_t if t is None else t
+        return self._counter.claimed if t is None else t
 
     def _budget_covers(self, next_t=None) -> bool:
         """Whether ``max_epsilon`` covers ``_budget_need(next_t)``. A charged event may only happen
@@ -1055,7 +1062,7 @@ class PrivacyEngine:
         if self.poisson_sampling:
             self.accountant.step(**kw)
             return
-        for _ in range(self._counter.last_t + 1 - len(self.accountant)):
+        for _ in range(self._charged_batch() + 1 - len(self.accountant)):
             self.accountant.step(**kw)
 
     def _discard(self, optimizer):

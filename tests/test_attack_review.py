@@ -124,3 +124,36 @@ def test_ddp_ranks_with_hand_built_layers_of_other_bounds_are_refused(hand_built
                                         f"{[x['sensitivity'] for x in ranks]})")
         assert "clipped layers built by hand is rank 0:" in r["error"] and "same full dataset" in r["error"], r["error"]
     assert ranks[0]["error"] == ranks[1]["error"]
+
+
+# ---------------------------------------------------------------- budget: a charged refusal before the first batch
+
+
+def test_shuffled_refusal_before_the_first_batch_is_refused_and_charged():
+    """Shuffled batches (zCDP): a charged refusal (here a parameter unfrozen after make_private,
+    found by the model's forward) before the loop drew any batch crashed in the accountant's charge
+    (``None + 1``: no batch index yet) with a TypeError: not a StepRefused, nothing charged, nothing
+    discarded. It must be refused and charged like any other (one step, epoch 0's)."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import bpclip_fast
+    from bpclip_fast.engine import InsecureSeedWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+    engine = bpclip_fast.PrivacyEngine(accountant="zcdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureSeedWarning)
+        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=4),
+                                                 noise_multiplier=1.0, input_clip=1.0, grad_clip=1.0,
+                                                 poisson_sampling=False, noise_seed=1)
+    model[1].weight.requires_grad_(True)
+    with pytest.raises(bpclip_fast.StepRefused) as info:
+        model(torch.randn(2, 4))
+    assert info.value.rule == "unclipped-param" and info.value.charged
+    assert len(engine.accountant) == 1
+    assert model[1].weight.grad is None
