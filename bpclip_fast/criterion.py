@@ -24,6 +24,10 @@ alone (batches of one; Poisson batches of one occur, so the criterion must accep
 2. gradient: ``∂L(batch)/∂out_i = s·∂L(example i)/∂out_i`` for every example ``i`` and every
    output tensor with one row per example.
 
+Where the batch's value and gradients are finite, each example's alone must be too (a separable
+criterion's terms are the batch's): batch statistics (logits standardised over the batch, whose std
+over one row is NaN) would otherwise leave the comparison without a verdict and the loss accepted.
+
 At every point, (2) says that example ``i``'s output gradient is its own; across points, that it
 did not change when another example's output or target did. Both are evaluated in float64 where
 the criterion accepts it (an ``nn.Module`` criterion is copied and converted), else in the model's
@@ -175,9 +179,16 @@ def _point_problem(evaluation: _Evaluation, output, targets, batch: int, scale: 
         for k, g in enumerate(gs):
             single_grads[k].append(g)
     singles = torch.stack(singles)
-    values = [total, *singles.tolist(), *[float(g.abs().max()) for g in grads if g.numel()]]
+    values = [total, *[float(g.abs().max()) for g in grads if g.numel()]]
     if not all(math.isfinite(float(v)) for v in values):
         return None  # not finite on the probe batch: no verdict (module docstring)
+    alone = [*singles.tolist(), *[float(g.abs().max()) for gs in single_grads for g in gs if g.numel()]]
+    if not all(math.isfinite(float(v)) for v in alone):
+        # A separable criterion finite on the batch is finite on each of its terms: this one uses
+        # batch statistics (a std over one row is NaN) or cannot take the Poisson batches of one.
+        return (f"criterion{label}: finite on a probe batch of {batch} examples but not on an example alone "
+                f"(batch statistics, such as logits standardised over the batch?) {_RULE}; its value or output "
+                f"gradient depends on the other examples, and Poisson sampling draws batches of one; {_ADVICE}")
     u = math.sqrt(torch.finfo(evaluation.dtype).eps / 2)
     expect = scale * float(singles.sum())
     tol = u * (abs(float(total)) + scale * float(singles.abs().sum()))

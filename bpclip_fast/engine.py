@@ -403,7 +403,8 @@ class PrivacyEngine:
                           "norm_method": norm_method, "clip_fn": clip_fn, "gamma": gamma,
                           "loss_reduction": loss_reduction, "nonfinite": nonfinite, "max_input_shape": max_input_shape,
                           "adaptive": adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
-                          "max_epsilon": max_epsilon, "delta": delta},
+                          "max_epsilon": max_epsilon, "delta": delta,
+                          "clipped layers built by hand": _ranks.built_layers(inner)},
                          data_loader.dataset, plan.num_samples, self._collective_device(), what)
         shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping,
                                       criterion, loss_reduction, plan.batch_size)
@@ -914,7 +915,14 @@ class PrivacyEngine:
             drawn, t = drawn + 1, next_t
         if self.poisson_sampling:
             return max(1, drawn)
-        return max(1, (0 if t is None else t + 1) - len(self.accountant))
+        return max(1, self._charged_batch(t) + 1 - len(self.accountant))
+
+    def _charged_batch(self, t=None) -> int:
+        """Shuffled batches: the batch a charge now is for, ``t`` (default the last delivered). Before
+        any was delivered (a refusal before the loop's first batch) it is the next to be claimed: its
+        epoch's charge, the same ρ whatever of the epoch is used."""
+        t = self._counter.last_t if t is None else t
+        return self._counter.claimed if t is None else t
 
     def _budget_covers(self, next_t=None) -> bool:
         """Whether ``max_epsilon`` covers ``_budget_need(next_t)``. A charged event may only happen
@@ -1083,7 +1091,7 @@ class PrivacyEngine:
         if self.poisson_sampling:
             self.accountant.step(**kw)
             return
-        for _ in range(self._counter.last_t + 1 - len(self.accountant)):
+        for _ in range(self._charged_batch() + 1 - len(self.accountant)):
             self.accountant.step(**kw)
 
     def _discard(self, optimizer):

@@ -135,7 +135,22 @@ def fingerprint(dataset, n: int) -> list[float]:
 FIELDS = ("len(data_loader.dataset)", "data_loader.batch_size", "sample rate", "poisson_sampling",
           "noise_multiplier", "clipping", "input_clip", "grad_clip", "conv_norm", "max_grad_norm", "norm_method",
           "clip_fn", "gamma", "loss_reduction", "nonfinite", "max_input_shape", "adaptive", "accountant",
-          "max_epsilon", "delta")
+          "max_epsilon", "delta", "clipped layers built by hand")
+
+# What a clipped layer the user built keeps through make_private (convert_model leaves it as it is):
+# its bounds, and so its Δ. Only rank 0's layers draw noise, scaled to rank 0's Δ, so a rank whose
+# own layer clips to a larger bound (an edited constant, a per-rank config) is under-noised.
+_LAYER_SETTINGS = ("clipping", "input_clip", "grad_clip", "norm", "max_grad_norm", "clip_fn", "gamma",
+                   "norm_method", "max_input_shape")
+
+
+def built_layers(model) -> list:
+    """``[(name, type, settings)]`` of the clipped layers already in ``model`` (the engine's field
+    "clipped layers built by hand")."""
+    from .nn import _Clipped
+
+    return [(name, type(m).__name__, tuple((a, getattr(m, a, None)) for a in _LAYER_SETTINGS))
+            for name, m in model.named_modules() if isinstance(m, _Clipped)]
 _SLOTS = 1 + len(FIELDS) + K  # [a rank failed before the check] + the fields' digests + the item prints
 
 
