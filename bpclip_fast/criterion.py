@@ -15,8 +15,11 @@ What the probe checks. ``criterion_problems`` calls the criterion as a training 
 ``criterion(model(x), *batch[1:])``, on a probe batch of ``B`` rows shaped like the loader's first
 batch (the loader's ``batch_size`` rows, at least 3, at most ``MAX_ROWS``): the model runs on a
 copy, without gradients, on seeded random inputs (integer tensors such as token indices kept, as
-in :mod:`bpclip_fast.validate`); floating-point targets are seeded random normals, integer targets
-(class labels) are kept. At this point and at two more — the first, then the last example's input
+in :mod:`bpclip_fast.validate`); floating-point targets are seeded random normals, and integer
+targets shaped like class labels of the first output (``[B, ...]`` = the output's shape without its
+last dimension) seeded random classes in ``[0, classes)``: the verdict then depends on no private
+value. Integer targets of any other shape are kept (the verdict may then depend on them: a
+diagnostic of ``make_private``, not covered by ε). At this point and at two more — the first, then the last example's input
 and target changed — it compares the criterion on the batch with the criterion on each example
 alone (batches of one; Poisson batches of one occur, so the criterion must accept them):
 
@@ -41,7 +44,8 @@ What it cannot see (the loop's responsibility, README "What a training loop may 
 step"): a loss coupled only at values the three probe points do not reach (a branch on the batch
 size above ``MAX_ROWS`` rows, a top-k with ``k`` at least the probe's rows, a tie-break, labels the
 first batch's rows lack: a class weight of a class absent from the probe rows), a criterion whose
-values are not finite on the probe batch (no verdict), a criterion that draws random numbers, and
+values are not finite on the probe batch (no verdict), a criterion that draws random numbers, an
+``ignore_index`` or other special label value (random classes never take it), and
 above all a loss the loop computes without the criterion it passed — the engine never sees the
 loss of a step. Nothing is re-checked at run time: a check of the actual batch would need ``B``
 extra evaluations and a device sync per step, its verdict would depend on the private values, and
@@ -85,6 +89,24 @@ def _rows_of(obj, rows: torch.Tensor, seed: int):
         return _v._random_like(t.shape, t, generator) if t.is_floating_point() else t
 
     return _v._map_tensors(obj, take)
+
+
+def _random_classes(targets, output, seed: int):
+    """``targets`` with every integer tensor shaped like class labels of ``output``'s first
+    floating-point tensor (its shape without the last, class dimension) replaced by seeded random
+    classes: the labels of the loader's first batch are private, and the probe's verdict must not
+    depend on them. Other integer tensors are returned as they are."""
+    logits = next((t for t in _v._tensors(output) if t.is_floating_point() and t.dim() >= 2), None)
+    if logits is None:
+        return targets
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() or t.dtype == torch.bool or tuple(t.shape) != tuple(logits.shape[:-1]):
+            return t
+        return torch.randint(0, logits.shape[-1], tuple(t.shape), generator=generator).to(t.device, t.dtype)
+
+    return _v._map_tensors(targets, draw)
 
 
 def _change_row(obj, row: int, seed: int):
@@ -234,8 +256,9 @@ def criterion_problems(model: nn.Module, first_batch, criterion, loss_reduction:
         _v._seed(_v._cuda_devices(work))
         try:
             probe_input = _rows_of(example_input, index, _v._SEED)
-            probe_targets = _rows_of(targets, index, _v._SEED + 101)
-            points = [(_outputs(work, probe_input), probe_targets, "")]
+            base_output = _outputs(work, probe_input)
+            probe_targets = _random_classes(_rows_of(targets, index, _v._SEED + 101), base_output, _v._SEED + 151)
+            points = [(base_output, probe_targets, "")]
             for row in (0, batch - 1):
                 changed_input = _change_row(probe_input, row, _v._SEED + 1 + row)
                 points.append((_outputs(work, changed_input), _change_row(probe_targets, row, _v._SEED + 201 + row),

@@ -143,7 +143,6 @@ def test_a_class_weighted_mean_is_refused():
     ``test_guarantee.py::test_extra_loss_with_a_data_dependent_normaliser_keeps_the_bound``, closed when
     the loss is given as the criterion)."""
     X, _, Y = dataset()
-    assert len(set(Y.tolist())) > 1  # the probe keeps the labels: several classes, several weights
     weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 25.0]))
     with pytest.raises(ValueError, match=r"not the mean of its values on each example alone.*coupled loss"):
         make_private(X, Y, loss_reduction="mean", criterion=weighted)
@@ -215,3 +214,22 @@ def test_the_probe_leaves_the_model_and_the_random_state_as_they_were():
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and model.training
+
+
+@pytest.mark.parametrize("loss_reduction, make_criterion", [
+    ("mean", lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 1.0, 25.0]))),
+    ("mean", lambda: nn.CrossEntropyLoss()),
+    ("sum", lambda: top_k(reduction="sum")),
+])
+def test_the_verdict_does_not_depend_on_the_first_batchs_labels(loss_reduction, make_criterion):
+    """The loader's labels are private: the probe draws its own classes, so two data sets that differ only
+    in their labels get the same verdict, message for message. (A class-weighted mean whose first batch
+    held only classes of weight 1 was accepted while the same data with another label was refused.)"""
+    from bpclip_fast.criterion import criterion_problems
+
+    X, _, _ = dataset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, K))
+    verdicts = [criterion_problems(model, (X, labels), make_criterion(), loss_reduction, rows=N)
+                for labels in (torch.zeros(N, dtype=torch.long), torch.full((N,), 2), torch.arange(N) % K)]
+    assert verdicts[0] == verdicts[1] == verdicts[2]
