@@ -153,6 +153,13 @@ class _CountedSampler(Sampler):
     def __len__(self):
         return self.steps_per_epoch
 
+    def __getstate__(self):
+        # The seed names every batch's members: pickled, it would tell a file's reader which examples
+        # each step used (the loader's workers never need the sampler, which stays in this process).
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it holds the secret sampling seed, "
+                        "which says which examples each step used. Checkpoint with optimizer.state_dict() "
+                        "(it holds the batch counters, never the seed) and resume into a fresh make_private set-up")
+
     def __iter__(self):
         """One pass of ``len(self)`` batches; each claims its ``t`` when the pass produces it."""
         it = _Pass(self)

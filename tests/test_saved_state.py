@@ -124,11 +124,12 @@ def test_the_saved_forms_are_deterministic():
     assert a["hashes"] == b["hashes"]
 
 
-@pytest.mark.parametrize("what", ["engine", "optimizer"])
+@pytest.mark.parametrize("what", ["engine", "optimizer", "sampler"])
 @pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
 def test_engine_and_optimizer_refuse_to_be_saved_whole(what, how):
     """The engine (and the DPOptimizer, which holds it) carries the secret noise seed: pickled whole it
-    would put the seed in a file, and a copy would continue the same draws. Both refuse with a message
+    would put the seed in a file, and a copy would continue the same draws; the private loader's
+    sampler carries the sampling seed (which examples each step used). Both refuse with a message
     that names what to save instead; optimizer.state_dict() stays the way to checkpoint."""
     import copy
     import io
@@ -141,9 +142,9 @@ def test_engine_and_optimizer_refuse_to_be_saved_whole(what, how):
     X, Y = data()
     engine, model, opt, loader = private(mlp(), X, Y)[0:4]
     legit_step(model, opt, loader, None)
-    obj = engine if what == "engine" else opt
+    obj = {"engine": engine, "optimizer": opt, "sampler": loader.batch_sampler}[what]
     save = {"pickle": pickle.dumps, "deepcopy": copy.deepcopy, "torch.save": lambda o: torch.save(o, io.BytesIO())}
-    with pytest.raises(TypeError, match="secret noise seed.*optimizer.state_dict"):
+    with pytest.raises(TypeError, match="secret (noise|sampling) seed.*optimizer.state_dict"):
         save[how](obj)
     privacy = opt.state_dict()["bpclip_fast_privacy_engine"]
     assert "secrets" not in privacy and engine._seed not in privacy.values()
