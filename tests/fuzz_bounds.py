@@ -1,0 +1,687 @@
+"""The machinery of the per-example bound fuzzer (tests/test_bound_fuzz.py, issue 24) and of its
+regression tests (tests/test_fuzz_regressions.py): how a drawn case is built, and what is checked.
+
+A :class:`Case` is one clipped layer of a registered type (bpclip_fast/registry.py) in one mode,
+dtype, clip function and norm method, with a batch laid out in memory in some way and filled with
+(possibly adversarial) values, and an upstream gradient ``g`` fed straight into the layer's
+backward (so any vector, however adversarial, can reach it; no loss is needed). :func:`check`
+runs it and asserts, for every example ``i``:
+
+1. **bound** — its contribution, measured two ways, is at most the bound the noise is scaled to
+   (``C`` under flat/per_layer, the layer's ``Δ`` under backprop):
+
+   * *stored*: ``C̃_i``, the float64 truth of what the release holds of example ``i`` — the clipped
+     values as the kernels store them (``clip_rows``/``scale_rows`` output, the kept per-example
+     gradients, the rounded per-example gradients of the instantiating layers) and the factors
+     the layer takes (from its own norm bound), multiplied out in float64. This is the quantity
+     the proofs in csrc/exact.cpp, bpclip_fast/exact.py and bpclip_fast/nn.py bound, so it is held
+     to the bound with only float64's own evaluation error as slack;
+   * *removal*: ``R(D) − R(D∖{i})``, the layer run (noise off) on the batch and on the batch
+     without ``i``, both releases read in float64: the quantity the accountant assumes. It is held
+     to the bound plus the rounding of the two releases (:func:`release_error`).
+
+2. **truth** — the release ``R(D)`` equals ``Σ_i c_i G_i``, with ``G_i`` example ``i``'s exact
+   gradient (float64 ``torch.func`` on batches of one, of the data as stored in the dtype) and
+   ``c_i = f(‖G_i‖; C)`` (exact_oracle.clip_factor; backprop: the float64 reference clipping of
+   ``x`` and ``g``), within a tolerance derived term by term from the dtype and the computation:
+   the layer's norm bound may exceed the norm by its proved margin (asserted separately:
+   :func:`norm_margin`), the release rounds ``c·g`` toward zero to the dtype, and accumulates in
+   ``u_acc`` (float32 for the half types). Nothing is tuned to what happened to pass.
+
+Also asserted on the way: the reconstruction ``Σ_i C̃_i`` equals the layer's release within its
+rounding (so the stored values are the ones the release used), and the layer's norm bound lies in
+``[‖G_i‖, ‖G_i‖ + margin]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bpclip_fast import _ops, exact, modules, registry
+from bpclip_fast import nn as bnn
+from bpclip_fast import reference as ref
+
+import exact_oracle as eo
+from test_exact import per_example, spread
+
+F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+DTYPES = (F64, F32, BF16, F16)
+# Unit roundoff of round-to-nearest, and the relative error of rounding toward zero (scale_rows).
+UNIT = {F64: 2.0 ** -53, F32: 2.0 ** -24, BF16: 2.0 ** -8, F16: 2.0 ** -11}
+RZ = {F64: 2.0 ** -52, F32: 2.0 ** -23, BF16: 2.0 ** -7, F16: 2.0 ** -10}
+V = UNIT[F64]
+
+KINDS = ("linear", "conv", "layer_norm", "group_norm", "embedding", "positional", "class_token")
+TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm,
+              "embedding": nn.Embedding, "positional": modules.PositionalEmbedding,
+              "class_token": modules.ClassToken}
+LAYOUTS = ("contiguous", "channels_last", "permuted", "transposed", "expanded", "broadcast", "strided")
+VALUES = ("normal", "scaled", "huge", "tiny", "subnormal", "spike", "zero", "cancel", "offset")
+
+
+def acc_unit(dtype) -> float:
+    """The unit roundoff the kernels accumulate in: float64 for float64 data, float32 otherwise
+    (torch's CPU GEMMs, sums and normalisations of the half types run in float32)."""
+    return V if dtype == F64 else UNIT[F32]
+
+
+def gamma(k: float, u: float) -> float:
+    """γ_k(u) = k·u/(1 − k·u), the bound on the relative error of k roundings (Higham)."""
+    k = max(float(k), 1.0)
+    if k * u >= 0.5:
+        return math.inf
+    return k * u / (1.0 - k * u)
+
+
+@dataclass
+class Case:
+    """One drawn case. ``geometry``: the layer's constructor arguments; ``shape``: the input's
+    shape without the batch dim; ``values_x``/``values_g``: one value kind per example."""
+
+    kind: str
+    mode: str
+    dtype: torch.dtype
+    clip_fn: str
+    bias: bool
+    geometry: dict
+    shape: tuple
+    batch: int
+    layout: str = "contiguous"
+    layout_g: str = "contiguous"
+    values_x: tuple = ()
+    values_g: tuple = ()
+    seed: int = 0
+    norm_method: str = "auto"
+    conv_norm: str = "l15"
+    bound: float = 1.0            # C (exact modes); C_x = C_g = bound under backprop
+    gamma: float = 0.01
+    log: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ building
+
+
+def plain_layer(case: Case) -> nn.Module:
+    """The torch layer, with parameters drawn from the case's seed (not torch's 1/0 affine init),
+    already rounded to the case's dtype: its float64 copy is the truth's layer."""
+    g = case.geometry
+    k = case.kind
+    if k == "linear":
+        layer = nn.Linear(g["fin"], g["fout"], bias=case.bias, dtype=F64)
+    elif k == "conv":
+        layer = nn.Conv2d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
+                          dilation=g["dilation"], groups=g["groups"], bias=case.bias, dtype=F64)
+    elif k == "layer_norm":
+        layer = nn.LayerNorm(g["normalized"], bias=case.bias, dtype=F64)
+    elif k == "group_norm":
+        layer = nn.GroupNorm(g["groups"], g["channels"], dtype=F64)
+    elif k == "embedding":
+        layer = nn.Embedding(g["vocab"], g["dim"], padding_idx=g["padding_idx"], dtype=F64)
+    elif k == "positional":
+        layer = modules.PositionalEmbedding(*case.shape, dtype=F64)
+    else:
+        layer = modules.ClassToken(g["dim"], g["tokens"], dtype=F64)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64))
+    return layer.to(case.dtype)
+
+
+def converted(case: Case, layer: nn.Module) -> nn.Sequential:
+    """A one-layer model converted to the case's mode (noise off: never armed)."""
+    model = nn.Sequential(copy.deepcopy(layer))
+    if case.mode == "backprop":
+        bnn.convert_model(model, clipping="backprop", input_clip=case.bound, grad_clip=case.bound,
+                          norm=case.conv_norm, clip_fn=case.clip_fn, gamma=case.gamma)
+    else:
+        bnn.convert_model(model, clipping=case.mode, max_grad_norm=case.bound, clip_fn=case.clip_fn,
+                          gamma=case.gamma, norm_method=case.norm_method)
+    return model
+
+
+def _magnitudes(dtype):
+    """(huge, tiny, subnormal) entry magnitudes for ``dtype``: huge keeps every per-example sum of
+    products finite in the float32 accumulation (so no example is dropped as non-finite, which
+    would test the non-finite path instead of the bound); tiny is near the smallest normal."""
+    info = torch.finfo(dtype)
+    huge = min(info.max / 64, 1e15)
+    return huge, info.tiny * 4, info.tiny / 8
+
+
+def _values(kind: str, shape, dtype, gen, other=False):
+    """One example's values of ``kind`` (float64, to be rounded to ``dtype``). ``cancel``: along the
+    flattened positions, pairs (v, −2v) for the upstream gradient and (u, u/2) for the input, so
+    that their products cancel exactly in the weight gradient (g_1 x_1ᵀ + g_2 x_2ᵀ = 0)."""
+    huge, tiny, sub = _magnitudes(dtype)
+    z = torch.randn(shape, generator=gen, dtype=F64)
+    if kind == "normal":
+        return z
+    if kind == "scaled":  # up to 1e6 where the dtype holds it (fp16's largest value is 65504)
+        top = 3 if dtype == F16 else 6
+        return z * 10.0 ** float(torch.randint(-6, top + 1, (1,), generator=gen))
+    if kind == "huge":
+        return z * huge
+    if kind == "tiny":
+        return z * tiny
+    if kind == "subnormal":
+        return z * sub
+    if kind == "spike":
+        out = z * 1e-3
+        out.reshape(-1)[int(torch.randint(out.numel(), (1,), generator=gen))] = 1e3
+        return out
+    if kind == "zero":
+        return torch.zeros(shape, dtype=F64)
+    if kind == "offset":  # a large mean and a small spread: the normalisations' cancellation
+        return 30.0 + z * 0.5
+    # cancel: the last dim holds the features; pair up the positions before it
+    scale = 10.0 ** float(torch.randint(-3, 4, (1,), generator=gen))
+    if len(shape) >= 3:  # [C, H, W]: positions are H·W, features the channels
+        flat = z.reshape(shape[0], -1).clone()
+        base = flat[:, :1] * scale
+        for t in range(flat.shape[1]):
+            flat[:, t:t + 1] = base * ((-2.0 if not other else 0.5) if t % 2 else 1.0)
+        return flat.reshape(shape)
+    flat = z.reshape(-1, shape[-1]).clone()
+    base = flat[:1] * scale
+    for t in range(flat.shape[0]):
+        flat[t:t + 1] = base * ((-2.0 if not other else 0.5) if t % 2 else 1.0)
+    return flat.reshape(shape)
+
+
+def lay_out(t: torch.Tensor, layout: str, seed: int) -> torch.Tensor:
+    """``t`` (values unchanged) in memory layout ``layout``. ``expanded`` and ``broadcast`` need
+    values that are constant along the expanded dim (:func:`make_uniform`)."""
+    if layout == "channels_last" and t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout in ("permuted", "channels_last") and t.dim() >= 2:
+        gen = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(t.dim(), generator=gen).tolist()
+        if perm == list(range(t.dim())):
+            perm = perm[::-1]
+        inverse = [perm.index(i) for i in range(t.dim())]
+        return t.permute(perm).contiguous().permute(inverse)
+    if layout == "transposed" and t.dim() >= 2:
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "expanded" and t.shape[0] > 0:
+        return t[:1].expand(t.shape)
+    if layout == "broadcast" and t.dim() >= 2:
+        return t.narrow(-1, 0, 1).expand(t.shape)
+    if layout == "strided" and t.dim() >= 2:
+        big = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)
+        big[..., ::2] = t
+        return big[..., ::2]
+    return t.contiguous()
+
+
+def make_uniform(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The values ``lay_out(·, layout)`` can hold: equal examples for ``expanded``, a constant last
+    dim for ``broadcast``."""
+    if layout == "expanded" and t.shape[0] > 0:
+        return t[:1].expand(t.shape).clone()
+    if layout == "broadcast" and t.dim() >= 2:
+        return t.narrow(-1, 0, 1).expand(t.shape).clone()
+    return t
+
+
+def inputs(case: Case, layer: nn.Module):
+    """(x values, g values) as float64 tensors already rounded to the dtype (x: indices for an
+    embedding), before any layout."""
+    gen = torch.Generator().manual_seed(case.seed)
+    b = case.batch
+    if case.kind == "embedding":
+        vocab = case.geometry["vocab"]
+        x = torch.randint(0, vocab, (b, *case.shape), generator=gen)
+        if case.values_x and case.values_x[0] == "cancel":  # one token throughout (repeats)
+            x[:] = x.reshape(b, -1)[:, :1].reshape(b, *([1] * len(case.shape)))
+        x = make_uniform(x, case.layout)
+    else:
+        x = torch.stack([_values(k, case.shape, case.dtype, gen, other=True) for k in case.values_x]) if b else \
+            torch.zeros((0, *case.shape), dtype=F64)
+        x = x.to(case.dtype).double()
+        x = make_uniform(x, case.layout)
+    with torch.no_grad():
+        plain = copy.deepcopy(layer).double()
+        probe = x if case.kind == "embedding" else x[:1].clone() if b else torch.zeros((1, *case.shape), dtype=F64)
+        out_shape = plain(probe if case.kind != "embedding" else (probe[:1] if b else
+                                                                     torch.zeros((1, *case.shape), dtype=torch.long)))
+    g = torch.stack([_values(k, tuple(out_shape.shape[1:]), case.dtype, gen) for k in case.values_g]) if b else \
+        torch.zeros((0, *out_shape.shape[1:]), dtype=F64)
+    g = make_uniform(g.to(case.dtype).double(), case.layout_g)
+    return x, g
+
+
+def laid_out(case: Case, x: torch.Tensor, g: torch.Tensor):
+    """x and g in the case's dtype and layouts (x: the input the layer gets)."""
+    xd = x if case.kind == "embedding" else x.to(case.dtype)
+    return lay_out(xd, case.layout, case.seed), lay_out(g.to(case.dtype), case.layout_g, case.seed + 7)
+
+
+def release(model: nn.Sequential, case: Case, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The layer's noise-free release on the batch (x, g) given as float64 values, laid out as the
+    case says: ``[∇W, ∇b]`` flattened, read in float64."""
+    xl, gl = laid_out(case, x, g)
+    model.zero_grad(set_to_none=True)
+    model(xl).backward(gl)
+    layer = model[0]
+    parts = [layer.weight.grad] + ([layer.bias.grad] if getattr(layer, "bias", None) is not None else [])
+    for p in parts:
+        assert p is not None and p.dtype == case.dtype, case
+    return torch.cat([p.double().reshape(-1) for p in parts])
+
+
+def truth_grads(case: Case, layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each example's exact gradient of ``<layer(x_i), g_i>`` in float64 (torch.func), ``[B, P]``."""
+    plain = copy.deepcopy(layer).double()
+    grads = per_example(plain, x, g)
+    names = ["weight"] + (["bias"] if "bias" in grads else [])
+    return torch.cat([grads[n].reshape(x.shape[0], -1) for n in names], dim=1)
+
+
+# ------------------------------------------------------------------------------ the layer's own values
+
+
+@dataclass
+class Stored:
+    """What the release holds of each example, in float64: ``contrib`` ``[B, P]`` (``C̃_i``);
+    ``terms`` ``[B]``, the Frobenius norm of the sum of the absolute values of the products that
+    make up ``C̃_i`` (what the release's accumulation errs relative to: the spread
+    ``Σ_t ‖g̃_t‖‖[x̃_t; 1]‖`` of the clipped values for a GEMM over positions, ``‖C̃_i‖`` for a sum of
+    formed per-example gradients); ``factor`` ``[B]`` (backprop: ``[B, 2]``, input and gradient);
+    the layer's norm ``bound`` ``[B]`` (exact modes); ``gs`` the instantiating layers' stored
+    per-example gradient at factor 1; ``kept``: the release sums kept per-example gradients."""
+
+    contrib: torch.Tensor
+    terms: torch.Tensor
+    factor: torch.Tensor
+    bound: torch.Tensor | None = None
+    gs: torch.Tensor | None = None
+    kept: bool = False
+
+
+def _geometry(layer):
+    if isinstance(layer, nn.Conv2d):
+        return [list(layer.stride), list(layer._explicit_padding), list(layer.dilation), layer.groups]
+    return None
+
+
+def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor, gl: torch.Tensor) -> Stored:
+    """The layer's clipped values for the batch (xl, gl) as laid out, through the same ops its
+    backward runs (clip_rows/scale_rows, the norm ops, exact.factors), multiplied out in float64."""
+    layer = model[0]
+    plain64 = copy.deepcopy(plain).double()
+    b = xl.shape[0]
+    scratch = torch.zeros(1, dtype=torch.int64)
+    if case.mode == "backprop":
+        xs, fx, _ = _ops.clip_rows(xl, scratch, case.bound, "l2", case.clip_fn, case.gamma)
+        norm = case.conv_norm if case.kind == "conv" else "l2"
+        gs, fg, _ = _ops.clip_rows(gl, scratch, case.bound, norm, case.clip_fn, case.gamma)
+        contrib = truth_grads(case, plain, xs.double(), gs.double())
+        return Stored(contrib, spread(plain64, xs.double(), gs.double()), torch.stack([fx, fg], 1).double())
+    mask = [True, layer.bias is not None]
+    if case.kind in ("linear", "conv"):
+        bound, kept = exact._norms(layer, xl, gl.contiguous(), _geometry(layer), mask)
+        factor = exact.factors(bound, case.bound, case.clip_fn, case.gamma, scratch, case.dtype)
+        if kept is not None:
+            kw, kb = kept
+            parts = [kw.double()] + ([kb.double()] if mask[1] else [])
+            c = factor.double().unsqueeze(1)
+            contrib = torch.cat([c * t.reshape(b, -1) for t in parts], 1)
+            return Stored(contrib, contrib.norm(dim=1), factor.double(), bound, kept=True)
+        gs = _ops.scale_rows(gl.contiguous(), factor)
+        xs = _ops.scale_rows(xl, (factor > 0).to(factor.dtype))
+        contrib = truth_grads(case, plain, xs.double(), gs.double())
+        return Stored(contrib, spread(plain64, xs.double(), gs.double()), factor.double(), bound)
+    # The instantiating layers: their per-example gradients as the backward builds them.
+    w, bias = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
+    _, saved = layer._forward(xl, w, bias, True)
+    examples = layer._examples(saved, gl.contiguous(), mask)
+    bound = examples.bound(mask)
+    factor = exact.factors(bound, case.bound, case.clip_fn, case.gamma, scratch, case.dtype)
+    if isinstance(examples, exact.RowExamples):
+        dense = torch.zeros(b, layer.num_embeddings, examples.rows.shape[1], dtype=F64)
+        dense.index_put_((examples.example, examples.index), examples.rows.double(), accumulate=True)
+        scaled = torch.zeros_like(dense)
+        scaled.index_put_((examples.example, examples.index),
+                          _ops.scale_rows(examples.rows, factor[examples.example]).double(), accumulate=True)
+        gs, contrib = dense.reshape(b, -1), scaled.reshape(b, -1)
+    else:
+        parts = [t for t, m in zip((examples.gw, examples.gb), mask) if m and t is not None]
+        gs = torch.cat([t.reshape(b, -1).double() for t in parts], 1)
+        contrib = torch.cat([_ops.scale_rows(t.reshape(b, -1), factor).double() for t in parts], 1)
+    return Stored(contrib, contrib.norm(dim=1), factor.double(), bound, gs=gs)
+
+
+# ------------------------------------------------------------------------------ tolerances
+
+
+def positions(case: Case, plain: nn.Module, x: torch.Tensor) -> int:
+    """T, the most products one parameter entry sums per example (its positions)."""
+    if case.kind == "linear":
+        return max(1, math.prod(case.shape[:-1]))
+    if case.kind == "conv":
+        with torch.no_grad():
+            out = copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64))
+        return out.shape[-1] * out.shape[-2]
+    if case.kind == "layer_norm":
+        return max(1, math.prod(case.shape[:len(case.shape) - len(case.geometry["normalized"])]))
+    if case.kind == "group_norm":
+        return max(1, math.prod(case.shape[1:]))
+    if case.kind == "embedding":
+        return max(1, math.prod(case.shape))
+    return 1
+
+
+def release_error(case: Case, st: Stored, rows, T: int) -> float:
+    """A bound on ‖R(S) − Σ_{i∈S} C̃_i‖ for the layer's release R(S) of the examples ``rows``: each
+    coordinate sums at most N = |S|·T products (plus one for the factor) in u_acc, so errs by at most
+    γ_{N+2}(u_acc) times the sum of its absolute terms, whose Frobenius norm is at most Σ_i terms_i;
+    then one rounding to the dtype (u of the dtype, relative)."""
+    if not rows:
+        return 0.0
+    n = len(rows)
+    ua = acc_unit(case.dtype)
+    if st.kept or case.kind not in ("linear", "conv") and case.mode != "backprop":
+        count = n + 2  # a GEMV / index_add over the examples of already-formed per-example values
+    else:
+        count = n * T + 2
+    terms = float(st.terms[rows].sum())
+    exact_sum = float(st.contrib[rows].sum(0).norm())
+    relative = gamma(count, ua) * terms * (1 + UNIT[case.dtype]) + UNIT[case.dtype] * (exact_sum + gamma(count, ua) * terms)
+    # Below the normal range rounding is absolute: half a subnormal step of the dtype per rounding to
+    # the dtype (the output; torch's CPU convolution backward in a half type may round each example's
+    # partial sum to the dtype first, so |S| + 1 for Conv2d), and one step of the accumulation dtype
+    # per operation.
+    coords = st.contrib.shape[1]
+    to_dtype = n + 1 if case.kind == "conv" else 1
+    absolute = math.sqrt(coords) * (to_dtype * subnormal_step(case.dtype) / 2 + count * subnormal_step(
+        F64 if case.dtype == F64 else F32))
+    return relative + absolute
+
+
+def subnormal_step(dtype) -> float:
+    """The spacing of ``dtype``'s subnormal numbers (its smallest positive value)."""
+    info = torch.finfo(dtype)
+    return info.tiny * info.eps
+
+
+def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """How far a Linear/Conv2d norm bound may exceed the exact norm ``n``, from the proof in
+    csrc/exact.cpp (both methods at once): the computed ``sq ≤ (n + γ_T(u)P)² + eps·P²`` (instantiation;
+    ghost: ``eps = e1 + γ_{T²}(v)(1 + e1)``), times ``grow``, plus ``eps·P²`` and ``κ·P``
+    (``κ = γ_T(u) + γ_T(v) + r``); the layer's spread is at most ours inflated by ``2γ_{d+p+T+4}(u)``.
+    So ``bound ≤ √grow·(n + (γ_T(u) + √(2 eps))·P') + κ·P'``."""
+    u = acc_unit(case.dtype)
+    r = RZ[case.dtype]
+    e1 = (1 + gamma(d, u)) * (1 + gamma(p, u)) * (1 + u) - 1
+    eps = e1 + gamma(T * T, V) * (1 + e1)
+    kappa = gamma(T, u) + gamma(T, V) + r
+    grow = 1.0 / ((1 - u) * (1 - gamma(max(T * T, d * p) + p + 2, V)))
+    Pp = P * (1 + 2 * gamma(d + p + T + 4, u)) * (1 + 4 * V)
+    return (math.sqrt(grow) - 1) * n + (math.sqrt(grow) * (gamma(T, u) + math.sqrt(2 * eps)) + kappa) * Pp
+
+
+def dense_margin(terms: int, n: torch.Tensor) -> torch.Tensor:
+    """How far DenseExamples'/RowExamples' bound ``√(ŝ·grow)`` may exceed the stored norm: the double
+    sum of ``terms`` exact squares (γ_terms(v)), ``grow = 1 + (terms + 4)·2^-52`` and two roundings."""
+    return n * ((1 + gamma(terms, V)) * (1 + (terms + 4) * 2.0 ** -52) * (1 + V) ** 3 - 1)
+
+
+def normalisation_error(case: Case, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[B]``: a bound on ‖G_stored − G_true‖ for LayerNorm/GroupNorm's affine gradients, where the
+    layer computes x̂ = (x − μ)·rstd in u_acc (float32 for the half types) and rounds the
+    per-example gradients to the dtype. Per normalised set of k entries: |μ̂ − μ| ≤ γ_k·√m2,
+    |var̂ − var| ≤ γ_{2k+4}·m2 (m2 the mean square), so rstd errs relatively by at most
+    1/√(1 − q) − 1 + 3u with q = γ_{2k+4}·m2/(var + eps) (infinite for q ≥ 1/2: the set is too
+    ill-conditioned to compare with float64, and the bound checks alone apply); both statistics are
+    then rounded to the dtype (torch's CPU kernels return them in it); each x̂ entry then errs by
+    rstd·|μ̂ − μ| + |x̂|·(rstd's error) + 2u|x̂|, and Σ_t g_t x̂_t by Σ|g_t|·err_t + γ_T(u)Σ|g_t||x̂_t|."""
+    u = acc_unit(case.dtype)
+    b = x.shape[0]
+    if case.kind == "layer_norm":
+        k = math.prod(case.geometry["normalized"])
+        sets = x.reshape(b, -1, k)
+    else:
+        groups = case.geometry["groups"]
+        sets = x.reshape(b, groups, -1)
+        k = sets.shape[-1]
+    eps = 1e-5
+    mu = sets.mean(-1, keepdim=True)
+    var = sets.var(-1, unbiased=False, keepdim=True)
+    m2 = sets.square().mean(-1, keepdim=True)
+    rstd = (var + eps).rsqrt()
+    q = gamma(2 * k + 4, u) * m2 / (var + eps)
+    rel = torch.where(q < 0.5, (1 - q.clamp(max=0.5)).rsqrt() - 1 + 3 * u, torch.full_like(q, math.inf))
+    xhat = (sets - mu) * rstd
+    # torch's CPU native_layer_norm/native_group_norm return the statistics in the data's dtype: the
+    # mean and rstd the per-example gradients read are rounded once more, by the dtype's u
+    ud = UNIT[case.dtype]
+    rel = (1 + rel) * (1 + ud) - 1
+    acc = F64 if case.dtype == F64 else F32
+    dmu = (gamma(k, u) * m2.sqrt() * (1 + ud) + ud * mu.abs()
+           + (k + 2) * subnormal_step(acc) / 2 + subnormal_step(case.dtype) / 2)  # subnormal x: absolute
+    err = rstd * (1 + rel.nan_to_num(posinf=0.0)) * dmu + xhat.abs() * rel.nan_to_num(posinf=0.0) + 2 * u * xhat.abs()
+    err = torch.where(rel.isinf().expand_as(err), torch.full_like(err, math.inf), err)
+    err, xhat = err.reshape(x.shape), xhat.reshape(x.shape)
+    ga = g.abs()
+    if case.kind == "layer_norm":  # sums over the leading positions
+        dims = tuple(range(1, x.dim() - len(case.geometry["normalized"])))
+    else:  # sums over the spatial positions
+        dims = tuple(range(2, x.dim()))
+    T = max(1, math.prod(x.shape[d] for d in dims))
+
+    def over(t):  # (t.sum(()) would sum every dim)
+        return t.sum(dims) if dims else t
+
+    ew, acc_w, acc_b = over(ga * err), over(ga * xhat.abs()), over(ga)
+    ew = ew.reshape(b, -1).norm(dim=1) + gamma(T + 2, u) * acc_w.reshape(b, -1).norm(dim=1)
+    eb = gamma(T + 2, u) * acc_b.reshape(b, -1).norm(dim=1)
+    return ew + (eb if case.bias or case.kind == "group_norm" else 0)
+
+
+def example_error(case: Case, x: torch.Tensor, g: torch.Tensor, gtrue: torch.Tensor) -> torch.Tensor:
+    """``[B]``: a bound on ‖G_stored − G_true‖ for the instantiating layers: the computation's
+    error (:func:`normalisation_error`; an embedding row sums its positions' gradients in u_acc; the
+    added parameters' gradients are g itself), then one rounding to the dtype."""
+    b = x.shape[0]
+    # rounding to the dtype: relative, and below the normal range half a subnormal step per entry
+    # (and one step of the accumulation dtype per summed product)
+    T = positions(case, None, x) + 2
+    out_round = UNIT[case.dtype] * gtrue.norm(dim=1) + math.sqrt(gtrue.shape[1]) * (
+        subnormal_step(case.dtype) / 2 + T * subnormal_step(F64 if case.dtype == F64 else F32))
+    if case.kind in ("layer_norm", "group_norm"):
+        return normalisation_error(case, x, g) * (1 + UNIT[case.dtype]) + out_round
+    if case.kind == "embedding":
+        T = max(1, math.prod(case.shape))
+        gs = g.reshape(b, T, -1).norm(dim=2).sum(1)
+        return gamma(T + 1, acc_unit(case.dtype)) * gs * (1 + UNIT[case.dtype]) + out_round
+    return torch.zeros(b, dtype=F64)
+
+
+def factor_change(case: Case, bound: torch.Tensor, n: torch.Tensor, c: float) -> torch.Tensor:
+    """|f(bound) − f(n)|·n: how much taking the factor from the layer's bound instead of the exact
+    norm moves an example's clipped gradient (exact_oracle.clip_factor on both)."""
+    fb = eo.clip_factor(bound, c, case.clip_fn, case.gamma)
+    fn = eo.clip_factor(n, c, case.clip_fn, case.gamma)
+    return (fb - fn).abs() * n
+
+
+# ------------------------------------------------------------------------------ the check
+
+
+class BoundExceeded(AssertionError):
+    """An example's contribution above the bound the noise is scaled to (property 1)."""
+
+
+class TruthMismatch(AssertionError):
+    """The release off the float64 truth by more than the derived tolerance (property 2)."""
+
+
+def _bound_of(case: Case, model: nn.Sequential, xl: torch.Tensor) -> float:
+    layer = model[0]
+    if case.mode == "backprop":
+        return layer.sensitivity_for(tuple(xl.shape))
+    return layer.noise_bound
+
+
+def check(case: Case, removal: bool = True) -> dict:
+    """Runs the case and asserts properties 1 and 2 (module docstring). Returns the worst ratios."""
+    assert torch.get_float32_matmul_precision() == "highest", "the margins assume full fp32 GEMMs"
+    layer = plain_layer(case)
+    model = converted(case, layer)
+    x, g = inputs(case, layer)
+    xl, gl = laid_out(case, x, g)
+    bound = _bound_of(case, model, xl)
+    T = positions(case, layer, x)
+    full = release(model, case, x, g)
+    assert int(model[0]._nonfinite.sum()) == 0, f"finite data counted as non-finite: {case}"
+    st = stored(case, model, layer, xl, gl)
+    b = case.batch
+    out = {"stored": 0.0, "removal": 0.0, "truth": 0.0}
+
+    # 1a. what the release holds of each example, in float64: <= the bound (float64's own error only)
+    eval_err = gamma(T + 4, V) * st.terms
+    norms = st.contrib.norm(dim=1)
+    for i in range(b):
+        if norms[i] > bound + float(eval_err[i]) + 4 * V * bound:
+            raise BoundExceeded(f"example {i}: stored contribution {float(norms[i]):.9g} = "
+                                f"{float(norms[i]) / bound:.6g} x the bound {bound:.9g}\n{case}")
+    out["stored"] = float(norms.max() / bound) if b else 0.0
+
+    # the release is the sum of those values, within its own rounding (ties the two together)
+    rows = list(range(b))
+    tie = float((full - st.contrib.sum(0)).norm()) if b else float(full.norm())
+    assert tie <= release_error(case, st, rows, T) + 4 * V * float(full.norm()), \
+        f"release off the sum of the stored contributions by {tie:.3g} > {release_error(case, st, rows, T):.3g}\n{case}"
+
+    # 1b. removal through the layer
+    if removal:
+        for i in range(b):
+            keep = [j for j in rows if j != i]
+            part = release(model, case, x[keep], g[keep])
+            diff = float((full - part).norm())
+            tol = release_error(case, st, rows, T) + release_error(case, st, keep, T) + 4 * V * float(full.norm())
+            if diff > bound + tol:
+                raise BoundExceeded(f"example {i}: removal changes the release by {diff:.9g} = {diff / bound:.6g} x "
+                                    f"the bound {bound:.9g} (rounding allowance {tol:.3g})\n{case}")
+            out["removal"] = max(out["removal"], diff / bound)
+
+    # 2. the release against the float64 truth
+    if case.mode == "backprop":
+        xt = ref.clip_input(x, case.bound, case.clip_fn, case.gamma)
+        gt = ref.clip_upstream(g, case.bound, case.conv_norm if case.kind == "conv" else "l2", case.clip_fn,
+                               case.gamma)
+        gtrue = truth_grads(case, layer, xt, gt)
+        want = gtrue.sum(0)
+        # each stored clipped row is RZ(s·row) with s off the exact factor by the norm's rounding to
+        # float32, the factor's division and clip_rows' step down (<= 4 roundings of u_acc): relative
+        # error dx = (1 + r)(1 + 4 u_acc) − 1 per row; the bilinear gradient moves by (dx + dg + dx dg)·A,
+        # A <= the spread of the true clipped values. global: a row within that of its bound may go
+        # either way, moving the gradient by the whole example.
+        dx = (1 + RZ[case.dtype]) * (1 + 4 * acc_unit(case.dtype)) - 1
+        spread_t = spread(copy.deepcopy(layer).double(), xt, gt)
+        per = (2 * dx + dx * dx) * spread_t
+        # below the normal range RZ loses up to one subnormal step per entry, absolutely: a change δ of
+        # the clipped gradient moves G by <= Σ_t ‖δ_t‖‖[P_t(x̃); 1]‖ <= ‖δ‖_1 √(‖x̃‖² + 1) (a patch holds
+        # distinct entries), and a change δ of x̃ by <= Σ_t ‖g̃_t‖‖P_t(δ)‖ <= ‖g̃‖_1 ‖δ‖
+        step = subnormal_step(case.dtype)
+        b_ = x.shape[0]
+        xn = xt.reshape(b_, -1).norm(dim=1) * (1 + dx)
+        g1 = gt.reshape(b_, -1).abs().sum(1) * (1 + dx)
+        ng, nx = gt[0].numel(), xt[0].numel()
+        per = per + ng * step * (xn + math.sqrt(nx) * step + 1) + g1 * math.sqrt(nx) * step
+        if case.clip_fn == "global":
+            norm = case.conv_norm if case.kind == "conv" else "l2"
+            nx = ref.l2_norm(x)
+            ng = ref.l2_norm(g) if norm == "l2" else ref.l15_norm(g)
+            edge = ((nx - case.bound).abs() <= 4 * dx * case.bound) | ((ng - case.bound).abs() <= 4 * dx * case.bound)
+            per = per + edge.double() * (truth_grads(case, layer, x, g).norm(dim=1) + spread_t)
+        tol = release_error(case, st, rows, T) + float(per.sum())
+    else:
+        gtrue = truth_grads(case, layer, x, g)
+        n = gtrue.norm(dim=1)
+        c = eo.clip_factor(n, case.bound, case.clip_fn, case.gamma)
+        want = (c.unsqueeze(1) * gtrue).sum(0)
+        if case.kind in ("linear", "conv"):
+            P = spread(copy.deepcopy(layer).double(), x, g)
+            d, p = _dims(case)
+            margin = norm_margin(case, T, d, p, P, n)
+            # float64's own error in n; and underflow: each of the <= T² + dp products the norm sums
+            # loses at most (d + p + 2)·tiny of the accumulation dtype absolutely, relative to (P + T)²
+            tiny = torch.finfo(F64 if case.dtype == F64 else F32).tiny
+            low = n - gamma(T * T + d * p + 4, V) * P - math.sqrt((d + p + 2) * tiny) * (P + T)
+            assert (st.bound >= low).all(), f"norm bound {st.bound.tolist()} below the norm {n.tolist()}\n{case}"
+            assert (st.bound <= n + margin).all(), \
+                f"norm bound {st.bound.tolist()} above the norm {n.tolist()} + margin {margin.tolist()}\n{case}"
+            held = st.factor * (RZ[case.dtype] + gamma(T + 2, acc_unit(case.dtype)) + gamma(T + 2, V)) * P
+            # RZ(c·g) below the normal range loses up to one subnormal step per entry, absolutely:
+            # <= ‖δ‖_1 √(‖x‖² + 1) (a Linear row, a Conv2d patch holds distinct entries of x)
+            b_ = x.shape[0]
+            held = held + g[0].numel() * subnormal_step(case.dtype) * (x.reshape(b_, -1).norm(dim=1) + 1)
+            per = held + factor_change(case, st.bound, n, case.bound)
+        else:
+            delta = example_error(case, x, g, gtrue)
+            ns = st.gs.norm(dim=1)
+            gap = (st.gs - gtrue).norm(dim=1)
+            assert (gap <= delta + 4 * V * ns).all(), \
+                f"stored per-example gradients off the truth by {gap.tolist()} > {delta.tolist()}\n{case}"
+            # the squares the bound sums: an embedding's rows are summed over its positions
+            terms = case.geometry["dim"] * math.prod(case.shape) if case.kind == "embedding" else st.gs.shape[1]
+            assert (st.bound >= ns * (1 - 4 * V)).all() and (st.bound <= ns + dense_margin(terms, ns) + 1e-300).all(), \
+                f"norm bound {st.bound.tolist()} not within its margin of the stored norm {ns.tolist()}\n{case}"
+            # the factor from the stored norm's bound instead of the true norm (|ns − n| <= delta),
+            # the stored gradient's own error, and RZ(c·G) (relative r)
+            worst = torch.maximum(factor_change(case, st.bound, n, case.bound),
+                                  factor_change(case, (n + delta), n, case.bound))
+            worst = torch.maximum(worst, factor_change(case, (n - delta).clamp(min=0), n, case.bound))
+            per = st.factor * (delta + RZ[case.dtype] * ns) + worst + (st.factor - c).abs() * delta
+            per = torch.where(delta.isinf(), torch.full_like(per, math.inf), per)  # not comparable
+        tol = release_error(case, st, rows, T) + float(per.sum())
+    off = float((full - want).norm())
+    tol = tol + 8 * V * (float(want.norm()) + float(full.norm()))
+    if not off <= tol:
+        raise TruthMismatch(f"release off the float64 truth by {off:.6g} > derived tolerance {tol:.6g} "
+                            f"(|truth| {float(want.norm()):.6g})\n{case}")
+    out["truth"] = off / tol if tol > 0 else 0.0
+    return out
+
+
+def _dims(case: Case):
+    """(d, p): the input and output widths of one channel group's weight block."""
+    g = case.geometry
+    if case.kind == "linear":
+        return g["fin"], g["fout"]
+    kh, kw = g["kernel"]
+    return g["cin"] // g["groups"] * kh * kw, g["cout"] // g["groups"]
+
+
+def registered_kinds() -> set:
+    """The registry's torch layer types, as this module's kinds (a new type must be given a builder)."""
+    return {k for k, t in TORCH_TYPE.items() if registry.layer_type(_instance(t)) is not None}
+
+
+def _instance(t):
+    return {nn.Linear: lambda: nn.Linear(1, 1), nn.Conv2d: lambda: nn.Conv2d(1, 1, 1),
+            nn.LayerNorm: lambda: nn.LayerNorm(1), nn.GroupNorm: lambda: nn.GroupNorm(1, 1),
+            nn.Embedding: lambda: nn.Embedding(1, 1), modules.PositionalEmbedding: lambda: modules.PositionalEmbedding(1),
+            modules.ClassToken: lambda: modules.ClassToken(1)}[t]()
+
+
+def modes_of(kind: str) -> tuple:
+    return registry.layer_type(_instance(TORCH_TYPE[kind])).modes
+
+
+def largest_spread(case: Case) -> float:
+    """The largest per-example spread ``Σ_t ‖g_t‖‖[x_t; 1]‖`` of the case's data (an upper bound on
+    every per-example gradient entry and norm): what decides whether float32 squares overflow."""
+    layer = plain_layer(case)
+    x, g = inputs(case, layer)
+    if not case.batch or case.kind not in ("linear", "conv"):
+        return 0.0
+    return float(spread(copy.deepcopy(layer).double(), x, g).max())
