@@ -61,7 +61,7 @@ KINDS = ("linear", "conv", "layer_norm", "group_norm", "embedding", "positional"
 TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm,
               "embedding": nn.Embedding, "positional": modules.PositionalEmbedding,
               "class_token": modules.ClassToken}
-LAYOUTS = ("contiguous", "channels_last", "permuted", "transposed", "expanded", "broadcast", "strided")
+LAYOUTS = ("contiguous", "channels_last", "nhwc_view", "permuted", "transposed", "expanded", "broadcast", "strided")
 VALUES = ("normal", "scaled", "huge", "tiny", "subnormal", "spike", "zero", "cancel", "offset")
 
 
@@ -200,6 +200,9 @@ def lay_out(t: torch.Tensor, layout: str, seed: int) -> torch.Tensor:
     values that are constant along the expanded dim (:func:`make_uniform`)."""
     if layout == "channels_last" and t.dim() == 4:
         return t.contiguous(memory_format=torch.channels_last)
+    if layout == "nhwc_view" and t.dim() >= 3:  # a [B, *, C] tensor viewed as [B, C, *] by permute
+        order = [0, *range(2, t.dim()), 1]
+        return t.permute(order).contiguous().permute([0, t.dim() - 1, *range(1, t.dim() - 1)])
     if layout in ("permuted", "channels_last") and t.dim() >= 2:
         gen = torch.Generator().manual_seed(seed)
         perm = torch.randperm(t.dim(), generator=gen).tolist()
@@ -251,7 +254,9 @@ def inputs(case: Case, layer: nn.Module):
         probe = x if case.kind == "embedding" else x[:1].clone() if b else torch.zeros((1, *case.shape), dtype=F64)
         out_shape = plain(probe if case.kind != "embedding" else (probe[:1] if b else
                                                                      torch.zeros((1, *case.shape), dtype=torch.long)))
-    g = torch.stack([_values(k, tuple(out_shape.shape[1:]), case.dtype, gen) for k in case.values_g]) if b else \
+    # cancellation needs both sides: an example whose input cancels gets a cancelling gradient
+    kinds_g = ["cancel" if kx == "cancel" else kg for kx, kg in zip(case.values_x, case.values_g)]
+    g = torch.stack([_values(k, tuple(out_shape.shape[1:]), case.dtype, gen) for k in kinds_g]) if b else \
         torch.zeros((0, *out_shape.shape[1:]), dtype=F64)
     g = make_uniform(g.to(case.dtype).double(), case.layout_g)
     return x, g
@@ -394,6 +399,10 @@ def release_error(case: Case, st: Stored, rows, T: int) -> float:
     terms = float(st.terms[rows].sum())
     exact_sum = float(st.contrib[rows].sum(0).norm())
     relative = gamma(count, ua) * terms * (1 + UNIT[case.dtype]) + UNIT[case.dtype] * (exact_sum + gamma(count, ua) * terms)
+    if case.kind == "conv" and case.dtype in (F16, BF16):
+        # torch's CPU convolution backward in a half type adds the examples' weight gradients into a
+        # buffer of the dtype: |S| more roundings of u_dtype on partial sums bounded by the terms
+        relative += gamma(n, UNIT[case.dtype]) * terms * (1 + gamma(count, ua))
     # Below the normal range rounding is absolute: half a subnormal step of the dtype per rounding to
     # the dtype (the output; torch's CPU convolution backward in a half type may round each example's
     # partial sum to the dtype first, so |S| + 1 for Conv2d), and one step of the accumulation dtype

@@ -3,8 +3,8 @@
 For every registered layer type (bpclip_fast/registry.py) in every mode it has a proved bound for
 (backprop for Linear/Conv2d; flat and per_layer for all), hypothesis draws the norm method
 (auto/ghost/instantiate), the clip function, the dtype (fp64/fp32/bf16/fp16), the memory layout of
-the input and of the upstream gradient (contiguous, channels_last, permuted and transposed views,
-expanded/broadcast stride-0 views, strided slices), bias on/off, the geometry (Linear positions
+the input and of the upstream gradient (contiguous, channels_last, NHWC-permuted, permuted and
+transposed views, expanded/broadcast stride-0 views, strided slices), bias on/off, the geometry (Linear positions
 ``[B, T, d]`` up to T = 128; Conv2d stride, padding, dilation, groups; the normalised shapes,
 vocabularies and token counts of the other types), the batch size (1 to 5) and each example's
 values (normal, scaled, huge, tiny, subnormal, one spike, all zero, cancelling positions
@@ -49,7 +49,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED == 0, dat
 KNOWN_BROKEN: list = [
     ("conv-padded-layout",
      lambda c: c.kind == "conv" and c.mode != "backprop" and any(c.geometry["padding"])
-     and c.layout in ("channels_last", "permuted"),
+     and c.layout in ("channels_last", "nhwc_view", "permuted"),
      "exact norms of a padded Conv2d read a channels_last/permuted input as contiguous NCHW "
      "(test_conv_padded_channels_last_norms_read_the_wrong_patches)"),
     ("exact-norm-overflow",
@@ -57,6 +57,16 @@ KNOWN_BROKEN: list = [
      and fb.largest_spread(c) > 2.0 ** 60,
      "exact norms square per-example products in float32, so a finite per-example gradient above ~2^64 "
      "is counted as non-finite (test_exact_norms_of_a_large_finite_gradient_overflow_float32)"),
+    ("fp16-subnormal-cancel",
+     lambda c: c.kind in ("linear", "conv") and c.mode != "backprop" and c.dtype == torch.float16
+     and "cancel" in c.values_x,
+     "RZ(c·g) to fp16 loses up to a subnormal step absolutely, which the norm bound's relative margin does not "
+     "cover once the positions cancel (test_fp16_cancelling_positions_lose_the_cancellation_in_subnormals)"),
+    ("fp16-normalize-saturation",
+     lambda c: c.kind in ("linear", "conv") and c.mode != "backprop" and c.dtype == torch.float16
+     and c.clip_fn == "normalize",
+     "normalize scales g up by C/(bound + γ); RZ(c·g) saturates at fp16's largest value, which breaks "
+     "the cancellation the bound relied on (test_fp16_normalize_saturates_the_scaled_gradient)"),
 ]
 
 
