@@ -333,8 +333,9 @@ def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor,
             c = factor.double().unsqueeze(1)
             contrib = torch.cat([c * t.reshape(b, -1) for t in parts], 1)
             return Stored(contrib, contrib.norm(dim=1), factor.double(), bound, kept=True)
-        gs = _ops.scale_rows(gl.contiguous(), factor)
-        xs = _ops.scale_rows(xl, (factor > 0).to(factor.dtype))
+        acc = F64 if case.dtype == F64 else F32  # the release scales in the accumulation dtype
+        gs = _ops.scale_rows(gl.contiguous().to(acc), factor)
+        xs = _ops.scale_rows(xl.to(acc), (factor > 0).to(factor.dtype))
         contrib = truth_grads(case, plain, xs.double(), gs.double())
         return Stored(contrib, spread(plain64, xs.double(), gs.double()), factor.double(), bound)
     # The instantiating layers: their per-example gradients as the backward builds them.
@@ -393,21 +394,11 @@ def release_error(case: Case, st: Stored, rows, T: int) -> float:
     terms = float(st.terms[rows].sum())
     exact_sum = float(st.contrib[rows].sum(0).norm())
     relative = gamma(count, ua) * terms * (1 + UNIT[case.dtype]) + UNIT[case.dtype] * (exact_sum + gamma(count, ua) * terms)
-    if case.kind == "conv" and case.dtype in (F16, BF16):
-        # torch's CPU convolution backward in a half type adds the examples' weight gradients into a
-        # buffer of the dtype: |S| more roundings of u_dtype on partial sums bounded by the terms
-        relative += gamma(n, UNIT[case.dtype]) * terms * (1 + gamma(count, ua))
-    # Below the normal range rounding is absolute: half a subnormal step of the dtype per rounding to
-    # the dtype (the output), and one step of the accumulation dtype per operation. torch's CPU
-    # convolution backward in a half type adds each example's partial sum into a buffer of the dtype
-    # (|S| + 1 roundings) and its oneDNN kernels may flush subnormals to zero (up to the smallest
-    # normal lost per rounding).
+    # Below the normal range rounding is absolute: half a subnormal step of the dtype for the one
+    # rounding to the dtype (the output), and one step of the accumulation dtype per operation.
     coords = st.contrib.shape[1]
-    if case.kind == "conv" and case.dtype in (F16, BF16):
-        per_rounding, to_dtype = torch.finfo(case.dtype).tiny, n + 1
-    else:
-        per_rounding, to_dtype = subnormal_step(case.dtype) / 2, 1
-    absolute = math.sqrt(coords) * (to_dtype * per_rounding + count * subnormal_step(F64 if case.dtype == F64 else F32))
+    absolute = math.sqrt(coords) * (subnormal_step(case.dtype) / 2 + count * subnormal_step(
+        F64 if case.dtype == F64 else F32))
     return relative + absolute
 
 
@@ -417,20 +408,24 @@ def subnormal_step(dtype) -> float:
     return info.tiny * info.eps
 
 
-def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Tensor, pX: torch.Tensor) -> torch.Tensor:
     """How far a Linear/Conv2d norm bound may exceed the exact norm ``n``, from the proof in
     csrc/exact.cpp (both methods at once): the computed ``sq ≤ (n + γ_T(u)P)² + eps·P²`` (instantiation;
     ghost: ``eps = e1 + γ_{T²}(v)(1 + e1)``), times ``grow``, plus ``eps·P²`` and ``κ·P``
-    (``κ = γ_T(u) + γ_T(v) + r``); the layer's spread is at most ours inflated by ``2γ_{d+p+T+4}(u)``.
-    So ``bound ≤ √grow·(n + (γ_T(u) + √(2 eps))·P') + κ·P'``."""
+    (``κ = γ_T(u) + γ_T(v) + r``, r the rounding toward zero of c·g to the accumulation dtype), and the
+    subnormal term ``2K·q·√p·X`` (K = 2^60, q the accumulation dtype's subnormal step; ``pX`` is
+    ``√p·X``); the layer's spread is at most ours inflated by ``2γ_{d+p+T+4}(u)``.
+    So ``bound ≤ √grow·(n + (γ_T(u) + √(2 eps))·P') + κ·P' + 2Kq·pX``."""
     u = acc_unit(case.dtype)
-    r = RZ[case.dtype]
+    acc = F64 if case.dtype == F64 else F32
+    r = RZ[acc]
     e1 = (1 + gamma(d, u)) * (1 + gamma(p, u)) * (1 + u) - 1
     eps = e1 + gamma(T * T, V) * (1 + e1)
     kappa = gamma(T, u) + gamma(T, V) + r
     grow = 1.0 / ((1 - u) * (1 - gamma(max(T * T, d * p) + p + 2, V)))
     Pp = P * (1 + 2 * gamma(d + p + T + 4, u)) * (1 + 4 * V)
-    return (math.sqrt(grow) - 1) * n + (math.sqrt(grow) * (gamma(T, u) + math.sqrt(2 * eps)) + kappa) * Pp
+    subnormal = 2.0 * 2.0 ** 60 * subnormal_step(acc) * pX * (1 + 4 * gamma(d + p + T + 4, u))
+    return (math.sqrt(grow) - 1) * n + (math.sqrt(grow) * (gamma(T, u) + math.sqrt(2 * eps)) + kappa) * Pp + subnormal
 
 
 def dense_margin(terms: int, n: torch.Tensor) -> torch.Tensor:
@@ -513,8 +508,12 @@ def example_error(case: Case, x: torch.Tensor, g: torch.Tensor, gtrue: torch.Ten
 
 def factor_change(case: Case, bound: torch.Tensor, n: torch.Tensor, c: float) -> torch.Tensor:
     """|f(bound) − f(n)|·n: how much taking the factor from the layer's bound instead of the exact
-    norm moves an example's clipped gradient (exact_oracle.clip_factor on both)."""
+    norm moves an example's clipped gradient (exact_oracle.clip_factor on both; the layer's with
+    exact.FACTOR_FLOOR)."""
     fb = eo.clip_factor(bound, c, case.clip_fn, case.gamma)
+    # exact.factors sets factors below its floor to 0 (the subnormal part of csrc/exact.cpp's proof
+    # holds for c >= 2^-60 only): an example whose bound exceeds 2^60·C is dropped, not clipped
+    fb = torch.where(fb < exact.FACTOR_FLOOR, torch.zeros_like(fb), fb)
     fn = eo.clip_factor(n, c, case.clip_fn, case.gamma)
     return (fb - fn).abs() * n
 
@@ -586,12 +585,14 @@ def check(case: Case, removal: bool = True) -> dict:
                                case.gamma)
         gtrue = truth_grads(case, layer, xt, gt)
         want = gtrue.sum(0)
-        # each stored clipped row is RZ(s·row) with s off the exact factor by the norm's rounding to
-        # float32, the factor's division and clip_rows' step down (<= 4 roundings of u_acc): relative
-        # error dx = (1 + r)(1 + 4 u_acc) − 1 per row; the bilinear gradient moves by (dx + dg + dx dg)·A,
-        # A <= the spread of the true clipped values. global: a row within that of its bound may go
-        # either way, moving the gradient by the whole example.
-        dx = (1 + RZ[case.dtype]) * (1 + 4 * acc_unit(case.dtype)) - 1
+        # each stored clipped row is RZ(s·row) with s off the exact factor by clip_rows' norm (N
+        # entries summed in double: (N + 4)·v), its shrink of C by η_N <= 2(N + 4)·v
+        # (csrc/include/bpclip_fast/clip.h) and the factor's roundings (<= 4 of u_acc): relative error
+        # dx = (1 + r)(1 + 3(N + 4)v + 4 u_acc) − 1 per row; the bilinear gradient moves by
+        # (dx + dg + dx dg)·A, A <= the spread of the true clipped values. global: a row within that of
+        # its bound may go either way, moving the gradient by the whole example.
+        rows_n = max(x[0].numel(), g[0].numel())
+        dx = (1 + RZ[case.dtype]) * (1 + 3 * (rows_n + 4) * V + 4 * acc_unit(case.dtype)) - 1
         spread_t = spread(copy.deepcopy(layer).double(), xt, gt)
         per = (2 * dx + dx * dx) * spread_t
         # below the normal range RZ loses up to one subnormal step per entry, absolutely: a change δ of
@@ -618,7 +619,8 @@ def check(case: Case, removal: bool = True) -> dict:
         if case.kind in ("linear", "conv"):
             P = spread(copy.deepcopy(layer).double(), x, g)
             d, p = _dims(case)
-            margin = norm_margin(case, T, d, p, P, n)
+            pX = spread(copy.deepcopy(layer).double(), x, torch.ones_like(g))  # √p·Σ_t ‖[x_t; 1]‖
+            margin = norm_margin(case, T, d, p, P, n, pX)
             # float64's own error in n; and underflow: each of the <= T² + dp products the norm sums
             # loses at most (d + p + 2)·tiny of the accumulation dtype absolutely, relative to (P + T)²
             tiny = torch.finfo(F64 if case.dtype == F64 else F32).tiny
@@ -626,11 +628,11 @@ def check(case: Case, removal: bool = True) -> dict:
             assert (st.bound >= low).all(), f"norm bound {st.bound.tolist()} below the norm {n.tolist()}\n{case}"
             assert (st.bound <= n + margin).all(), \
                 f"norm bound {st.bound.tolist()} above the norm {n.tolist()} + margin {margin.tolist()}\n{case}"
-            held = st.factor * (RZ[case.dtype] + gamma(T + 2, acc_unit(case.dtype)) + gamma(T + 2, V)) * P
-            # RZ(c·g) below the normal range loses up to one subnormal step per entry, absolutely:
-            # <= ‖δ‖_1 √(‖x‖² + 1) (a Linear row, a Conv2d patch holds distinct entries of x)
-            b_ = x.shape[0]
-            held = held + g[0].numel() * subnormal_step(case.dtype) * (x.reshape(b_, -1).norm(dim=1) + 1)
+            # the release holds Σ_t RZ(c·g_t)[x_t; 1]ᵀ with c·g rounded toward zero to the accumulation
+            # dtype: relative r per entry, and below the normal range one subnormal step absolutely,
+            # which moves the example's part by <= q·√p·X (csrc/exact.cpp)
+            acc = F64 if case.dtype == F64 else F32
+            held = st.factor * (RZ[acc] + gamma(T + 2, V)) * P + subnormal_step(acc) * pX
             per = held + factor_change(case, st.bound, n, case.bound)
         else:
             delta = example_error(case, x, g, gtrue)
@@ -640,14 +642,18 @@ def check(case: Case, removal: bool = True) -> dict:
                 f"stored per-example gradients off the truth by {gap.tolist()} > {delta.tolist()}\n{case}"
             # the squares the bound sums: an embedding's rows are summed over its positions
             terms = case.geometry["dim"] * math.prod(case.shape) if case.kind == "embedding" else st.gs.shape[1]
-            assert (st.bound >= ns * (1 - 4 * V)).all() and (st.bound <= ns + dense_margin(terms, ns) + 1e-300).all(), \
+            # (float64 squares of float64 data below ~1e-154 underflow: up to terms·tiny lost in ŝ)
+            under = math.sqrt(terms * torch.finfo(F64).tiny)
+            assert (st.bound >= ns * (1 - 4 * V) - under).all() and (st.bound <= ns + dense_margin(terms, ns) + under).all(), \
                 f"norm bound {st.bound.tolist()} not within its margin of the stored norm {ns.tolist()}\n{case}"
             # the factor from the stored norm's bound instead of the true norm (|ns − n| <= delta),
             # the stored gradient's own error, and RZ(c·G) (relative r)
             worst = torch.maximum(factor_change(case, st.bound, n, case.bound),
                                   factor_change(case, (n + delta), n, case.bound))
             worst = torch.maximum(worst, factor_change(case, (n - delta).clamp(min=0), n, case.bound))
-            per = st.factor * (delta + RZ[case.dtype] * ns) + worst + (st.factor - c).abs() * delta
+            # RZ(c·G) to the dtype: relative r, and below the normal range one subnormal step per entry
+            rz_abs = math.sqrt(st.gs.shape[1]) * subnormal_step(case.dtype)
+            per = st.factor * (delta + RZ[case.dtype] * ns) + rz_abs + worst + (st.factor - c).abs() * delta
             per = torch.where(delta.isinf(), torch.full_like(per, math.inf), per)  # not comparable
         tol = release_error(case, st, rows, T) + float(per.sum())
     off = float((full - want).norm())
