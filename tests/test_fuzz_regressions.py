@@ -22,9 +22,9 @@ NOT_FIXED = pytest.mark.xfail(strict=True, reason="issue 24 (d): finite per-exam
 def _conv(layout, method, **geometry):
     base = dict(cin=2, cout=2, kernel=(3, 3), stride=(1, 1), padding=(2, 2), dilation=(1, 1), groups=1)
     base.update(geometry)
-    return fb.Case(kind="conv", mode="per_layer", dtype=torch.float32, clip_fn="clip", bias=False, geometry=base,
-                   shape=(2, 5, 5), batch=1, layout=layout, values_x=("spike",), values_g=("normal",), seed=3,
-                   bound=0.1, norm_method=method)
+    return fb.Case(kind="conv", mode="per_layer", dtype=torch.float32, clip_fn="clip", bias=False,
+                   geometry=base, shape=(2, 5, 5), batch=1, layout=layout, values_x=("spike",),
+                   values_g=("normal",), seed=3, bound=0.1, norm_method=method)
 
 
 def test_conv_padded_case_holds_when_contiguous():
@@ -35,13 +35,13 @@ def test_conv_padded_case_holds_when_contiguous():
 @pytest.mark.parametrize("layout", ["channels_last", "nhwc_view"])
 def test_conv_padded_channels_last_norms_read_the_wrong_patches(layout):
     """Found by the fuzzer (known bug (a)): a zero-padded Conv2d under flat/per_layer with a
-    channels_last input, or an NHWC tensor viewed as NCHW by ``permute``. csrc/exact.cpp ``patches`` pads with ``constant_pad_nd`` (which
-    keeps the input's memory format) and then takes ``as_strided`` views with contiguous NCHW
-    strides, so the norm is taken over the wrong patches (unpadded inputs go through
-    ``x.contiguous()`` and are right). The release itself reads the right values, so the example's
-    stored contribution is ``C·‖G‖/bound`` with the bound of other numbers: 16.2×C here (a spike
-    input, ghost norms), up to 427×C reported. Fixed on h1: the patches' view is built from the
-    padded input's own strides."""
+    channels_last input, or an NHWC tensor viewed as NCHW by ``permute``. csrc/exact.cpp
+    ``patches`` padded with ``constant_pad_nd`` (which keeps the input's memory format) and then
+    took ``as_strided`` views with contiguous NCHW strides, so the norm was taken over the wrong
+    patches (unpadded inputs went through ``x.contiguous()`` and were right). The release itself
+    read the right values, so the example's stored contribution was ``C·‖G‖/bound`` with the bound
+    of other numbers: 16.2×C here (a spike input, ghost norms), up to 427×C reported. Fixed on h1:
+    the patches' view is built from the padded input's own strides."""
     fb.check(_conv(layout, "ghost"))
 
 
