@@ -186,12 +186,19 @@ def example_error(case: Case, x: torch.Tensor, g: torch.Tensor, gtrue: torch.Ten
 
 
 def factor_change(case: Case, bound: torch.Tensor, n: torch.Tensor, c: float) -> torch.Tensor:
-    """|f(bound) − f(n)|·n: how much taking the factor from the layer's bound instead of the exact
-    norm moves an example's clipped gradient (exact_oracle.clip_factor on both; the layer's with
-    exact.FACTOR_FLOOR)."""
-    fb = eo.clip_factor(bound, c, case.clip_fn, case.gamma)
-    # exact.factors sets factors below its floor to 0 (the subnormal part of csrc/exact.cpp's proof
-    # holds for c >= 2^-60 only): an example whose bound exceeds 2^60·C is dropped, not clipped
-    fb = torch.where(fb < exact.FACTOR_FLOOR, torch.zeros_like(fb), fb)
+    """max |f(b') − f(n)|·n over the bounds b' the layer's factor may act as: how much taking the
+    factor from the layer's bound instead of the exact norm moves an example's clipped gradient
+    (exact_oracle.clip_factor on both). exact.factors rounds the bound up to the factor dtype (fp32,
+    fp64 for fp64 data) and clip_rows compares it with C' = RN(C(1 − η_1)), η_1 = 2^-50
+    (csrc/include/bpclip_fast/clip.h), then rounds the factor: so b' ranges over b(1 ± ε) with
+    ε = 4 u_fac + 2^-49 (global flips there); and factors below exact.FACTOR_FLOOR are 0 (the
+    subnormal part of csrc/exact.cpp's proof holds for c >= 2^-60 only: an example whose bound
+    exceeds 2^60·C is dropped, not clipped)."""
+    eps = 4 * acc_unit(case.dtype) + 2.0 ** -49
     fn = eo.clip_factor(n, c, case.clip_fn, case.gamma)
-    return (fb - fn).abs() * n
+    worst = torch.zeros_like(n)
+    for b in (bound * (1 - eps), bound, bound * (1 + eps)):
+        fb = eo.clip_factor(b, c, case.clip_fn, case.gamma)
+        fb = torch.where(fb < exact.FACTOR_FLOOR, torch.zeros_like(fb), fb)
+        worst = torch.maximum(worst, (fb - fn).abs() * n)
+    return worst
