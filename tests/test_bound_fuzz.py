@@ -1,0 +1,168 @@
+"""Property-based fuzzing of the per-example bound (issue 24), with ``hypothesis``.
+
+For every registered layer type (bpclip_fast/registry.py) in every mode it has a proved bound for
+(backprop for Linear/Conv2d; flat and per_layer for all), hypothesis draws the norm method
+(auto/ghost/instantiate), the clip function, the dtype (fp64/fp32/bf16/fp16), the memory layout of
+the input and of the upstream gradient (contiguous, channels_last, NHWC-permuted, permuted and
+transposed views, expanded/broadcast stride-0 views, strided slices), bias on/off, the geometry (Linear positions
+``[B, T, d]`` up to T = 128; Conv2d stride, padding, dilation, groups; the normalised shapes,
+vocabularies and token counts of the other types), the batch size (1 to 5) and each example's
+values (normal, scaled, huge, tiny, subnormal, one spike, all zero, cancelling positions
+``g: v, −2v`` with ``x: u, u/2``, a large offset). tests/fuzz_bounds.py's ``check`` then asserts
+(1) every example's contribution — what the release holds of it in float64, and the removal
+``R(D) − R(D∖{i})`` through the layer — is at most its bound (C, or the layer's Δ), and (2) the
+noise-free release equals the float64 truth ``Σ_i c_i G_i`` within a tolerance derived from the
+dtype and the computation.
+
+Budget: ``BPCLIP_FUZZ_EXAMPLES`` examples per property (default 1000: 45 s for the file on
+the 2-core CI machine), derandomized so that CI is reproducible; set it to thousands to search
+longer locally (``BPCLIP_FUZZ_SEED`` changes the derandomized stream). Known bugs awaiting their
+fix are kept out of the draws by :data:`KNOWN_BROKEN` (each has a strict-xfail regression test in
+tests/test_fuzz_regressions.py); remove an entry once its fix is merged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from bpclip_fast import registry
+
+import fuzz_bounds as fb
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+EXAMPLES = int(os.environ.get("BPCLIP_FUZZ_EXAMPLES", "1000"))
+SEED = int(os.environ.get("BPCLIP_FUZZ_SEED", "0"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED == 0, database=None, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+
+# Known bugs, found by this fuzzer, whose fix is on another branch (issue 24): each entry is
+# (name, predicate on a Case, reason). Cases they match are not drawn, so the properties stay free of
+# xfail; the named regression test in tests/test_fuzz_regressions.py carries the xfail. Empty this
+# once the fix is merged.
+KNOWN_BROKEN: list = [
+    ("exact-norm-overflow",
+     lambda c: c.kind in ("linear", "conv") and c.mode != "backprop" and c.dtype != torch.float64
+     and fb.largest_spread(c) > 2.0 ** 60,
+     "exact norms square per-example products in float32, so a finite per-example gradient above ~2^64 "
+     "is counted as non-finite (test_exact_norms_of_a_large_finite_gradient_overflow_float32)"),
+]
+
+
+# Names of KNOWN_BROKEN entries to draw anyway (comma-separated, or "all"): to watch the fuzzer find them.
+INCLUDE_KNOWN = set(os.environ.get("BPCLIP_FUZZ_INCLUDE_KNOWN", "").split(","))
+
+
+def known_broken(case: fb.Case) -> bool:
+    return any(pred(case) for name, pred, _ in KNOWN_BROKEN
+               if name not in INCLUDE_KNOWN and "all" not in INCLUDE_KNOWN)
+
+
+BOUNDS = (1e-3, 0.1, 0.7, 10.0, 1e3)
+GAMMAS = (1e-6, 0.01, 1.0)
+LINEAR_POSITIONS = ((), (1,), (2,), (3,), (4,), (2, 3), (5, 2), (8,), (32,), (128,))
+
+
+@st.composite
+def geometries(draw, kind):
+    """(geometry, per-example input shape) of a layer of ``kind``."""
+    ints = st.integers
+    if kind == "linear":
+        fin, fout = draw(ints(1, 6)), draw(ints(1, 5))
+        pos = draw(st.sampled_from(LINEAR_POSITIONS))
+        return dict(fin=fin, fout=fout), (*pos, fin)
+    if kind == "conv":
+        groups = draw(ints(1, 3))
+        cin, cout = groups * draw(ints(1, 3)), groups * draw(ints(1, 3))
+        kernel = (draw(ints(1, 3)), draw(ints(1, 3)))
+        stride = (draw(ints(1, 3)), draw(ints(1, 3)))
+        padding = (draw(ints(0, 2)), draw(ints(0, 2)))
+        dilation = (draw(ints(1, 2)), draw(ints(1, 2)))
+        hw = tuple(max(1, d * (k - 1) + 1 - 2 * p) + draw(ints(0, 5)) for k, p, d in zip(kernel, padding, dilation))
+        return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+                    groups=groups), (cin, *hw)
+    if kind == "layer_norm":
+        normalized = draw(st.sampled_from(((1,), (2,), (5,), (8,), (2, 3))))
+        lead = draw(st.sampled_from(((), (1,), (3,), (2, 2), (16,))))
+        return dict(normalized=normalized), (*lead, *normalized)
+    if kind == "group_norm":
+        groups = draw(ints(1, 3))
+        channels = groups * draw(ints(1, 3))
+        spatial = draw(st.sampled_from(((), (1,), (4,), (2, 3), (5, 5))))
+        if channels // groups * max(1, math.prod(spatial)) == 1:
+            spatial = (4,)  # torch refuses a training GroupNorm over sets of one value
+        return dict(groups=groups, channels=channels), (channels, *spatial)
+    if kind == "embedding":
+        vocab, dim = draw(ints(2, 8)), draw(ints(1, 5))
+        padding_idx = draw(st.one_of(st.none(), ints(0, vocab - 1)))
+        pos = draw(st.sampled_from(((1,), (3,), (2, 3), (16,))))
+        return dict(vocab=vocab, dim=dim, padding_idx=padding_idx), pos
+    if kind == "positional":
+        return {}, draw(st.sampled_from(((1,), (4,), (3, 2), (2, 2, 3))))
+    dim, tokens, t = draw(ints(1, 5)), draw(ints(1, 3)), draw(ints(1, 4))
+    return dict(dim=dim, tokens=tokens), (t, dim)
+
+
+@st.composite
+def cases(draw, kinds, modes):
+    kind = draw(st.sampled_from(kinds))
+    mode = draw(st.sampled_from([m for m in fb.modes_of(kind) if m in modes]))
+    geometry, shape = draw(geometries(kind))
+    batch = draw(st.integers(1, 5))
+    values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
+    exact_conv_linear = kind in ("linear", "conv") and mode != "backprop"
+    bias = draw(st.booleans()) if kind in ("linear", "conv", "layer_norm") else kind == "group_norm"
+    dtype = draw(st.sampled_from(fb.DTYPES))
+    if kind == "group_norm" and dtype == torch.float16:
+        dtype = torch.bfloat16  # torch has no fp16 GroupNorm on the CPU
+    case = fb.Case(
+        kind=kind, mode=mode, dtype=dtype, clip_fn=draw(st.sampled_from(("clip", "global", "normalize"))),
+        bias=bias, geometry=geometry, shape=shape, batch=batch,
+        layout=draw(st.sampled_from(fb.LAYOUTS)), layout_g=draw(st.sampled_from(fb.LAYOUTS)),
+        values_x=draw(values), values_g=draw(values), seed=draw(st.integers(0, 2 ** 16)),
+        norm_method=draw(st.sampled_from(("auto", "ghost", "instantiate"))) if exact_conv_linear else "auto",
+        conv_norm=draw(st.sampled_from(("l15", "l2"))) if kind == "conv" and mode == "backprop" else "l15",
+        bound=draw(st.sampled_from(BOUNDS)), gamma=draw(st.sampled_from(GAMMAS)))
+    return case
+
+
+
+def _with_seed(test):
+    return seed(SEED)(test) if SEED else test
+
+
+@FUZZ
+@_with_seed
+@given(cases(("linear", "conv"), ("flat", "per_layer")).filter(lambda c: not known_broken(c)))
+def test_exact_linear_and_conv2d(case):
+    fb.check(case)
+
+
+@FUZZ
+@_with_seed
+@given(cases(("linear", "conv"), ("backprop",)).filter(lambda c: not known_broken(c)))
+def test_backprop_linear_and_conv2d(case):
+    fb.check(case)
+
+
+@FUZZ
+@_with_seed
+@given(cases(("layer_norm", "group_norm", "embedding", "positional", "class_token"), ("flat", "per_layer"))
+       .filter(lambda c: not known_broken(c)))
+def test_instantiating_layers(case):
+    fb.check(case)
+
+
+def test_every_registered_layer_type_and_mode_is_drawn():
+    """A layer type registered later must be given a builder here, or this fails."""
+    registered = {t: e.modes for t, e in registry._LAYERS.items()}  # noqa: SLF001 (the registry's one table)
+    assert set(registered) == set(fb.TORCH_TYPE.values())
+    for kind, t in fb.TORCH_TYPE.items():
+        assert fb.modes_of(kind) == registered[t]
+        assert set(registered[t]) <= {"backprop", "flat", "per_layer"}
