@@ -16,13 +16,14 @@
 // (u: unit roundoff of the GEMMs' arithmetic, 2^-24 for fp32, 2^-11 or 2^-8 when torch lets fp32
 // matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u)):
 // * Ghost (G_W from Gram matrices, ||G_W||^2 = sum_{s,t} <x_s, x_t><g_s, g_t>): a computed Gram
-//   entry errs by <= gamma_d ||x_s|| ||x_t|| (gamma_p for g), its product rounds once and the T^2
-//   products are summed in double, so |sq_W - ||G_W||^2| <= eps M^2, M = sum_t ||x_t|| ||g_t|| <= P,
+//   entry errs by <= gamma_d ||x_s|| ||x_t|| (gamma_p for g), its product is taken in double (it
+//   rounds once, by v <= u; in fp32 it overflowed for finite examples with entries near 1e12) and
+//   the T^2 products are summed in double, so |sq_W - ||G_W||^2| <= eps M^2, M = sum_t ||x_t|| ||g_t|| <= P,
 //   eps = e1 + gamma_{T^2}(v)(1 + e1), e1 = (1 + gamma_d)(1 + gamma_p)(1 + u) - 1. (T = 1 Linear
 //   layers take ||x||^2 ||g||^2 from double sums: the same with u = v.)
 // * Instantiation (G_W per example by one GEMM over the T positions): each entry errs by <=
-//   gamma_T(u) sum_t |g_t||x_t|, so ||G_W - G_W^|| <= gamma_T(u) M; its squares round once (u) and
-//   are summed in double: ||G_W^||^2 <= sq_W grow.
+//   gamma_T(u) sum_t |g_t||x_t|, so ||G_W - G_W^|| <= gamma_T(u) M; its squares are taken in double
+//   (they round once, by v <= u, and cannot overflow) and summed in double: ||G_W^||^2 <= sq_W grow.
 // * The bias sum is taken in double (error <= gamma_T(v) sum_t ||g_t|| <= gamma_T(v) P).
 // * The release works in the accumulation dtype A (fp32; fp64 for fp64 data), also for fp16/bf16
 //   data, whose values are exact in fp32: it scales g_t by c and rounds toward zero to A
@@ -54,6 +55,10 @@
 // Not covered: subnormals flushed to zero (torch.set_flush_denormal(True), or a GEMM that flushes
 // its fp32 inputs) move an entry by up to 2^-126 rather than q; the rounding of the batch sum
 // itself (the GEMM over all examples) is outside the per-example argument, as everywhere.
+// Range: the Gram matrices, the instantiated gradients and the position norms are fp32 for fp32 (and
+// fp16/bf16) data, so an example with input or upstream-gradient rows of norm above ~2^64 can still
+// overflow them; its bound is then +Inf and it gets factor 0 and is counted as non-finite (no
+// contribution, so the bound holds; fp64 data has no such limit below 2^511).
 //
 // ---- Memory layout ------------------------------------------------------------------------------
 // Every op reads its tensors by their logical indices (reshape, narrow, convolution, and the
@@ -194,12 +199,15 @@ Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& x
     if (dims.T == 1) {
       sq = (xn.square() * gn.square()).sum(1);
     } else if (method == Method::kGhost) {
-      const at::Tensor gx = at::bmm(x3, x3.transpose(1, 2));
+      // The products of Gram entries in double: a finite example with entries near 1e12 has Gram
+      // entries near 1e24, whose fp32 product overflows (the example was dropped as non-finite).
+      at::Tensor gx = at::bmm(x3, x3.transpose(1, 2)).to(at::kDouble);
       const at::Tensor gg = at::bmm(g3, g3.transpose(1, 2));
-      sq = (gx * gg).sum({1, 2}, false, at::kDouble);
+      sq = gx.mul_(gg).sum({1, 2});
     } else {
       const at::Tensor inst = at::bmm(g3.transpose(1, 2), x3);  // [n, p, d]: the weight's layout per group
-      sq = inst.square().sum({1, 2}, false, at::kDouble);
+      // Squared in double (fp32 squares overflow above 2^64), on a copy: inst itself may be kept.
+      sq = inst.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).square_().sum({1, 2});
       if (keep) kept_w = inst.reshape({n / per, -1});
     }
   }
@@ -289,7 +297,7 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc), release_input_unit(x, acc, false)};
   const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
-  const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
+  const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
   const int64_t rows = chunk_rows(elt * (T * (d + p) + temps), workspace, B);
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
   const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
@@ -338,7 +346,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc), release_input_unit(x, acc, true)};
   const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
-  const int64_t temps = method == Method::kGhost ? 3 * T * T : 2 * d * p;
+  const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
   const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps), workspace, B);
   const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
   std::vector<Parts> parts;

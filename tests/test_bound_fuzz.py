@@ -46,13 +46,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED == 0, dat
 # (name, predicate on a Case, reason). Cases they match are not drawn, so the properties stay free of
 # xfail; the named regression test in tests/test_fuzz_regressions.py carries the xfail. Empty this
 # once the fix is merged.
-KNOWN_BROKEN: list = [
-    ("exact-norm-overflow",
-     lambda c: c.kind in ("linear", "conv") and c.mode != "backprop" and c.dtype != torch.float64
-     and fb.largest_spread(c) > 2.0 ** 60,
-     "exact norms square per-example products in float32, so a finite per-example gradient above ~2^64 "
-     "is counted as non-finite (test_exact_norms_of_a_large_finite_gradient_overflow_float32)"),
-]
+KNOWN_BROKEN: list = []
 
 
 # Names of KNOWN_BROKEN entries to draw anyway (comma-separated, or "all"): to watch the fuzzer find them.

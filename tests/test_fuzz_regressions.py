@@ -1,7 +1,7 @@
 """Regression tests for what the bound fuzzer (tests/test_bound_fuzz.py, issue 24) found: each is the
 shrunk case written out by hand, run through the same checks (tests/fuzz_bounds.py ``check``). A
-finding not fixed yet is a strict xfail here, and its branch of the fuzzer's draws is kept out by
-``KNOWN_BROKEN`` in tests/test_bound_fuzz.py until its fix lands.
+finding not fixed yet would be a strict xfail here, its branch of the fuzzer's draws kept out by
+``KNOWN_BROKEN`` in tests/test_bound_fuzz.py until its fix lands (none is now).
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import fuzz_bounds as fb
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-# Findings (a)-(c) were fixed on branch h1 (merge 4c7de2a) while the fuzzer was written; each test
-# below failed on the code before it (1d0f2b9) as its docstring says. (d) is not fixed yet.
-NOT_FIXED = pytest.mark.xfail(strict=True, reason="issue 24 (d): finite per-example gradients above ~2^64 overflow "
-                              "the float32 exact norms; not fixed yet")
+# Findings (a)-(c) were fixed on branch h1 (merge 4c7de2a) while the fuzzer was written, (d) by
+# the products and squares of csrc/exact.cpp's rows_norms taken in double; each test below failed on
+# the code before its fix as its docstring says.
 
 
 def _conv(layout, method, **geometry):
@@ -98,7 +97,6 @@ def test_fp16_normalize_saturates_the_scaled_gradient():
     fb.check(case)
 
 
-@NOT_FIXED
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", ["ghost", "instantiate"])
 def test_exact_norms_of_a_large_finite_gradient_overflow_float32(dtype, method):
@@ -110,7 +108,8 @@ def test_exact_norms_of_a_large_finite_gradient_overflow_float32(dtype, method):
     (factor 0) and counted as non-finite, and ``check_finite`` raises NonFiniteError for finite
     data. A step then fails because of one record: the data-dependent error DESIGN.md §5 says must
     not be released (clip_rows, the backprop path, keeps such rows: its norms accumulate in fp64).
-    Fix: take the squares and products in double (or scale each example by a power of two first)."""
+    Fixed: the Gram products and the instantiated squares are taken in double; rows of norm above
+    ~2^64 can still overflow the fp32 position norms (a documented limit, csrc/exact.cpp)."""
     case = fb.Case(kind="linear", mode="per_layer", dtype=dtype, clip_fn="clip", bias=True,
                    geometry={"fin": 3, "fout": 2}, shape=(2, 3), batch=2, values_x=("normal", "huge"),
                    values_g=("normal", "huge"), bound=1.0, norm_method=method)
