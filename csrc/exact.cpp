@@ -359,12 +359,22 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
     const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
     const at::Tensor g3 = gt.transpose(1, 2);
-    // Position norms without reading the patches again: ||U_{gamma,t}||^2 is the convolution of x^2
-    // with a ones kernel (one output channel per group); ||g_t||^2 a sum over the group's channels.
-    const at::Tensor ones = at::ones({G, x.size(1) / G, kernel_size[0], kernel_size[1]}, xa.options());
-    const at::Tensor xn = at::convolution(xa.square(), ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, G)
-                              .reshape({n * G, T}).clamp_min(0).sqrt();
-    const at::Tensor gn = gt.square().sum(1).sqrt();
+    at::Tensor xn, gn;
+    if (T == 1) {
+      // One position: rows_norms takes sq itself from these norms (||x||^2 ||g||^2), so they must be
+      // exact sums in double, as for Linear (fp32 norms lost the file comment's u = v there, and
+      // their squares' product overflowed fp32 for a finite example with g near 1e15).
+      xn = position_norms(x3, true);
+      gn = position_norms(g3, true);
+    } else {
+      // Position norms without reading the patches again: ||U_{gamma,t}||^2 is the convolution of
+      // x^2 with a ones kernel (one output channel per group); ||g_t||^2 a sum over the group's
+      // channels. They only enter the margins, through the spread.
+      const at::Tensor ones = at::ones({G, x.size(1) / G, kernel_size[0], kernel_size[1]}, xa.options());
+      xn = at::convolution(xa.square(), ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, G)
+               .reshape({n * G, T}).clamp_min(0).sqrt();
+      gn = gt.square().sum(1).sqrt();
+    }
     parts.push_back(rows_norms(x3, g3, xn, gn, method, dims, G, kept));
   }
   return finish(parts, x, method, dims, gemm_unit(acc));

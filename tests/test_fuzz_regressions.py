@@ -138,3 +138,19 @@ def test_fp16_release_beyond_the_dtype_range_overflows_only_where_the_exact_sum_
     assert torch.isfinite(fb.release(model, case, x, g)).all()
     assert not torch.isfinite(fb.release(model, case, x[[0, 2, 3, 4]], g[[0, 2, 3, 4]])).all()
     assert fb.check(case).get("overflow")
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_conv_with_one_output_position_takes_its_norm_in_double(mode):
+    """Found by the fuzzer's long run (new; seed 11): a Conv2d whose output has one position (a 1x1 input
+    and kernel) under flat/per_layer, one example with x ~ 1e6 and g ~ 1e15. With one position the norm
+    op takes sq = ||x||^2 ||g||^2 from the position norms, which for Conv2d were fp32 (Linear's are
+    double sums): their product (1e42) overflowed, so a finite example was counted as non-finite and
+    dropped, and the proof's double-precision term (u = v for T = 1) did not hold for them. Fixed:
+    at T = 1 the conv's position norms are double sums over the patches, as Linear's."""
+    case = fb.Case(kind="conv", mode=mode, dtype=torch.float32, clip_fn="clip", bias=False,
+                   geometry={"cin": 1, "cout": 1, "kernel": (1, 1), "stride": (1, 1), "padding": (0, 0),
+                             "dilation": (1, 1), "groups": 1},
+                   shape=(1, 1, 1), batch=2, values_x=("normal", "scaled"), values_g=("normal", "huge"), seed=0,
+                   bound=0.001, gamma=1e-6)
+    fb.check(case)  # asserts first that no finite example was counted as non-finite
