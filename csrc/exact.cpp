@@ -19,8 +19,8 @@
 //   entry errs by <= gamma_d ||x_s|| ||x_t|| (gamma_p for g), its product is taken in double (it
 //   rounds once, by v <= u; in fp32 it overflowed for finite examples with entries near 1e12) and
 //   the T^2 products are summed in double, so |sq_W - ||G_W||^2| <= eps M^2, M = sum_t ||x_t|| ||g_t|| <= P,
-//   eps = e1 + gamma_{T^2}(v)(1 + e1), e1 = (1 + gamma_d)(1 + gamma_p)(1 + u) - 1. (T = 1 Linear
-//   layers take ||x||^2 ||g||^2 from double sums: the same with u = v.)
+//   eps = e1 + gamma_{T^2}(v)(1 + e1), e1 = (1 + gamma_d)(1 + gamma_p)(1 + u) - 1. (T = 1 layers,
+//   Linear and Conv2d alike, take ||x||^2 ||g||^2 from double sums: the same with u = v.)
 // * Instantiation (G_W per example by one GEMM over the T positions): each entry errs by <=
 //   gamma_T(u) sum_t |g_t||x_t|, so ||G_W - G_W^|| <= gamma_T(u) M; its squares are taken in double
 //   (they round once, by v <= u, and cannot overflow) and summed in double: ||G_W^||^2 <= sq_W grow.
