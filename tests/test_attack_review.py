@@ -68,20 +68,14 @@ def _hand_built(rank, case):
 
 
 def _hand_built_worker(rank, port, out_dir):
-    import datetime
-
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     from bpclip_fast import PrivacyEngine
     from bpclip_fast import nn as bnn
-    from test_distributed import DELTA, SEED, WORLD, dataset
+    from test_distributed import SEED, dataset, init_gloo
 
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, port)
     try:
         for case in ("backprop", "per_layer"):
             model, kw = _hand_built(rank, case)

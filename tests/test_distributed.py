@@ -80,12 +80,17 @@ def run(model, batch_size, *, wrap=None, mode="backprop"):
     return engine, model, sizes
 
 
-def _worker(rank, port, out_dir):
+def init_gloo(rank, port):
+    """One process of a WORLD-rank gloo group on loopback, one thread (every worker of these tests)."""
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: no hostname resolution needed in CI
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
+
+
+def _worker(rank, port, out_dir):
+    init_gloo(rank, port)
     try:
         for mode, prewrap in ((m, p) for m in MODES for p in (False, True)):  # the engine wraps in DDP / the user
             wrap = (lambda m: nn.parallel.DistributedDataParallel(m)) if prewrap else None
@@ -207,11 +212,7 @@ SHARD_CASES = {
 
 
 def _shard_worker(rank, port, out_dir):
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, port)
     try:
         for name, (loader_kw, overrides, by_epsilon) in SHARD_CASES.items():
             model = model_fn("flat")
