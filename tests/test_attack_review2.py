@@ -80,3 +80,62 @@ def test_instantiated_norms_of_underflowing_inputs_keep_the_bound(clipping):
 def test_ghost_norms_of_underflowing_gram_entries_keep_the_bound(clipping):
     move = _removal(clipping, "auto")
     assert move <= 1 + 1e-5, f"removing example 0 moved the release by {move:.4g}·C"
+
+
+# ---------------------------------------------------------------- criterion probe: which output the classes index
+
+
+class _FeaturesAndLogits(nn.Module):
+    """A model returning (features [B, 32], logits [B, 3]): a common shape for a model whose features
+    feed another head or a metric; the criterion takes the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 32), nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return h, self.head(h)
+
+
+def _features_and_logits_ce(out, y):
+    return nn.functional.cross_entropy(out[1], y, reduction="sum")
+
+
+def test_a_model_with_features_before_its_logits_is_not_refused():
+    """The probe drew its random classes in [0, 32) from the first floating output (the features),
+    and the per-example cross-entropy of the 3 logits failed on them: make_private refused an
+    ordinary, separable loss ("Target 26 is out of bounds", blamed on batches of one)."""
+    from bpclip_fast.criterion import criterion_problems
+
+    torch.manual_seed(0)
+    X, Y = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    assert criterion_problems(_FeaturesAndLogits(), (X, Y), _features_and_logits_ce, "sum", rows=10) == []
+
+
+class _Segmenter(nn.Module):
+    """Per-pixel logits [B, C, H, W], the layout torch's cross-entropy takes with targets [B, H, W]."""
+
+    def __init__(self, classes=3):
+        super().__init__()
+        self.conv = nn.Conv2d(2, classes, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_the_verdict_does_not_depend_on_the_first_batchs_pixel_labels():
+    """Segmentation labels [B, H, W] for logits [B, C, H, W] were kept from the loader's first batch:
+    a mean cross-entropy with ignore_index (its normaliser counts the labelled pixels of the batch,
+    coupling the examples) was refused when the first batch held an ignored pixel and accepted when it
+    held none: the verdict of make_private told whether a private label took that value."""
+    from bpclip_fast.criterion import criterion_problems
+
+    torch.manual_seed(0)
+    X = torch.randn(6, 2, 4, 4)
+    plain = torch.randint(0, 3, (6, 4, 4), generator=torch.Generator().manual_seed(1))
+    ignored = plain.clone()
+    ignored[0, 0, 0] = 255
+    loss = nn.CrossEntropyLoss(ignore_index=255)
+    verdicts = [criterion_problems(_Segmenter(), (X, labels), loss, "mean", rows=6) for labels in (plain, ignored)]
+    assert verdicts[0] == verdicts[1]
