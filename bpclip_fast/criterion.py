@@ -16,9 +16,9 @@ What the probe checks. ``criterion_problems`` calls the criterion as a training 
 batch (the loader's ``batch_size`` rows, at least 3, at most ``MAX_ROWS``): the model runs on a
 copy, without gradients, on seeded random inputs (integer tensors such as token indices kept, as
 in :mod:`bpclip_fast.validate`); floating-point targets are seeded random normals, and integer
-targets shaped like class labels of the first output (``[B, ...]`` = the output's shape without its
-last dimension) seeded random classes in ``[0, classes)``: the verdict then depends on no private
-value. Integer targets of any other shape are kept (the verdict may then depend on them: a
+targets shaped like class labels of an output (its shape without the last dimension, or without
+dimension 1 for per-pixel logits) seeded random classes below the fewest classes they fit: the
+verdict then depends on no private label. Integer targets of any other shape are kept (the verdict may then depend on them: a
 diagnostic of ``make_private``, not covered by ε). At this point and at two more — the first, then the last example's input
 and target changed — it compares the criterion on the batch with the criterion on each example
 alone (batches of one; Poisson batches of one occur, so the criterion must accept them):
@@ -92,19 +92,27 @@ def _rows_of(obj, rows: torch.Tensor, seed: int):
 
 
 def _random_classes(targets, output, seed: int):
-    """``targets`` with every integer tensor shaped like class labels of ``output``'s first
-    floating-point tensor (its shape without the last, class dimension) replaced by seeded random
-    classes: the labels of the loader's first batch are private, and the probe's verdict must not
-    depend on them. Other integer tensors are returned as they are."""
-    logits = next((t for t in _v._tensors(output) if t.is_floating_point() and t.dim() >= 2), None)
-    if logits is None:
-        return targets
+    """``targets`` with every integer tensor shaped like class labels of one of ``output``'s
+    floating-point tensors replaced by seeded random classes: the labels of the loader's first batch
+    are private, and the probe's verdict must not depend on them. Labels of ``[B, ..., K]`` logits
+    have its shape without the last dimension, those of ``[B, K, d1, ...]`` logits (torch's
+    cross-entropy layout: per-pixel classes) its shape without dimension 1. The classes are drawn
+    below the fewest classes among all outputs the labels fit (a model may return features before
+    its logits: classes of the features' width would index past the logits). Other integer tensors
+    are returned as they are."""
+    floats = [t for t in _v._tensors(output) if t.is_floating_point() and t.dim() >= 2]
     generator = torch.Generator().manual_seed(seed)
 
+    def classes(shape):
+        fits = [t.shape[-1] for t in floats if tuple(t.shape[:-1]) == shape]
+        fits += [t.shape[1] for t in floats if tuple(t.shape[:1] + t.shape[2:]) == shape]
+        return min(fits, default=0)
+
     def draw(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() or t.dtype == torch.bool or tuple(t.shape) != tuple(logits.shape[:-1]):
+        k = 0 if t.is_floating_point() or t.dtype == torch.bool else classes(tuple(t.shape))
+        if k < 1:
             return t
-        return torch.randint(0, logits.shape[-1], tuple(t.shape), generator=generator).to(t.device, t.dtype)
+        return torch.randint(0, k, tuple(t.shape), generator=generator).to(t.device, t.dtype)
 
     return _v._map_tensors(targets, draw)
 
