@@ -11,19 +11,47 @@
 // The ops return sq (the computed ||G||^2) and bound, with c * bound an upper bound on the norm of
 // what the release holds of example i at factor c (below), with the spread P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) >= ||G||:
 //
-//   bound = sqrt(sq * grow + eps * P^2) + kappa * P + 2K q sqrt(p) X,   X = sum_t sqrt(||x_t||^2 [W] + [b])
+//   bound = sqrt(sq * grow + eps * P^2 + under) + kappa * P + extra + 2K q sqrt(p) X,
+//   X = sum_t sqrt(||x_t||^2 [W] + [b])
 //
 // (u: unit roundoff of the GEMMs' arithmetic, 2^-24 for fp32, 2^-11 or 2^-8 when torch lets fp32
-// matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u)):
-// * Ghost (G_W from Gram matrices, ||G_W||^2 = sum_{s,t} <x_s, x_t><g_s, g_t>): a computed Gram
-//   entry errs by <= gamma_d ||x_s|| ||x_t|| (gamma_p for g), its product is taken in double (it
-//   rounds once, by v <= u; in fp32 it overflowed for finite examples with entries near 1e12) and
-//   the T^2 products are summed in double, so |sq_W - ||G_W||^2| <= eps M^2, M = sum_t ||x_t|| ||g_t|| <= P,
-//   eps = e1 + gamma_{T^2}(v)(1 + e1), e1 = (1 + gamma_d)(1 + gamma_p)(1 + u) - 1. (T = 1 layers,
-//   Linear and Conv2d alike, take ||x||^2 ||g||^2 from double sums: the same with u = v.)
-// * Instantiation (G_W per example by one GEMM over the T positions): each entry errs by <=
-//   gamma_T(u) sum_t |g_t||x_t|, so ||G_W - G_W^|| <= gamma_T(u) M; its squares are taken in double
-//   (they round once, by v <= u, and cannot overflow) and summed in double: ||G_W^||^2 <= sq_W grow.
+// matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u); tau: what
+// one GEMM operation may lose absolutely to underflow, 2^-126 for fp32 (the smallest normal: a
+// result flushed to zero, or a subnormal input read as zero, loses less), 2^-1022 for fp64).
+// The position norms a_t = ||x_t||, b_t = ||g_t|| are sums of squares in double (exact squares of
+// fp32 values, no underflow or overflow), and every sum of them below (P, X, M = sum_t a_t b_t,
+// A1 = sum_t a_t, B1 = sum_t b_t) is inflated by 1 + 2 gamma_{T+4}(v) for its own rounding.
+// * A dot product sum_e y_e z_e of length k in the GEMMs errs by <= gamma_k(u) sum |y_e z_e| + a
+//   part that underflow loses: a subnormal input read as 0 loses <= tau |other factor| (summed:
+//   <= tau sqrt(k) (||y|| + ||z||)); each of the k products and k additions whose result is flushed
+//   to 0 loses < min(tau, its exact value) <= min(tau, (1 + gamma_k) S), S = sum |y_e z_e| <= ||y||
+//   ||z||, propagated by at most 1 + gamma_k: together <= (1 + gamma_k) min(2k tau, (k + 1)(1 +
+//   gamma_k) S) <= (1 + gamma_k) sqrt(2k tau (k + 1)(1 + gamma_k) S).
+// * Ghost (T > 1; G_W from Gram matrices, ||G_W||^2 = sum_{s,t} <x_s, x_t><g_s, g_t>): by the above
+//   and sqrt(a_s a_t) <= (a_s + a_t)/2, a computed entry of x's Gram errs by e^x_st <= gamma_d a_s
+//   a_t + kappa_d (a_s + a_t), kappa_k = tau sqrt(k) + (1 + gamma_k) sqrt(2k tau (k + 1)(1 +
+//   gamma_k)) / 2; likewise e^g_st with p. With |<x_s,x_t>| <= a_s a_t and |<g_s,g_t>| <= b_s b_t,
+//   the products of computed entries err by <= e^x b_s b_t + e^g a_s a_t + e^x e^g, which sum over
+//   (s, t) to E = (gamma_d + gamma_p + gamma_d gamma_p) M^2 + 2M (kappa_d (1 + gamma_p) B1 + kappa_p
+//   (1 + gamma_d) A1) + 2 kappa_d kappa_p (T M + A1 B1) (sum_{s,t} (a_s + a_t) b_s b_t = 2 M B1, and
+//   so on). The products are taken in double (rounding v; in fp32 they overflowed for finite
+//   examples with entries near 1e12) and the T^2 of them summed in double, which adds <= w (M^2 +
+//   E), w = v + gamma_{T^2}(v)(1 + v) (the absolute products sum to <= M^2 + E). So ||G_W||^2 <=
+//   sq_W + under, under = (1 + w) E + w M^2 (times 1 + 2^-40 for the evaluation of these formulas).
+//   Without the tau terms, fp32 Gram entries of an input near 1e-24 underflowed to 0 while the
+//   upstream gradient's were near 1e38: bound 0 for an example of norm 0.05, 52 C by removal.
+// * T = 1 layers (Linear and Conv2d alike): sq = a^2 b^2 from the double norms, |sq_W - ||G_W||^2|
+//   <= eps M^2 with eps = e1 + gamma_1(v)(1 + e1), e1 = (1 + gamma_d(v))(1 + gamma_p(v))(1 + v) - 1.
+// * Instantiation (T > 1; G_W per example by one GEMM over the T positions): entry (j, k) is a dot
+//   product of length T with S_jk = sum_t |g_tj||x_tk|, sum_jk S_jk <= sqrt(d p) M: its relative part
+//   sums to ||.|| <= gamma_T(u) M (in kappa P); its subnormal inputs lose <= min(tau (A1 + B1),
+//   S_jk) (an input entry is at most its row's norm), <= sqrt(tau (A1 + B1) S_jk); its flushed
+//   results <= (1 + gamma_T) sqrt(2T tau (T + 1)(1 + gamma_T) S_jk). Summed in the Frobenius norm:
+//   ||G_W - G_W^|| <= gamma_T(u) M + extra, extra = sqrt(tau (A1 + B1) sqrt(dp) M) + (1 + gamma_T)
+//   sqrt(2T tau (T + 1)(1 + gamma_T) sqrt(dp) M) (times 1 + 2^-40). The squares of G_W^ are taken in
+//   double (they round once, by v, and cannot overflow) and summed in double: ||G_W^||^2 <= sq_W
+//   grow. (Per channel group for Conv2d; the groups' under terms add under the root and their extra
+//   terms add up.)
 // * The bias sum is taken in double (error <= gamma_T(v) sum_t ||g_t|| <= gamma_T(v) P).
 // * The release works in the accumulation dtype A (fp32; fp64 for fp64 data), also for fp16/bf16
 //   data, whose values are exact in fp32: it scales g_t by c and rounds toward zero to A
@@ -40,14 +68,15 @@
 //   term by at most (1 + r_in)^2 more: the relative part is then (1 + r)(1 + r_in)^2 - 1 =: r'.
 // Hence, by the triangle inequality on [G_W, G_b] and these perturbations, the contribution the
 // release holds is <= c (bound - 2K q sqrt(p) X) + q sqrt(p) X with grow = (1 - u)^-1 (1 -
-// gamma_n(v))^-1 (n the terms summed), eps as above (0 for instantiation) and kappa = gamma_T(u)
+// gamma_n(v))^-1 (n the terms summed), eps as above (T = 1; 0 otherwise), under and extra as above, and kappa = gamma_T(u)
 // [instantiation] + gamma_T(v) + r'. The absolute part q sqrt(p) X does not scale with c: the
 // bound carries it as 2K q sqrt(p) X (K = 2^60; the 2 covers the double rounding of that term and
 // its share of the last addition's) and exact.factors gives factor 0 to every example whose
 // factor falls below 1/K, so every kept example has c 2K q sqrt(p) X >= q sqrt(p) X and its
 // contribution is <= c * bound. clip_rows then gives c with c * bound <= C (its own proof). The
 // factor floor drops only examples whose bound exceeds 2^60 C; they are not counted non-finite
-// (a finite example never is: the count would release a data-dependent bit under strict mode).
+// (a finite example within the range below never is: the count would release a data-dependent bit
+// under strict mode).
 // fp16/bf16 data: the clipped sum and the noise are added in A and rounded to the parameter dtype
 // once, by the caller, after the noise (post-processing of the noised value): no sum over the
 // batch is rounded to a low-precision dtype before the noise, and the scaled upstream gradient is
@@ -55,10 +84,10 @@
 // Not covered: subnormals flushed to zero (torch.set_flush_denormal(True), or a GEMM that flushes
 // its fp32 inputs) move an entry by up to 2^-126 rather than q; the rounding of the batch sum
 // itself (the GEMM over all examples) is outside the per-example argument, as everywhere.
-// Range: the Gram matrices, the instantiated gradients and the position norms are fp32 for fp32 (and
-// fp16/bf16) data, so an example with input or upstream-gradient rows of norm above ~2^64 can still
-// overflow them; its bound is then +Inf and it gets factor 0 and is counted as non-finite (no
-// contribution, so the bound holds; fp64 data has no such limit below 2^511).
+// Range: the Gram matrices and the instantiated gradients are fp32 for fp32 (and fp16/bf16) data, so
+// an example with input or upstream-gradient rows of norm above ~2^64 can still overflow them; its
+// bound is then +Inf and it gets factor 0 and is counted as non-finite (no contribution, so the bound
+// holds). fp64 data: squares below 2^-1022 may underflow the double position norms (clip.h's limits).
 //
 // ---- Memory layout ------------------------------------------------------------------------------
 // Every op reads its tensors by their logical indices (reshape, narrow, convolution, and the
@@ -101,17 +130,14 @@ double gemm_unit(at::ScalarType acc) {
   }
 }
 
-// Unit roundoff of the position norms: the GEMMs' unit, and TF32's wherever cuDNN may run the fp32
-// convolution that gives the patch norms in TF32.
-double position_unit(const at::Tensor& x, at::ScalarType acc) {
-  if (acc == at::kDouble) return kV;
-  return std::max(gemm_unit(acc), x.is_cuda() ? 0x1p-11 : 0x1p-24);
-}
-
 // The release rounds c*g toward zero to the accumulation dtype (scale_rows; fp32 also for fp16/bf16
 // data): relative error r for a normal result, absolute < q (the smallest subnormal) otherwise.
 double rz_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-52 : 0x1p-23; }
 double subnormal_quantum(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1074 : 0x1p-149; }
+
+// tau of the file comment: what one operation of the norms' GEMMs may lose absolutely to underflow,
+// allowing for flush-to-zero of results and denormals-are-zero of inputs (the smallest normal).
+double underflow_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1022 : 0x1p-126; }
 
 // K of the file comment: exact.factors gives factor 0 below 1/K (bpclip_fast/exact.py, FACTOR_FLOOR).
 constexpr double kFloorInverse = 0x1p60;
@@ -157,35 +183,69 @@ bool ghost_cheaper(int64_t T, int64_t d, int64_t p) { return T == 1 || T * (d + 
 
 // Per-example parts of the bound, all double [b]: sq_W, sq_b, the spread P and the input sum X.
 struct Parts {
-  at::Tensor sq, spread, inputs, kept_w, kept_b;  // kept_*: the instantiated [G_W], [G_b] per example, when kept
+  at::Tensor sq, spread, inputs;  // sq, P and X of the file comment
+  at::Tensor under, extra;        // the GEMMs' error terms: under the root (ghost) and added (instantiation)
+  at::Tensor kept_w, kept_b;      // the instantiated [G_W], [G_b] per example, when kept
 };
 
 // What the margins need to know about a layer's shapes (see the file comment).
 struct Dims {
   int64_t T, d, p;
   bool weight, bias;
-  double u_pos;  // unit roundoff of the position norms (fp32 convolutions may run in TF32 on CUDA)
+  double u;      // unit roundoff of the norms' GEMMs (gemm_unit)
+  double tau;    // their absolute underflow per operation (underflow_unit)
   double r_in;   // rounding of the release's inputs by TF32/bf16 arithmetic (release_input_unit)
 };
 
-// Per-position norms ||x_t||, ||g_t|| of [n, T, k] tensors -> [n, T]: in double for T = 1 (they give
-// sq itself there, so they must be as exact as the sums of squares), else in the accumulation
-// dtype (they only enter the margins, through the spread, which is inflated for their rounding).
-at::Tensor position_norms(const at::Tensor& a, bool exact) {
-  return exact ? at::linalg_vector_norm(a, 2, {2}, false, at::kDouble) : at::linalg_vector_norm(a, 2, {2}, false);
-}
+// Per-position norms ||x_t||, ||g_t|| of [n, T, k] tensors -> [n, T], always sums of squares in
+// double: the squares of fp32 values are exact there and can neither overflow nor underflow, so the
+// terms the margins are built from (P, X, M, A1, B1 of the file comment) never vanish while the
+// values they bound do not (fp32 norms underflowed to 0 for entries near 1e-24, and a ghost bound
+// came out 0 for an example of norm 0.05). fp64 data: squares below 2^-1022 may underflow (clip.h).
+at::Tensor position_norms(const at::Tensor& a) { return at::linalg_vector_norm(a, 2, {2}, false, at::kDouble); }
+
+// Relative slack for sums of n non-negative double terms (and a few operations more) evaluated in
+// double: an upper bound stays one after multiplying by it.
+double sum_slack(int64_t n) { return 1.0 + 2.0 * gamma_k(static_cast<double>(n + 4), kV); }
 
 // P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) and X = sum_t sqrt(||x_t||^2 [W] + [b]) per row, in
-// double. From norms in fp32 (T > 1) they are computed with relative error below
-// gamma_{d+p+T+4}(u_pos) (positive terms only), so they are inflated by twice that to stay upper
-// bounds. X costs a sum over the [n, T] position norms only, never a pass over g or x.
+// double from the double position norms, inflated for their own rounding. X costs a sum over the
+// [n, T] position norms only, never a pass over g or x.
 std::pair<at::Tensor, at::Tensor> spread(const at::Tensor& xn, const at::Tensor& gn, const Dims& dims) {
-  const at::Tensor x2 = dims.weight ? xn.to(at::kDouble).square() : at::zeros(xn.sizes(), xn.options().dtype(at::kDouble));
+  const at::Tensor x2 = dims.weight ? xn.square() : at::zeros_like(xn);
   const at::Tensor rows = (dims.bias ? x2 + 1.0 : x2).sqrt();
-  const at::Tensor sp = (rows * gn.to(at::kDouble)).sum(1), xs = rows.sum(1);
-  if (xn.scalar_type() == at::kDouble) return {sp, xs};
-  const double grow = 1.0 + 2.0 * gamma_k(static_cast<double>(dims.d + dims.p + dims.T + 4), dims.u_pos);
-  return {sp * grow, xs * grow};
+  const double slack = sum_slack(dims.T);
+  return {(rows * gn).sum(1) * slack, rows.sum(1) * slack};
+}
+
+// The error terms of the weight's computed sq (file comment), per row, from the position norms
+// a_t = ||x_t||, b_t = ||g_t||: M = sum_t a_t b_t, A1 = sum_t a_t, B1 = sum_t b_t. Every term has a
+// factor M or A1 B1, so an example whose gradient is 0 because its x or its g is 0 gets none.
+// Ghost: under = (1 + w) E + w M^2 bounds |sq_W - ||G_W||^2| (added under the root).
+// Instantiation: extra bounds the underflow part of ||G_W - G_W^|| (added to the bound; the
+// relative part gamma_T(u) M is in kappa P).
+std::pair<at::Tensor, at::Tensor> gemm_errors(const at::Tensor& xn, const at::Tensor& gn, Method method,
+                                              const Dims& dims) {
+  const double slack = sum_slack(dims.T);
+  const at::Tensor M = (xn * gn).sum(1) * slack, A1 = xn.sum(1) * slack, B1 = gn.sum(1) * slack;
+  const double d = static_cast<double>(dims.d), p = static_cast<double>(dims.p), T = static_cast<double>(dims.T);
+  const double tau = dims.tau, out_slack = 1.0 + 0x1p-40;  // out_slack: the few roundings of these formulas
+  if (method == Method::kGhost) {
+    const double gd = gamma_k(d, dims.u), gp = gamma_k(p, dims.u);
+    // kappa_k: a Gram entry of length-k rows errs by <= gamma_k a_s a_t + kappa_k (a_s + a_t)
+    const auto kappa = [tau](double k, double g) {
+      return tau * std::sqrt(k) + (1.0 + g) * 0.5 * std::sqrt(2.0 * k * tau * (k + 1.0) * (1.0 + g));
+    };
+    const double kx = kappa(d, gd), kg = kappa(p, gp);
+    const at::Tensor E = (gd + gp + gd * gp) * M.square() + 2.0 * M * (kx * (1.0 + gp) * B1 + kg * (1.0 + gd) * A1) +
+                         2.0 * kx * kg * (T * M + A1 * B1);
+    const double w = kV + gamma_k(T * T, kV) * (1.0 + kV);
+    return {((1.0 + w) * E + w * M.square()) * out_slack, at::zeros_like(M)};
+  }
+  const double gT = gamma_k(T, dims.u), root_dp = std::sqrt(d * p);
+  const at::Tensor daz = (tau * (A1 + B1) * root_dp * M).sqrt();
+  const at::Tensor flush = (1.0 + gT) * (2.0 * T * tau * (T + 1.0) * (1.0 + gT) * root_dp * M).sqrt();
+  return {at::zeros_like(M), (daz + flush) * out_slack};
 }
 
 // x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; returns per example
@@ -219,26 +279,30 @@ Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& x
     if (kept_w.defined()) kept_b = sums.reshape({n / per, -1});
   }
   const auto [sp, xs] = spread(xn, gn, dims);
-  if (per == 1) return {sq, sp, xs, kept_w, kept_b};
-  return {sq.reshape({-1, per}).sum(1), sp.reshape({-1, per}).sum(1), xs.reshape({-1, per}).sum(1), kept_w, kept_b};
+  at::Tensor under = at::zeros_like(sq), extra = at::zeros_like(sq);
+  if (dims.weight && dims.T > 1) std::tie(under, extra) = gemm_errors(xn, gn, method, dims);
+  if (per == 1) return {sq, sp, xs, under, extra, kept_w, kept_b};
+  // Per example, over its channel groups (disjoint blocks of G_W): the squared errors add under the
+  // root, and the sum of the groups' norm errors bounds the norm of their concatenation.
+  const auto by_example = [per](const at::Tensor& t) { return t.reshape({-1, per}).sum(1); };
+  return {by_example(sq), by_example(sp), by_example(xs), by_example(under), by_example(extra), kept_w, kept_b};
 }
 
-// The bound of the file comment, from the computed sq, spread P and input sum X.
-at::Tensor norm_bound(const at::Tensor& sq, const at::Tensor& sp, const at::Tensor& xs, Method method,
-                      const Dims& dims, double u, at::ScalarType acc) {
+// The bound of the file comment, from the computed sq, spread P, input sum X and the GEMMs' error terms.
+at::Tensor norm_bound(const at::Tensor& sq, const at::Tensor& sp, const at::Tensor& xs, const at::Tensor& under,
+                      const at::Tensor& extra, Method method, const Dims& dims, double u, at::ScalarType acc) {
   const double r = (1.0 + rz_unit(acc)) * (1.0 + dims.r_in) * (1.0 + dims.r_in) - 1.0;
   const double absolute = 2.0 * kFloorInverse * subnormal_quantum(acc) * std::sqrt(static_cast<double>(dims.p));
   const int64_t terms = method == Method::kGhost ? dims.T * dims.T : dims.d * dims.p;
   const double grow = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2), kV)));
   double eps = 0.0, kappa = gamma_k(static_cast<double>(dims.T), kV) + r;
-  if (method == Method::kGhost || dims.T == 1) {
-    const double ug = dims.T == 1 ? kV : u;
-    const double e1 = (1.0 + gamma_k(dims.d, ug)) * (1.0 + gamma_k(dims.p, ug)) * (1.0 + ug) - 1.0;
-    eps = e1 + gamma_k(static_cast<double>(dims.T * dims.T), kV) * (1.0 + e1);
-  } else {
+  if (dims.T == 1) {  // ||x||^2 ||g||^2 from double norms
+    const double e1 = (1.0 + gamma_k(dims.d, kV)) * (1.0 + gamma_k(dims.p, kV)) * (1.0 + kV) - 1.0;
+    eps = e1 + gamma_k(1.0, kV) * (1.0 + e1);
+  } else if (method == Method::kInstantiate) {
     kappa += gamma_k(static_cast<double>(dims.T), u);
   }
-  return (sq * grow + eps * sp.square()).sqrt() + kappa * sp + absolute * xs;
+  return (sq * grow + eps * sp.square() + under).sqrt() + kappa * sp + absolute * xs + extra;
 }
 
 // Examples per chunk so that one chunk's temporaries stay within `workspace` bytes.
@@ -271,18 +335,22 @@ bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t group
 }
 
 Norms finish(std::vector<Parts>& parts, const at::Tensor& x, Method method, const Dims& dims, double u) {
-  std::vector<at::Tensor> sqs, sps, xss, kws, kbs;
+  std::vector<at::Tensor> sqs, sps, xss, unders, extras, kws, kbs;
   for (auto& part : parts) {
     sqs.push_back(part.sq);
     sps.push_back(part.spread);
     xss.push_back(part.inputs);
+    unders.push_back(part.under);
+    extras.push_back(part.extra);
     if (part.kept_w.defined()) kws.push_back(part.kept_w);
     if (part.kept_b.defined()) kbs.push_back(part.kept_b);
   }
   at::Tensor sq = sqs.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sqs);
   at::Tensor sp = sps.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sps);
   at::Tensor xs = xss.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(xss);
-  return {sq, norm_bound(sq, sp, xs, method, dims, u, acc_dtype(x)), kws.empty() ? x.new_empty({0}) : at::cat(kws),
+  at::Tensor under = unders.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(unders);
+  at::Tensor extra = extras.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(extras);
+  return {sq, norm_bound(sq, sp, xs, under, extra, method, dims, u, acc_dtype(x)), kws.empty() ? x.new_empty({0}) : at::cat(kws),
           kbs.empty() ? x.new_empty({0}) : at::cat(kbs)};
 }
 
@@ -294,18 +362,19 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const int64_t B = x.size(0), d = x.size(-1), p = grad_out.size(-1);
   const int64_t T = B == 0 ? 1 : x.numel() / (B * std::max<int64_t>(d, 1));
   const at::ScalarType acc = acc_dtype(x);
-  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc), release_input_unit(x, acc, false)};
+  const Dims dims{T, d, p, params[0], params[1], gemm_unit(acc), underflow_unit(acc), release_input_unit(x, acc, false)};
   const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
-  const int64_t rows = chunk_rows(elt * (T * (d + p) + temps), workspace, B);
+  // + the double copies the position norms may make of x and g
+  const int64_t rows = chunk_rows(elt * (T * (d + p) + temps) + 8 * T * (d + p), workspace, B);
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
   const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
   std::vector<Parts> parts;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
-    parts.push_back(rows_norms(xc, gc, position_norms(xc, T == 1), position_norms(gc, T == 1), method, dims, 1, kept));
+    parts.push_back(rows_norms(xc, gc, position_norms(xc), position_norms(gc), method, dims, 1, kept));
   }
   return finish(parts, x, method, dims, gemm_unit(acc));
 }
@@ -343,11 +412,11 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const int64_t d = x.size(1) / G * kernel_size[0] * kernel_size[1], p = grad_out.size(1) / G;
   const int64_t T = grad_out.size(2) * grad_out.size(3);
   const at::ScalarType acc = acc_dtype(x);
-  const Dims dims{T, d, p, params[0], params[1], position_unit(x, acc), release_input_unit(x, acc, true)};
+  const Dims dims{T, d, p, params[0], params[1], gemm_unit(acc), underflow_unit(acc), release_input_unit(x, acc, true)};
   const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
-  const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps), workspace, B);
+  const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps) + 8 * G * T * (d + p), workspace, B);
   const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
   std::vector<Parts> parts;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
@@ -359,22 +428,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
     const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
     const at::Tensor g3 = gt.transpose(1, 2);
-    at::Tensor xn, gn;
-    if (T == 1) {
-      // One position: rows_norms takes sq itself from these norms (||x||^2 ||g||^2), so they must be
-      // exact sums in double, as for Linear (fp32 norms lost the file comment's u = v there, and
-      // their squares' product overflowed fp32 for a finite example with g near 1e15).
-      xn = position_norms(x3, true);
-      gn = position_norms(g3, true);
-    } else {
-      // Position norms without reading the patches again: ||U_{gamma,t}||^2 is the convolution of
-      // x^2 with a ones kernel (one output channel per group); ||g_t||^2 a sum over the group's
-      // channels. They only enter the margins, through the spread.
-      const at::Tensor ones = at::ones({G, x.size(1) / G, kernel_size[0], kernel_size[1]}, xa.options());
-      xn = at::convolution(xa.square(), ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, G)
-               .reshape({n * G, T}).clamp_min(0).sqrt();
-      gn = gt.square().sum(1).sqrt();
-    }
+    const at::Tensor xn = position_norms(x3), gn = position_norms(g3);  // in double: see position_norms
     parts.push_back(rows_norms(x3, g3, xn, gn, method, dims, G, kept));
   }
   return finish(parts, x, method, dims, gemm_unit(acc));

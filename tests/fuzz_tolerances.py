@@ -84,15 +84,40 @@ def subnormal_step(dtype) -> float:
     return info.tiny * info.eps
 
 
+def underflow_margin(case: Case, T: int, d: int, p: int, sums) -> torch.Tensor:
+    """What csrc/exact.cpp's bound adds for the GEMMs' underflow, both methods at once, from
+    ``sums = (M, A1, B1)`` (test_exact.position_sums): ghost's ``√`` of the terms of ``E`` beyond
+    ``(γ_d + γ_p + γ_dγ_p)M²`` (which ``eps·P²`` covers), ``2M(κ_d(1+γ_p)B1 + κ_p(1+γ_d)A1) +
+    2κ_dκ_p(T·M + A1·B1)``, and instantiation's ``√(τ(A1+B1)√(dp)M) + (1+γ_T)√(2Tτ(T+1)(1+γ_T)√(dp)M)``;
+    τ the accumulation dtype's smallest normal, each with the proof's own slack (1 + w)(1 + 2^-40),
+    here 1 + 1e-9."""
+    if T == 1:
+        return torch.zeros_like(sums[0])
+    u = acc_unit(case.dtype)
+    tau = torch.finfo(F64 if case.dtype == F64 else F32).tiny
+    M, A1, B1 = (t * (1 + 1e-9) for t in sums)
+    gd, gp, gT = gamma(d, u), gamma(p, u), gamma(T, u)
+
+    def kappa(k, g):
+        return tau * math.sqrt(k) + (1 + g) * 0.5 * math.sqrt(2 * k * tau * (k + 1) * (1 + g))
+
+    kd, kp = kappa(d, gd), kappa(p, gp)
+    ghost = (2 * M * (kd * (1 + gp) * B1 + kp * (1 + gd) * A1) + 2 * kd * kp * (T * M + A1 * B1)).sqrt()
+    root_dp = math.sqrt(d * p)
+    inst = (tau * (A1 + B1) * root_dp * M).sqrt() + (1 + gT) * (2 * T * tau * (T + 1) * (1 + gT) * root_dp * M).sqrt()
+    return (ghost + inst) * (1 + 1e-9)
+
+
 def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Tensor,
-                pX: torch.Tensor) -> torch.Tensor:
+                pX: torch.Tensor, sums) -> torch.Tensor:
     """How far a Linear/Conv2d norm bound may exceed the exact norm ``n``, from the proof in
     csrc/exact.cpp (both methods at once): the computed ``sq ≤ (n + γ_T(u)P)² + eps·P²`` (instantiation;
     ghost: ``eps = e1 + γ_{T²}(v)(1 + e1)``), times ``grow``, plus ``eps·P²`` and ``κ·P``
     (``κ = γ_T(u) + γ_T(v) + r``, r the rounding toward zero of c·g to the accumulation dtype), and the
     subnormal term ``2K·q·√p·X`` (K = 2^60, q the accumulation dtype's subnormal step; ``pX`` is
     ``√p·X``); the layer's spread is at most ours inflated by ``2γ_{d+p+T+4}(u)``.
-    So ``bound ≤ √grow·(n + (γ_T(u) + √(2 eps))·P') + κ·P' + 2Kq·pX``."""
+    So ``bound ≤ √grow·(n + (γ_T(u) + √(2 eps))·P') + κ·P' + 2Kq·pX``, plus the GEMMs' underflow
+    terms (:func:`underflow_margin`)."""
     u = acc_unit(case.dtype)
     acc = F64 if case.dtype == F64 else F32
     r = RZ[acc]
@@ -103,7 +128,7 @@ def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Te
     Pp = P * (1 + 2 * gamma(d + p + T + 4, u)) * (1 + 4 * V)
     subnormal = 2.0 * 2.0 ** 60 * subnormal_step(acc) * pX * (1 + 4 * gamma(d + p + T + 4, u))
     relative = (math.sqrt(grow) * (gamma(T, u) + math.sqrt(2 * eps)) + kappa) * Pp
-    return (math.sqrt(grow) - 1) * n + relative + subnormal
+    return (math.sqrt(grow) - 1) * n + relative + subnormal + underflow_margin(case, T, d, p, sums)
 
 
 def dense_margin(terms: int, n: torch.Tensor) -> torch.Tensor:

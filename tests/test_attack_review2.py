@@ -3,7 +3,7 @@ read-only budget, the pickling refusals, the criterion probe's random labels, th
 
 Breaches are measured as issue 24 did: the difference of two releases with one explicit noise seed
 on D and on D minus example 0, sampling rate 1, sum loss, read in float64, against C. A test marked
-``xfail(strict=True)`` is a breach not fixed here (its reason names the root cause).
+``xfail(strict=True)`` would be a breach not fixed (none is now).
 """
 
 from __future__ import annotations
@@ -68,16 +68,12 @@ def test_instantiated_norms_of_underflowing_inputs_keep_the_bound(clipping):
     assert _removal(clipping, "instantiate") <= 1 + 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "csrc/exact.cpp rows_norms (ghost): the Gram entries <x_s, x_t> are fp32 GEMMs; with inputs 1e-24 they "
-    "underflow to 0 while <g_s, g_t> is 1e38, so sq = 0, and the position norms (fp32 for T > 1) underflow "
-    "too, so the spread P and X that carry the margins are 0: the bound is 0, the factor 1, and example 0 "
-    "moves the release by 52.4·C (any C below its norm 0.0524). The proof's Gram error gamma_d ||x_s|| "
-    "||x_t|| holds only without underflow; the fix needs position norms in double and an absolute "
-    "underflow term (per Gram entry <= 2d·2^-126 with FTZ, times the other Gram: 2^-125 (d G1² + p X1²), "
-    "G1 = Σ_t ||g_t||) under the root"))
 @pytest.mark.parametrize("clipping", ["per_layer", "flat"])
 def test_ghost_norms_of_underflowing_gram_entries_keep_the_bound(clipping):
+    """The breach found: the Gram entries <x_s, x_t> are fp32 GEMMs; with inputs 1e-24 they underflowed
+    to 0 while <g_s, g_t> was 1e38, so sq = 0, and the fp32 position norms underflowed too, so the
+    spread P and X were 0: bound 0, factor 1, and example 0 moved the release by 52.4·C. Fixed in
+    csrc/exact.cpp: position norms in double and the GEMMs' underflow in the bound (its file comment)."""
     move = _removal(clipping, "auto")
     assert move <= 1 + 1e-5, f"removing example 0 moved the release by {move:.4g}·C"
 

@@ -162,6 +162,20 @@ def spread(layer, x, g):
     return (gg.norm(dim=2) * (u.pow(2).sum(2) + 1).sqrt()).sum((1, 2))
 
 
+def position_sums(layer, x, g):
+    """``(M, A1, B1)`` per example: ``Σ_t ‖x_t‖‖g_t‖``, ``Σ_t ‖x_t‖``, ``Σ_t ‖g_t‖`` over the positions of
+    :func:`spread` (weight rows only, no bias 1): what csrc/exact.cpp's underflow terms are built from."""
+    if isinstance(layer, nn.Linear):
+        xn = x.reshape(x.shape[0], -1, x.shape[-1]).norm(dim=2)
+        gn = g.reshape(g.shape[0], -1, g.shape[-1]).norm(dim=2)
+        return (xn * gn).sum(1), xn.sum(1), gn.sum(1)
+    groups = layer.groups
+    u = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+    xn = u.reshape(x.shape[0], groups, -1, u.shape[-1]).norm(dim=2)
+    gn = g.reshape(g.shape[0], groups, -1, g.shape[-2] * g.shape[-1]).norm(dim=2)
+    return (xn * gn).sum((1, 2)), xn.sum((1, 2)), gn.sum((1, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", [("linear", "2d"), ("linear", "T4"), ("conv", "mixed")],
                          ids=lambda c: f"{c[0]}-{c[1]}")
