@@ -205,7 +205,8 @@ struct Dims {
 at::Tensor position_norms(const at::Tensor& a) { return at::linalg_vector_norm(a, 2, {2}, false, at::kDouble); }
 
 // Relative slack for sums of n non-negative double terms (and a few operations more) evaluated in
-// double: an upper bound stays one after multiplying by it.
+// double: an upper bound stays one after multiplying by it. Applied to the sums over positions of
+// the position norms, with n covering both (T positions, rows of d or p squares).
 double sum_slack(int64_t n) { return 1.0 + 2.0 * gamma_k(static_cast<double>(n + 4), kV); }
 
 // P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) and X = sum_t sqrt(||x_t||^2 [W] + [b]) per row, in
@@ -214,7 +215,7 @@ double sum_slack(int64_t n) { return 1.0 + 2.0 * gamma_k(static_cast<double>(n +
 std::pair<at::Tensor, at::Tensor> spread(const at::Tensor& xn, const at::Tensor& gn, const Dims& dims) {
   const at::Tensor x2 = dims.weight ? xn.square() : at::zeros_like(xn);
   const at::Tensor rows = (dims.bias ? x2 + 1.0 : x2).sqrt();
-  const double slack = sum_slack(dims.T);
+  const double slack = sum_slack(dims.T + dims.d + dims.p);  // the norms' own sums of d or p squares too
   return {(rows * gn).sum(1) * slack, rows.sum(1) * slack};
 }
 
@@ -226,7 +227,7 @@ std::pair<at::Tensor, at::Tensor> spread(const at::Tensor& xn, const at::Tensor&
 // relative part gamma_T(u) M is in kappa P).
 std::pair<at::Tensor, at::Tensor> gemm_errors(const at::Tensor& xn, const at::Tensor& gn, Method method,
                                               const Dims& dims) {
-  const double slack = sum_slack(dims.T);
+  const double slack = sum_slack(dims.T + dims.d + dims.p);  // the norms' own sums of d or p squares too
   const at::Tensor M = (xn * gn).sum(1) * slack, A1 = xn.sum(1) * slack, B1 = gn.sum(1) * slack;
   const double d = static_cast<double>(dims.d), p = static_cast<double>(dims.p), T = static_cast<double>(dims.T);
   const double tau = dims.tau, out_slack = 1.0 + 0x1p-40;  // out_slack: the few roundings of these formulas
@@ -379,6 +380,21 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   return finish(parts, x, method, dims, gemm_unit(acc));
 }
 
+// ||U_{gamma,t}|| per (example, group) row and position, [n G, T], in double (see position_norms):
+// window sums of x^2 (exact squares in double) over the zero-padded input by an average pool with
+// divisor 1, summed over the group's channels: a pass over x, not over the kh kw times larger
+// patches (their double norms tripled the norms op's time on the MNIST net). Dilated windows,
+// which pooling does not take, are normed from the patches x3 [n G, T, d].
+at::Tensor patch_norms(const at::Tensor& xa, int64_t groups, at::IntArrayRef k, at::IntArrayRef stride,
+                       at::IntArrayRef padding, at::IntArrayRef dilation, const at::Tensor& x3) {
+  if (dilation[0] != 1 || dilation[1] != 1) return position_norms(x3);
+  at::Tensor sq = xa.to(at::kDouble).square();
+  if (padding[0] || padding[1]) sq = at::constant_pad_nd(sq, {padding[1], padding[1], padding[0], padding[0]}, 0);
+  const at::Tensor windows = at::avg_pool2d(sq, k, stride, {0, 0}, false, true, 1);  // [n, C, Ho, Wo] sums
+  const int64_t n = xa.size(0);
+  return windows.reshape({n * groups, xa.size(1) / groups, -1}).sum(1).sqrt();
+}
+
 // The zero-padded patches as [n, C_in kh kw, T] (im2col's layout: channel-major, so channel group
 // gamma's rows are one block of d), by one strided view of the padded input and one copy: ATen's
 // CPU im2col loops over the examples and measured 50x slower than this copy on the MNIST net.
@@ -428,7 +444,8 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
     const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
     const at::Tensor g3 = gt.transpose(1, 2);
-    const at::Tensor xn = position_norms(x3), gn = position_norms(g3);  // in double: see position_norms
+    const at::Tensor xn = patch_norms(xa, G, kernel_size, stride, padding, dilation, x3);
+    const at::Tensor gn = at::linalg_vector_norm(gt, 2, {1}, false, at::kDouble);  // in double: see position_norms
     parts.push_back(rows_norms(x3, g3, xn, gn, method, dims, G, kept));
   }
   return finish(parts, x, method, dims, gemm_unit(acc));
