@@ -18,9 +18,10 @@
 // matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u); tau: what
 // one GEMM operation may lose absolutely to underflow, 2^-126 for fp32 (the smallest normal: a
 // result flushed to zero, or a subnormal input read as zero, loses less), 2^-1022 for fp64).
-// The position norms a_t = ||x_t||, b_t = ||g_t|| are sums of squares in double (exact squares of
-// fp32 values, no underflow or overflow), and every sum of them below (P, X, M = sum_t a_t b_t,
-// A1 = sum_t a_t, B1 = sum_t b_t) is inflated by 1 + 2 gamma_{T+4}(v) for its own rounding.
+// The position norms a_t >= ||x_t||, b_t >= ||g_t|| are upper bounds (position_norms: exact double
+// sums of squares at T = 1, elsewhere accumulation-dtype sums inflated for their rounding and their
+// underflow), and every sum of them below (P, X, M = sum_t a_t b_t, A1 = sum_t a_t, B1 = sum_t b_t)
+// is computed in double and inflated by 1 + 2 gamma_{T+d+p+4}(v) for its own rounding.
 // * A dot product sum_e y_e z_e of length k in the GEMMs errs by <= gamma_k(u) sum |y_e z_e| + a
 //   part that underflow loses: a subnormal input read as 0 loses <= tau |other factor| (summed:
 //   <= tau sqrt(k) (||y|| + ||z||)); each of the k products and k additions whose result is flushed
@@ -135,6 +136,13 @@ double gemm_unit(at::ScalarType acc) {
 double rz_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-52 : 0x1p-23; }
 double subnormal_quantum(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1074 : 0x1p-149; }
 
+// Unit roundoff of the position norms' sums of squares: the accumulation dtype's, and TF32's wherever
+// cuDNN may run the fp32 convolution that gives the patch norms in TF32.
+double position_unit(const at::Tensor& x, at::ScalarType acc) {
+  if (acc == at::kDouble) return kV;
+  return x.is_cuda() ? 0x1p-11 : 0x1p-24;
+}
+
 // tau of the file comment: what one operation of the norms' GEMMs may lose absolutely to underflow,
 // allowing for flush-to-zero of results and denormals-are-zero of inputs (the smallest normal).
 double underflow_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1022 : 0x1p-126; }
@@ -197,12 +205,30 @@ struct Dims {
   double r_in;   // rounding of the release's inputs by TF32/bf16 arithmetic (release_input_unit)
 };
 
-// Per-position norms ||x_t||, ||g_t|| of [n, T, k] tensors -> [n, T], always sums of squares in
-// double: the squares of fp32 values are exact there and can neither overflow nor underflow, so the
-// terms the margins are built from (P, X, M, A1, B1 of the file comment) never vanish while the
-// values they bound do not (fp32 norms underflowed to 0 for entries near 1e-24, and a ghost bound
-// came out 0 for an example of norm 0.05). fp64 data: squares below 2^-1022 may underflow (clip.h).
-at::Tensor position_norms(const at::Tensor& a) { return at::linalg_vector_norm(a, 2, {2}, false, at::kDouble); }
+// Per-position norms ||a_t|| -> [n, T] double, from sums of k squares (over `dim` of a, or computed
+// by the caller as `sq`), as UPPER BOUNDS: what the margins need (P, X, M, A1, B1 of the file
+// comment), and what sq needs where it is built from them (T = 1).
+// * exact (T = 1, where sq = ||x||^2 ||g||^2 must be as exact as the sums of squares): in double,
+//   where the squares of fp32 values are exact and neither underflow nor overflow.
+// * otherwise from sums of squares in the accumulation dtype (cheap: no double copy of x or g,
+//   which cost the MNIST net a third of its step), made upper bounds: the k squares and the k
+//   additions round by u each (relative, <= gamma_{k+2}(u) in all) and each may lose < tau to
+//   underflow (flush-to-zero, or a subnormal entry read as zero: its square is < tau too), so
+//   ||a_t||^2 <= sq (1 + 2 gamma_{k+2}(u)) + 3 k tau. (fp32 sums of squares of entries near 1e-24
+//   underflowed to 0, and the ghost bound of an example of norm 0.05 came out 0.) A sum that
+//   overflows gives +Inf: the example's bound is then +Inf (the Range of the file comment).
+at::Tensor bounded_norms(const at::Tensor& sq, int64_t k, double u, double tau) {
+  const double grow = 1.0 + 2.0 * gamma_k(static_cast<double>(k + 2), u);
+  return (sq.to(at::kDouble) * grow + 3.0 * static_cast<double>(k) * tau).sqrt();
+}
+
+at::Tensor position_norms(const at::Tensor& a, int64_t dim, bool exact, double u, double tau) {
+  if (exact) {
+    const at::Tensor d = a.to(at::kDouble);
+    return (d * d).sum(dim).sqrt();  // (linalg_vector_norm with a double dtype took 20x longer on CPU)
+  }
+  return bounded_norms((a * a).sum(dim), a.size(dim), u, tau);
+}
 
 // Relative slack for sums of n non-negative double terms (and a few operations more) evaluated in
 // double: an upper bound stays one after multiplying by it. Applied to the sums over positions of
@@ -375,24 +401,24 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
-    parts.push_back(rows_norms(xc, gc, position_norms(xc), position_norms(gc), method, dims, 1, kept));
+    const double up = position_unit(xc, acc);
+    parts.push_back(rows_norms(xc, gc, position_norms(xc, 2, T == 1, up, dims.tau),
+                               position_norms(gc, 2, T == 1, up, dims.tau), method, dims, 1, kept));
   }
   return finish(parts, x, method, dims, gemm_unit(acc));
 }
 
-// ||U_{gamma,t}|| per (example, group) row and position, [n G, T], in double (see position_norms):
-// window sums of x^2 (exact squares in double) over the zero-padded input by an average pool with
-// divisor 1, summed over the group's channels: a pass over x, not over the kh kw times larger
-// patches (their double norms tripled the norms op's time on the MNIST net). Dilated windows,
-// which pooling does not take, are normed from the patches x3 [n G, T, d].
+// ||U_{gamma,t}|| per (example, group) row and position, [n G, T] (see position_norms): at T = 1
+// exactly, in double over the patches x3 [n G, T, d]; otherwise without reading the patches, by the
+// convolution of x^2 with a ones kernel (one output channel per group), made upper bounds.
 at::Tensor patch_norms(const at::Tensor& xa, int64_t groups, at::IntArrayRef k, at::IntArrayRef stride,
-                       at::IntArrayRef padding, at::IntArrayRef dilation, const at::Tensor& x3) {
-  if (dilation[0] != 1 || dilation[1] != 1) return position_norms(x3);
-  at::Tensor sq = xa.to(at::kDouble).square();
-  if (padding[0] || padding[1]) sq = at::constant_pad_nd(sq, {padding[1], padding[1], padding[0], padding[0]}, 0);
-  const at::Tensor windows = at::avg_pool2d(sq, k, stride, {0, 0}, false, true, 1);  // [n, C, Ho, Wo] sums
-  const int64_t n = xa.size(0);
-  return windows.reshape({n * groups, xa.size(1) / groups, -1}).sum(1).sqrt();
+                       at::IntArrayRef padding, at::IntArrayRef dilation, const at::Tensor& x3, double tau) {
+  const int64_t T = x3.size(1), d = x3.size(2), n = xa.size(0);
+  if (T == 1) return position_norms(x3, 2, true, 0.0, tau);
+  const at::Tensor ones = at::ones({groups, xa.size(1) / groups, k[0], k[1]}, xa.options());
+  const at::Tensor sq =
+      at::convolution(xa * xa, ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, groups).reshape({n * groups, T});
+  return bounded_norms(sq.clamp_min(0), d, position_unit(xa, xa.scalar_type()), tau);
 }
 
 // The zero-padded patches as [n, C_in kh kw, T] (im2col's layout: channel-major, so channel group
@@ -444,8 +470,8 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
     const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
     const at::Tensor g3 = gt.transpose(1, 2);
-    const at::Tensor xn = patch_norms(xa, G, kernel_size, stride, padding, dilation, x3);
-    const at::Tensor gn = at::linalg_vector_norm(gt, 2, {1}, false, at::kDouble);  // in double: see position_norms
+    const at::Tensor xn = patch_norms(xa, G, kernel_size, stride, padding, dilation, x3, dims.tau);
+    const at::Tensor gn = position_norms(gt, 1, T == 1, position_unit(xa, acc), dims.tau);
     parts.push_back(rows_norms(x3, g3, xn, gn, method, dims, G, kept));
   }
   return finish(parts, x, method, dims, gemm_unit(acc));

@@ -47,9 +47,9 @@ from bpclip_fast import nn as bnn
 from bpclip_fast import reference as ref
 
 import exact_oracle as eo
-from test_exact import per_example, position_sums, spread
+from test_exact import per_example, position_norms64, spread
 from fuzz_tolerances import (BF16, DTYPES, F16, F32, F64, RZ, UNIT, V, acc_unit, dense_margin, example_error,
-                             factor_change, gamma, norm_margin, positions, release_error, subnormal_step)
+                             bounded_terms, factor_change, gamma, norm_margin, positions, release_error, subnormal_step)
 
 KINDS = ("linear", "conv", "layer_norm", "group_norm", "embedding", "positional", "class_token")
 TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm,
@@ -450,8 +450,9 @@ def check(case: Case, removal: bool = True) -> dict:
             P = spread(copy.deepcopy(layer).double(), x, g)
             d, p = _dims(case)
             pX = spread(copy.deepcopy(layer).double(), x, torch.ones_like(g))  # √p·Σ_t ‖[x_t; 1]‖
-            sums = position_sums(copy.deepcopy(layer).double(), x, g)
-            margin = norm_margin(case, T, d, p, P, n, pX, sums)
+            xn, gn = position_norms64(copy.deepcopy(layer).double(), x.double(), g.double())
+            Pb, pXb, sums = bounded_terms(case, T, d, p, xn, gn)
+            margin = norm_margin(case, T, d, p, torch.maximum(P, Pb), n, torch.maximum(pX, pXb), sums)
             # the proof's bound is >= the exact norm with no exception (underflow included, csrc/exact.cpp):
             # only float64's own error in n, which sums <= T² + dp + 4 terms bounded by P², is allowed
             low = n - gamma(T * T + d * p + 4, V) * P

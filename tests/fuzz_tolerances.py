@@ -86,7 +86,7 @@ def subnormal_step(dtype) -> float:
 
 def underflow_margin(case: Case, T: int, d: int, p: int, sums) -> torch.Tensor:
     """What csrc/exact.cpp's bound adds for the GEMMs' underflow, both methods at once, from
-    ``sums = (M, A1, B1)`` (test_exact.position_sums): ghost's ``√`` of the terms of ``E`` beyond
+    ``sums = (M, A1, B1)`` (:func:`bounded_terms`): ghost's ``√`` of the terms of ``E`` beyond
     ``(γ_d + γ_p + γ_dγ_p)M²`` (which ``eps·P²`` covers), ``2M(κ_d(1+γ_p)B1 + κ_p(1+γ_d)A1) +
     2κ_dκ_p(T·M + A1·B1)``, and instantiation's ``√(τ(A1+B1)√(dp)M) + (1+γ_T)√(2Tτ(T+1)(1+γ_T)√(dp)M)``;
     τ the accumulation dtype's smallest normal, each with the proof's own slack (1 + w)(1 + 2^-40),
@@ -106,6 +106,23 @@ def underflow_margin(case: Case, T: int, d: int, p: int, sums) -> torch.Tensor:
     root_dp = math.sqrt(d * p)
     inst = (tau * (A1 + B1) * root_dp * M).sqrt() + (1 + gT) * (2 * T * tau * (T + 1) * (1 + gT) * root_dp * M).sqrt()
     return (ghost + inst) * (1 + 1e-9)
+
+
+def bounded_terms(case: Case, T: int, d: int, p: int, xn: torch.Tensor, gn: torch.Tensor):
+    """``(P, √p·X, (M, A1, B1))`` as csrc/exact.cpp builds them: from upper bounds of the position norms
+    (``xn``, ``gn``: exact float64, ``[n, positions]``), which where ``T > 1`` are the accumulation
+    dtype's sums of ``k`` squares inflated by ``1 + 2γ_{k+2}(u)`` plus ``3k·τ`` for underflow (τ its
+    smallest normal), and sums over the positions in double (here with the bias 1 always, and
+    ``1 + 1e-12`` for the code's own slack)."""
+    if T > 1:
+        acc = F64 if case.dtype == F64 else F32
+        u, tau = UNIT[acc], torch.finfo(acc).tiny
+        xn = (xn.square() * (1 + 2 * gamma(d + 2, u)) + 3 * d * tau).sqrt()
+        gn = (gn.square() * (1 + 2 * gamma(p + 2, u)) + 3 * p * tau).sqrt()
+    rows = (xn.square() + 1).sqrt()
+    slack = 1 + 1e-12
+    return ((gn * rows).sum(1) * slack, math.sqrt(p) * rows.sum(1) * slack,
+            ((xn * gn).sum(1) * slack, xn.sum(1) * slack, gn.sum(1) * slack))
 
 
 def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Tensor,
