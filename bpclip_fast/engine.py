@@ -424,6 +424,9 @@ class PrivacyEngine:
         self.module = self._prepare_distributed(module)
         self.optimizer = DPOptimizer(optimizer, self)
         self._prepare_budget(max_epsilon, delta)
+        if self.max_epsilon is None:  # nothing to cover (fixed for the engine's life): no per-layer call per forward
+            for st in self._steps_of:
+                st.budget = None
         self._made_private = True
         self._arm()
         return self.module, self.optimizer, self.data_loader
