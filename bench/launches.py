@@ -1,0 +1,301 @@
+"""Host cost of one training step: leaf ops with data work, host syncs, host time, against non-private.
+
+    python -m bench.launches                       # ViT, ResNet-20-GN, digits, MNIST, CIFAR-10 nets
+    python -m bench.launches --models vit --methods nonprivate,flat --ops   # + the op histogram
+
+On a GPU every leaf op that does data work is a kernel launch and every host sync a stall, and small
+and medium models are bound by those, not by FLOPs. Both can be counted on a CPU, and so can the
+Python time around them: this report measures them for each model and method in one process, at
+batch 2 on one thread, and prints each as a ratio to the non-private step of the same model.
+
+**One step** is what a training loop does per batch after the loader delivered it: ``zero_grad``,
+forward, loss, backward, ``optimizer.step()``. The batch is fetched outside the counted region (the
+loader's own work is not the step's). bpclip_fast's methods run through ``PrivacyEngine.make_private``
+(Poisson sampling at q = 1, so every batch is both examples; the mean loss), Opacus' through its own
+``make_private`` (``poisson_sampling=False``, the sum loss, as ``bench.step``), both with σ = 1 and
+clipping norm 1.
+
+**How an op is counted** (the step's ops as dispatched below autograd, by a ``TorchDispatchMode``,
+after warm-up steps; on a GPU each is one kernel launch):
+
+- composites (``linear``, ``cross_entropy_loss``) are already decomposed there, so they count
+  through the ops they run (``addmm``, ``_log_softmax``, ``nll_loss_forward``);
+- an ATen op with data work counts once; views (the schema returns an alias of an input: ``view``,
+  ``t``, ``slice``, ``expand``, ...), allocation and metadata ops (``empty*``, ``resize_``,
+  ``detach``, ``as_strided_``, ...) and syncs count zero;
+- an extension (``bpclip_fast::``) op counts once for its own kernel *plus* what its CPU
+  implementation calls: the innermost ATen events with data work and the extension ops (each once
+  more, with theirs), from ``torch.profiler`` events of another step. Where the CUDA implementation
+  is one fused kernel this over-counts, so the number never flatters the extension;
+- a *host sync* is ``_local_scalar_dense`` (``item``, ``bool``, ``int``, ``float`` of a tensor),
+  ``nonzero``, ``equal``/``allclose``, or a Python-level ``Tensor.tolist/numpy/cpu`` during the step
+  (patched for the counted step only).
+
+Host time is the median wall time of ``--reps`` steps at batch 2 with ``torch.set_num_threads(1)``,
+profiler off; at batch 2 almost all of it is Python and dispatch, which is what a GPU step waits on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+from bpclip_fast import models as bmodels
+
+SIGMA, CLIP, LR, BATCH = 1.0, 1.0, 0.01, 2
+
+MODELS = {  # name -> (factory, input shape, classes)
+    "vit": (lambda: bmodels.vit(), (1, 28, 28), 10),
+    "resnet20-gn": (lambda: bmodels.resnet20_gn(), (1, 28, 28), 10),
+    "digits": (lambda: bmodels.digits_net(), (1, 8, 8), 10),
+    "mnist": (lambda: bmodels.mnist_net(nn.Tanh), (1, 28, 28), 10),
+    "cifar10": (lambda: bmodels.cifar10_net(nn.Tanh), (3, 32, 32), 10),
+}
+METHODS = ("nonprivate", "backprop", "flat", "per_layer", "opacus_ghost", "opacus_hooks")
+
+_ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
+          "lift_fresh", "detach", "detach_", "result_type", "is_same_size", "sym_size", "sym_stride",
+          "sym_numel", "_has_compatible_shallow_copy_type", "is_nonzero", "item", "record_stream",
+          "_reshape_alias", "_unsafe_view", "contiguous", "reshape", "to", "_to_copy", "type_as",
+          "resolve_conj", "resolve_neg", "view_as", "expand_as", "flatten", "unflatten", "chunk",
+          "split", "unbind", "lift_fresh_copy", "as_strided_"}
+SYNCS = {"_local_scalar_dense", "nonzero", "equal", "allclose"}
+_PY_SYNCS = ("tolist", "numpy", "cpu")
+
+
+def _is_view(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return False
+    try:  # overloads returning a Tensor (``slice.str`` returns a str)
+        schemas = [s for s in (getattr(packet, o)._schema for o in packet.overloads())
+                   if s.returns and str(s.returns[0].type) == "Tensor"]
+    except Exception:  # noqa: BLE001 -- an op without introspectable overloads is counted
+        return False
+    return bool(schemas) and all(s.returns[0].alias_info is not None and not s.returns[0].alias_info.is_write
+                                 for s in schemas)
+
+
+_VIEW_CACHE: dict = {}
+
+
+def _kind(name: str) -> str | None:
+    """'ext', 'aten' (data work), 'sync', 'free' (views, allocation, metadata) or None (not an op)."""
+    ns, _, op = name.partition("::")
+    if ns == "bpclip_fast":
+        return "ext"
+    if ns != "aten":
+        return None
+    if op in SYNCS:
+        return "sync"
+    if op in _ALLOC:
+        return "free"
+    if op not in _VIEW_CACHE:
+        _VIEW_CACHE[op] = _is_view(op)
+    return "free" if _VIEW_CACHE[op] else "aten"
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every op dispatched below autograd (composites already decomposed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(f"{func.namespace}::{func.__name__.split('.')[0]}")
+        return func(*args, **(kwargs or {}))
+
+
+def inner_leaves(events) -> dict:
+    """Extension op name -> the ATen leaves with data work its CPU implementation calls, per call
+    (from profiler events: innermost ATen events under it, views/allocation/syncs excluded)."""
+    kinds = {id(e): _kind(e.name) for e in events}
+
+    def leaves(e) -> int:  # an extension op inside counts once plus its own leaves
+        n = 0
+        for c in e.cpu_children:
+            below, k = leaves(c), kinds.get(id(c))
+            n += below + 1 if k == "ext" else below if below or k != "aten" else 1
+        return n
+    per: dict = collections.defaultdict(list)
+    for e in events:
+        if kinds[id(e)] == "ext":
+            per[e.name].append(leaves(e))
+    return {k: max(v) for k, v in per.items()}
+
+
+def count(names, inner: dict) -> tuple[int, int, collections.Counter]:
+    """(leaf ops with data work, host syncs, histogram) of the dispatched op names of one step."""
+    ops, syncs, hist = 0, 0, collections.Counter()
+    for name in names:
+        k = _kind(name)
+        if k == "sync":
+            syncs += 1
+        elif k == "aten":
+            ops += 1
+            hist[name] += 1
+        elif k == "ext":
+            n = 1 + inner.get(name, 0)
+            ops += n
+            hist[name] += n
+    return ops, syncs, hist
+
+
+@contextlib.contextmanager
+def python_syncs(counter: list):
+    """Counts ``Tensor.tolist/numpy/cpu`` calls while active (they read device data on a GPU)."""
+    saved = {n: getattr(torch.Tensor, n) for n in _PY_SYNCS}
+
+    def wrap(orig):
+        def f(self, *a, **k):
+            counter[0] += 1
+            return orig(self, *a, **k)
+        return f
+    try:
+        for n, orig in saved.items():
+            setattr(torch.Tensor, n, wrap(orig))
+        yield
+    finally:
+        for n, orig in saved.items():
+            setattr(torch.Tensor, n, orig)
+
+
+def _data(name: str, seed: int):
+    _, shape, classes = MODELS[name]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((BATCH,) + shape, generator=gen), torch.randint(0, classes, (BATCH,), generator=gen)
+
+
+def build(method: str, name: str, seed: int = 0):
+    """(fetch, step): ``fetch()`` returns the next batch (uncounted), ``step(batch)`` trains on it."""
+    torch.manual_seed(seed)
+    model = MODELS[name][0]()
+    x, y = _data(name, seed)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
+    if method == "nonprivate":
+        opt, crit = torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss()
+    elif method in ("backprop", "flat", "per_layer"):
+        from bpclip_fast import PrivacyEngine
+        clip = (dict(input_clip=CLIP, grad_clip=CLIP) if method == "backprop"
+                else dict(clipping=method, max_grad_norm=CLIP))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
+                noise_multiplier=SIGMA, noise_seed=seed, **clip)
+        crit = nn.CrossEntropyLoss()
+    elif method in ("opacus_ghost", "opacus_hooks"):
+        from opacus import PrivacyEngine as OpacusEngine
+        warnings.filterwarnings("ignore")
+        crit = nn.CrossEntropyLoss(reduction="sum")
+        out = OpacusEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
+            criterion=crit, noise_multiplier=SIGMA, max_grad_norm=CLIP, loss_reduction="sum",
+            poisson_sampling=False, grad_sample_mode=method.split("_")[1])
+        if method == "opacus_ghost":  # its criterion runs both backward passes of ghost clipping
+            model, opt, crit, loader = out
+        else:
+            model, opt, loader = out
+    else:
+        raise ValueError(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
+    batches = iter(())
+
+    def fetch():
+        nonlocal batches
+        try:
+            return next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            return next(batches)
+
+    def step(batch):
+        xb, yb = batch
+        opt.zero_grad(set_to_none=True)
+        crit(model(xb), yb).backward()
+        opt.step()
+    return fetch, step
+
+
+def measure(method: str, name: str, reps: int, warmup: int) -> dict:
+    fetch, step = build(method, name)
+    for _ in range(warmup):
+        step(fetch())
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(fetch())
+    inner = inner_leaves(prof.events())
+    batch, py, mode = fetch(), [0], _Ops()
+    with mode, python_syncs(py):
+        step(batch)
+    ops, syncs, hist = count(mode.names, inner)
+    times = []
+    for _ in range(reps):
+        batch = fetch()
+        t0 = time.perf_counter()
+        step(batch)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"model": name, "method": method, "ops": ops, "syncs": syncs + py[0], "host_ms": statistics.median(times),
+            "hist": dict(hist.most_common())}
+
+
+def table(rows: list) -> str:
+    base = {r["model"]: r for r in rows if r["method"] == "nonprivate" and "error" not in r}
+    out = ["| model | method | leaf ops | ×np | syncs | host ms (b2, 1 thread) | ×np |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['method']} | — | | | {r['error'][:60]} | |")
+            continue
+        b = base.get(r["model"])
+        ro = f"{r['ops'] / b['ops']:.2f}" if b else ""
+        rt = f"{r['host_ms'] / b['host_ms']:.2f}" if b else ""
+        out.append(f"| {r['model']} | {r['method']} | {r['ops']} | {ro} | {r['syncs']} | {r['host_ms']:.2f} | {rt} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="vit,resnet20-gn,digits,mnist,cifar10")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--reps", type=int, default=30, help="timed steps per cell (median reported)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ops", action="store_true", help="print each cell's op histogram")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for name in a.models.split(","):
+        if name not in MODELS:
+            raise SystemExit(f"--models: unknown model {name!r} (one of {', '.join(MODELS)})")
+        for method in a.methods.split(","):
+            if method not in METHODS:
+                raise SystemExit(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
+            try:
+                r = measure(method, name, a.reps, a.warmup)
+            except Exception as exc:  # noqa: BLE001 -- a method that cannot train this model is a table cell
+                r = {"model": name, "method": method, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            rows.append(r)
+            if a.ops and "hist" in r:
+                print(f"# {name} {method}: " + ", ".join(f"{k.split('::')[1]} {v}" for k, v in r["hist"].items()),
+                      file=sys.stderr)
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

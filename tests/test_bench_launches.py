@@ -1,0 +1,53 @@
+"""The host-cost report's counting rules (bench/launches.py) on steps whose ops are known."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import launches  # noqa: E402
+
+
+def _counted(fn, inner=None):
+    mode, py = launches._Ops(), [0]
+    with mode, launches.python_syncs(py):
+        fn()
+    ops, syncs, hist = launches.count(mode.names, inner or {})
+    return ops, syncs + py[0], hist
+
+
+def test_views_and_allocations_are_free_and_data_work_counts_once():
+    x = torch.randn(4, 3)
+    ops, syncs, hist = _counted(lambda: (x[:, :2].t().unsqueeze(0).expand(2, 2, 4) * 2.0).sum())
+    assert (ops, syncs) == (2, 0)
+    assert set(hist) == {"aten::mul", "aten::sum"}
+    ops, _, hist = _counted(lambda: (torch.empty(5), x.detach(), x.t().contiguous()))
+    assert (ops, dict(hist)) == (1, {"aten::clone": 1})  # the transposed copy is one kernel
+
+
+def test_every_kind_of_host_sync_counts_once():
+    x = torch.randn(4, 3)
+    steps = [lambda: x.sum().item(), lambda: bool((x > 0).all()), lambda: x.nonzero(),
+             lambda: torch.equal(x, x), lambda: x.tolist(), lambda: x.numpy(), lambda: x.cpu()]
+    for step in steps:
+        assert _counted(step)[1] == 1
+    assert _counted(lambda: x.sum() * 2)[1] == 0
+
+
+def test_an_extension_op_counts_its_own_kernel_and_what_it_calls():
+    from bpclip_fast import _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    x, factor = torch.randn(4, 3), torch.rand(4)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ops.bpclip_fast.scale_rows(x, factor)
+    inner = launches.inner_leaves(prof.events())
+    ops, _, hist = _counted(lambda: torch.ops.bpclip_fast.scale_rows(x, factor), inner)
+    assert ops == 1 + inner.get("bpclip_fast::scale_rows", 0) == hist["bpclip_fast::scale_rows"]
