@@ -164,6 +164,7 @@ class LayerStep:
         self._produced: dict[int, tuple] = {}      # param index -> record of what our backward returned
         self._nodes = []
         self._handles = []
+        self._ours = frozenset()  # ids of our hook handles (foreign hooks are any others)
         self._hooked = None
         self._draws = 0           # draws of this step handed out so far (take_draw)
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
@@ -174,7 +175,13 @@ class LayerStep:
     # ------------------------------------------------------------------ parameters and hooks
     @property
     def params(self):
-        return [p for p in (self.layer.weight, self.layer.bias) if p is not None]
+        # Read through the module's parameter dict: Module.__getattr__ made this property a tenth
+        # of the host time of a ViT step (it is asked ~20 times per layer per step). A weight that
+        # is no longer a registered parameter is read as an attribute, as before.
+        ps = self.layer._parameters
+        w = ps["weight"] if "weight" in ps else self.layer.weight
+        b = ps["bias"] if "bias" in ps else getattr(self.layer, "bias", None)
+        return [w] if b is None else [w, b]
 
     def _trainable(self):
         return tuple(p.requires_grad for p in self.params)
@@ -194,11 +201,12 @@ class LayerStep:
             self._handles.append(p.register_hook(self._make_tensorhook(i, node)))
             self._handles.append(node.register_prehook(self._make_prehook(i)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_posthook(i)))
+        self._ours = frozenset(h.id for h in self._handles)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
-        self._handles, self._nodes = [], []
+        self._handles, self._nodes, self._ours = [], [], frozenset()
 
     def _make_tensorhook(self, i, node):
         """Runs whenever this parameter's gradient is computed. If it is not going to be accumulated
@@ -254,14 +262,13 @@ class LayerStep:
         """Parameters carrying gradient hooks other than ours: a tensor hook or a post-accumulate hook
         can rewrite the gradient where our records cannot see it (one registered before ours runs
         first, and we would record its result as the layer's own)."""
-        return [self._param_name(i) for i in range(len(self.params)) if self._foreign_hooks_on(i)]
+        return [self._param_name(i) for i, p in enumerate(self.params) if self._foreign_hooks_on(i, p)]
 
-    def _foreign_hooks_on(self, i) -> bool:
-        ours = {h.id for h in self._handles}
-        p = self.params[i]
-        hooks = list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).keys())
-        hooks += list((getattr(p, "_backward_hooks", None) or {}).keys())
-        return any(k not in ours for k in hooks)
+    def _foreign_hooks_on(self, i, p=None) -> bool:
+        p = self.params[i] if p is None else p
+        ours = self._ours
+        return (any(k not in ours for k in (getattr(p, "_post_accumulate_grad_hooks", None) or ()))
+                or any(k not in ours for k in (getattr(p, "_backward_hooks", None) or ())))
 
     def _make_posthook(self, i):
         def posthook(p):

@@ -104,8 +104,11 @@ class _Collector(torch.autograd.Function):
     def forward(ctx, group, holder, *params):
         ctx.group, ctx.holder = group, holder
         ctx.set_materialize_grads(False)
-        device = params[0].device
-        return tuple(torch.zeros((), device=device) for _ in group.layers)
+        # One buffer, one view per layer: a launch per forward, not per layer. The tokens carry no
+        # data (the layers ignore their values and return no gradient for them: None, which
+        # set_materialize_grads(False) lets through; this backward runs all the same).
+        zeros = torch.zeros(len(group.layers), device=params[0].device)
+        return tuple(zeros[i] for i in range(len(group.layers)))
 
     @staticmethod
     @once_differentiable
@@ -326,8 +329,8 @@ class _ExactLayer(torch.autograd.Function):
         bound, kept = _norms(layer, x, g, geometry, mask)
         held = (None, None) if kept is not None else (x, g)
         out = _clip(layer, book, bound, held, kept, step_args, geometry, x.dtype)
-        if out is None:
-            return gx, None, None, torch.zeros((), device=g.device), None, None, None, None
+        if out is None:  # flat: the collector releases the gradients; the token's gradient is not read
+            return gx, None, None, None, None, None, None, None
         return gx, *out, None, None, None, None, None
 
 
@@ -394,8 +397,8 @@ EXAMPLES = "examples"  # the geometry of an entry whose ``kept`` is a per-exampl
 
 
 def _grow(terms: int) -> float:
-    """``1 + (n + 4)·2^-52`` for ``n`` summed squares: covers the double sum and the two roundings
-    of ``√(sq·grow)`` (see :class:`DenseExamples`). Exact in double for ``n < 2^40``."""
+    """``1 + (n + 4)·2^-52`` for ``n`` summed squares: covers the double sum and the roundings of
+    the root and the product by ``√grow`` (see :class:`DenseExamples`). Exact in double for ``n < 2^40``."""
     return 1.0 + (terms + 4) * 2.0 ** -52
 
 
@@ -405,12 +408,13 @@ class DenseExamples:
     rounding after the clipping). The release is ``Σ_i RZ(c_i·G_i)`` (summed in the accumulation
     dtype), the very values normed here, so the bound needs only the rounding of the norm:
 
-    The squares of fp32/bf16/fp16 entries are exact in double (an fp64 square rounds once, ``≤ v``,
-    ``v = 2^-53``); a double sum of ``n`` non-negative terms, in any order, errs by at most
-    ``γ_{n-1}(v)`` of the exact sum ``s = ‖G_i‖²``, so ``s ≤ ŝ / (1 − γ_n(v))``. The bound is
-    computed as ``√(ŝ·grow)``: the product and the root each round by at most ``(1 − v)``, so the
-    computed bound is ``≥ √(ŝ·grow)·(1 − v)^{3/2} ≥ ‖G_i‖`` whenever
-    ``grow ≥ 1/((1 − γ_n(v))(1 − v)³)``; ``grow = 1 + 2(n + 4)v`` is (for ``nv < 2^-13``).
+    The norm is one ``linalg.vector_norm`` in double over the example's entries (weight and bias
+    side by side): its squares of fp32/bf16/fp16 entries are exact in double (an fp64 square rounds
+    once, ``≤ v``, ``v = 2^-53``); a double sum of ``n`` non-negative terms, in any order, errs by
+    at most ``γ_{n-1}(v)`` of the exact sum ``s = ‖G_i‖²``, so ``s ≤ ŝ / (1 − γ_n(v))``; its root
+    rounds once. The bound is that norm times ``r ≥ √grow`` (a double rounded up), which rounds
+    once more, so the computed bound is ``≥ √(ŝ·grow)·(1 − v)² ≥ ‖G_i‖`` whenever
+    ``grow ≥ 1/((1 − γ_n(v))(1 − v)⁴)``; ``grow = 1 + 2(n + 4)v`` is (for ``nv < 2^-13``).
     ``factors`` then gives ``c_i·bound ≤ C`` (clip_rows' proof) and ``|RZ(c_i g)| ≤ c_i|g|`` entrywise
     (``scale_rows``), so ``‖RZ(c_i·G_i)‖ ≤ C``: example ``i`` adds at most ``C`` to the release.
     A non-finite ``G_i`` has a non-finite bound, factor 0, and adds exact zeros.
@@ -423,9 +427,11 @@ class DenseExamples:
         parts = [t for t, m in zip((self.gw, self.gb), mask) if m and t is not None]
         b = parts[0].shape[0]
         # explicit sizes, not reshape(b, -1): an empty (Poisson) batch has b = 0
-        sq = sum(t.reshape(b, math.prod(t.shape[1:])).double().square().sum(1) for t in parts)
-        terms = sum(math.prod(t.shape[1:]) for t in parts)
-        return (sq * _grow(terms)).sqrt()
+        rows = [t.reshape(b, math.prod(t.shape[1:])) for t in parts]
+        rows = rows[0] if len(rows) == 1 else torch.cat(rows, 1)
+        # three launches whatever the layer (the squares, sum and root in one, the upcast inside it)
+        norm = torch.linalg.vector_norm(rows, 2, dim=1, dtype=torch.float64)
+        return norm * math.nextafter(math.sqrt(_grow(rows.shape[1])), math.inf)
 
     def release(self, factor, mask):
         return tuple(_ops.scale_rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), factor)
@@ -439,7 +445,8 @@ class RowExamples:
     index equality: no ``[B, V, D]`` tensor). ``‖G_i‖² = Σ_{k of i} ‖row_k‖²``; the release is
     ``Σ_k RZ(c_{example[k]}·row_k)`` into table row ``index[k]``, which holds example ``i``'s rows and
     nothing else of it, so :class:`DenseExamples`' proof applies with ``n = D·(positions of i)``
-    (rows rounded to the table's dtype first, as there)."""
+    (rows rounded to the table's dtype first, as there; the bound here is ``√(ŝ·grow)``, whose
+    product and root round three times, fewer than the four that ``grow`` allows for)."""
 
     def __init__(self, rows, example, index, batch, positions, num_embeddings, dtype):
         self.rows, self.example, self.index = rows.to(dtype), example, index
@@ -518,8 +525,8 @@ class _Tap(torch.autograd.Function):
         examples = layer._examples(saved, g, mask)
         bound = examples.bound(mask)
         out = _clip(layer, book, bound, (None, None), examples, step_args, EXAMPLES, ctx.dtype)
-        if out is None:
-            return grad_out, None, None, torch.zeros((), device=g.device), *nones[1:]
+        if out is None:  # flat: as _ExactLayer
+            return grad_out, None, None, *nones
         return grad_out, *out, *nones
 
 
