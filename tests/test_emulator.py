@@ -103,8 +103,14 @@ def test_clip_rows_backward(sim, request, shape, dtype, clip_fn):
     assert harness.compare_clip_rows_backward(sim, x, g, clip_fn, _bound_between_norms(x, "l2")) == []
 
 
+# Lengths for the kernel's paths: under one group (n < 8), one group, a partial last group; one warp
+# tile (32 groups, 256 elements) exactly, one past it and a group past it; several tiles plus a tail
+# of whole groups (1024 + 8) and of a partial group; many tiles (40001: the grid strides).
+NOISE_LENGTHS = [1, 3, 4, 5, 7, 8, 256, 257, 264, 1023, 1025, 1032, 4 * 256 + 1, 40001]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 1023, 1025, 4 * 256 + 1, 40001])
+@pytest.mark.parametrize("n", NOISE_LENGTHS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
 def test_philox_noise_matches_cpu_bit_for_bit(sim, request, n, dtype, accumulate):
     _schedule(sim, request)
@@ -112,12 +118,28 @@ def test_philox_noise_matches_cpu_bit_for_bit(sim, request, n, dtype, accumulate
                                  accumulate=accumulate) == []
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("misalign", [1, 3])
+@pytest.mark.parametrize("n", [6, 300, 2063])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_philox_noise_misaligned_view(sim, request, n, dtype, misalign, accumulate):
+    # A view that starts 1 or 3 elements into its storage (t[1:], t[3:]): its pointer is not
+    # 16-byte aligned for any dtype, so 16-byte accesses would fault on a GPU; the stream is still
+    # indexed from the view's first element, and nothing before or after the view is touched.
+    _schedule(sim, request)
+    assert harness.compare_noise(sim, n, dtype, seed=5 + n, offset=(3 << 32) | 9, std=1.7, accumulate=accumulate,
+                                 misalign=misalign) == []
+
+
 @pytest.mark.parametrize("blocks,threads", [(1, 32), (3, 64), (2, 256)])
-def test_philox_noise_grid_stride_loop(sim, request, blocks, threads):
+@pytest.mark.parametrize("dtype,misalign", [(torch.float32, 0), (torch.float32, 1), (torch.float16, 0),
+                                            (torch.float64, 1)], ids=["f32", "f32-misaligned", "f16", "f64-misaligned"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_philox_noise_grid_stride_loop(sim, request, blocks, threads, dtype, misalign, accumulate):
     # Grids far smaller than the buffer: every thread strides over several counter blocks.
     _schedule(sim, request)
-    assert harness.compare_noise(sim, 10007, torch.float32, seed=11, offset=1, std=1.0, accumulate=False,
-                                 blocks=blocks, threads=threads) == []
+    assert harness.compare_noise(sim, 10007, dtype, seed=11, offset=1, std=1.0, accumulate=accumulate,
+                                 blocks=blocks, threads=threads, misalign=misalign) == []
 
 
 # norm_affine_example_grads. LayerNorm [B, T, D]: T at, one past and well past the 64-row chunk

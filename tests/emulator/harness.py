@@ -340,18 +340,23 @@ def compare_clip_rows_backward(sim: Simt, x: torch.Tensor, g: torch.Tensor, clip
 
 
 def compare_noise(sim: Simt, n: int, dtype, seed: int, offset: int, std: float, accumulate: bool, blocks: int = 0,
-                  threads: int = 256):
-    """Emulated philox_noise_ vs the CPU op: bit-identical, and nothing written past n."""
+                  threads: int = 256, misalign: int = 0):
+    """Emulated philox_noise_ vs the CPU op: bit-identical, and nothing written outside the n
+    elements. ``misalign``: the view starts that many elements into its buffer (a slice, as
+    ``t[k:]`` gives), so its pointer is not 16-byte aligned unless misalign * itemsize is."""
     start = torch.linspace(-3, 3, n, dtype=torch.float32).to(dtype) if accumulate else None
     fill = 7.0
-    buf, view = guarded(n, dtype, fill)
+    buf = torch.full((misalign + n + GUARD,), fill, dtype=dtype)
+    view = buf[misalign:misalign + n]
     if accumulate:
         view.copy_(start)
     sim.philox_noise(view, n, seed, offset, std, accumulate, blocks, threads)
     ref = start.clone() if accumulate else torch.empty(n, dtype=dtype)
     torch.ops.bpclip_fast.philox_noise_(ref, seed, offset, std, accumulate)
     problems = []
-    if not _guard_intact(buf, n, fill):
+    if not bool((buf[:misalign] == fill).all()):
+        problems.append("noise written before the start of the buffer")
+    if not _guard_intact(buf[misalign:], n, fill):
         problems.append("noise written past the end of the buffer")
     if not torch.equal(_bits(view), _bits(ref)):
         problems.append(f"noise differs at {(view != ref).sum().item()} of {n} elements")
@@ -446,9 +451,12 @@ def sweep(sim: Simt) -> list[str]:
             problems += [f"backward {dtype} {shape}: {p}" for p in compare_clip_rows_backward(sim, xg, g, "clip", bound)]
         x = torch.randn((3, 40, 9, 13), generator=gen).to(dtype)
         problems += [f"clip_rows l15 {dtype}: {p}" for p in compare_clip_rows(sim, x, "l15", "clip", 30.0)]
-        for n, blocks in ((1001, 0), (4099, 3)):
-            problems += [f"noise {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks)]
-            problems += [f"noise+ {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks)]
+        for n, blocks, mis in ((1001, 0, 0), (4099, 3, 0), (2063, 0, 1)):
+            label = f"{dtype} n={n} misalign={mis}"
+            problems += [f"noise {label}: {p}"
+                         for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks, misalign=mis)]
+            problems += [f"noise+ {label}: {p}"
+                         for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks, misalign=mis)]
         for shape, ln, groups in (((3, 70, 33), True, 1), ((2, 5, 9), True, 1), ((2, 6, 4097), False, 3),
                                   ((9, 4, 5), False, 2)):
             g = torch.randn(shape, generator=gen).to(dtype)
