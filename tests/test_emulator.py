@@ -103,8 +103,14 @@ def test_clip_rows_backward(sim, request, shape, dtype, clip_fn):
     assert harness.compare_clip_rows_backward(sim, x, g, clip_fn, _bound_between_norms(x, "l2")) == []
 
 
+# Lengths for the kernel's paths: under one group (n < 8), one group, a partial last group; one warp
+# tile (32 groups, 256 elements) exactly, one past it and a group past it; several tiles plus a tail
+# of whole groups (1024 + 8) and of a partial group; many tiles (40001: the grid strides).
+NOISE_LENGTHS = [1, 3, 4, 5, 7, 8, 256, 257, 264, 1023, 1025, 1032, 4 * 256 + 1, 40001]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 1023, 1025, 4 * 256 + 1, 40001])
+@pytest.mark.parametrize("n", NOISE_LENGTHS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
 def test_philox_noise_matches_cpu_bit_for_bit(sim, request, n, dtype, accumulate):
     _schedule(sim, request)
@@ -112,12 +118,62 @@ def test_philox_noise_matches_cpu_bit_for_bit(sim, request, n, dtype, accumulate
                                  accumulate=accumulate) == []
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("misalign", [1, 3])
+@pytest.mark.parametrize("n", [6, 300, 2063])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_philox_noise_misaligned_view(sim, request, n, dtype, misalign, accumulate):
+    # A view that starts 1 or 3 elements into its storage (t[1:], t[3:]): its pointer is not
+    # 16-byte aligned for any dtype, so 16-byte accesses would fault on a GPU; the stream is still
+    # indexed from the view's first element, and nothing before or after the view is touched.
+    _schedule(sim, request)
+    assert harness.compare_noise(sim, n, dtype, seed=5 + n, offset=(3 << 32) | 9, std=1.7, accumulate=accumulate,
+                                 misalign=misalign) == []
+
+
 @pytest.mark.parametrize("blocks,threads", [(1, 32), (3, 64), (2, 256)])
-def test_philox_noise_grid_stride_loop(sim, request, blocks, threads):
+@pytest.mark.parametrize("dtype,misalign", [(torch.float32, 0), (torch.float32, 1), (torch.float16, 0),
+                                            (torch.float64, 1)], ids=["f32", "f32-misaligned", "f16", "f64-misaligned"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_philox_noise_grid_stride_loop(sim, request, blocks, threads, dtype, misalign, accumulate):
     # Grids far smaller than the buffer: every thread strides over several counter blocks.
     _schedule(sim, request)
-    assert harness.compare_noise(sim, 10007, torch.float32, seed=11, offset=1, std=1.0, accumulate=False,
-                                 blocks=blocks, threads=threads) == []
+    assert harness.compare_noise(sim, 10007, dtype, seed=11, offset=1, std=1.0, accumulate=accumulate,
+                                 blocks=blocks, threads=threads, misalign=misalign) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_philox_noise_launcher_grid_on_a_one_sm_device(sim, request, dtype, accumulate):
+    # The launcher's own grid is one resident wave (8 blocks per SM): on a 1-SM device that is 64
+    # warps for 157 warp tiles, so the grid-stride loop runs 2 or 3 times per warp.
+    _schedule(sim, request)
+    assert harness.compare_noise(sim, 40001, dtype, seed=2**40 + 3, offset=17, std=0.6, accumulate=accumulate,
+                                 sm_count=1) == []
+
+
+def _noise_launches(sim):
+    """{(template arguments of philox_noise_kernel): launches} so far."""
+    out = {}
+    for name, (launches, _, _) in sim.stats().items():
+        if harness.kernel_base_name(name) == "philox_noise_kernel":
+            args = name.split("(")[0].split("<", 1)[1].rstrip(">")
+            out[args] = launches
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_philox_noise_packs_only_aligned_buffers(sim, dtype):
+    # The host tolerates the misaligned 16-byte accesses that would fault on a GPU, so the bit
+    # comparisons above cannot see a misaligned buffer sent to the packed variant: check the choice.
+    sim.schedule("in_order", 0)
+    for misalign, packed in ((0, "true"), (1, "false"), (3, "false")):
+        before = _noise_launches(sim)
+        assert harness.compare_noise(sim, 300, dtype, seed=1, offset=2, std=1.0, accumulate=False,
+                                     misalign=misalign) == []
+        after = _noise_launches(sim)
+        new = {args for args in after if after[args] != before.get(args, 0)}
+        assert len(new) == 1 and next(iter(new)).endswith(", false, " + packed), (misalign, new)
 
 
 # norm_affine_example_grads. LayerNorm [B, T, D]: T at, one past and well past the 64-row chunk
@@ -363,6 +419,13 @@ MUTANTS = {
                                       "const int64_t hi = lo + kScaleTile;\n  const fac_t f"),
     "half_rounds_toward_zero": ("dtypes.cuh", "return __float2half_rn(v);", "return __float2half_rz(v);"),
     "noise_writes_past_the_end": ("noise_kernels.cuh", "if (base + l >= n) break;", "if (base + l > n) break;"),
+    # The warp's regrouping of a tile through shared memory, without each of its three __syncwarp.
+    "noise_stage_read_before_all_lanes_wrote": ("noise_kernels.cuh",
+                                                "__syncwarp();  // every lane's group staged before", "//"),
+    "noise_stage_overwritten_before_read": ("noise_kernels.cuh", "__syncwarp();  // every slot read before", "//"),
+    "noise_old_values_read_before_staged": ("noise_kernels.cuh", "__syncwarp();  // the old values of", "//"),
+    "noise_last_partial_tile_packed": ("noise_kernels.cuh", "const int64_t tiles = n / kNoiseTile;",
+                                       "const int64_t tiles = (n + kNoiseTile - 1) / kNoiseTile;"),
     "affine_finalize_skips_last_chunk": ("norm_affine_kernels.cuh", "for (int64_t k = 0; k < K; ++k) s += p[k * O];",
                                          "for (int64_t k = 0; k + 1 < K; ++k) s += p[k * O];"),
     "gn_affine_wrong_group": ("norm_affine_kernels.cuh", "(o % D) / (D / G)", "(o % D) % G"),

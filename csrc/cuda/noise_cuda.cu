@@ -20,9 +20,10 @@ void philox_noise_cuda(at::Tensor& buf, int64_t seed, int64_t offset, double std
   const c10::cuda::CUDAGuard guard(buf.device());
   // The stream is indexed by the contiguous (row-major) position, whatever the strides of buf.
   at::Tensor work = buf.is_contiguous() ? buf : buf.contiguous();
+  const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, work.scalar_type(), "philox_noise_cuda", [&] {
     philox_noise_device(dev_ptr(work.mutable_data_ptr<scalar_t>()), n, static_cast<uint64_t>(seed),
-                        static_cast<uint64_t>(offset), static_cast<float>(stdv), accumulate);
+                        static_cast<uint64_t>(offset), static_cast<float>(stdv), accumulate, sm_count);
   });
   if (!work.is_same(buf)) buf.copy_(work);
 }

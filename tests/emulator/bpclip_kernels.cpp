@@ -107,15 +107,16 @@ int simt_clip_rows_backward(int dtype, const void* g, const void* xc, const void
   });
 }
 
-// blocks <= 0: the launcher's own grid (noise_launch.cuh); otherwise this grid, to exercise the
-// kernel's grid-stride loop on small buffers.
+// blocks <= 0: the launcher's own grid (noise_launch.cuh) for a device of sm_count multiprocessors;
+// otherwise this grid, to exercise the kernel's grid-stride loop on small buffers (the variant is
+// chosen by buf's alignment, as the launcher does).
 int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, int accumulate,
-                      int64_t blocks, int threads) {
+                      int64_t blocks, int threads, int sm_count) {
   return dispatch(dtype, [&]<typename T, typename fac_t>() {
     if (blocks <= 0) {
-      philox_noise_device<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0);
+      philox_noise_device<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0, sm_count);
     } else {
-      launch(philox_noise_kernel<T>, blocks, threads, static_cast<T*>(buf), n, seed, offset, stdv, accumulate);
+      launch_philox_noise<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0, blocks, threads);
     }
   });
 }

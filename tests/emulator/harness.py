@@ -37,6 +37,7 @@ KERNEL_SOURCES = ("simt.cpp", "bpclip_kernels.cpp")
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 CLIP_FNS = {"clip": 0, "global": 1, "normalize": 2}
 POLICIES = {"in_order": 0, "reverse": 1, "random": 2}
+H100_SMS = 132  # the launchers' grids are emulated as for this device unless a test says otherwise
 
 
 SESSION: list = []  # the emulator libraries the test session loaded (the first is summarised)
@@ -110,7 +111,8 @@ def global_kernels() -> set[str]:
     names = set()
     for p in CSRC_CUDA.iterdir():
         if p.suffix in (".cu", ".cuh"):
-            names |= set(re.findall(r"__global__\s+void\s+(\w+)", p.read_text()))
+            # (__launch_bounds__(...) may stand between the return type and the name)
+            names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", p.read_text()))
     return names
 
 
@@ -147,7 +149,7 @@ class Simt:
         lib.simt_clip_rows_backward.argtypes = [i32, vp, vp, vp, vp, i64, i64, dbl, i32, vp]
         lib.simt_scale_rows.argtypes = [i32, vp, vp, i64, i64, vp]
         lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
-        lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32]
+        lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32, i32]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
@@ -202,9 +204,10 @@ class Simt:
         self.call("simt_box_muller_probe", _ptr(w), w.shape[0], _ptr(out))
         return out
 
-    def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256):
+    def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256, sm_count=H100_SMS):
+        """blocks=0: the launcher's grid for a device of ``sm_count`` SMs; else that grid."""
         self.call("simt_philox_noise", DTYPES[buf.dtype], _ptr(buf), n, seed, offset, std, int(accumulate), blocks,
-                  threads)
+                  threads, sm_count)
 
 
 # ---- comparisons with the CPU ops --------------------------------------------------------------
@@ -340,18 +343,23 @@ def compare_clip_rows_backward(sim: Simt, x: torch.Tensor, g: torch.Tensor, clip
 
 
 def compare_noise(sim: Simt, n: int, dtype, seed: int, offset: int, std: float, accumulate: bool, blocks: int = 0,
-                  threads: int = 256):
-    """Emulated philox_noise_ vs the CPU op: bit-identical, and nothing written past n."""
+                  threads: int = 256, misalign: int = 0, sm_count: int = H100_SMS):
+    """Emulated philox_noise_ vs the CPU op: bit-identical, and nothing written outside the n
+    elements. ``misalign``: the view starts that many elements into its buffer (a slice, as
+    ``t[k:]`` gives), so its pointer is not 16-byte aligned unless misalign * itemsize is."""
     start = torch.linspace(-3, 3, n, dtype=torch.float32).to(dtype) if accumulate else None
     fill = 7.0
-    buf, view = guarded(n, dtype, fill)
+    buf = torch.full((misalign + n + GUARD,), fill, dtype=dtype)
+    view = buf[misalign:misalign + n]
     if accumulate:
         view.copy_(start)
-    sim.philox_noise(view, n, seed, offset, std, accumulate, blocks, threads)
+    sim.philox_noise(view, n, seed, offset, std, accumulate, blocks, threads, sm_count)
     ref = start.clone() if accumulate else torch.empty(n, dtype=dtype)
     torch.ops.bpclip_fast.philox_noise_(ref, seed, offset, std, accumulate)
     problems = []
-    if not _guard_intact(buf, n, fill):
+    if not bool((buf[:misalign] == fill).all()):
+        problems.append("noise written before the start of the buffer")
+    if not _guard_intact(buf[misalign:], n, fill):
         problems.append("noise written past the end of the buffer")
     if not torch.equal(_bits(view), _bits(ref)):
         problems.append(f"noise differs at {(view != ref).sum().item()} of {n} elements")
@@ -446,9 +454,12 @@ def sweep(sim: Simt) -> list[str]:
             problems += [f"backward {dtype} {shape}: {p}" for p in compare_clip_rows_backward(sim, xg, g, "clip", bound)]
         x = torch.randn((3, 40, 9, 13), generator=gen).to(dtype)
         problems += [f"clip_rows l15 {dtype}: {p}" for p in compare_clip_rows(sim, x, "l15", "clip", 30.0)]
-        for n, blocks in ((1001, 0), (4099, 3)):
-            problems += [f"noise {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks)]
-            problems += [f"noise+ {dtype} n={n}: {p}" for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks)]
+        for n, blocks, mis in ((1001, 0, 0), (4099, 1, 0), (2063, 0, 1)):  # 4099 on 1 block: 2 tiles a warp
+            label = f"{dtype} n={n} misalign={mis}"
+            problems += [f"noise {label}: {p}"
+                         for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks, misalign=mis)]
+            problems += [f"noise+ {label}: {p}"
+                         for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks, misalign=mis)]
         for shape, ln, groups in (((3, 70, 33), True, 1), ((2, 5, 9), True, 1), ((2, 6, 4097), False, 3),
                                   ((9, 4, 5), False, 2)):
             g = torch.randn(shape, generator=gen).to(dtype)
