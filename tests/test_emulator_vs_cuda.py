@@ -123,3 +123,16 @@ def test_norm_affine_device_agrees_with_emulator(sim, dtype, layer_norm, shape, 
         exact = terms.sum(-1)
         assert out.dtype == acc
         assert bool(((out.cpu().double() - exact).abs() <= harness.accumulation_bound(terms, acc)).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_noise_device_misaligned_view_agrees_with_emulator(sim, dtype):
+    # The packed (16-byte) stores are taken only for aligned buffers: a view one element in must take
+    # the element-wise path on the device too (a packed store there faults), with the same values.
+    n = 10_007
+    host = torch.zeros(n + 1, dtype=dtype)
+    sim.philox_noise(host[1:], n, 5, 3, 1.0, False)
+    dev = torch.zeros(n + 1, dtype=dtype, device="cuda")
+    torch.ops.bpclip_fast.philox_noise_(dev[1:], 5, 3, 1.0, False)
+    assert dev[0].item() == 0
+    _close(dev[1:], host[1:], max(TOL[dtype], 1e-6))
