@@ -1,129 +1,9 @@
-"""``PrivacyEngine``: backpropagation-clipping DP training in Opacus' three lines.
+"""``PrivacyEngine``: set-up by ``make_private`` (the proofs are in :mod:`bpclip_fast.engine`)."""
 
-    engine = PrivacyEngine()                       # accountant="rdp" | "pld" | "zcdp"
-    model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                   noise_multiplier=1.1, input_clip=1.0, grad_clip=1.0)
-    ... train as usual ...
-    engine.get_epsilon(delta)
-
-What ``make_private`` does: validates the model (listing every problem at once), converts its
-layers of the types in :mod:`bpclip_fast.registry` (``nn.Linear``/``nn.Conv2d``; under exact clipping also
-``nn.LayerNorm``/``nn.GroupNorm``/``nn.Embedding`` and :mod:`bpclip_fast.modules`) to clipped layers
-(same ``Parameter`` objects), sets every layer's noise multiplier, replaces the loader by a private
-one that follows a :class:`bpclip_fast.data.SamplingPlan` and wraps the optimizer in
-:class:`DPOptimizer`, whose ``step()`` is the step boundary of the privacy analysis.
-
-Sampling and accounting must match (DESIGN.md §2)
--------------------------------------------------
-``poisson_sampling=True`` (each example joins a batch independently with rate ``q = batch_size/N``,
-``batch_size·W/N`` with ``W`` processes) is what the RDP and PLD accountants analyse (add/remove
-one example). ``poisson_sampling=False`` gives disjoint fixed-size batches of a data-independent
-shuffle, which only the zCDP accountant analyses (parallel composition within an epoch). Any other
-pairing raises: the ε printed would not be a bound for the batches actually drawn.
-
-The accountant is stepped once per optimizer step with the effective noise multiplier of the
-per-layer Gaussians, ``σ_eff = (Σ_l σ_l⁻²)^(-1/2) = σ/√L`` (one Gaussian mechanism on all L layers
-concatenated: layer ``l`` adds ``N(0, σ²Δ_l²)`` to a sum whose per-example contribution is at most
-``Δ_l``; rescaling each layer by ``1/Δ_l`` gives sensitivity ``√L`` against noise ``σ`` per coordinate).
-
-Noise exactly once per step, and the step boundary
---------------------------------------------------
-Every layer's noise is drawn from the Philox stream at counters (seed, t, layer), ``t`` = number of
-steps taken, and is added by the first backward pass that writes a fresh gradient (fused into the
-weight-gradient GEMM for Linear). What may happen between that draw and the release, and what
-``step()`` verifies before releasing anything, is owned by :mod:`bpclip_fast.boundary` (its module
-docstring is the argument): one draw per gradient (a gradient that was cleared — ``None`` or
-zeroed — gets a fresh draw, so nothing that saw the discarded one shares its noise), no other
-write to a clipped gradient,
-no contribution from outside the layer, each example row once, the parameters fixed within the
-step, the Δ fixed at ``make_private``. A layer no backward reached in this step (an empty batch the
-loop skipped, an unused branch) gets draw ``t`` inside ``step()``. A refused step discards every
-gradient and re-arms draw ``t``; nothing was released, and the refusal is charged unless it is one
-of the two that cannot depend on the data (module docstring of :mod:`bpclip_fast.boundary`).
-
-Loss reduction: why the layers clip at ``grad_clip/B`` with the *actual* ``B``
--------------------------------------------------------------------------------
-With ``loss_reduction="sum"`` the upstream gradient of example ``i`` at a layer is ``v_i``, a
-function of example ``i`` and the public parameters only, and the layer clips it at ``C_g``.
-
-With ``loss_reduction="mean"`` the loss of a backward over ``B`` rows is ``(1/B) Σ_i ℓ_i``, so the
-upstream gradient is ``u_i = v_i/B``, and ``B`` is random under Poisson sampling. Clipping at the
-fixed ``C_g/B̄`` (``B̄`` the expected batch size) would clip ``v_i`` at ``C_g·B/B̄``: a data-dependent
-bound, so adding one example (``B → B+1``) would change the clipped contribution of *every other*
-example in the batch, and no per-example bound ``Δ`` would cover the change
-(``tests/test_engine.py::test_fixed_mean_scaling_would_move_other_examples`` exhibits it). Instead each
-clipped layer uses ``d = max(B, 1)`` of the backward it is in: it clips at ``C_g/d`` (and, for
-``normalize``, ``γ/d``), adds noise of std ``σΔ/d`` and multiplies ``[∇W, ∇b]`` by ``d/B̄``.
-
-*Claim.* For a mean loss, every layer returns ``(1/B̄)(Σ_i c_i + N(0, σ²Δ²))`` where ``c_i`` is the
-contribution the layer computes for example ``i`` with the *sum* loss and bounds ``(C_x, C_g)``:
-a function of example ``i`` alone, ``‖c_i‖ ≤ Δ``. So the noise is exactly ``σ`` times the
-sensitivity ``Δ = layer.sensitivity`` of the released sum, and ``1/B̄`` (a public constant) is
-post-processing. *Proof.* The clip factors are invariant under a common positive scale ``a``:
-``min(1, aC/(a n)) = min(1, C/n)``, ``1[a n ≤ aC] = 1[n ≤ C]``, ``aC/(a n + a γ) = C/(n + γ)``.
-Induction from the loss down: the upstream gradient reaching a clipped layer is ``v_i/B`` (at the
-top by the chain rule; below, because every backward map — activations, pooling, the clipped
-layer's input gradient with its clipping Jacobian, which depends on ``x_i`` only — is linear in the
-upstream gradient). With ``a = 1/B`` the layer's clipped upstream gradient is ``(1/B)·clip(v_i; C_g,
-γ)``, so its weight gradient is ``(1/B)Σ_i c_i + N(0, (σΔ/B)²)``, and its input gradient is ``1/B``
-times the sum-loss one, which completes the induction. Multiplying by ``B/B̄`` gives the claim.
-For ``B = 0`` there is no term and ``d = 1`` gives ``N(0, σ²Δ²)/B̄``. Under gradient accumulation
-each backward carries its own mean over its own rows; the sum over the micro-batches of a step is
-``(1/B̄)(Σ_all c_i + N(0, σ²Δ²))`` (noise in the first only). ∎
-
-The claim needs what ``loss_reduction="mean"`` declares (as in Opacus): the loss of each backward
-is the mean over the batch dimension of per-example losses, with no other factor depending on the
-batch. ``B̄`` is the loader's ``batch_size`` (``= q·N``; per process under DDP, see below).
-
-Multi-process training (DistributedDataParallel)
-------------------------------------------------
-``W`` processes, rank ``r`` drawing the members of the global Poisson batch with index ``≡ r (mod
-W)`` (:mod:`bpclip_fast.data`: the global batch is a Poisson sample at rate ``q`` whatever ``W``),
-each with ``B̄_r = batch_size`` (the loader's per-process batch size), ``q = W·batch_size/N``. Only
-rank 0's layers draw noise (``σ``; the other ranks' layers have noise multiplier 0), with the seed
-broadcast from rank 0. DDP all-reduces and divides by ``W``, so every rank holds
-
-    (1/W) Σ_r (1/B̄_r)(Σ_{i∈batch_r} c_i + [r = 0]·N(0, σ²Δ²)) = (1/(W·B̄_r))(Σ_{i∈batch} c_i + N(0, σ²Δ²)),
-
-exactly one Gaussian of std ``σΔ`` per layer on the global clipped sum, as the accountant assumes
-(one accountant, stepped identically on every rank), and exactly what a single process computes
-on the union batch with ``batch_size·W`` and the same seed (``tests/test_distributed.py``). A
-layer rank 0's backward did not reach gets the draw in ``step()`` on every rank, divided by ``W``,
-after rank 0 broadcasts which layers those are: the same post-all-reduce value on every rank.
-With ``loss_reduction="sum"`` the released gradient is the same divided by ``W`` (DDP's average),
-as for any DDP model.
-All of this needs every rank to pass the same dataset and the same arguments; ``make_private``
-checks that in one collective and refuses otherwise (:mod:`bpclip_fast.ranks`).
-
-Budget
-------
-With ``max_epsilon``, ``step()`` computes the ε the accountant would report *after* this step and
-refuses (``PrivacyBudgetError``) if it exceeds ``max_epsilon``: that step's gradient is discarded,
-nothing is updated, no noise is released; every allowed step, the last included, is taken (with
-PLD's discretised ε, possibly one step early, never late). The
-number of steps left is found once by bisection on the accountant (``Accountant.max_steps``: ε
-grows with the number of steps) and cached while (σ, q, max_epsilon, δ) do not change. Charged
-refusals spend the budget too, so a charged event may only happen where the budget covers its
-charge (``_budget_covers``): the private loader does not hand over a batch the budget cannot
-charge with those drawn since the last step, and every training forward, backward pass and step
-checks the budget before anything whose refusal is charged. Those ``PrivacyBudgetError`` refusals
-depend only on the public accountant and batch counters, and are not charged.
-
-Checkpoints
------------
-``engine.state_dict()`` (also stored inside ``optimizer.state_dict()``, so saving the optimizer is
-enough) holds the accountant's history, the step counter and the batch counters — never the noise
-seed. ``load_state_dict`` after ``make_private`` restores them and draws a **fresh** noise seed
-(and Poisson sampling seed) from the OS: two continuations of one checkpoint never share a draw,
-and a leaked checkpoint reveals no noise. Shuffled batches keep their permutation seed in the
-state, because the rest of an interrupted epoch must come from the same permutation (an example
-in one batch per epoch); the zCDP analysis does not need it secret. ``state_dict(include_secrets=
-True)`` adds the seeds: the explicit, insecure opt-in for a bit-for-bit reproducible resume.
-Loading an optimizer state without the privacy state into a ``DPOptimizer`` raises.
-"""
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import warnings
@@ -132,65 +12,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import _ops, adaptive as _adaptive, data, ranks as _ranks, registry
-from . import nn as bnn
-from . import criterion as _criterion, validate as _validate
-from .boundary import DistributedRecorder, LayerStep, StepRefused
+from .. import _ops, adaptive as _adaptive, data, ranks as _ranks, registry
+from .. import nn as bnn
+from .. import criterion as _criterion, validate as _validate
+from ..boundary import DistributedRecorder, LayerStep, StepRefused
+from . import budget, distributed
+from ._common import NO_PICKLE, InsecureSeedWarning, accounting, first_input, positive, to_device
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
 
 _STATE_FORMAT = "bpclip_fast.PrivacyEngine/2"
 _OPT_KEY = "bpclip_fast_privacy_engine"
-
-
-class InsecureSeedWarning(UserWarning):
-    """An explicit noise seed: reproducible, and whoever knows it can subtract the noise."""
-
-
-def _accounting():
-    from . import accounting  # imported lazily: the accounting package is optional at import time
-
-    return accounting
-
-
-def _distributed():
-    """(rank, world size, is distributed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank(), dist.get_world_size(), True
-    return 0, 1, False
-
-
-def _ddp_class():
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel
-
-
-def _positive(value, what):
-    return bnn._check_positive(value, what, "PrivacyEngine")
-
-
-def _first_input(batch):
-    """The model input of a collated batch: its first element if it is a tuple/list (Opacus' convention)."""
-    if isinstance(batch, (tuple, list)) and batch and not isinstance(batch, torch.Tensor):
-        return batch[0]
-    return batch
-
-
-def _to_device(batch, model):
-    """``batch`` with its floating tensors on the device (and dtype) of ``model``'s first parameter."""
-    p = next(model.parameters(), None)
-    if p is None:
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(p.device, p.dtype) if batch.is_floating_point() else batch.to(p.device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, model) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, model) for k, v in batch.items()}
-    return batch
 
 
 def _no_check(*_):
@@ -261,7 +93,7 @@ class DPOptimizer(torch.optim.Optimizer):
                            "trained without clipping or noise); build the optimizer with all of them first")
 
     def __getstate__(self):
-        raise TypeError(_NO_PICKLE.format("DPOptimizer"))
+        raise TypeError(NO_PICKLE.format("DPOptimizer"))
 
     def __repr__(self):
         return f"DPOptimizer({self.original_optimizer!r})"
@@ -296,13 +128,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.load_state_dict(privacy)
 
 
-# An engine holds the secret noise and sampling seeds and the live step records: a pickled or copied
-# engine (or an optimizer holding it) would carry the seed into a file, or continue the same draws.
-_NO_PICKLE = ("{} cannot be pickled or copied: it holds the secret noise seed and the live step state. "
-              "Save optimizer.state_dict() (it carries engine.state_dict(), never the seed) and load it into "
-              "a fresh make_private set-up")
-
-
 class PrivacyEngine:
     """Opacus-style entry point: ``make_private``, ``make_private_with_epsilon``, ``get_epsilon``.
 
@@ -311,7 +136,7 @@ class PrivacyEngine:
     """
 
     def __init__(self, accountant: str = "rdp", *, adjacency: str | None = None):
-        acc = _accounting()
+        acc = accounting()
         kwargs = {} if adjacency is None else {"adjacency": adjacency}
         self.accountant = acc.make_accountant(accountant, **kwargs)
         self.accountant_name = accountant
@@ -320,7 +145,7 @@ class PrivacyEngine:
         self._sigma_effective = None  # set by make_private_with_epsilon for the make_private it calls
 
     def __getstate__(self):
-        raise TypeError(_NO_PICKLE.format("PrivacyEngine"))
+        raise TypeError(NO_PICKLE.format("PrivacyEngine"))
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -334,7 +159,7 @@ class PrivacyEngine:
         :func:`bpclip_fast.validate.dynamic_problems` too (without it, the layers refuse reuse at
         training time). Empty list: nothing found.
         """
-        if isinstance(model, _ddp_class()):
+        if isinstance(model, distributed.ddp_class()):
             model = model.module
         return _validate.validate(model, example_input, clipping)
 
@@ -382,7 +207,7 @@ class PrivacyEngine:
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
         """
         what = "make_private" if self._sigma_effective is None else "make_private_with_epsilon"
-        with _ranks.failures_joined(_distributed()[2], what, self._collective_device):  # no rank left waiting
+        with _ranks.failures_joined(distributed.world()[2], what, distributed.collective_device):  # no rank left waiting
             sigma = self._check_arguments(module, optimizer, data_loader, noise_multiplier=noise_multiplier,
                                           input_clip=input_clip, grad_clip=grad_clip, clipping=clipping,
                                           max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
@@ -390,8 +215,8 @@ class PrivacyEngine:
                                           noise_seed=noise_seed)
             self._check_pairing(poisson_sampling)
             adaptive = self._check_adaptive(adaptive)
-            self.rank, self.world_size, self.distributed = _distributed()
-            inner = self._unwrapped(module)
+            self.rank, self.world_size, self.distributed = distributed.world()
+            inner = distributed.unwrapped(module, self.distributed)
             plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, what)
             if max_input_shape is not None:
                 max_input_shape = tuple(int(s) for s in max_input_shape)
@@ -405,7 +230,7 @@ class PrivacyEngine:
                           "adaptive": adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
                           "max_epsilon": max_epsilon, "delta": delta,
                           "clipped layers built by hand": _ranks.built_layers(inner)},
-                         data_loader.dataset, plan.num_samples, self._collective_device(), what)
+                         data_loader.dataset, plan.num_samples, distributed.collective_device(), what)
         shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping,
                                       criterion, loss_reduction, plan.batch_size)
         self._check_built_layers(inner, clipping, max_grad_norm)
@@ -421,9 +246,9 @@ class PrivacyEngine:
         self.clipping, self.max_grad_norm = clipping, max_grad_norm
         sampler_seed = self._prepare_seeds(noise_seed)
         self.data_loader = self._prepare_loader(data_loader, plan, sampler_seed)
-        self.module = self._prepare_distributed(module)
+        self.module = distributed.wrapped(module, self.distributed)
         self.optimizer = DPOptimizer(optimizer, self)
-        self._prepare_budget(max_epsilon, delta)
+        budget.init(self, max_epsilon, delta)
         if self.max_epsilon is None:  # nothing to cover (fixed for the engine's life): no per-layer call per forward
             for st in self._steps_of:
                 st.budget = None
@@ -447,14 +272,14 @@ class PrivacyEngine:
         if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
                                                       and m._step.enforce for m in module.modules()):
             raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
-        sigma = _positive(noise_multiplier, "noise_multiplier")
+        sigma = positive(noise_multiplier, "noise_multiplier")
         self._check_clipping(clipping, input_clip, grad_clip, max_grad_norm)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"make_private: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if nonfinite not in ("drop", "raise"):
             raise ValueError(f"make_private: nonfinite must be 'drop' or 'raise', got {nonfinite!r}")
         if max_epsilon is not None:
-            _positive(max_epsilon, "max_epsilon")
+            positive(max_epsilon, "max_epsilon")
             if delta is None or not 0 < float(delta) < 1:
                 raise ValueError("make_private: max_epsilon needs delta in (0, 1), the δ at which ε is measured")
         if noise_seed is not None:
@@ -479,8 +304,8 @@ class PrivacyEngine:
             if max_grad_norm is not None:
                 raise TypeError("make_private: max_grad_norm belongs to clipping='flat'/'per_layer'; backpropagation "
                                 "clipping takes input_clip and grad_clip")
-            _positive(input_clip, "input_clip")
-            _positive(grad_clip, "grad_clip")
+            positive(input_clip, "input_clip")
+            positive(grad_clip, "grad_clip")
             return
         if max_grad_norm is None:
             raise TypeError(f"make_private: clipping={clipping!r} needs max_grad_norm")
@@ -489,9 +314,9 @@ class PrivacyEngine:
                             "clips each example's gradient to max_grad_norm")
         if clipping == "per_layer" and isinstance(max_grad_norm, (list, tuple)):
             for c in max_grad_norm:
-                _positive(c, "max_grad_norm")
+                positive(c, "max_grad_norm")
         else:
-            _positive(max_grad_norm, "max_grad_norm")
+            positive(max_grad_norm, "max_grad_norm")
 
     @staticmethod
     def _check_adaptive(adaptive):
@@ -519,15 +344,6 @@ class PrivacyEngine:
                              + "; ".join(bad) + ". Build them with the engine's clipping, or use torch's layers "
                              "and let make_private convert them")
 
-    def _unwrapped(self, module):
-        """The model inside a DDP wrapper (``module`` itself if not wrapped)."""
-        if not isinstance(module, _ddp_class()):
-            return module
-        if not self.distributed:
-            raise RuntimeError("make_private: the module is DistributedDataParallel but torch.distributed is not "
-                               "initialised with more than one process")
-        return module.module
-
     def _model_problems(self, inner, optimizer, data_loader, max_input_shape, probe, clipping, criterion=None,
                         loss_reduction="mean", rows=3) -> dict:
         """Every problem of the model and the optimizer at once (raised as one ``ValueError``) before
@@ -541,7 +357,7 @@ class PrivacyEngine:
         else:
             dataset = data_loader.dataset
             try:
-                example = _to_device(_first_input(data_loader.collate_fn([dataset[0]])), inner)
+                example = to_device(first_input(data_loader.collate_fn([dataset[0]])), inner)
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"make_private: could not build a probe input from the dataset's first example "
                                 f"({exc!r}); pass max_input_shape=(per-example input shape) instead")
@@ -583,7 +399,7 @@ class PrivacyEngine:
         step state (``boundary.LayerStep``); returns ``(module, inner)``."""
         converted = bnn.convert_model(inner, **clipping)
         if converted is not inner:  # a bare nn.Linear / nn.Conv2d
-            if isinstance(module, _ddp_class()):
+            if isinstance(module, distributed.ddp_class()):
                 raise ValueError("make_private: wrap a container module in DDP, not a bare layer")
             inner = module = converted
         layers = bnn.clipped_layers(inner)
@@ -618,7 +434,7 @@ class PrivacyEngine:
             st.after_backward = recorder
             st.batch_rows = self._last_rows
             st.on_new_pass = self._check_new_pass
-            st.budget = self._require_budget
+            st.budget = functools.partial(budget.require, self)
             layer._step = st
             self._steps_of.append(st)
         inner.register_forward_pre_hook(_OutsideCheck(self))
@@ -669,7 +485,7 @@ class PrivacyEngine:
         if self.distributed:
             import torch.distributed as dist
 
-            centered = centered.to(self._collective_device())
+            centered = centered.to(distributed.collective_device())
             dist.all_reduce(centered)
             centered = centered.cpu()
         return centered
@@ -721,8 +537,8 @@ class PrivacyEngine:
         seed = secrets.randbits(63) if noise_seed is None else int(noise_seed)  # range checked with the arguments
         sampler_seed = secrets.randbits(63) if noise_seed is None else data.derive_seed(seed, "sampler")
         if self.distributed:
-            seed = self._broadcast_int(seed, self._inner)
-            sampler_seed = self._broadcast_int(sampler_seed, self._inner)
+            seed = distributed.broadcast_int(seed)
+            sampler_seed = distributed.broadcast_int(sampler_seed)
         self._set_noise_seed(seed)
         return sampler_seed
 
@@ -741,26 +557,8 @@ class PrivacyEngine:
             num_workers=dl.num_workers, pin_memory=dl.pin_memory, timeout=dl.timeout,
             worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context,
             persistent_workers=dl.persistent_workers, prefetch_factor=dl.prefetch_factor)
-        loader.before_delivery = self._before_delivery
+        loader.before_delivery = functools.partial(budget.before_delivery, self)
         return loader
-
-    def _prepare_distributed(self, module):
-        """Wraps the model in DDP if the user did not (our counters are per process and not buffers:
-        DDP never broadcasts them)."""
-        ddp = _ddp_class()
-        if self.distributed and not isinstance(module, ddp):
-            module = ddp(module)
-        return module
-
-    def _prepare_budget(self, max_epsilon, delta) -> None:
-        """The step counters and the budget ``step()`` enforces."""
-        self._steps = 0
-        self._taken_here = 0  # steps taken since make_private or the last load_state_dict
-        self._checked_task = None  # the backward pass _check_new_pass last ran in
-        self._delivered_at_step = 0
-        self._max_epsilon = None if max_epsilon is None else float(max_epsilon)
-        self._delta = None if delta is None else float(delta)
-        self._budget_cache = None
 
     def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon: float,
                                   target_delta: float, epochs: int, **kwargs):
@@ -772,18 +570,18 @@ class PrivacyEngine:
         are converted (a count taken before the probe forward could miss a layer the model builds
         in it, and under-noise). ``kwargs`` as ``make_private``.
         """
-        with _ranks.failures_joined(_distributed()[2], "make_private_with_epsilon", self._collective_device):
+        with _ranks.failures_joined(distributed.world()[2], "make_private_with_epsilon", distributed.collective_device):
             if "noise_multiplier" in kwargs:
                 raise TypeError("make_private_with_epsilon: noise_multiplier is computed, do not pass it")
-            _positive(target_epsilon, "target_epsilon")
+            positive(target_epsilon, "target_epsilon")
             if not 0 < float(target_delta) < 1:
                 raise ValueError(f"make_private_with_epsilon: target_delta must be in (0, 1), got {target_delta}")
             if int(epochs) != epochs or epochs < 1:
                 raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
             poisson = kwargs.get("poisson_sampling", True)
             self._check_pairing(poisson)
-            plan = data.SamplingPlan.of_loader(data_loader, _distributed()[1], poisson, "make_private_with_epsilon")
-            sigma_eff = _accounting().get_noise_multiplier(
+            plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon")
+            sigma_eff = accounting().get_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
                 steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
         self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
@@ -822,7 +620,7 @@ class PrivacyEngine:
         backpropagation clipping."""
         if self._exact:
             return float(self._noise_multiplier)
-        return float(_accounting().effective_noise_multiplier([self._noise_multiplier] * len(self._layers)))
+        return float(accounting().effective_noise_multiplier([self._noise_multiplier] * len(self._layers)))
 
     # σ and the step counter are read by the accountant and key the noise: an assignment would charge
     # one σ while the layers add another, or draw a step's noise twice.
@@ -890,66 +688,6 @@ class PrivacyEngine:
             return 0.0
         return float(self.accountant.get_epsilon(delta))
 
-    def _steps_left(self) -> int:
-        """How many more steps keep ε ≤ max_epsilon (the accountant's bisection, cached; asked at every
-        training forward, so the key is what σ_eff is computed from, not σ_eff itself)."""
-        key = (self._noise_multiplier, len(self._layers), self._accounting_rate, self.max_epsilon, self.delta)
-        base = len(self.accountant)
-        cache = self._budget_cache
-        if cache is not None and cache[0] == key and cache[1] <= base <= cache[1] + cache[2]:
-            return cache[2] - (base - cache[1])
-        left = self.accountant.max_steps(self.max_epsilon, self.delta, noise_multiplier=self.effective_noise_multiplier,
-                                         sample_rate=self._accounting_rate)
-        self._budget_cache = (key, base, left)
-        return left
-
-    def _drawn(self) -> int:
-        """Batches the private loader delivered since the last step (or refusal)."""
-        return self._counter.delivered - self._delivered_at_step
-
-    def _budget_need(self, next_t=None) -> int:
-        """The accountant steps a charged refusal now would add (with ``next_t``: after batch
-        ``next_t`` is delivered too); at least one, since no step is begun that the budget cannot
-        hold. Poisson: one per batch drawn since the last step (``_refuse``); shuffled: the
-        accountant goes to length ``t + 1`` for the last batch ``t`` (``_charge``), which may be
-        ahead of it after skipped batches."""
-        drawn, t = self._drawn(), self._counter.last_t
-        if next_t is not None:
-            drawn, t = drawn + 1, next_t
-        if self.poisson_sampling:
-            return max(1, drawn)
-        return max(1, self._charged_batch(t) + 1 - len(self.accountant))
-
-    def _charged_batch(self, t=None) -> int:
-        """Shuffled batches: the batch a charge now is for, ``t`` (default the last delivered). Before
-        any was delivered (a refusal before the loop's first batch) it is the next to be claimed: its
-        epoch's charge, the same ρ whatever of the epoch is used."""
-        t = self._counter.last_t if t is None else t
-        return self._counter.claimed if t is None else t
-
-    def _budget_covers(self, next_t=None) -> bool:
-        """Whether ``max_epsilon`` covers ``_budget_need(next_t)``. A charged event may only happen
-        where the budget covers its charge, so this is asked before anything whose refusal is
-        charged, and a ``False`` is refused uncharged: it depends only on the public accountant and
-        batch counters."""
-        return self.max_epsilon is None or self._steps_left() >= self._budget_need(next_t)
-
-    def _require_budget(self, what: str, next_t=None) -> None:
-        """Raises ``PrivacyBudgetError`` (not charged) unless ``_budget_covers(next_t)``."""
-        if self._budget_covers(next_t):
-            return
-        raise _accounting().PrivacyBudgetError(
-            f"{what} refused: {self._budget_need(next_t)} more step(s) could be charged for it, and after "
-            f"{self._steps_left()} more ε would exceed max_epsilon={self.max_epsilon:g} at δ={self.delta:g} (spent "
-            f"so far: ε={self.get_epsilon(self.delta):.4g} over {self.steps} steps; {self._drawn()} batch(es) drawn "
-            "since the last step, each charged if refused). Nothing the budget cannot cover is computed: take "
-            "one optimizer.step() per batch drawn, or stop training")
-
-    def _before_delivery(self, t: int) -> None:
-        """The private loader's gate: batch ``t`` is handed to the loop only if the budget covers it
-        with the batches drawn since the last step (a second batch drawn is charged, per batch)."""
-        self._require_budget("the private data loader's next batch", next_t=t)
-
     # ------------------------------------------------------------------ set-up helpers
     def _set_noise_seed(self, seed: int) -> None:
         self._seed = int(seed)
@@ -988,7 +726,7 @@ class PrivacyEngine:
         except Exception as exc:  # noqa: BLE001
             return [f"make_private: could not draw a first batch for the dynamic probes ({exc!r}); pass "
                     "probe=False to skip them"]
-        return _validate.dynamic_problems(inner, _to_device(_first_input(batch), inner))
+        return _validate.dynamic_problems(inner, to_device(first_input(batch), inner))
 
     @staticmethod
     def _criterion_problems(inner, data_loader, criterion, loss_reduction, rows) -> list[str]:
@@ -998,7 +736,7 @@ class PrivacyEngine:
             batch = next(iter(data_loader))
         except Exception as exc:  # noqa: BLE001
             return [f"make_private: could not draw a first batch to check the criterion ({exc!r})"]
-        return _criterion.criterion_problems(inner, _to_device(batch, inner), criterion, loss_reduction, rows)
+        return _criterion.criterion_problems(inner, to_device(batch, inner), criterion, loss_reduction, rows)
 
     # ------------------------------------------------------------------ non-finite values
     def nonfinite_counts(self) -> dict:
@@ -1010,7 +748,7 @@ class PrivacyEngine:
         if self.distributed:
             import torch.distributed as dist
 
-            counts = counts.to(self._collective_device())
+            counts = counts.to(distributed.collective_device())
             dist.all_reduce(counts)
         out = {st.name: tuple(int(v) for v in c) for st, c in zip(self._steps_of, counts.cpu())}
         for layer in self._layers:
@@ -1045,13 +783,13 @@ class PrivacyEngine:
         if task == self._checked_task:
             return
         self._checked_task = task
-        if not self._budget_covers():  # first: everything below may be charged
+        if not budget.covers(self):  # first: everything below may be charged
             self._discard(self.optimizer.original_optimizer)
-            raise _accounting().PrivacyBudgetError(
+            raise accounting().PrivacyBudgetError(
                 f"backward refused: any further step would exceed max_epsilon={self.max_epsilon:g} at "
                 f"δ={self.delta:g}; the budget is spent, so no gradient of private data is computed any more")
         self._check_outside(in_backward=True)
-        drawn = self._drawn()
+        drawn = budget.drawn(self)
         if drawn > 1:
             self._refuse([("batches", f"{drawn} batches were drawn from the private loader since the last step "
                            "and a backward pass was run", [])])
@@ -1075,27 +813,9 @@ class PrivacyEngine:
         if bad:
             for _, p in outside:
                 p.grad = None
-            self._require_budget("the forward of the private model")
+            budget.require(self, "the forward of the private model")
             self._refuse([("unclipped-param", f"{', '.join(bad)} is trainable but not a clipped layer of this "
                            "engine (unfrozen, added or replaced after make_private)", bad)])
-
-    def _charge(self):
-        """One step of the accountant for the batch delivered last (taken or refused).
-
-        Shuffled batches: the zCDP accountant charges each group of ``steps_per_epoch`` consecutive
-        steps as one epoch, which is sound only if a group's batches come from one permutation
-        epoch. Batches claimed but never used (prefetched when a loop stopped, a refused step)
-        would shift the groups, so the accountant is kept at length ``t + 1`` for batch ``t``:
-        skipped batches are charged as steps of their own epoch (same σ: no more than that
-        epoch's cost), and a second charge for the same batch is not added (same group, same σ:
-        it would not change ρ)."""
-        kw = dict(noise_multiplier=self.effective_noise_multiplier, sample_rate=self._accounting_rate)
-        self._taken_here += 1
-        if self.poisson_sampling:
-            self.accountant.step(**kw)
-            return
-        for _ in range(self._charged_batch() + 1 - len(self.accountant)):
-            self.accountant.step(**kw)
 
     def _discard(self, optimizer):
         for group in optimizer.param_groups:
@@ -1111,8 +831,8 @@ class PrivacyEngine:
         batch drawn since the last step may have been used, so each is charged (shuffled: _charge
         follows t). Callers have checked that the budget covers it (``_budget_covers``)."""
         if charged:
-            for _ in range(max(1, self._drawn()) if self.poisson_sampling else 1):
-                self._charge()
+            for _ in range(max(1, budget.drawn(self)) if self.poisson_sampling else 1):
+                budget.charge(self)
         self._discard(self.optimizer.original_optimizer)
         rule = problems[0][0]
         details = "; ".join(d for _, d, _ in problems)
@@ -1123,11 +843,11 @@ class PrivacyEngine:
         self._refuse([(rule, details, names)])
 
     def _step(self, optimizer):
-        delivered = self._drawn()
-        if not self._budget_covers():  # before anything charged (the loader's gate keeps delivered within it)
+        delivered = budget.drawn(self)
+        if not budget.covers(self):  # before anything charged (the loader's gate keeps delivered within it)
             eps_now = self.get_epsilon(self.delta)
             self._discard(optimizer)
-            raise _accounting().PrivacyBudgetError(
+            raise accounting().PrivacyBudgetError(
                 f"DPOptimizer.step() refused: after this step ε would exceed max_epsilon={self.max_epsilon:g} at "
                 f"δ={self.delta:g} (spent so far: ε={eps_now:.4g} over {self.steps} steps). The gradients of this "
                 "step were discarded and nothing was updated.")
@@ -1154,7 +874,7 @@ class PrivacyEngine:
                                                   self._stream.count_offset())
             new_thresholds = self._thresholds.proposed(noisy_counts)
         optimizer.step()
-        self._charge()
+        budget.charge(self)
         self._steps += 1
         if new_thresholds is not None:
             self._thresholds.values = new_thresholds
@@ -1211,7 +931,7 @@ class PrivacyEngine:
         if self.distributed:  # every process takes the same decision
             import torch.distributed as dist
 
-            flag = torch.tensor([1 if problems else 0], device=self._collective_device())
+            flag = torch.tensor([1 if problems else 0], device=distributed.collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() and not problems:
                 problems.append(("rows", "another process refused this step", []))
@@ -1231,7 +951,7 @@ class PrivacyEngine:
         """Adds draw ``t`` to the layers whose gradient does not hold it (no backward reached them in
         this step, e.g. a skipped empty batch, or their gradient was cleared after the backward)."""
         if self.distributed:
-            flags = torch.tensor(pending, dtype=torch.uint8, device=self._collective_device())
+            flags = torch.tensor(pending, dtype=torch.uint8, device=distributed.collective_device())
             import torch.distributed as dist
 
             dist.broadcast(flags, 0)
@@ -1253,20 +973,6 @@ class PrivacyEngine:
                     p.grad = torch.zeros_like(p)
                 _ops.philox_noise_(p.grad, seed, off, std, accumulate=True)
             st.noised = True
-
-    def _collective_device(self):
-        import torch.distributed as dist
-
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _broadcast_int(self, value: int, inner) -> int:
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
-        dist.broadcast(t, 0)
-        return int(t.item())
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_secrets: bool = False) -> dict:
@@ -1353,8 +1059,8 @@ class PrivacyEngine:
             self._thresholds.values = [float(v) for v in saved.values()]
             self._apply_thresholds(self._thresholds.values)
         if self.distributed:
-            noise_seed = self._broadcast_int(noise_seed, self._inner)
-            sampler_seed = self._broadcast_int(sampler_seed, self._inner)
+            noise_seed = distributed.broadcast_int(noise_seed)
+            sampler_seed = distributed.broadcast_int(sampler_seed)
         self._set_noise_seed(noise_seed)
         sampler.seed = sampler_seed
         if hasattr(sampler, "_perm"):
