@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-import secrets
 import warnings
 
 import torch
@@ -16,14 +15,10 @@ from .. import _ops, adaptive as _adaptive, data, ranks as _ranks, registry
 from .. import nn as bnn
 from .. import criterion as _criterion, validate as _validate
 from ..boundary import DistributedRecorder, LayerStep, StepRefused
-from . import budget, distributed
+from . import budget, checkpoint, distributed, seeds, thresholds
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, first_input, positive, to_device
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
-
-_STATE_FORMAT = "bpclip_fast.PrivacyEngine/2"
-_OPT_KEY = "bpclip_fast_privacy_engine"
-
 
 def _no_check(*_):
     return None
@@ -112,20 +107,10 @@ class DPOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self):
-        sd = dict(self.original_optimizer.state_dict())
-        sd[_OPT_KEY] = self.engine.state_dict()
-        return sd
+        return checkpoint.optimizer_state(self)
 
     def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        privacy = state_dict.pop(_OPT_KEY, None)
-        if privacy is None:
-            raise ValueError("DPOptimizer.load_state_dict: the state has no privacy state (it comes from a plain "
-                             "optimizer); loading it would forget the budget already spent. Load a state saved from "
-                             "a DPOptimizer, or load a non-private optimizer state into the optimizer before "
-                             "make_private")
-        self.original_optimizer.load_state_dict(state_dict)
-        self.engine.load_state_dict(privacy)
+        checkpoint.load_optimizer_state(self, state_dict)
 
 
 class PrivacyEngine:
@@ -244,7 +229,7 @@ class PrivacyEngine:
         self.nonfinite = nonfinite
         self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
         self.clipping, self.max_grad_norm = clipping, max_grad_norm
-        sampler_seed = self._prepare_seeds(noise_seed)
+        sampler_seed = seeds.prepare(self, noise_seed)
         self.data_loader = self._prepare_loader(data_loader, plan, sampler_seed)
         self.module = distributed.wrapped(module, self.distributed)
         self.optimizer = DPOptimizer(optimizer, self)
@@ -421,7 +406,7 @@ class PrivacyEngine:
             sigma = self._sigma_effective * (1.0 if self._exact else math.sqrt(len(layers)))
         self._layers = [layer for _, layer in layers]
         self._flat_group = self._layers[0]._flat if mode == "flat" else None
-        self._prepare_thresholds(adaptive, sigma, plan)
+        thresholds.prepare(self, adaptive, sigma, plan)
         mean_batch = float(plan.batch_size) if loss_reduction == "mean" else None
         recorder = DistributedRecorder() if self.distributed else None
         self._steps_of = []
@@ -444,74 +429,12 @@ class PrivacyEngine:
         self.max_input_shape = max_input_shape
         return module, inner
 
-    def _threshold_slots(self):
-        """``[(name, layers, attribute)]``: every clipping threshold of the mode and the layers it sets."""
-        mode = self._layers[0].clipping
-        if mode == "flat":
-            return [("max_grad_norm", self._layers, "max_grad_norm")]
-        attrs = ("max_grad_norm",) if mode == "per_layer" else ("input_clip", "grad_clip")
-        return [(f"{layer.layer_name}.{attr}", [layer], attr) for layer in self._layers for attr in attrs]
-
-    def _prepare_thresholds(self, adaptive, sigma, plan) -> None:
-        """Fixed thresholds, or the adaptive ones with the noise split of :mod:`bpclip_fast.adaptive`:
-        the layers get ``σ_Δ`` (raised from ``σ`` to pay for the ``k`` counts), the accountant ``σ``."""
-        self._thresholds = None
-        self._gradient_sigma = sigma
-        if adaptive is None:
-            return
-        slots = self._threshold_slots()
-        k, n_layers = len(slots), len(self._layers)
-        per_layer = 1.0 if self._layers[0].exact else math.sqrt(n_layers)  # backprop: σ = σ_eff·√L
-        sigma_grad_eff, sigma_b = _adaptive.noise_split(sigma / per_layer, k, adaptive.count_noise)
-        self._gradient_sigma = sigma_grad_eff * per_layer
-        initial = [float(getattr(layers[0], attr)) for _, layers, attr in slots]
-        self._thresholds = _adaptive.Thresholds(adaptive, [name for name, _, _ in slots], initial,
-                                                plan.batch_size * self.world_size, sigma_b)
-
-    def _centered_counts(self) -> torch.Tensor:
-        """``Σ_{i in batch} (1[n_{k,i} ≤ C_k] − ½)`` per threshold, over every process (float64, CPU):
-        a layer's ``rows`` examples were counted, the rest of the batch did not reach it (norm 0)."""
-        half = self._counter.last_rows / 2.0
-        mode = self._layers[0].clipping
-        if mode == "flat":  # every flat layer holding a contribution holds the same count (_flat_problems)
-            slots = [(st, 0) for st in self._steps_of if st.rows][:1] or [(None, 0)]
-        else:
-            width = 1 if mode == "per_layer" else 2
-            slots = [(st if st.rows else None, j) for st in self._steps_of for j in range(width)]
-        live = [st.counts[j].reshape(()) for st, j in slots if st is not None]
-        counts = iter(torch.stack(live).to("cpu", torch.float64).tolist() if live else [])  # one device sync
-        centered = torch.tensor([next(counts) - st.rows + half if st is not None else half for st, _ in slots],
-                                dtype=torch.float64)
-        if self.distributed:
-            import torch.distributed as dist
-
-            centered = centered.to(distributed.collective_device())
-            dist.all_reduce(centered)
-            centered = centered.cpu()
-        return centered
-
-    def _apply_thresholds(self, values) -> None:
-        """Gives the layers the thresholds ``values`` (under per_layer every layer's noise bound is
-        ``(Σ_l C_l²)^½`` of them)."""
-        mode = self._layers[0].clipping
-        if mode == "flat":
-            self._flat_group._set_max_grad_norm(values[0])
-            for layer in self._layers:
-                layer._set_bounds(max_grad_norm=values[0], noise_bound=values[0])
-        elif mode == "per_layer":
-            total = math.hypot(*values)
-            for layer, c in zip(self._layers, values):
-                layer._set_bounds(max_grad_norm=c, noise_bound=total)
-        else:
-            for layer, cx, cg in zip(self._layers, values[0::2], values[1::2]):
-                layer._set_bounds(input_clip=cx, grad_clip=cg)
-
     def thresholds(self) -> dict:
         """``{name: value}`` of every clipping threshold as it is now (flat: ``"max_grad_norm"``;
         per_layer: ``"<layer>.max_grad_norm"``; backprop: ``"<layer>.input_clip"``, ``"<layer>.grad_clip"``),
         adaptive or fixed."""
         self._require_private("thresholds")
-        return {name: float(getattr(layers[0], attr)) for name, layers, attr in self._threshold_slots()}
+        return {name: float(getattr(layers[0], attr)) for name, layers, attr in thresholds.slots(self)}
 
     @property
     def adaptive(self):
@@ -528,19 +451,6 @@ class PrivacyEngine:
     def count_noise(self):
         """The std ``σ_b`` of the noise on each adaptive count (``None`` for fixed thresholds)."""
         return None if self._thresholds is None else self._thresholds.sigma_b
-
-    def _prepare_seeds(self, noise_seed) -> int:
-        """The noise seed (OS entropy unless explicit; one for all processes); returns the sampling
-        seed, drawn separately: a checkpoint may need it (shuffled batches, see Checkpoints), the
-        noise seed never leaves the process."""
-        self._secure = noise_seed is None
-        seed = secrets.randbits(63) if noise_seed is None else int(noise_seed)  # range checked with the arguments
-        sampler_seed = secrets.randbits(63) if noise_seed is None else data.derive_seed(seed, "sampler")
-        if self.distributed:
-            seed = distributed.broadcast_int(seed)
-            sampler_seed = distributed.broadcast_int(sampler_seed)
-        self._set_noise_seed(seed)
-        return sampler_seed
 
     def _prepare_loader(self, data_loader, plan, sampler_seed) -> data.DPDataLoader:
         """The private loader: Poisson (rate ``q = W·batch_size/N``) or shuffled disjoint batches of
@@ -689,11 +599,6 @@ class PrivacyEngine:
         return float(self.accountant.get_epsilon(delta))
 
     # ------------------------------------------------------------------ set-up helpers
-    def _set_noise_seed(self, seed: int) -> None:
-        self._seed = int(seed)
-        self._stream = bnn.NoiseStream(self._seed)
-        self._stream.secure = self._secure
-
     @staticmethod
     def _fix_sensitivities(layers, shapes: dict, declared: bool) -> None:
         """Fixes every layer's Δ before training (``nn._Clipped.set_max_input_shape``), from the probe
@@ -867,18 +772,11 @@ class PrivacyEngine:
         if problems:
             self._refuse(problems)
         self._fallback_noise(pending)
-        new_thresholds = None
-        if self._thresholds is not None:  # released with the gradient: one draw per step, at its counters;
-            # computed before the release, so nothing after it can fail half-way
-            noisy_counts = self._thresholds.noisy(self._centered_counts(), self._stream.seed,
-                                                  self._stream.count_offset())
-            new_thresholds = self._thresholds.proposed(noisy_counts)
+        new_thresholds = thresholds.proposed(self)
         optimizer.step()
         budget.charge(self)
         self._steps += 1
-        if new_thresholds is not None:
-            self._thresholds.values = new_thresholds
-            self._apply_thresholds(new_thresholds)
+        thresholds.adopt(self, new_thresholds)
         self._delivered_at_step = self._counter.delivered
         for st in self._steps_of:
             st.record_released()
@@ -981,97 +879,14 @@ class PrivacyEngine:
         opt-in for a bit-for-bit reproducible resume (whoever holds that state can subtract the noise
         of every step, past and future)."""
         self._require_private("state_dict")
-        state = {"format": _STATE_FORMAT, "accountant": self.accountant_name,
-                 "accountant_state": self.accountant.state_dict(), "steps": self.steps, "secure": self._secure,
-                 "batches_delivered": self._counter.delivered,
-                 "batches_claimed": self._counter.claimed, "noise_multiplier": self.noise_multiplier,
-                 "sample_rate": self.sample_rate, "poisson_sampling": self.poisson_sampling,
-                 "loss_reduction": self.loss_reduction, "world_size": self.world_size}
-        sampler = self.data_loader.batch_sampler
-        if not self.poisson_sampling:
-            # Shuffled batches: the rest of the current epoch must come from the same permutation (an
-            # example is in one batch per epoch). The zCDP analysis does not need it secret.
-            state["shuffle_seed"] = sampler.seed
-        if self._thresholds is not None:  # where the adaptive thresholds are: a resume continues from them
-            state["thresholds"] = dict(zip(self._thresholds.names, self._thresholds.values))
-        if include_secrets:
-            state["secrets"] = {"noise_seed": self._seed, "sampler_seed": sampler.seed}
-        return state
+        return checkpoint.state_dict(self, include_secrets)
 
     def load_state_dict(self, state: dict) -> None:
         """Restores a checkpoint into an engine that ``make_private`` has set up (same model and
         settings): the accountant and the batch counter continue; the noise (and Poisson sampling)
         seed is fresh from the OS unless the state holds secrets (``state_dict(include_secrets=True)``)."""
         self._require_private("load_state_dict")
-        if self._taken_here:
-            raise RuntimeError("PrivacyEngine.load_state_dict: this engine has already taken steps; loading a "
-                               "checkpoint would rewind its accountant (the steps since would not be covered). "
-                               "Resume into a fresh make_private set-up")
-        if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"PrivacyEngine.load_state_dict: not a PrivacyEngine state (format "
-                             f"{state.get('format')!r}, expected {_STATE_FORMAT!r})")
-        if state["accountant"] != self.accountant_name:
-            raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint was accounted with "
-                             f"{state['accountant']!r}, this engine uses {self.accountant_name!r}")
-        if state["poisson_sampling"] != self.poisson_sampling:
-            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint used a different sampling "
-                             "(poisson_sampling) than this engine")
-        saved = state.get("thresholds")
-        if (saved is None) != (self._thresholds is None):
-            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint was made with "
-                             f"{'fixed' if saved is None else 'adaptive'} clipping thresholds, this engine has "
-                             f"{'fixed' if self._thresholds is None else 'adaptive'} ones (make_private(adaptive=...))")
-        if saved is not None and list(saved) != self._thresholds.names:
-            raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds {list(saved)} are not "
-                             f"this model's {self._thresholds.names}")
-        if saved is not None and not self._thresholds.within_range([float(v) for v in saved.values()]):
-            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's adaptive thresholds lie outside the range "
-                             "adaptation can reach from this engine's initial ones (within a factor 10⁶)")
-        # Every field is read and checked before anything is assigned: a bad checkpoint changes nothing.
-        steps = int(state["steps"])
-        delivered = int(state["batches_delivered"])
-        claimed = int(state.get("batches_claimed", delivered))
-        sampler = self.data_loader.batch_sampler
-        secrets_ = state.get("secrets")
-        if secrets_ is not None:
-            noise_seed, sampler_seed = int(secrets_["noise_seed"]), int(secrets_["sampler_seed"])
-            secure = False
-        else:
-            noise_seed, sampler_seed = secrets.randbits(63), secrets.randbits(63)
-            secure = bool(state["secure"]) and self._secure
-        if not self.poisson_sampling:
-            sampler_seed = int(state["shuffle_seed"])
-        if not (steps >= 0 and 0 <= delivered <= claimed and 0 <= noise_seed < 2 ** 63):
-            raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's counters or seeds are out of range")
-        loaded = type(self.accountant)(**self._accountant_kwargs)
-        loaded.load_state_dict(state["accountant_state"])  # parses
-        if self.max_epsilon is not None and len(loaded) and loaded.get_epsilon(self.delta) > self.max_epsilon:
-            raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint has already spent "
-                             f"ε={loaded.get_epsilon(self.delta):.4g} at δ={self.delta:g}, more than this engine's "
-                             f"max_epsilon={self.max_epsilon:g}; it cannot be continued within that budget")
-        if secrets_ is not None:
-            warnings.warn("PrivacyEngine.load_state_dict: the state holds the noise seed (include_secrets=True); "
-                          "the resumed run is reproducible and insecure", InsecureSeedWarning, stacklevel=2)
-        self.accountant.load_state_dict(state["accountant_state"])
-        self._steps = steps
-        self._secure = secure
-        if saved is not None:
-            self._thresholds.values = [float(v) for v in saved.values()]
-            self._apply_thresholds(self._thresholds.values)
-        if self.distributed:
-            noise_seed = distributed.broadcast_int(noise_seed)
-            sampler_seed = distributed.broadcast_int(sampler_seed)
-        self._set_noise_seed(noise_seed)
-        sampler.seed = sampler_seed
-        if hasattr(sampler, "_perm"):
-            sampler._perm = (None, None)
-        self._counter.delivered = delivered
-        self._counter.claimed = claimed
-        self._delivered_at_step = self._counter.delivered
-        self._budget_cache = None
-        for st in self._steps_of:
-            st.discard()
-        self._arm()
+        checkpoint.load_state_dict(self, state)
 
     def _require_private(self, what):
         if not self._made_private:
