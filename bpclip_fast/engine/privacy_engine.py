@@ -11,107 +11,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import _ops, adaptive as _adaptive, data, ranks as _ranks, registry
+from .. import adaptive as _adaptive, data, ranks as _ranks, registry
 from .. import nn as bnn
 from .. import criterion as _criterion, validate as _validate
-from ..boundary import DistributedRecorder, LayerStep, StepRefused
-from . import budget, checkpoint, distributed, seeds, thresholds
+from ..boundary import DistributedRecorder, LayerStep, StepRefused  # noqa: F401  (StepRefused: re-exported)
+from . import budget, checkpoint, distributed, guards, refusal, seeds, thresholds
+from .optimizer import DPOptimizer
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, first_input, positive, to_device
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
-
-def _no_check(*_):
-    return None
-
-
-class _OutsideCheck:
-    """The model's forward pre-hook calling ``PrivacyEngine._check_outside``. It holds the engine
-    weakly and pickles as a no-op, so that ``torch.save(model)`` never carries the engine (its seed)."""
-
-    def __init__(self, engine):
-        import weakref
-
-        self._engine = weakref.ref(engine)
-
-    def __call__(self, module, args):
-        engine = self._engine()
-        if engine is not None:
-            engine._check_outside()
-
-    def __reduce__(self):
-        return (_no_check_factory, ())
-
-
-def _no_check_factory():
-    return _no_check
-
-
-class DPOptimizer(torch.optim.Optimizer):
-    """Wraps an optimizer; ``step()`` is one step of the privacy analysis (see the module docstring).
-
-    Delegates ``param_groups``, ``state``, ``defaults`` to ``original_optimizer``, so learning-rate
-    schedulers work. ``state_dict()`` also holds the engine's state (accountant, counters, seed).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: "PrivacyEngine"):
-        # torch.optim.Optimizer.__init__ is deliberately not called: the wrapped optimizer owns the state.
-        self.original_optimizer = optimizer
-        self.engine = engine
-
-    # -- delegation
-    @property
-    def param_groups(self):
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.original_optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.original_optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.original_optimizer.defaults = value
-
-    def add_param_group(self, param_group):
-        raise RuntimeError("DPOptimizer: parameter groups cannot be added after make_private (they would be "
-                           "trained without clipping or noise); build the optimizer with all of them first")
-
-    def __getstate__(self):
-        raise TypeError(NO_PICKLE.format("DPOptimizer"))
-
-    def __repr__(self):
-        return f"DPOptimizer({self.original_optimizer!r})"
-
-    # -- the step
-    def zero_grad(self, set_to_none: bool = True):
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-        self.engine._after_zero_grad(self.original_optimizer)
-
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.engine._step(self.original_optimizer)
-        return loss
-
-    def state_dict(self):
-        return checkpoint.optimizer_state(self)
-
-    def load_state_dict(self, state_dict):
-        checkpoint.load_optimizer_state(self, state_dict)
-
 
 class PrivacyEngine:
     """Opacus-style entry point: ``make_private``, ``make_private_with_epsilon``, ``get_epsilon``.
@@ -415,14 +323,14 @@ class PrivacyEngine:
             layer.noise_multiplier = self.gradient_noise_multiplier if self.rank == 0 else 0.0
             st = LayerStep(layer, name, enforce=True, mean_loss_batch=mean_batch)
             st.counting = self._thresholds is not None
-            st.on_refuse = self._refuse_in_forward
+            st.on_refuse = functools.partial(refusal.refuse_in_forward, self)
             st.after_backward = recorder
-            st.batch_rows = self._last_rows
-            st.on_new_pass = self._check_new_pass
+            st.batch_rows = functools.partial(guards.batch_rows, self)
+            st.on_new_pass = functools.partial(guards.check_new_pass, self)
             st.budget = functools.partial(budget.require, self)
             layer._step = st
             self._steps_of.append(st)
-        inner.register_forward_pre_hook(_OutsideCheck(self))
+        inner.register_forward_pre_hook(guards.OutsideCheck(self))
         self._inner = inner
         self._noise_multiplier = sigma
         self.loss_reduction = loss_reduction
@@ -651,10 +559,7 @@ class PrivacyEngine:
         self._require_private("nonfinite_counts")
         counts = torch.stack([layer._nonfinite for layer in self._layers])
         if self.distributed:
-            import torch.distributed as dist
-
-            counts = counts.to(distributed.collective_device())
-            dist.all_reduce(counts)
+            counts = distributed.summed(counts)
         out = {st.name: tuple(int(v) for v in c) for st, c in zip(self._steps_of, counts.cpu())}
         for layer in self._layers:
             layer._nonfinite.zero_()
@@ -666,211 +571,6 @@ class PrivacyEngine:
         self._stream.step = self.steps
         for index, st in enumerate(self._steps_of):
             st.arm((self._stream.seed, self._stream.offset(index)))
-
-    def _after_zero_grad(self, optimizer):
-        """``zero_grad`` through the private optimizer: every layer whose gradients it cleared starts
-        afresh (its draw is added again by its next backward); no device check is needed for them."""
-        for st in self._steps_of:  # only what is None now: zeroed or untouched gradients are checked as usual
-            trainable = [p for p in st.params if p.requires_grad]
-            if trainable and all(p.grad is None for p in st.params):
-                st.cleared()
-
-    def _last_rows(self) -> int:
-        return self._counter.last_rows
-
-    def _check_new_pass(self):
-        """Before a backward pass adds to the step: budget left for the charge of any refusal in the
-        pass (first; after the budget, a backward would only make gradients nothing may release), no
-        trainable parameter outside the clipped layers, at most one batch drawn since the last step
-        (a loop that never calls the private step(), or draws a second batch, stops here, charged).
-        Once per backward pass, not per layer."""
-        task = torch._C._current_graph_task_id()
-        if task == self._checked_task:
-            return
-        self._checked_task = task
-        if not budget.covers(self):  # first: everything below may be charged
-            self._discard(self.optimizer.original_optimizer)
-            raise accounting().PrivacyBudgetError(
-                f"backward refused: any further step would exceed max_epsilon={self.max_epsilon:g} at "
-                f"δ={self.delta:g}; the budget is spent, so no gradient of private data is computed any more")
-        self._check_outside(in_backward=True)
-        drawn = budget.drawn(self)
-        if drawn > 1:
-            self._refuse([("batches", f"{drawn} batches were drawn from the private loader since the last step "
-                           "and a backward pass was run", [])])
-
-    def _outside_params(self):
-        """``(name, parameter)`` of the private model that no clipped layer of this engine owns, as the
-        model is now (a layer added or replaced after make_private is outside)."""
-        owned = {id(p) for st in self._steps_of for p in st.params}
-        return [(name, p) for name, p in self._inner.named_parameters() if id(p) not in owned]
-
-    def _check_outside(self, *_, in_backward=False):
-        """No parameter outside the clipped layers may be trainable (one unfrozen after make_private,
-        maybe with an optimizer of its own, would be trained on raw gradients). Checked before every
-        grad-enabled forward of the model (so no such gradient is computed) and at every backward
-        pass of a clipped layer (a forward that bypassed the model's hook); such gradients are
-        discarded."""
-        if not (in_backward or torch.is_grad_enabled()):
-            return
-        outside = self._outside_params()
-        bad = [name for name, p in outside if p.requires_grad]
-        if bad:
-            for _, p in outside:
-                p.grad = None
-            budget.require(self, "the forward of the private model")
-            self._refuse([("unclipped-param", f"{', '.join(bad)} is trainable but not a clipped layer of this "
-                           "engine (unfrozen, added or replaced after make_private)", bad)])
-
-    def _discard(self, optimizer):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        for st in self._steps_of:
-            st.discard()
-        self._delivered_at_step = self._counter.delivered
-        self._arm()
-
-    def _refuse(self, problems, charged=True):
-        """Discards the step's gradients, charges it (see ``bpclip_fast.boundary``) and raises. Every
-        batch drawn since the last step may have been used, so each is charged (shuffled: _charge
-        follows t). Callers have checked that the budget covers it (``_budget_covers``)."""
-        if charged:
-            for _ in range(max(1, budget.drawn(self)) if self.poisson_sampling else 1):
-                budget.charge(self)
-        self._discard(self.optimizer.original_optimizer)
-        rule = problems[0][0]
-        details = "; ".join(d for _, d, _ in problems)
-        names = list(dict.fromkeys(n for _, _, ns in problems for n in ns))
-        raise StepRefused(rule, details, names, charged=charged)
-
-    def _refuse_in_forward(self, rule, details, names):
-        self._refuse([(rule, details, names)])
-
-    def _step(self, optimizer):
-        delivered = budget.drawn(self)
-        if not budget.covers(self):  # before anything charged (the loader's gate keeps delivered within it)
-            eps_now = self.get_epsilon(self.delta)
-            self._discard(optimizer)
-            raise accounting().PrivacyBudgetError(
-                f"DPOptimizer.step() refused: after this step ε would exceed max_epsilon={self.max_epsilon:g} at "
-                f"δ={self.delta:g} (spent so far: ε={eps_now:.4g} over {self.steps} steps). The gradients of this "
-                "step were discarded and nothing was updated.")
-        if delivered > 1:  # the batches were drawn and may have been used: charged, one step each
-            self._refuse([("batches", f"{delivered} batches were drawn from the private data loader since the "
-                           "last step", [])])
-        if delivered != 1:
-            self._discard(optimizer)
-            raise RuntimeError(
-                f"DPOptimizer.step(): {delivered} batches were drawn from the private data loader since the last "
-                "step; every step must use exactly one (the accountant assumes one fresh sampled batch per step). "
-                "To accumulate gradients, split one batch into micro-batches (for x_mb in x.split(m): "
-                "loss(model(x_mb)).backward()) and step once; for a larger batch raise the loader's batch_size. "
-                "The gradients of this step were discarded (this refusal depends only on the loop, not on the "
-                "data, and is not charged).")
-        problems, pending = self._verify(optimizer)
-        if problems:
-            self._refuse(problems)
-        self._fallback_noise(pending)
-        new_thresholds = thresholds.proposed(self)
-        optimizer.step()
-        budget.charge(self)
-        self._steps += 1
-        thresholds.adopt(self, new_thresholds)
-        self._delivered_at_step = self._counter.delivered
-        for st in self._steps_of:
-            st.record_released()
-        self._arm()
-
-    def _verify(self, optimizer):
-        """Every check of the step boundary (``bpclip_fast.boundary``): ``(problems, pending)`` with
-        problems as ``(rule, details, names)`` and ``pending[l]`` whether layer ``l`` still needs its
-        draw (no backward reached it, or its gradient was cleared since)."""
-        problems = []
-        clipped = {id(p) for st in self._steps_of for p in st.params}
-        names = {id(p): name for name, p in self._inner.named_parameters()}
-        outside = self._outside_params() + [
-            (names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), p)
-            for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped]
-        for name in dict.fromkeys(name for name, p in outside if p.grad is not None):
-            problems.append(("unclipped-param", f"{name} has a gradient but is not in a clipped layer made "
-                             "private (frozen at make_private and unfrozen since?)", [name]))
-        rows = self._counter.last_rows
-        pending, checks, layer_problems = [], [], []
-        for st in self._steps_of:
-            st.close_pass()
-            hooked = st.foreign_hooks()
-            if hooked:
-                problems.append(("grad-edit", f"gradient hooks on {', '.join(hooked)} (tensor or post-accumulate "
-                                 "hooks can rewrite a private gradient); remove them", [st.name]))
-            if st.params_moved():
-                problems.append(("param-edit", f"{st.name}'s parameters changed since the step's first backward pass",
-                                 [st.name]))
-            holds = st.sync_with_grads()
-            pending.append(not (holds and st.noised))
-            if st.rows not in (0, rows):  # before the layer's own violations: reuse also mixes its gradient
-                layer_problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, "
-                                       f"the batch drawn for it has {rows}", [st.name]))
-            layer_problems += [(rule, details, [st.name]) for rule, details in dict.fromkeys(st.violations)]
-            checks += [(st.name, flag) for flag in st.edit_checks]
-        layer_problems += self._flat_problems()
-        if checks:  # one sync, only in steps where a gradient was edited, replaced or accumulated over passes
-            flags = torch.stack([flag.to("cpu") for _, flag in checks]).tolist()
-            for name in dict.fromkeys(name for (name, _), bad in zip(checks, flags) if bad):
-                problems.append(("grad-edit", f"{name}'s gradient was changed (not zeroed, not by its backward) "
-                                 "between its backward passes or after them", [name]))
-        problems += layer_problems
-        if self.nonfinite == "raise":
-            counts = self.nonfinite_counts()
-            bad = [name for name, c in counts.items() if any(c)]
-            if bad:
-                problems.append(("nonfinite", "non-finite values reached "
-                                 + ", ".join(f"{n} {counts[n]}" for n in bad), bad))
-        if self.distributed:  # every process takes the same decision
-            import torch.distributed as dist
-
-            flag = torch.tensor([1 if problems else 0], device=distributed.collective_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and not problems:
-                problems.append(("rows", "another process refused this step", []))
-        return problems, pending
-
-    def _flat_problems(self):
-        """Flat clipping: each release's factor must cover every layer an example reached in the step,
-        so every layer holding a contribution must hold the same releases (books)."""
-        held = [st for st in self._steps_of if st.rows and st.layer.clipping == "flat"]
-        if len({frozenset(st.books) for st in held}) < 2:
-            return []
-        return [("rows", "under flat clipping the backward passes of this step reached different sets of layers "
-                 "(another loss or head per pass, layers frozen in turn, backward(inputs=...)), so no factor covered "
-                 "an example's whole gradient", [st.name for st in held])]
-
-    def _fallback_noise(self, pending):
-        """Adds draw ``t`` to the layers whose gradient does not hold it (no backward reached them in
-        this step, e.g. a skipped empty batch, or their gradient was cleared after the backward)."""
-        if self.distributed:
-            flags = torch.tensor(pending, dtype=torch.uint8, device=distributed.collective_device())
-            import torch.distributed as dist
-
-            dist.broadcast(flags, 0)
-            pending = [bool(v) for v in flags.tolist()]
-        for st, todo in zip(self._steps_of, pending):
-            if not todo:
-                continue
-            # Every rank adds the same draw divided by W: the value DDP's average would have given.
-            layer = st.layer
-            seed, offset = st.take_draw()
-            std = self.gradient_noise_multiplier * layer.sensitivity
-            if st.mean_loss_batch is not None:
-                std /= st.mean_loss_batch
-            std /= self.world_size
-            for p, off in ((layer.weight, offset), (layer.bias, offset + 1)):
-                if p is None or not p.requires_grad:
-                    continue
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                _ops.philox_noise_(p.grad, seed, off, std, accumulate=True)
-            st.noised = True
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_secrets: bool = False) -> dict:
