@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 
-from . import budget, distributed, seeds
+from . import distributed, seeds
 from ._common import InsecureSeedWarning
 
 STATE_FORMAT = "bpclip_fast.PrivacyEngine/2"

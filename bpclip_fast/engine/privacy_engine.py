@@ -3,21 +3,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import math
-import warnings
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import adaptive as _adaptive, data, ranks as _ranks, registry
+from .. import data, ranks as _ranks
 from .. import nn as bnn
-from .. import criterion as _criterion, validate as _validate
+from .. import validate as _validate
 from ..boundary import DistributedRecorder, LayerStep, StepRefused  # noqa: F401  (StepRefused: re-exported)
-from . import budget, checkpoint, distributed, guards, refusal, seeds, thresholds
+from . import arguments, budget, checkpoint, distributed, guards, model_checks, refusal, seeds, thresholds
 from .optimizer import DPOptimizer
-from ._common import NO_PICKLE, InsecureSeedWarning, accounting, first_input, positive, to_device
+from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
 
@@ -35,7 +36,6 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self._accountant_kwargs = kwargs
         self._made_private = False
-        self._sigma_effective = None  # set by make_private_with_epsilon for the make_private it calls
 
     def __getstate__(self):
         raise TypeError(NO_PICKLE.format("PrivacyEngine"))
@@ -99,49 +99,21 @@ class PrivacyEngine:
         In phases: arguments, then every problem of the model at once (nothing is changed before
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
         """
-        what = "make_private" if self._sigma_effective is None else "make_private_with_epsilon"
-        with _ranks.failures_joined(distributed.world()[2], what, distributed.collective_device):  # no rank left waiting
-            sigma = self._check_arguments(module, optimizer, data_loader, noise_multiplier=noise_multiplier,
-                                          input_clip=input_clip, grad_clip=grad_clip, clipping=clipping,
-                                          max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
-                                          nonfinite=nonfinite, max_epsilon=max_epsilon, delta=delta,
-                                          noise_seed=noise_seed)
-            self._check_pairing(poisson_sampling)
-            adaptive = self._check_adaptive(adaptive)
-            self.rank, self.world_size, self.distributed = distributed.world()
-            inner = distributed.unwrapped(module, self.distributed)
-            plan = data.SamplingPlan.of_loader(data_loader, self.world_size, poisson_sampling, what)
-            if max_input_shape is not None:
-                max_input_shape = tuple(int(s) for s in max_input_shape)
-        if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
-            _ranks.check({"len(data_loader.dataset)": plan.num_samples, "data_loader.batch_size": plan.batch_size,
-                          "sample rate": plan.sample_rate, "poisson_sampling": plan.poisson,
-                          "noise_multiplier": sigma, "clipping": clipping, "input_clip": input_clip,
-                          "grad_clip": grad_clip, "conv_norm": conv_norm, "max_grad_norm": max_grad_norm,
-                          "norm_method": norm_method, "clip_fn": clip_fn, "gamma": gamma,
-                          "loss_reduction": loss_reduction, "nonfinite": nonfinite, "max_input_shape": max_input_shape,
-                          "adaptive": adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
-                          "max_epsilon": max_epsilon, "delta": delta,
-                          "clipped layers built by hand": _ranks.built_layers(inner)},
-                         data_loader.dataset, plan.num_samples, distributed.collective_device(), what)
-        shapes = self._model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping,
-                                      criterion, loss_reduction, plan.batch_size)
-        self._check_built_layers(inner, clipping, max_grad_norm)
-        if clipping == "backprop":
-            settings = dict(input_clip=input_clip, grad_clip=grad_clip, norm=conv_norm)
-        else:
-            settings = dict(max_grad_norm=max_grad_norm, norm_method=norm_method)
-        module, inner = self._prepare_model(module, inner, shapes, max_input_shape, sigma, plan, loss_reduction,
-                                            dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, **settings),
-                                            adaptive)
-        self.nonfinite = nonfinite
-        self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = input_clip, grad_clip, conv_norm, clip_fn
-        self.clipping, self.max_grad_norm = clipping, max_grad_norm
-        sampler_seed = seeds.prepare(self, noise_seed)
-        self.data_loader = self._prepare_loader(data_loader, plan, sampler_seed)
+        return self._make_private(arguments.Request(**{k: v for k, v in locals().items() if k != "self"}))
+
+    def _make_private(self, r: arguments.Request):
+        """Checks everything (nothing is changed before all has passed), then composes the private
+        set-up from what the ``_prepare_*`` steps return."""
+        r, sigma, inner, plan, shapes = self._check_all(r)
+        module, inner = self._prepare_model(r, inner, shapes, sigma, plan)
+        self.nonfinite = r.nonfinite
+        self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = r.input_clip, r.grad_clip, r.conv_norm, r.clip_fn
+        self.clipping, self.max_grad_norm = r.clipping, r.max_grad_norm
+        sampler_seed = seeds.prepare(self, r.noise_seed)
+        self.data_loader = self._prepare_loader(r.data_loader, plan, sampler_seed)
         self.module = distributed.wrapped(module, self.distributed)
-        self.optimizer = DPOptimizer(optimizer, self)
-        budget.init(self, max_epsilon, delta)
+        self.optimizer = DPOptimizer(r.optimizer, self)
+        budget.init(self, r.max_epsilon, r.delta)
         if self.max_epsilon is None:  # nothing to cover (fixed for the engine's life): no per-layer call per forward
             for st in self._steps_of:
                 st.budget = None
@@ -149,148 +121,52 @@ class PrivacyEngine:
         self._arm()
         return self.module, self.optimizer, self.data_loader
 
-    def _check_arguments(self, module, optimizer, data_loader, *, noise_multiplier, input_clip, grad_clip,
-                         clipping, max_grad_norm, loss_reduction, nonfinite, max_epsilon, delta, noise_seed) -> float:
-        """The arguments of ``make_private`` that can be checked alone (all before the model is
-        changed: a failure after the conversion would leave a model no engine can make private);
-        returns σ."""
-        if self._made_private:
-            raise RuntimeError("PrivacyEngine: make_private was already called on this engine; use one engine "
-                               "per model (its accountant belongs to that training run)")
-        for value, kind, what in ((module, nn.Module, "module must be a torch.nn.Module"),
-                                  (optimizer, torch.optim.Optimizer, "optimizer must be a torch.optim.Optimizer"),
-                                  (data_loader, DataLoader, "data_loader must be a torch DataLoader")):
-            if not isinstance(value, kind):
-                raise TypeError(f"make_private: {what}, got {type(value).__name__}")
-        if isinstance(optimizer, DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
-                                                      and m._step.enforce for m in module.modules()):
-            raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
-        sigma = positive(noise_multiplier, "noise_multiplier")
-        self._check_clipping(clipping, input_clip, grad_clip, max_grad_norm)
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"make_private: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if nonfinite not in ("drop", "raise"):
-            raise ValueError(f"make_private: nonfinite must be 'drop' or 'raise', got {nonfinite!r}")
-        if max_epsilon is not None:
-            positive(max_epsilon, "max_epsilon")
-            if delta is None or not 0 < float(delta) < 1:
-                raise ValueError("make_private: max_epsilon needs delta in (0, 1), the δ at which ε is measured")
-        if noise_seed is not None:
-            if not 0 <= int(noise_seed) < 2 ** 63:
-                raise ValueError(f"make_private: noise_seed must be in [0, 2**63), got {noise_seed}")
-            warnings.warn("PrivacyEngine: an explicit noise_seed makes the noise and the batch sampling "
-                          "reproducible, and is for that only: whoever knows the seed can subtract the noise, "
-                          "and the privacy guarantee is void. Use noise_seed=None (OS entropy) for a real run.",
-                          InsecureSeedWarning, stacklevel=3)
-        return sigma
+    def _check_all(self, r: arguments.Request):
+        """Every check of ``make_private``: the arguments, the ranks' agreement, every problem of the
+        model at once, the layers built by hand. Returns ``(r, σ, inner, plan, shapes)`` with ``r``'s
+        ``adaptive`` and ``max_input_shape`` normalised."""
+        with _ranks.failures_joined(distributed.world()[2], r.what, distributed.collective_device):  # no rank left waiting
+            sigma = arguments.check(self._made_private, r.module, r.optimizer, r.data_loader,
+                                    noise_multiplier=r.noise_multiplier, input_clip=r.input_clip,
+                                    grad_clip=r.grad_clip, clipping=r.clipping, max_grad_norm=r.max_grad_norm,
+                                    loss_reduction=r.loss_reduction, nonfinite=r.nonfinite,
+                                    max_epsilon=r.max_epsilon, delta=r.delta, noise_seed=r.noise_seed)
+            arguments.check_pairing(self.accountant, self.accountant_name, r.poisson_sampling)
+            r = dataclasses.replace(r, adaptive=arguments.check_adaptive(r.adaptive))
+            self.rank, self.world_size, self.distributed = distributed.world()
+            inner = distributed.unwrapped(r.module, self.distributed)
+            plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what)
+            if r.max_input_shape is not None:
+                r = dataclasses.replace(r, max_input_shape=tuple(int(s) for s in r.max_input_shape))
+        if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
+            self._check_ranks(r, sigma, inner, plan)
+        shapes = model_checks.model_problems(inner, r.optimizer, r.data_loader, r.max_input_shape, r.probe, r.clipping,
+                                             r.criterion, r.loss_reduction, plan.batch_size)
+        arguments.check_built_layers(inner, r.clipping, r.max_grad_norm)
+        return r, sigma, inner, plan, shapes
 
-    @staticmethod
-    def _check_clipping(clipping, input_clip, grad_clip, max_grad_norm) -> None:
-        """The bounds each clipping mode takes, and only those."""
-        modes = bnn.exact.MODES
-        if clipping not in modes:
-            raise ValueError(f"make_private: clipping must be one of {modes}, got {clipping!r}")
-        if clipping == "backprop":
-            if input_clip is None or grad_clip is None:
-                raise TypeError("make_private: clipping='backprop' needs input_clip and grad_clip (or use "
-                                "clipping='flat' with max_grad_norm, as in Opacus)")
-            if max_grad_norm is not None:
-                raise TypeError("make_private: max_grad_norm belongs to clipping='flat'/'per_layer'; backpropagation "
-                                "clipping takes input_clip and grad_clip")
-            positive(input_clip, "input_clip")
-            positive(grad_clip, "grad_clip")
-            return
-        if max_grad_norm is None:
-            raise TypeError(f"make_private: clipping={clipping!r} needs max_grad_norm")
-        if input_clip is not None or grad_clip is not None:
-            raise TypeError(f"make_private: input_clip/grad_clip belong to clipping='backprop'; clipping={clipping!r} "
-                            "clips each example's gradient to max_grad_norm")
-        if clipping == "per_layer" and isinstance(max_grad_norm, (list, tuple)):
-            for c in max_grad_norm:
-                positive(c, "max_grad_norm")
-        else:
-            positive(max_grad_norm, "max_grad_norm")
+    def _check_ranks(self, r: arguments.Request, sigma, inner, plan) -> None:
+        """Every rank passed the same dataset and arguments (one collective, :mod:`bpclip_fast.ranks`)."""
+        _ranks.check({"len(data_loader.dataset)": plan.num_samples, "data_loader.batch_size": plan.batch_size,
+                      "sample rate": plan.sample_rate, "poisson_sampling": plan.poisson,
+                      "noise_multiplier": sigma, "clipping": r.clipping, "input_clip": r.input_clip,
+                      "grad_clip": r.grad_clip, "conv_norm": r.conv_norm, "max_grad_norm": r.max_grad_norm,
+                      "norm_method": r.norm_method, "clip_fn": r.clip_fn, "gamma": r.gamma,
+                      "loss_reduction": r.loss_reduction, "nonfinite": r.nonfinite, "max_input_shape": r.max_input_shape,
+                      "adaptive": r.adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
+                      "max_epsilon": r.max_epsilon, "delta": r.delta,
+                      "clipped layers built by hand": _ranks.built_layers(inner)},
+                     r.data_loader.dataset, plan.num_samples, distributed.collective_device(), r.what)
 
-    @staticmethod
-    def _check_adaptive(adaptive):
-        """``None`` (fixed thresholds) or the :class:`bpclip_fast.Adaptive` options."""
-        if adaptive is None or adaptive is False:
-            return None
-        if adaptive is True:
-            return _adaptive.Adaptive()
-        if not isinstance(adaptive, _adaptive.Adaptive):
-            raise TypeError(f"make_private: adaptive must be None, True or a bpclip_fast.Adaptive(...), got "
-                            f"{type(adaptive).__name__}")
-        return adaptive
-
-    @staticmethod
-    def _check_built_layers(inner, clipping, max_grad_norm) -> None:
-        """Clipped layers the user built must clip as the engine does (flat: with its ``C``)."""
-        bad = [f"{name} is clipping={layer.clipping!r}" for name, layer in bnn.clipped_layers(inner)
-               if layer.clipping != clipping]
-        if clipping == "flat":
-            bad += [f"{name} has max_grad_norm={layer.max_grad_norm:g}, not {float(max_grad_norm):g}"
-                    for name, layer in bnn.clipped_layers(inner)
-                    if layer.clipping == "flat" and layer.max_grad_norm != float(max_grad_norm)]
-        if bad:
-            raise ValueError(f"make_private: clipping={clipping!r}, but the model's own clipped layers differ: "
-                             + "; ".join(bad) + ". Build them with the engine's clipping, or use torch's layers "
-                             "and let make_private convert them")
-
-    def _model_problems(self, inner, optimizer, data_loader, max_input_shape, probe, clipping, criterion=None,
-                        loss_reduction="mean", rows=3) -> dict:
-        """Every problem of the model and the optimizer at once (raised as one ``ValueError``) before
-        anything is changed; returns ``{layer: input shape}`` of the probe forward (Δ is fixed from it)."""
-        problems = _validate.static_problems(inner, clipping)
-        shapes, example = {}, None
-        if max_input_shape is not None:
-            p0 = next(inner.parameters(), None)
-            example = torch.zeros((1, *max_input_shape), dtype=p0.dtype if p0 is not None else None,
-                                  device=p0.device if p0 is not None else None)
-        else:
-            dataset = data_loader.dataset
-            try:
-                example = to_device(first_input(data_loader.collate_fn([dataset[0]])), inner)
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"make_private: could not build a probe input from the dataset's first example "
-                                f"({exc!r}); pass max_input_shape=(per-example input shape) instead")
-        if example is not None:
-            try:
-                twice, shapes = _validate.probe(inner, example)
-                if not probe:
-                    problems += twice  # the dynamic probes report reuse themselves
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"make_private: the probe forward failed ({exc!r}); the sensitivity of each layer "
-                                "is fixed from it, so the model must run on one example (or on max_input_shape)")
-        if probe:
-            problems += self._dynamic_problems(inner, data_loader)
-        if criterion is not None:
-            problems += self._criterion_problems(inner, data_loader, criterion, loss_reduction, rows)
-        problems += self._optimizer_problems(inner, optimizer)
-        if problems:
-            raise ValueError("make_private: the model cannot be trained privately as it is:\n  - "
-                             + "\n  - ".join(problems))
-        return shapes
-
-    @staticmethod
-    def _optimizer_problems(inner, optimizer) -> list[str]:
-        """Parameters an optimizer would update without clipping or noise: not in the module, or
-        frozen or outside the clipped layers with a gradient left from earlier training."""
-        names = {id(p): name for name, p in inner.named_parameters()}
-        problems = [f"optimizer: a parameter of shape {tuple(p.shape)} is not part of the module; it would be "
-                    "trained without clipping or noise"
-                    for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
-        owned = {id(p) for m in inner.modules() if registry.clipped_by_conversion(m)
-                 for p in m.parameters(recurse=False) if p.requires_grad}
-        return problems + [f"{name}: frozen, but holds a gradient from earlier training, which an optimizer would "
-                           "apply without clipping or noise; clear it first (model.zero_grad())"
-                           for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
-
-    def _prepare_model(self, module, inner, shapes, max_input_shape, sigma, plan, loss_reduction, clipping,
-                       adaptive=None):
+    def _prepare_model(self, r: arguments.Request, inner, shapes, sigma, plan):
         """Converts the model (same ``Parameter`` objects), fixes every layer's Δ and gives each its
         step state (``boundary.LayerStep``); returns ``(module, inner)``."""
-        converted = bnn.convert_model(inner, **clipping)
+        module = r.module
+        if r.clipping == "backprop":
+            settings = dict(input_clip=r.input_clip, grad_clip=r.grad_clip, norm=r.conv_norm)
+        else:
+            settings = dict(max_grad_norm=r.max_grad_norm, norm_method=r.norm_method)
+        converted = bnn.convert_model(inner, clipping=r.clipping, clip_fn=r.clip_fn, gamma=r.gamma, **settings)
         if converted is not inner:  # a bare nn.Linear / nn.Conv2d
             if isinstance(module, distributed.ddp_class()):
                 raise ValueError("make_private: wrap a container module in DDP, not a bare layer")
@@ -300,22 +176,33 @@ class PrivacyEngine:
             raise ValueError("make_private: the model has no trainable layer of a registered type to clip "
                              "(bpclip_fast.registry: Linear, Conv2d; LayerNorm, GroupNorm, Embedding, "
                              "bpclip_fast.modules under exact clipping)")
-        self._fix_sensitivities(layers, shapes, max_input_shape is not None)
-        mode = clipping["clipping"]
-        if mode == "flat":  # one book-keeping over every layer, those built by the user included
-            bnn.exact.attach_flat(inner, [layer for _, layer in layers], clipping["max_grad_norm"],
-                                  clipping["clip_fn"], clipping["gamma"])
-        if mode == "per_layer":  # each layer's noise is scaled to C = (Σ_l C_l²)^½ over all of them
+        model_checks.fix_sensitivities(layers, shapes, r.max_input_shape is not None)
+        self._prepare_mode(r, inner, layers)
+        if r.sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
+            sigma = r.sigma_effective * (1.0 if self._exact else math.sqrt(len(layers)))
+        self._layers = [layer for _, layer in layers]
+        self._flat_group = self._layers[0]._flat if r.clipping == "flat" else None
+        thresholds.prepare(self, r.adaptive, sigma, plan)
+        self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
+        inner.register_forward_pre_hook(guards.OutsideCheck(self))
+        self._inner = inner
+        self._noise_multiplier = sigma
+        self.loss_reduction = r.loss_reduction
+        self.max_input_shape = r.max_input_shape
+        return module, inner
+
+    def _prepare_mode(self, r: arguments.Request, inner, layers) -> None:
+        """What the exact modes set over all the layers: flat's one book-keeping, per_layer's noise bound."""
+        if r.clipping == "flat":  # one book-keeping over every layer, those built by the user included
+            bnn.exact.attach_flat(inner, [layer for _, layer in layers], r.max_grad_norm, r.clip_fn, r.gamma)
+        if r.clipping == "per_layer":  # each layer's noise is scaled to C = (Σ_l C_l²)^½ over all of them
             total = math.sqrt(sum(layer.max_grad_norm ** 2 for _, layer in layers))
             for _, layer in layers:
                 layer.noise_bound = total
-        self._exact = mode != "backprop"
-        if self._sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
-            sigma = self._sigma_effective * (1.0 if self._exact else math.sqrt(len(layers)))
-        self._layers = [layer for _, layer in layers]
-        self._flat_group = self._layers[0]._flat if mode == "flat" else None
-        thresholds.prepare(self, adaptive, sigma, plan)
-        mean_batch = float(plan.batch_size) if loss_reduction == "mean" else None
+        self._exact = r.clipping != "backprop"
+
+    def _prepare_steps(self, layers, mean_batch) -> None:
+        """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
         recorder = DistributedRecorder() if self.distributed else None
         self._steps_of = []
         for name, layer in layers:
@@ -330,12 +217,6 @@ class PrivacyEngine:
             st.budget = functools.partial(budget.require, self)
             layer._step = st
             self._steps_of.append(st)
-        inner.register_forward_pre_hook(guards.OutsideCheck(self))
-        self._inner = inner
-        self._noise_multiplier = sigma
-        self.loss_reduction = loss_reduction
-        self.max_input_shape = max_input_shape
-        return module, inner
 
     def thresholds(self) -> dict:
         """``{name: value}`` of every clipping threshold as it is now (flat: ``"max_grad_norm"``;
@@ -397,38 +278,19 @@ class PrivacyEngine:
             if int(epochs) != epochs or epochs < 1:
                 raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
             poisson = kwargs.get("poisson_sampling", True)
-            self._check_pairing(poisson)
+            arguments.check_pairing(self.accountant, self.accountant_name, poisson)
             plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon")
             sigma_eff = accounting().get_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
                 steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
         self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
-        self._sigma_effective = float(sigma_eff)
-        try:
-            return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
-                                     noise_multiplier=float(sigma_eff), **kwargs)
-        finally:
-            self._sigma_effective = None
-
-    def _check_pairing(self, poisson_sampling: bool):
-        sampling = getattr(self.accountant, "sampling", None)
-        adjacency = getattr(self.accountant, "adjacency", None)
-        if not poisson_sampling and adjacency not in (None, "replace_one"):
-            raise ValueError(
-                f"PrivacyEngine: shuffled disjoint batches (poisson_sampling=False) are analysed only under "
-                f"replace-one adjacency, not {adjacency!r}: adding one example re-packs every batch of the "
-                "epoch, so one example moves the release by 2Δ while add/remove zCDP charges Δ. Use "
-                "PrivacyEngine(accountant='zcdp') (replace_one), or Poisson sampling with 'rdp'/'pld'")
-        if poisson_sampling and sampling != "poisson":
-            raise ValueError(
-                f"PrivacyEngine: the {self.accountant_name!r} accountant analyses shuffled disjoint batches "
-                f"(sampling={sampling!r}), not Poisson sampling; use PrivacyEngine(accountant='rdp' or 'pld') with "
-                "poisson_sampling=True, or keep this accountant with poisson_sampling=False")
-        if not poisson_sampling and sampling != "shuffle":
-            raise ValueError(
-                f"PrivacyEngine: poisson_sampling=False (shuffled disjoint batches) cannot be accounted for by the "
-                f"{self.accountant_name!r} accountant, which assumes Poisson sampling (its ε would not bound this "
-                "run); use PrivacyEngine(accountant='zcdp') for shuffled batches, or poisson_sampling=True")
+        try:  # make_private's signature holds the defaults; its error for an unknown argument as a call would raise
+            bound = inspect.signature(self.make_private).bind(module=module, optimizer=optimizer, data_loader=data_loader,
+                                                              noise_multiplier=float(sigma_eff), **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"PrivacyEngine.make_private() {exc}") from None
+        bound.apply_defaults()
+        return self._make_private(arguments.Request(**bound.arguments, sigma_effective=float(sigma_eff)))
 
     # ------------------------------------------------------------------ epsilon and budget
     @property
@@ -507,50 +369,6 @@ class PrivacyEngine:
         return float(self.accountant.get_epsilon(delta))
 
     # ------------------------------------------------------------------ set-up helpers
-    @staticmethod
-    def _fix_sensitivities(layers, shapes: dict, declared: bool) -> None:
-        """Fixes every layer's Δ before training (``nn._Clipped.set_max_input_shape``), from the probe
-        shapes: a Δ taken from each batch would make the noise std depend on the data."""
-        problems = []
-        for name, layer in layers:
-            if layer.max_input_shape is not None:
-                continue  # declared on the layer itself
-            shape = shapes.get(name)
-            if shape is None:
-                if layer._shape_dependent(None):
-                    problems.append(f"{name}: no probe forward reached it, and its sensitivity depends on its input "
-                                    f"shape ({layer._shape_rule()}); call {name}.set_max_input_shape(...) first")
-                continue
-            if layer._shape_dependent(shape) and not declared:
-                problems.append(f"{name}: its sensitivity depends on its input shape ({layer._shape_rule()}), so it "
-                                "must not be taken from a sampled example; pass max_input_shape=(largest per-example "
-                                "input shape) to make_private, and pad or truncate inputs to at most that shape")
-                continue
-            layer.set_max_input_shape(shape[1:])
-        if problems:
-            raise ValueError("make_private: the noise scale would depend on the data:\n  - " + "\n  - ".join(problems))
-
-    @staticmethod
-    def _dynamic_problems(inner, data_loader) -> list[str]:
-        """:func:`bpclip_fast.validate.dynamic_problems` on the first batch of the user's loader (its
-        structure and shapes only: the probes replace floating-point values by random ones)."""
-        try:
-            batch = next(iter(data_loader))
-        except Exception as exc:  # noqa: BLE001
-            return [f"make_private: could not draw a first batch for the dynamic probes ({exc!r}); pass "
-                    "probe=False to skip them"]
-        return _validate.dynamic_problems(inner, to_device(first_input(batch), inner))
-
-    @staticmethod
-    def _criterion_problems(inner, data_loader, criterion, loss_reduction, rows) -> list[str]:
-        """:func:`bpclip_fast.criterion.criterion_problems` on the structure of the loader's first batch,
-        with ``rows`` (the plan's public expected batch size) examples."""
-        try:
-            batch = next(iter(data_loader))
-        except Exception as exc:  # noqa: BLE001
-            return [f"make_private: could not draw a first batch to check the criterion ({exc!r})"]
-        return _criterion.criterion_problems(inner, to_device(batch, inner), criterion, loss_reduction, rows)
-
     # ------------------------------------------------------------------ non-finite values
     def nonfinite_counts(self) -> dict:
         """``{layer: (inputs, upstream gradients)}`` found non-finite (and dropped: clip factor 0)
