@@ -104,7 +104,7 @@ PLD's discretised ε, possibly one step early, never late). The
 number of steps left is found once by bisection on the accountant (``Accountant.max_steps``: ε
 grows with the number of steps) and cached while (σ, q, max_epsilon, δ) do not change. Charged
 refusals spend the budget too, so a charged event may only happen where the budget covers its
-charge (``_budget_covers``): the private loader does not hand over a batch the budget cannot
+charge (``budget.covers``): the private loader does not hand over a batch the budget cannot
 charge with those drawn since the last step, and every training forward, backward pass and step
 checks the budget before anything whose refusal is charged. Those ``PrivacyBudgetError`` refusals
 depend only on the public accountant and batch counters, and are not charged.
