@@ -1,0 +1,98 @@
+"""The checks that run while a step is being computed, before anything reaches ``step()``: no
+trainable parameter outside the clipped layers (before every grad-enabled forward and at every
+backward pass), the budget and the batch count once per backward pass, and ``zero_grad``'s fresh
+start for the layers it cleared."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import budget, refusal
+from ._common import accounting
+
+
+def _no_check(*_):
+    return None
+
+
+def _no_check_factory():
+    return _no_check
+
+
+class OutsideCheck:
+    """The model's forward pre-hook calling :func:`check_outside`. It holds the engine weakly and
+    pickles as a no-op, so that ``torch.save(model)`` never carries the engine (its seed)."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, module, args):
+        engine = self._engine()
+        if engine is not None:
+            check_outside(engine)
+
+    def __reduce__(self):
+        return (_no_check_factory, ())
+
+
+def outside_params(engine):
+    """``(name, parameter)`` of the private model that no clipped layer of this engine owns, as the
+    model is now (a layer added or replaced after make_private is outside)."""
+    owned = {id(p) for st in engine._steps_of for p in st.params}
+    return [(name, p) for name, p in engine._inner.named_parameters() if id(p) not in owned]
+
+
+def check_outside(engine, in_backward=False) -> None:
+    """No parameter outside the clipped layers may be trainable (one unfrozen after make_private,
+    maybe with an optimizer of its own, would be trained on raw gradients). Checked before every
+    grad-enabled forward of the model (so no such gradient is computed) and at every backward
+    pass of a clipped layer (a forward that bypassed the model's hook); such gradients are
+    discarded."""
+    if not (in_backward or torch.is_grad_enabled()):
+        return
+    outside = outside_params(engine)
+    bad = [name for name, p in outside if p.requires_grad]
+    if bad:
+        for _, p in outside:
+            p.grad = None
+        budget.require(engine, "the forward of the private model")
+        refusal.refuse(engine, [("unclipped-param", f"{', '.join(bad)} is trainable but not a clipped layer of this "
+                                 "engine (unfrozen, added or replaced after make_private)", bad)])
+
+
+def batch_rows(engine) -> int:
+    """The layers' ``batch_rows``: the rows of the batch drawn for the step."""
+    return engine._counter.last_rows
+
+
+def check_new_pass(engine) -> None:
+    """Before a backward pass adds to the step: budget left for the charge of any refusal in the
+    pass (first; after the budget, a backward would only make gradients nothing may release), no
+    trainable parameter outside the clipped layers, at most one batch drawn since the last step
+    (a loop that never calls the private step(), or draws a second batch, stops here, charged).
+    Once per backward pass, not per layer."""
+    task = torch._C._current_graph_task_id()
+    if task == engine._checked_task:
+        return
+    engine._checked_task = task
+    if not budget.covers(engine):  # first: everything below may be charged
+        refusal.discard(engine, engine.optimizer.original_optimizer)
+        raise accounting().PrivacyBudgetError(
+            f"backward refused: any further step would exceed max_epsilon={engine.max_epsilon:g} at "
+            f"δ={engine.delta:g}; the budget is spent, so no gradient of private data is computed any more")
+    check_outside(engine, in_backward=True)
+    drawn = budget.drawn(engine)
+    if drawn > 1:
+        refusal.refuse(engine, [("batches", f"{drawn} batches were drawn from the private loader since the last step "
+                                 "and a backward pass was run", [])])
+
+
+def after_zero_grad(engine) -> None:
+    """``zero_grad`` through the private optimizer: every layer whose gradients it cleared starts
+    afresh (its draw is added again by its next backward); no device check is needed for them."""
+    for st in engine._steps_of:  # only what is None now: zeroed or untouched gradients are checked as usual
+        trainable = [p for p in st.params if p.requires_grad]
+        if trainable and all(p.grad is None for p in st.params):
+            st.cleared()

@@ -1,0 +1,411 @@
+"""``PrivacyEngine``: set-up by ``make_private`` (the proofs are in :mod:`bpclip_fast.engine`)."""
+
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .. import data, ranks as _ranks
+from .. import nn as bnn
+from .. import validate as _validate
+from ..boundary import DistributedRecorder, LayerStep, StepRefused  # noqa: F401  (StepRefused: re-exported)
+from . import arguments, budget, checkpoint, distributed, guards, model_checks, refusal, seeds, thresholds
+from .optimizer import DPOptimizer
+from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
+
+__all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
+
+class PrivacyEngine:
+    """Opacus-style entry point: ``make_private``, ``make_private_with_epsilon``, ``get_epsilon``.
+
+    ``accountant``: ``"rdp"`` or ``"pld"`` (Poisson sampling, add/remove one example) or ``"zcdp"``
+    (shuffled disjoint batches; ``adjacency="replace_one"`` or ``"add_remove"`` is passed to it).
+    """
+
+    def __init__(self, accountant: str = "rdp", *, adjacency: str | None = None):
+        acc = accounting()
+        kwargs = {} if adjacency is None else {"adjacency": adjacency}
+        self.accountant = acc.make_accountant(accountant, **kwargs)
+        self.accountant_name = accountant
+        self._accountant_kwargs = kwargs
+        self._made_private = False
+
+    def __getstate__(self):
+        raise TypeError(NO_PICKLE.format("PrivacyEngine"))
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def validate(model: nn.Module, example_input=None, clipping: str = "backprop") -> list[str]:
+        """Every problem that stops ``model`` from being trained privately with ``clipping`` (the mode
+        to be passed to ``make_private``; its default), as a list of messages.
+
+        The module checks of :mod:`bpclip_fast.registry` (trainable parameters outside the registered
+        layer types, layers the mode has no bound for, batch-mixing layers: BatchNorm in any mode,
+        InstanceNorm with running statistics; ``padding_mode`` other than zeros); with ``example_input``, the probes of
+        :func:`bpclip_fast.validate.dynamic_problems` too (without it, the layers refuse reuse at
+        training time). Empty list: nothing found.
+        """
+        if isinstance(model, distributed.ddp_class()):
+            model = model.module
+        return _validate.validate(model, example_input, clipping)
+
+    # ------------------------------------------------------------------ make_private
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, input_clip: float | None = None, grad_clip: float | None = None,
+                     conv_norm: str = "l15", clipping: str = "backprop", max_grad_norm=None,
+                     norm_method: str = "auto", clip_fn: str = "clip", gamma: float = 0.01, loss_reduction: str = "mean",
+                     poisson_sampling: bool = True, noise_seed: int | None = None,
+                     max_epsilon: float | None = None, delta: float | None = None,
+                     max_input_shape=None, nonfinite: str = "drop", probe: bool = True, adaptive=None,
+                     criterion=None):
+        """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
+
+        ``clipping``: ``"backprop"`` (backpropagation clipping: ``input_clip``/``grad_clip``, per-example
+        bounds of each layer's input and upstream gradient, ``grad_clip`` for the per-example loss
+        whatever ``loss_reduction``; every layer adds ``N(0, σ²Δ_l²)`` and the accountant gets
+        ``σ/√L``), or exact per-example clipping (:mod:`bpclip_fast.exact`) to ``max_grad_norm``:
+        ``"flat"`` (DP-SGD, Opacus' default: ``C`` bounds each example's whole gradient) or
+        ``"per_layer"`` (a list of ``C_l``, one per layer in ``named_modules`` order, or ``C`` split as
+        ``C/√L``); every layer adds ``N(0, σ²C²)``, ``C = (Σ_l C_l²)^½`` for per_layer, and the
+        accountant gets ``σ``. ``norm_method``: how exact modes compute per-example norms (``"auto"``:
+        the cost rule; ``"ghost"``; ``"instantiate"``).
+        ``max_epsilon`` (with ``delta``): ``step()`` refuses any step after which ε would exceed it.
+        ``max_input_shape``: the largest per-example shape of the model's input tensor (no batch dim);
+        every layer's Δ is fixed from a probe forward at that shape. Required when some layer's Δ
+        depends on its input shape (a biased Linear over ``[B, T, in]``, Conv2d with ``conv_norm="l2"``);
+        otherwise Δ is fixed from the shapes of a probe forward of one example.
+        ``nonfinite``: ``"drop"`` (an example with a NaN/Inf value gets clip factor 0 and the step goes on;
+        ``nonfinite_counts()`` reports them) or ``"raise"`` (such a step is refused, and charged).
+        ``probe``: run :func:`bpclip_fast.validate.dynamic_problems` on the loader's first batch.
+        ``criterion``: the loss function the loop will call as ``criterion(model(x), *batch[1:])``
+        (Opacus' argument; optional, checked whenever given, also with ``probe=False``): refused if it
+        couples the examples of a batch (InfoNCE with in-batch negatives, top-k hard-example mining, a
+        class-weighted mean), or is not the sum (``loss_reduction="sum"``) or plain mean (``"mean"``)
+        of its values on each example alone (:mod:`bpclip_fast.criterion`: a probe at random values,
+        which cannot see a loss the loop computes otherwise). It is not wrapped or returned.
+        ``adaptive``: :class:`bpclip_fast.Adaptive` (or ``True`` for its defaults): every clipping
+        threshold of the mode (flat's ``C``, per_layer's ``C_l``, backprop's ``input_clip`` and
+        ``grad_clip`` of every layer, starting from the values given) follows a target quantile of
+        the norms it clips, from noisy counts released with each step (:mod:`bpclip_fast.adaptive`:
+        the accountant keeps ``σ``, the gradient's noise is raised to pay for the counts).
+
+        In phases: arguments, then every problem of the model at once (nothing is changed before
+        both have passed), then the model, the seeds, the loader, the optimizer and the budget.
+        """
+        return self._make_private(arguments.Request(**{k: v for k, v in locals().items() if k != "self"}))
+
+    def _make_private(self, r: arguments.Request):
+        """Checks everything (nothing is changed before all has passed), then composes the private
+        set-up from what the ``_prepare_*`` steps return."""
+        r, sigma, inner, plan, shapes = self._check_all(r)
+        module, inner = self._prepare_model(r, inner, shapes, sigma, plan)
+        self.nonfinite = r.nonfinite
+        self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = r.input_clip, r.grad_clip, r.conv_norm, r.clip_fn
+        self.clipping, self.max_grad_norm = r.clipping, r.max_grad_norm
+        sampler_seed = seeds.prepare(self, r.noise_seed)
+        self.data_loader = self._prepare_loader(r.data_loader, plan, sampler_seed)
+        self.module = distributed.wrapped(module, self.distributed)
+        self.optimizer = DPOptimizer(r.optimizer, self)
+        budget.init(self, r.max_epsilon, r.delta)
+        if self.max_epsilon is None:  # nothing to cover (fixed for the engine's life): no per-layer call per forward
+            for st in self._steps_of:
+                st.budget = None
+        self._made_private = True
+        self._arm()
+        return self.module, self.optimizer, self.data_loader
+
+    def _check_all(self, r: arguments.Request):
+        """Every check of ``make_private``: the arguments, the ranks' agreement, every problem of the
+        model at once, the layers built by hand. Returns ``(r, σ, inner, plan, shapes)`` with ``r``'s
+        ``adaptive`` and ``max_input_shape`` normalised."""
+        with _ranks.failures_joined(distributed.world()[2], r.what, distributed.collective_device):  # no rank left waiting
+            sigma = arguments.check(self._made_private, r.module, r.optimizer, r.data_loader,
+                                    noise_multiplier=r.noise_multiplier, input_clip=r.input_clip,
+                                    grad_clip=r.grad_clip, clipping=r.clipping, max_grad_norm=r.max_grad_norm,
+                                    loss_reduction=r.loss_reduction, nonfinite=r.nonfinite,
+                                    max_epsilon=r.max_epsilon, delta=r.delta, noise_seed=r.noise_seed)
+            arguments.check_pairing(self.accountant, self.accountant_name, r.poisson_sampling)
+            r = dataclasses.replace(r, adaptive=arguments.check_adaptive(r.adaptive))
+            self.rank, self.world_size, self.distributed = distributed.world()
+            inner = distributed.unwrapped(r.module, self.distributed)
+            plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what)
+            if r.max_input_shape is not None:
+                r = dataclasses.replace(r, max_input_shape=tuple(int(s) for s in r.max_input_shape))
+        if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
+            self._check_ranks(r, sigma, inner, plan)
+        shapes = model_checks.model_problems(inner, r.optimizer, r.data_loader, r.max_input_shape, r.probe, r.clipping,
+                                             r.criterion, r.loss_reduction, plan.batch_size)
+        arguments.check_built_layers(inner, r.clipping, r.max_grad_norm)
+        return r, sigma, inner, plan, shapes
+
+    def _check_ranks(self, r: arguments.Request, sigma, inner, plan) -> None:
+        """Every rank passed the same dataset and arguments (one collective, :mod:`bpclip_fast.ranks`)."""
+        _ranks.check({"len(data_loader.dataset)": plan.num_samples, "data_loader.batch_size": plan.batch_size,
+                      "sample rate": plan.sample_rate, "poisson_sampling": plan.poisson,
+                      "noise_multiplier": sigma, "clipping": r.clipping, "input_clip": r.input_clip,
+                      "grad_clip": r.grad_clip, "conv_norm": r.conv_norm, "max_grad_norm": r.max_grad_norm,
+                      "norm_method": r.norm_method, "clip_fn": r.clip_fn, "gamma": r.gamma,
+                      "loss_reduction": r.loss_reduction, "nonfinite": r.nonfinite, "max_input_shape": r.max_input_shape,
+                      "adaptive": r.adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
+                      "max_epsilon": r.max_epsilon, "delta": r.delta,
+                      "clipped layers built by hand": _ranks.built_layers(inner)},
+                     r.data_loader.dataset, plan.num_samples, distributed.collective_device(), r.what)
+
+    def _prepare_model(self, r: arguments.Request, inner, shapes, sigma, plan):
+        """Converts the model (same ``Parameter`` objects), fixes every layer's Δ and gives each its
+        step state (``boundary.LayerStep``); returns ``(module, inner)``."""
+        module = r.module
+        if r.clipping == "backprop":
+            settings = dict(input_clip=r.input_clip, grad_clip=r.grad_clip, norm=r.conv_norm)
+        else:
+            settings = dict(max_grad_norm=r.max_grad_norm, norm_method=r.norm_method)
+        converted = bnn.convert_model(inner, clipping=r.clipping, clip_fn=r.clip_fn, gamma=r.gamma, **settings)
+        if converted is not inner:  # a bare nn.Linear / nn.Conv2d
+            if isinstance(module, distributed.ddp_class()):
+                raise ValueError("make_private: wrap a container module in DDP, not a bare layer")
+            inner = module = converted
+        layers = bnn.clipped_layers(inner)
+        if not layers:
+            raise ValueError("make_private: the model has no trainable layer of a registered type to clip "
+                             "(bpclip_fast.registry: Linear, Conv2d; LayerNorm, GroupNorm, Embedding, "
+                             "bpclip_fast.modules under exact clipping)")
+        model_checks.fix_sensitivities(layers, shapes, r.max_input_shape is not None)
+        self._prepare_mode(r, inner, layers)
+        if r.sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
+            sigma = r.sigma_effective * (1.0 if self._exact else math.sqrt(len(layers)))
+        self._layers = [layer for _, layer in layers]
+        self._flat_group = self._layers[0]._flat if r.clipping == "flat" else None
+        thresholds.prepare(self, r.adaptive, sigma, plan)
+        self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
+        inner.register_forward_pre_hook(guards.OutsideCheck(self))
+        self._inner = inner
+        self._noise_multiplier = sigma
+        self.loss_reduction = r.loss_reduction
+        self.max_input_shape = r.max_input_shape
+        return module, inner
+
+    def _prepare_mode(self, r: arguments.Request, inner, layers) -> None:
+        """What the exact modes set over all the layers: flat's one book-keeping, per_layer's noise bound."""
+        if r.clipping == "flat":  # one book-keeping over every layer, those built by the user included
+            bnn.exact.attach_flat(inner, [layer for _, layer in layers], r.max_grad_norm, r.clip_fn, r.gamma)
+        if r.clipping == "per_layer":  # each layer's noise is scaled to C = (Σ_l C_l²)^½ over all of them
+            total = math.sqrt(sum(layer.max_grad_norm ** 2 for _, layer in layers))
+            for _, layer in layers:
+                layer.noise_bound = total
+        self._exact = r.clipping != "backprop"
+
+    def _prepare_steps(self, layers, mean_batch) -> None:
+        """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
+        recorder = DistributedRecorder() if self.distributed else None
+        self._steps_of = []
+        for name, layer in layers:
+            layer._bp_name = name
+            layer.noise_multiplier = self.gradient_noise_multiplier if self.rank == 0 else 0.0
+            st = LayerStep(layer, name, enforce=True, mean_loss_batch=mean_batch)
+            st.counting = self._thresholds is not None
+            st.on_refuse = functools.partial(refusal.refuse_in_forward, self)
+            st.after_backward = recorder
+            st.batch_rows = functools.partial(guards.batch_rows, self)
+            st.on_new_pass = functools.partial(guards.check_new_pass, self)
+            st.budget = functools.partial(budget.require, self)
+            layer._step = st
+            self._steps_of.append(st)
+
+    def thresholds(self) -> dict:
+        """``{name: value}`` of every clipping threshold as it is now (flat: ``"max_grad_norm"``;
+        per_layer: ``"<layer>.max_grad_norm"``; backprop: ``"<layer>.input_clip"``, ``"<layer>.grad_clip"``),
+        adaptive or fixed."""
+        self._require_private("thresholds")
+        return {name: float(getattr(layers[0], attr)) for name, layers, attr in thresholds.slots(self)}
+
+    @property
+    def adaptive(self):
+        """The :class:`bpclip_fast.Adaptive` options, or ``None`` for fixed thresholds."""
+        return None if self._thresholds is None else self._thresholds.options
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier of each layer's gradient: ``noise_multiplier`` itself, or with adaptive
+        thresholds ``σ_Δ`` (:func:`bpclip_fast.adaptive.noise_split`)."""
+        return float(self._gradient_sigma)
+
+    @property
+    def count_noise(self):
+        """The std ``σ_b`` of the noise on each adaptive count (``None`` for fixed thresholds)."""
+        return None if self._thresholds is None else self._thresholds.sigma_b
+
+    def _prepare_loader(self, data_loader, plan, sampler_seed) -> data.DPDataLoader:
+        """The private loader: Poisson (rate ``q = W·batch_size/N``) or shuffled disjoint batches of
+        ``W·batch_size`` (``data.SamplingPlan``), with the user loader's workers and collation."""
+        self._counter = data.BatchCounter()
+        self.plan = plan
+        self.expected_batch_size = plan.batch_size
+        self.sample_rate, self._accounting_rate = plan.sample_rate, plan.accounting_rate
+        self.steps_per_epoch = plan.steps_per_epoch
+        self.poisson_sampling = plan.poisson
+        dl = data_loader
+        loader = data.DPDataLoader(
+            dl.dataset, plan.sampler(sampler_seed, self.rank, self._counter), collate_fn=dl.collate_fn,
+            num_workers=dl.num_workers, pin_memory=dl.pin_memory, timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context,
+            persistent_workers=dl.persistent_workers, prefetch_factor=dl.prefetch_factor)
+        loader.before_delivery = functools.partial(budget.before_delivery, self)
+        return loader
+
+    def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon: float,
+                                  target_delta: float, epochs: int, **kwargs):
+        """``make_private`` with the smallest noise multiplier that keeps ε ≤ ``target_epsilon`` at
+        ``target_delta`` after ``epochs`` passes (``epochs · len(private loader)`` steps).
+
+        The accountant's ``get_noise_multiplier`` returns the *effective* σ of one step; every layer
+        gets ``σ = σ_eff·√L``, with L the number of layers ``make_private`` clips, counted once they
+        are converted (a count taken before the probe forward could miss a layer the model builds
+        in it, and under-noise). ``kwargs`` as ``make_private``.
+        """
+        with _ranks.failures_joined(distributed.world()[2], "make_private_with_epsilon", distributed.collective_device):
+            if "noise_multiplier" in kwargs:
+                raise TypeError("make_private_with_epsilon: noise_multiplier is computed, do not pass it")
+            positive(target_epsilon, "target_epsilon")
+            if not 0 < float(target_delta) < 1:
+                raise ValueError(f"make_private_with_epsilon: target_delta must be in (0, 1), got {target_delta}")
+            if int(epochs) != epochs or epochs < 1:
+                raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
+            poisson = kwargs.get("poisson_sampling", True)
+            arguments.check_pairing(self.accountant, self.accountant_name, poisson)
+            plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon")
+            sigma_eff = accounting().get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
+                steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
+        self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
+        try:  # make_private's signature holds the defaults; its error for an unknown argument as a call would raise
+            bound = inspect.signature(self.make_private).bind(module=module, optimizer=optimizer, data_loader=data_loader,
+                                                              noise_multiplier=float(sigma_eff), **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"PrivacyEngine.make_private() {exc}") from None
+        bound.apply_defaults()
+        return self._make_private(arguments.Request(**bound.arguments, sigma_effective=float(sigma_eff)))
+
+    # ------------------------------------------------------------------ epsilon and budget
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """The noise multiplier of one step's single Gaussian on all layers: ``σ`` under exact clipping
+        (sensitivity ``C``, noise ``σC`` on every coordinate), ``(Σ_l σ_l⁻²)^(-1/2) = σ/√L`` under
+        backpropagation clipping."""
+        if self._exact:
+            return float(self._noise_multiplier)
+        return float(accounting().effective_noise_multiplier([self._noise_multiplier] * len(self._layers)))
+
+    # σ and the step counter are read by the accountant and key the noise: an assignment would charge
+    # one σ while the layers add another, or draw a step's noise twice.
+    @property
+    def noise_multiplier(self) -> float:
+        """The σ of ``make_private`` (per layer under backprop clipping); fixed for the engine's life."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        raise AttributeError("PrivacyEngine.noise_multiplier is fixed at make_private: the layers' noise and the "
+                             "accountant both follow it; make a fresh model private for another σ")
+
+    @property
+    def steps(self) -> int:
+        """Steps taken (including those before a loaded checkpoint); keys each step's noise."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, value):
+        raise AttributeError("PrivacyEngine.steps is kept by the engine (it keys each step's noise draws); it "
+                             "changes only by step() and load_state_dict")
+
+    # The budget is what the loader's and the step's gates keep ε under: lowering it between a batch
+    # drawn and its step would leave batches the budget no longer covers, charged or not.
+    @property
+    def max_epsilon(self):
+        """The ε budget of ``make_private`` (None: no budget); fixed for the engine's life."""
+        return self._max_epsilon
+
+    @max_epsilon.setter
+    def max_epsilon(self, value):
+        raise AttributeError("PrivacyEngine.max_epsilon is fixed at make_private: the private loader and step() "
+                             "keep every charge within it; make a fresh make_private set-up for another budget")
+
+    @property
+    def delta(self):
+        """The δ at which ``max_epsilon`` is measured; fixed for the engine's life."""
+        return self._delta
+
+    @delta.setter
+    def delta(self, value):
+        raise AttributeError("PrivacyEngine.delta is fixed at make_private (the budget max_epsilon is measured at "
+                             "it); make a fresh make_private set-up for another δ")
+
+    @property
+    def clipped_layers(self) -> list:
+        """``(name, layer)`` of every clipped layer of the private module, in forward order."""
+        return bnn.clipped_layers(self._inner)
+
+    @property
+    def accounting_sample_rate(self) -> float:
+        """The rate the accountant is stepped with: ``q`` under Poisson sampling, ``1/steps_per_epoch``
+        (one disjoint batch of the epoch) under shuffling."""
+        return self._accounting_rate
+
+    @property
+    def secure_noise_seed(self) -> bool:
+        """False when the noise seed was given explicitly (reproducible, not secret)."""
+        return self._secure
+
+    def get_epsilon(self, delta: float) -> float:
+        """ε at ``delta`` of every step taken so far (including steps before a checkpoint was loaded)."""
+        if len(self.accountant) == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta))
+
+    # ------------------------------------------------------------------ set-up helpers
+    # ------------------------------------------------------------------ non-finite values
+    def nonfinite_counts(self) -> dict:
+        """``{layer: (inputs, upstream gradients)}`` found non-finite (and dropped: clip factor 0)
+        since the last call; resets the counts (one device sync). A data-dependent diagnostic: reading
+        it is a release that the ε of this engine does not cover."""
+        self._require_private("nonfinite_counts")
+        counts = torch.stack([layer._nonfinite for layer in self._layers])
+        if self.distributed:
+            counts = distributed.summed(counts)
+        out = {st.name: tuple(int(v) for v in c) for st, c in zip(self._steps_of, counts.cpu())}
+        for layer in self._layers:
+            layer._nonfinite.zero_()
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def _arm(self):
+        """Arms every layer with the draw of step ``self.steps``."""
+        self._stream.step = self.steps
+        for index, st in enumerate(self._steps_of):
+            st.arm((self._stream.seed, self._stream.offset(index)))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, include_secrets: bool = False) -> dict:
+        """The accountant, the step and batch counters and the settings (module docstring:
+        Checkpoints). Never the noise seed, unless ``include_secrets=True``: an explicit, insecure
+        opt-in for a bit-for-bit reproducible resume (whoever holds that state can subtract the noise
+        of every step, past and future)."""
+        self._require_private("state_dict")
+        return checkpoint.state_dict(self, include_secrets)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a checkpoint into an engine that ``make_private`` has set up (same model and
+        settings): the accountant and the batch counter continue; the noise (and Poisson sampling)
+        seed is fresh from the OS unless the state holds secrets (``state_dict(include_secrets=True)``)."""
+        self._require_private("load_state_dict")
+        checkpoint.load_state_dict(self, state)
+
+    def _require_private(self, what):
+        if not self._made_private:
+            raise RuntimeError(f"PrivacyEngine.{what}: call make_private first")

@@ -1,0 +1,119 @@
+"""Every check of the step boundary that ``step()`` runs before it releases anything (the rules and
+their argument: module docstring of :mod:`bpclip_fast.boundary`), and the fallback draw for the
+layers that do not hold theirs."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ops
+from . import distributed
+from .guards import outside_params
+
+
+def verify(engine, optimizer):
+    """``(problems, pending)`` with problems as ``(rule, details, names)`` (the first one names the
+    refusal: the order below is the rules' precedence) and ``pending[l]`` whether layer ``l`` still
+    needs its draw (no backward reached it, or its gradient was cleared since)."""
+    problems = _outside_problems(engine, optimizer)
+    step_problems, layer_problems, pending, checks = _layer_records(engine)
+    problems += step_problems
+    layer_problems += flat_problems(engine)
+    problems += _edited(checks)
+    problems += layer_problems
+    problems += _nonfinite_problems(engine)
+    if engine.distributed and distributed.any_rank(bool(problems)) and not problems:  # every process decides alike
+        problems.append(("rows", "another process refused this step", []))
+    return problems, pending
+
+
+def _outside_problems(engine, optimizer):
+    """Gradients on parameters outside the clipped layers (of the model, or only in the optimizer)."""
+    clipped = {id(p) for st in engine._steps_of for p in st.params}
+    names = {id(p): name for name, p in engine._inner.named_parameters()}
+    outside = outside_params(engine) + [
+        (names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), p)
+        for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped]
+    return [("unclipped-param", f"{name} has a gradient but is not in a clipped layer made "
+             "private (frozen at make_private and unfrozen since?)", [name])
+            for name in dict.fromkeys(name for name, p in outside if p.grad is not None)]
+
+
+def _layer_records(engine):
+    """Closes every layer's pass and reads its records: ``(problems, layer problems, pending, checks)``,
+    ``checks`` the device flags of gradients edited, replaced or accumulated over passes."""
+    rows = engine._counter.last_rows
+    problems, layer_problems, pending, checks = [], [], [], []
+    for st in engine._steps_of:
+        st.close_pass()
+        hooked = st.foreign_hooks()
+        if hooked:
+            problems.append(("grad-edit", f"gradient hooks on {', '.join(hooked)} (tensor or post-accumulate "
+                             "hooks can rewrite a private gradient); remove them", [st.name]))
+        if st.params_moved():
+            problems.append(("param-edit", f"{st.name}'s parameters changed since the step's first backward pass",
+                             [st.name]))
+        holds = st.sync_with_grads()
+        pending.append(not (holds and st.noised))
+        if st.rows not in (0, rows):  # before the layer's own violations: reuse also mixes its gradient
+            layer_problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, "
+                                   f"the batch drawn for it has {rows}", [st.name]))
+        layer_problems += [(rule, details, [st.name]) for rule, details in dict.fromkeys(st.violations)]
+        checks += [(st.name, flag) for flag in st.edit_checks]
+    return problems, layer_problems, pending, checks
+
+
+def _edited(checks):
+    """The layers whose gradient an edit check flagged (one sync, only in steps that have checks)."""
+    if not checks:
+        return []
+    flags = torch.stack([flag.to("cpu") for _, flag in checks]).tolist()
+    return [("grad-edit", f"{name}'s gradient was changed (not zeroed, not by its backward) "
+             "between its backward passes or after them", [name])
+            for name in dict.fromkeys(name for (name, _), bad in zip(checks, flags) if bad)]
+
+
+def _nonfinite_problems(engine):
+    """``nonfinite="raise"``: any non-finite value the layers met refuses the step."""
+    if engine.nonfinite != "raise":
+        return []
+    counts = engine.nonfinite_counts()
+    bad = [name for name, c in counts.items() if any(c)]
+    if not bad:
+        return []
+    return [("nonfinite", "non-finite values reached " + ", ".join(f"{n} {counts[n]}" for n in bad), bad)]
+
+
+def flat_problems(engine):
+    """Flat clipping: each release's factor must cover every layer an example reached in the step,
+    so every layer holding a contribution must hold the same releases (books)."""
+    held = [st for st in engine._steps_of if st.rows and st.layer.clipping == "flat"]
+    if len({frozenset(st.books) for st in held}) < 2:
+        return []
+    return [("rows", "under flat clipping the backward passes of this step reached different sets of layers "
+             "(another loss or head per pass, layers frozen in turn, backward(inputs=...)), so no factor covered "
+             "an example's whole gradient", [st.name for st in held])]
+
+
+def fallback_noise(engine, pending) -> None:
+    """Adds draw ``t`` to the layers whose gradient does not hold it (no backward reached them in
+    this step, e.g. a skipped empty batch, or their gradient was cleared after the backward)."""
+    if engine.distributed:
+        pending = distributed.broadcast_flags(pending)
+    for st, todo in zip(engine._steps_of, pending):
+        if not todo:
+            continue
+        # Every rank adds the same draw divided by W: the value DDP's average would have given.
+        layer = st.layer
+        seed, offset = st.take_draw()
+        std = engine.gradient_noise_multiplier * layer.sensitivity
+        if st.mean_loss_batch is not None:
+            std /= st.mean_loss_batch
+        std /= engine.world_size
+        for p, off in ((layer.weight, offset), (layer.bias, offset + 1)):
+            if p is None or not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            _ops.philox_noise_(p.grad, seed, off, std, accumulate=True)
+        st.noised = True
