@@ -134,7 +134,7 @@ class LayerStep:
         self.layer = layer
         self.name = name
         self.enforce = enforce
-        self.mean_loss_batch = mean_loss_batch  # loss_reduction="mean": B̄ (see engine.py); None: sum
+        self.mean_loss_batch = mean_loss_batch  # loss_reduction="mean": B̄ (see bpclip_fast/engine/__init__.py); None: sum
         self.key = None           # (seed, offset) of this step's draw
         self.noised = False       # the current gradient holds the draw
         self.rows = 0             # example rows of the backward passes since the gradient was created
