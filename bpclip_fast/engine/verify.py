@@ -8,7 +8,7 @@ import torch
 
 from .. import _ops
 from . import distributed
-from .guards import outside_params
+from .guards import outside_params, outside_tensors, owned_ids
 
 
 def verify(engine, optimizer):
@@ -29,7 +29,10 @@ def verify(engine, optimizer):
 
 def _outside_problems(engine, optimizer):
     """Gradients on parameters outside the clipped layers (of the model, or only in the optimizer)."""
-    clipped = {id(p) for st in engine._steps_of for p in st.params}
+    clipped = owned_ids(engine)
+    if not any(p.grad is not None for p in outside_tensors(engine)) and not any(
+            p.grad is not None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped):
+        return []  # the names below cost a walk of the model; they are needed only for a refusal
     names = {id(p): name for name, p in engine._inner.named_parameters()}
     outside = outside_params(engine) + [
         (names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), p)
