@@ -51,4 +51,29 @@ inline BoundGeometry check_bound_args(const at::Tensor& sq, const at::Tensor& bo
                        bias ? gb.stride(2) : 0, static_cast<int>(flags)};
 }
 
+// exact_factors: returns (B, L, clip_fn, bound_eff, inflate).
+struct FactorsArgs {
+  int64_t B, L;
+  int fn;
+  double bound_eff, inflate;
+};
+
+inline FactorsArgs check_factors_args(at::TensorList bounds, const at::Tensor& nonfinite, double max_norm,
+                                      c10::string_view clip_fn, double gamma) {
+  constexpr const char* op = "bpclip_fast.exact_factors: ";
+  TORCH_CHECK(!bounds.empty(), op, "needs at least one layer's bounds");
+  for (const at::Tensor& b : bounds) {
+    TORCH_CHECK(b.scalar_type() == at::kDouble && b.dim() == 1 && b.is_contiguous() && b.sizes() == bounds[0].sizes(),
+                op, "every bound must be a contiguous float64 [B] of the same size");
+    check_same_device(b, bounds[0], "a bound", "the first bound");
+  }
+  check_counter(nonfinite, bounds[0]);
+  check_bound(max_norm, "max_norm");
+  const int fn = parse_clip_fn(clip_fn);
+  TORCH_CHECK(fn != kNormalize || gamma > 0, "bpclip_fast: clip_fn='normalize' needs gamma > 0, got ", gamma);
+  const int64_t L = static_cast<int64_t>(bounds.size());
+  const double v = 0x1p-53, k = static_cast<double>(L + 3);
+  return FactorsArgs{bounds[0].size(0), L, fn, effective_bound(max_norm, 1), 1.0 + 2.0 * (k * v / (1.0 - k * v))};
+}
+
 }  // namespace bpclip

@@ -97,6 +97,14 @@ TORCH_LIBRARY(bpclip_fast, m) {
   m.def(
       "exact_bound_(Tensor(a!) sq, Tensor(b!) bound, Tensor x, Tensor g, Tensor gb, Tensor wa, Tensor wb, int offset,"
       " int per, int flags, float[] consts, Tensor(c!)? nonfinite=None) -> ()");
+  // The clip factors of the exact modes (bpclip_fast/exact.py, factors; bpclip_fast/bound.h): per
+  // example the total bound (one layer's bound; over several, flat, an upper bound on the root of
+  // the sum of their squares), rounded up to fp32 (kept for fp64), clip_rows' factor for max_norm as
+  // a row of one element (bit for bit), 0 below 2^-60; nonfinite += the examples clip_rows counts.
+  // Returns (factor fp32 / fp64 [B], total float64 [B]).
+  m.def(
+      "exact_factors(Tensor[] bounds, Tensor(a!) nonfinite, float max_norm, str clip_fn, float gamma, bool fp64)"
+      " -> (Tensor, Tensor)");
   // The clipped gradients sum_i c_i G_i of the parameters in params = [weight, bias] (empty where
   // not), from grad_out scaled by factor (fp32; fp64 for fp64 data), with the noise (std noise_std,
   // Philox key noise_key = [seed, offset]: the weight at offset, the bias at offset + 1); from the

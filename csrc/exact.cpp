@@ -153,8 +153,7 @@ double position_unit(const at::Tensor& x, at::ScalarType acc) {
 // allowing for flush-to-zero of results and denormals-are-zero of inputs (the smallest normal).
 double underflow_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1022 : 0x1p-126; }
 
-// K of the file comment: exact.factors gives factor 0 below 1/K (bpclip_fast/exact.py, FACTOR_FLOOR).
-constexpr double kFloorInverse = 0x1p60;
+// kFloorInverse (K of the file comment): bpclip_fast/bound.h.
 
 // Unit of the rounding to nearest that torch may apply to the release's fp32 GEMM or convolution
 // inputs (TF32: 2^-11, bf16: 2^-8), 0 where it computes in plain fp32 (or fp64).

@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include <atomic>
+#include <vector>
 
 #include "../bound_args.h"
 #include "bpclip_fast/bound.h"
@@ -54,8 +55,38 @@ void exact_bound_cpu(at::Tensor& sq, at::Tensor& bound, const at::Tensor& x, con
   if (bad && nonfinite.has_value() && nonfinite->defined()) nonfinite->mutable_data_ptr<int64_t>()[0] += bad;
 }
 
+std::tuple<at::Tensor, at::Tensor> exact_factors_cpu(at::TensorList bounds, at::Tensor& nonfinite, double max_norm,
+                                                     c10::string_view clip_fn, double gamma, bool fp64) {
+  const FactorsArgs a = check_factors_args(bounds, nonfinite, max_norm, clip_fn, gamma);
+  const at::TensorOptions opts = bounds[0].options();
+  at::Tensor factor = at::empty({a.B}, opts.dtype(fp64 ? at::kDouble : at::kFloat));
+  at::Tensor total = at::empty({a.B}, opts);
+  std::vector<const double*> ptrs;
+  for (const at::Tensor& b : bounds) ptrs.push_back(b.const_data_ptr<double>());
+  double* tp = total.mutable_data_ptr<double>();
+  int64_t bad = 0;
+  std::vector<double> row(static_cast<size_t>(a.L));
+  for (int64_t i = 0; i < a.B; ++i) {
+    for (int64_t l = 0; l < a.L; ++l) row[l] = ptrs[l][i];
+    tp[i] = layers_total(row.data(), a.L, 1, a.inflate);
+    bool odd = false;
+    const double f = example_factor(tp[i], fp64, a.bound_eff, a.fn, gamma, &odd);
+    if (fp64) {
+      factor.mutable_data_ptr<double>()[i] = f;
+    } else {
+      factor.mutable_data_ptr<float>()[i] = static_cast<float>(f);  // already an fp32 value
+    }
+    bad += odd ? 1 : 0;
+  }
+  if (bad) nonfinite.mutable_data_ptr<int64_t>()[0] += bad;
+  return {factor, total};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) { m.impl("exact_bound_", &exact_bound_cpu); }
+TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
+  m.impl("exact_bound_", &exact_bound_cpu);
+  m.impl("exact_factors", &exact_factors_cpu);
+}
 
 }  // namespace bpclip

@@ -32,9 +32,33 @@ void exact_bound_cuda(at::Tensor& sq, at::Tensor& bound, const at::Tensor& x, co
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> exact_factors_cuda(at::TensorList bounds, at::Tensor& nonfinite, double max_norm,
+                                                      c10::string_view clip_fn, double gamma, bool fp64) {
+  const FactorsArgs a = check_factors_args(bounds, nonfinite, max_norm, clip_fn, gamma);
+  const c10::cuda::CUDAGuard guard(bounds[0].device());
+  const at::TensorOptions opts = bounds[0].options();
+  at::Tensor factor = at::empty({a.B}, opts.dtype(fp64 ? at::kDouble : at::kFloat));
+  at::Tensor total = at::empty({a.B}, opts);
+  if (a.B == 0) return {factor, total};
+  // One [L, B] buffer for the kernel (a launch more than the CPU kernel, which reads the list).
+  const at::Tensor stacked = a.L == 1 ? bounds[0] : at::stack(bounds);
+  auto* counter = reinterpret_cast<unsigned long long*>(nonfinite.mutable_data_ptr<int64_t>());
+  if (fp64) {
+    exact_factors_device<double>(stacked.const_data_ptr<double>(), a.L, a.B, a.inflate, a.bound_eff, a.fn, gamma,
+                                 factor.mutable_data_ptr<double>(), total.mutable_data_ptr<double>(), counter);
+  } else {
+    exact_factors_device<float>(stacked.const_data_ptr<double>(), a.L, a.B, a.inflate, a.bound_eff, a.fn, gamma,
+                                factor.mutable_data_ptr<float>(), total.mutable_data_ptr<double>(), counter);
+  }
+  return {factor, total};
+}
+
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(bpclip_fast, CUDA, m) { m.impl("exact_bound_", &cuda::exact_bound_cuda); }
+TORCH_LIBRARY_IMPL(bpclip_fast, CUDA, m) {
+  m.impl("exact_bound_", &cuda::exact_bound_cuda);
+  m.impl("exact_factors", &cuda::exact_factors_cuda);
+}
 
 }  // namespace bpclip

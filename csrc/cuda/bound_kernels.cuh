@@ -52,5 +52,19 @@ __global__ void exact_bound_kernel(const T* __restrict__ x, const T* __restrict_
   if (nonfinite != nullptr && !finite_bound(b)) atomicAdd(nonfinite, 1ull);
 }
 
+// factor[i], total[i] from bounds [L, B] (exact_factors; bpclip_fast/bound.h), one thread each.
+template <typename fac_t>
+__global__ void exact_factors_kernel(const double* __restrict__ bounds, int64_t L, int64_t B, double inflate,
+                                     double bound_eff, int fn, double gamma, fac_t* __restrict__ factor,
+                                     double* __restrict__ total, unsigned long long* __restrict__ nonfinite) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= B) return;
+  const double t = layers_total(bounds + i, L, B, inflate);
+  total[i] = t;
+  bool odd = false;
+  factor[i] = static_cast<fac_t>(example_factor(t, sizeof(fac_t) == 8, bound_eff, fn, gamma, &odd));
+  if (odd) atomicAdd(nonfinite, 1ull);
+}
+
 }  // namespace cuda
 }  // namespace bpclip

@@ -21,5 +21,12 @@ void exact_bound_device(const T* x, const T* g, const T* gb, const T* wa, const 
          bound, nonfinite);
 }
 
+template <typename fac_t>
+void exact_factors_device(const double* bounds, int64_t L, int64_t B, double inflate, double bound_eff, int fn,
+                          double gamma, fac_t* factor, double* total, unsigned long long* nonfinite) {
+  launch(exact_factors_kernel<fac_t>, (B + kBoundThreads - 1) / kBoundThreads, kBoundThreads, bounds, L, B, inflate,
+         bound_eff, fn, gamma, factor, total, nonfinite);
+}
+
 }  // namespace cuda
 }  // namespace bpclip

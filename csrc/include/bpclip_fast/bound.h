@@ -20,11 +20,16 @@
 
 #include <math.h>
 
+#include "clip.h"
 #include "macros.h"
 
 namespace bpclip {
 
 constexpr int kBoundLanes = 32;
+
+// K of csrc/exact.cpp's file comment: a factor below 1/K is set to 0 (bpclip_fast/exact.py,
+// FACTOR_FLOOR), so the bound need cover the release's subnormal rounding only for factors >= 1/K.
+constexpr double kFloorInverse = 0x1p60;
 
 // What the kernel knows of a layer's norms: computed on the host (csrc/exact.cpp, bound_consts)
 // and passed as one float[] (kBoundConsts entries, in this order).
@@ -176,5 +181,42 @@ BPCLIP_HD inline double example_bound(const ExampleSums& e, const double* c) {
 
 // n >= 0 always; NaN fails both comparisons and +Inf the second (clip.h's is_finite_norm).
 BPCLIP_HD inline bool finite_bound(double n) { return n == n && n - n == 0.0; }
+
+
+// ---- The clip factors from the bounds (exact_factors; bpclip_fast/exact.py, factors) -------------
+// total: one layer's bound as it is; over L > 1 layers (flat) sqrt(sum_l bound_l^2 K) with
+// K = 1 + 2 gamma_{L+3}(2^-53) (the caller's `inflate`), an upper bound on the exact root: the sum
+// of the L rounded squares is >= S (1 - gamma_L), and the product with K and the root round by
+// at most 1 - v each, (1 - gamma_{L+3}) K >= 1. (The plain double root could fall an ulp or a few
+// below the exact one, and c * total <= C would not cover the exact total.)
+BPCLIP_HD inline double layers_total(const double* bounds, int64_t L, int64_t stride, double inflate) {
+  if (L == 1) return bounds[0];
+  double s = 0.0;
+  for (int64_t l = 0; l < L; ++l) s += bounds[l * stride] * bounds[l * stride];
+  return sqrt(s * inflate);
+}
+
+// The bound rounded up to fp32 (never down: c * bound <= C must hold for the double bound), NaN
+// and +Inf kept; for fp64 data the bound itself.
+BPCLIP_HD inline double round_up_to_factor_dtype(double b, bool fp64) {
+  if (fp64) return b;
+  float f = static_cast<float>(b);
+  if (static_cast<double>(f) < b) f = nextafterf(f, static_cast<float>(INFINITY));
+  return static_cast<double>(f);
+}
+
+// Example factor of a total bound: clip_rows on the rounded-up bound as a row of one element (its
+// norm sqrt(b * b), its factor against bound_eff = effective_bound(C, 1), stored rounded toward zero
+// to fp32 unless fp64: bit for bit what clip_rows gives; clip.h's proof), then the floor 1/K.
+// *nonfinite: whether clip_rows counts the example as non-finite.
+BPCLIP_HD inline double example_factor(double total, bool fp64, double bound_eff, int fn, double gamma,
+                                       bool* nonfinite) {
+  const double b = round_up_to_factor_dtype(total, fp64);
+  const double n = sqrt(b * b);
+  *nonfinite = !is_finite_norm(n);
+  const double c = clip_factor(n, bound_eff, fn, gamma);
+  const double f = fp64 ? c : static_cast<double>(f64_to_f32_rz(c));
+  return f < 1.0 / kFloorInverse ? 0.0 : f;
+}
 
 }  // namespace bpclip
