@@ -117,6 +117,15 @@ if _LOAD_ERROR is None:
         return _norms_fake(grad_out, x, grad_out.shape[2] * grad_out.shape[3], d, grad_out.shape[1] // groups,
                            groups, params, method, keep)
 
+    @torch.library.register_fake("bpclip_fast::exact_bound_")
+    def _exact_bound_fake(sq, bound, x, g, gb, wa, wb, offset, per, flags, consts, nonfinite=None):
+        return None
+
+    @torch.library.register_fake("bpclip_fast::exact_factors")
+    def _exact_factors_fake(bounds, nonfinite, max_norm, clip_fn, gamma, fp64):
+        b = bounds[0]
+        return b.new_empty(b.shape, dtype=torch.float64 if fp64 else torch.float32), torch.empty_like(b)
+
     def _clipped_grads_fake(weight, params):
         acc = _acc_dtype(weight)  # the noised sum before its one rounding to the weight's dtype (csrc/exact.cpp)
         gw = weight.new_empty(weight.shape, dtype=acc) if params[0] else weight.new_empty((0,), dtype=acc)

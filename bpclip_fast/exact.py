@@ -56,13 +56,9 @@ def factors(bound: torch.Tensor, max_norm: float, clip_fn: str, gamma: float, no
     The bounds are rounded *up* to the factor dtype (fp32; fp64 for fp64 data); a non-finite bound
     gives factor 0 and is counted in ``nonfinite``; a factor below :data:`FACTOR_FLOOR` is set to 0
     (the subnormal part of the bound's proof, csrc/exact.cpp)."""
-    acc = torch.float64 if data_dtype == torch.float64 else torch.float32
-    b = bound.to(acc)
-    if acc != torch.float64:
-        b = torch.where(b.double() < bound, torch.nextafter(b, b.new_tensor(math.inf)), b)
-    _, factor, _ = torch.ops.bpclip_fast.clip_rows(b.unsqueeze(1), nonfinite, float(max_norm), "l2", clip_fn,
-                                                   float(gamma))
-    return factor.masked_fill_(factor < FACTOR_FLOOR, 0.0)
+    factor, _ = torch.ops.bpclip_fast.exact_factors([bound], nonfinite, float(max_norm), clip_fn, float(gamma),
+                                                    data_dtype == torch.float64)
+    return factor
 
 
 def _trainable(layer):
@@ -215,7 +211,16 @@ class FlatClipping:
                             "bound the layers were made private with", "do not change the clipping after make_private",
                             rule="bounds")
         d = ds.pop()
-        total = torch.stack([e.bound for e in entries]).square().sum(0).sqrt()
+        scratch = torch.zeros(1, dtype=torch.int64, device=entries[0].bound.device)
+        bounds = [e.bound for e in entries]
+
+        def flat_factors(dt):  # total: an upper bound on (sum_l bound_l^2)^(1/2) (csrc/include/bpclip_fast/bound.h)
+            return torch.ops.bpclip_fast.exact_factors(bounds, scratch, self.max_grad_norm / d, self.clip_fn,
+                                                       self.gamma / d, dt == torch.float64)
+
+        by_dtype = {}
+        first = entries[0].layer.weight.dtype
+        by_dtype[first], total = flat_factors(first)
         counting = any(e.layer._step is not None and e.layer._step.counting for e in entries)
         unclipped = (total <= self.max_grad_norm / d).sum().reshape(1) if counting else None  # adaptive: within C
         for e in entries:
@@ -223,13 +228,11 @@ class FlatClipping:
                 e.layer._step.joined(book.serial)
                 if counting:
                     e.layer._step.count(unclipped)
-        scratch = torch.zeros(1, dtype=torch.int64, device=total.device)
-        by_dtype = {}
         grads: dict = {}
         for e in entries:
             dt = e.layer.weight.dtype
             if dt not in by_dtype:
-                by_dtype[dt] = factors(total, self.max_grad_norm / d, self.clip_fn, self.gamma / d, scratch, dt)
+                by_dtype[dt] = flat_factors(dt)[0]
             gw, gb = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry, e.kept)
             for p, g in zip((e.layer.weight, e.layer.bias), (gw, gb)):
                 if g is not None:

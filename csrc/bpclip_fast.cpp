@@ -87,6 +87,24 @@ TORCH_LIBRARY(bpclip_fast, m) {
       "conv2d_grad_norms(Tensor grad_out, Tensor x, int[2] kernel_size, int[2] stride, int[2] padding,"
       " int[2] dilation, int groups, bool[2] params, str method, int workspace, bool keep)"
       " -> (Tensor, Tensor, Tensor, Tensor)");
+  // The per-example part of the norms ops (csrc/exact.cpp; arithmetic in bpclip_fast/bound.h): for
+  // the rows [offset, offset + x.size(0) / per) of sq and bound (float64 [B]), each example's squared
+  // gradient norm and its bound, from its `per` rows of positions x [rows, T, dx] and g [rows, T, dg]
+  // (or, with flag summed, their sums of squares [rows, T, 1]), the upstream gradient gb [rows, T, p]
+  // for the bias, the weight's squared-norm terms wa * wb [rows, L] (ghost: the Gram matrices;
+  // instantiation: the per-row gradient twice; empty at T = 1), flags (1 weight, 2 bias, 4 ghost,
+  // 8 summed) and the formulas' constants; nonfinite (when given) += the non-finite bounds.
+  m.def(
+      "exact_bound_(Tensor(a!) sq, Tensor(b!) bound, Tensor x, Tensor g, Tensor gb, Tensor wa, Tensor wb, int offset,"
+      " int per, int flags, float[] consts, Tensor(c!)? nonfinite=None) -> ()");
+  // The clip factors of the exact modes (bpclip_fast/exact.py, factors; bpclip_fast/bound.h): per
+  // example the total bound (one layer's bound; over several, flat, an upper bound on the root of
+  // the sum of their squares), rounded up to fp32 (kept for fp64), clip_rows' factor for max_norm as
+  // a row of one element (bit for bit), 0 below 2^-60; nonfinite += the examples clip_rows counts.
+  // Returns (factor fp32 / fp64 [B], total float64 [B]).
+  m.def(
+      "exact_factors(Tensor[] bounds, Tensor(a!) nonfinite, float max_norm, str clip_fn, float gamma, bool fp64)"
+      " -> (Tensor, Tensor)");
   // The clipped gradients sum_i c_i G_i of the parameters in params = [weight, bias] (empty where
   // not), from grad_out scaled by factor (fp32; fp64 for fp64 data), with the noise (std noise_std,
   // Philox key noise_key = [seed, offset]: the weight at offset, the bias at offset + 1); from the

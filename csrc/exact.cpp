@@ -18,10 +18,15 @@
 // matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u); tau: what
 // one GEMM operation may lose absolutely to underflow, 2^-126 for fp32 (the smallest normal: a
 // result flushed to zero, or a subnormal input read as zero, loses less), 2^-1022 for fp64).
-// The position norms a_t >= ||x_t||, b_t >= ||g_t|| are upper bounds (position_norms: exact double
+// The position norms a_t >= ||x_t||, b_t >= ||g_t|| are upper bounds (bound_consts: exact double
 // sums of squares at T = 1, elsewhere accumulation-dtype sums inflated for their rounding and their
 // underflow), and every sum of them below (P, X, M = sum_t a_t b_t, A1 = sum_t a_t, B1 = sum_t b_t)
 // is computed in double and inflated by 1 + 2 gamma_{T+d+p+4}(v) for its own rounding.
+// Everything after the GEMMs is one kernel per chunk, exact_bound_ (bpclip_fast/bound.h: the
+// position norms, sq, P, X, the error terms and the bound, per example in double). Its sums run in
+// the order of a warp's lanes and their reduction tree (the CPU kernel runs the same order); every
+// gamma term below holds for any order of a sum, and a CUDA build may contract a*b + c into one FMA,
+// which rounds once where the analysis allows two.
 // * A dot product sum_e y_e z_e of length k in the GEMMs errs by <= gamma_k(u) sum |y_e z_e| + a
 //   part that underflow loses: a subnormal input read as 0 loses <= tau |other factor| (summed:
 //   <= tau sqrt(k) (||y|| + ||z||)); each of the k products and k additions whose result is flushed
@@ -103,6 +108,7 @@
 #include <cmath>
 #include <vector>
 
+#include "bpclip_fast/bound.h"
 #include "common.h"
 #include "dispatch.h"
 
@@ -147,8 +153,7 @@ double position_unit(const at::Tensor& x, at::ScalarType acc) {
 // allowing for flush-to-zero of results and denormals-are-zero of inputs (the smallest normal).
 double underflow_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1022 : 0x1p-126; }
 
-// K of the file comment: exact.factors gives factor 0 below 1/K (bpclip_fast/exact.py, FACTOR_FLOOR).
-constexpr double kFloorInverse = 0x1p60;
+// kFloorInverse (K of the file comment): bpclip_fast/bound.h.
 
 // Unit of the rounding to nearest that torch may apply to the release's fp32 GEMM or convolution
 // inputs (TF32: 2^-11, bf16: 2^-8), 0 where it computes in plain fp32 (or fp64).
@@ -189,13 +194,6 @@ Method parse_method(c10::string_view s, bool ghost_cheaper) {
 // multiply-adds (two Gram matrices), instantiation T d p; ghost wins when T (d + p) < d p.
 bool ghost_cheaper(int64_t T, int64_t d, int64_t p) { return T == 1 || T * (d + p) < d * p; }
 
-// Per-example parts of the bound, all double [b]: sq_W, sq_b, the spread P and the input sum X.
-struct Parts {
-  at::Tensor sq, spread, inputs;  // sq, P and X of the file comment
-  at::Tensor under, extra;        // the GEMMs' error terms: under the root (ghost) and added (instantiation)
-  at::Tensor kept_w, kept_b;      // the instantiated [G_W], [G_b] per example, when kept
-};
-
 // What the margins need to know about a layer's shapes (see the file comment).
 struct Dims {
   int64_t T, d, p;
@@ -205,131 +203,125 @@ struct Dims {
   double r_in;   // rounding of the release's inputs by TF32/bf16 arithmetic (release_input_unit)
 };
 
-// Per-position norms ||a_t|| -> [n, T] double, from sums of k squares (over `dim` of a, or computed
-// by the caller as `sq`), as UPPER BOUNDS: what the margins need (P, X, M, A1, B1 of the file
-// comment), and what sq needs where it is built from them (T = 1).
-// * exact (T = 1, where sq = ||x||^2 ||g||^2 must be as exact as the sums of squares): in double,
-//   where the squares of fp32 values are exact and neither underflow nor overflow.
-// * otherwise from sums of squares in the accumulation dtype (cheap: no double copy of x or g,
-//   which cost the MNIST net a third of its step), made upper bounds: the k squares and the k
-//   additions round by u each (relative, <= gamma_{k+2}(u) in all) and each may lose < tau to
-//   underflow (flush-to-zero, or a subnormal entry read as zero: its square is < tau too), so
-//   ||a_t||^2 <= sq (1 + 2 gamma_{k+2}(u)) + 3 k tau. (fp32 sums of squares of entries near 1e-24
-//   underflowed to 0, and the ghost bound of an example of norm 0.05 came out 0.) A sum that
-//   overflows gives +Inf: the example's bound is then +Inf (the Range of the file comment).
-at::Tensor bounded_norms(const at::Tensor& sq, int64_t k, double u, double tau) {
-  const double grow = 1.0 + 2.0 * gamma_k(static_cast<double>(k + 2), u);
-  return (sq.to(at::kDouble) * grow + 3.0 * static_cast<double>(k) * tau).sqrt();
-}
-
-at::Tensor position_norms(const at::Tensor& a, int64_t dim, bool exact, double u, double tau) {
-  if (exact) {
-    const at::Tensor d = a.to(at::kDouble);
-    return (d * d).sum(dim).sqrt();  // (linalg_vector_norm with a double dtype took 20x longer on CPU)
-  }
-  return bounded_norms((a * a).sum(dim), a.size(dim), u, tau);
-}
-
 // Relative slack for sums of n non-negative double terms (and a few operations more) evaluated in
-// double: an upper bound stays one after multiplying by it. Applied to the sums over positions of
-// the position norms, with n covering both (T positions, rows of d or p squares).
+// double, in any order: an upper bound stays one after multiplying by it. Applied to the sums over
+// positions of the position norms, with n covering both (T positions, rows of d or p squares).
 double sum_slack(int64_t n) { return 1.0 + 2.0 * gamma_k(static_cast<double>(n + 4), kV); }
 
-// P = sum_t ||g_t|| sqrt(||x_t||^2 [W] + [b]) and X = sum_t sqrt(||x_t||^2 [W] + [b]) per row, in
-// double from the double position norms, inflated for their own rounding. X costs a sum over the
-// [n, T] position norms only, never a pass over g or x.
-std::pair<at::Tensor, at::Tensor> spread(const at::Tensor& xn, const at::Tensor& gn, const Dims& dims) {
-  const at::Tensor x2 = dims.weight ? xn.square() : at::zeros_like(xn);
-  const at::Tensor rows = (dims.bias ? x2 + 1.0 : x2).sqrt();
-  const double slack = sum_slack(dims.T + dims.d + dims.p);  // the norms' own sums of d or p squares too
-  return {(rows * gn).sum(1) * slack, rows.sum(1) * slack};
-}
-
-// The error terms of the weight's computed sq (file comment), per row, from the position norms
-// a_t = ||x_t||, b_t = ||g_t||: M = sum_t a_t b_t, A1 = sum_t a_t, B1 = sum_t b_t. Every term has a
-// factor M or A1 B1, so an example whose gradient is 0 because its x or its g is 0 gets none.
-// Ghost: under = (1 + w) E + w M^2 bounds |sq_W - ||G_W||^2| (added under the root).
-// Instantiation: extra bounds the underflow part of ||G_W - G_W^|| (added to the bound; the
-// relative part gamma_T(u) M is in kappa P).
-std::pair<at::Tensor, at::Tensor> gemm_errors(const at::Tensor& xn, const at::Tensor& gn, Method method,
-                                              const Dims& dims) {
-  const double slack = sum_slack(dims.T + dims.d + dims.p);  // the norms' own sums of d or p squares too
-  const at::Tensor M = (xn * gn).sum(1) * slack, A1 = xn.sum(1) * slack, B1 = gn.sum(1) * slack;
+// The constants of the bound's formulas, in the order of bpclip_fast/bound.h (whose kernel
+// exact_bound_ evaluates them per example in double; see the file comment for each term).
+// up: the unit roundoff of the position sums of squares the caller computes at T > 1.
+std::vector<double> bound_consts(const Dims& dims, Method method, double up, at::ScalarType acc) {
+  std::vector<double> c(kBoundConsts, 0.0);
   const double d = static_cast<double>(dims.d), p = static_cast<double>(dims.p), T = static_cast<double>(dims.T);
-  const double tau = dims.tau, out_slack = 1.0 + 0x1p-40;  // out_slack: the few roundings of these formulas
-  if (method == Method::kGhost) {
-    const double gd = gamma_k(d, dims.u), gp = gamma_k(p, dims.u);
-    // kappa_k: a Gram entry of length-k rows errs by <= gamma_k a_s a_t + kappa_k (a_s + a_t)
-    const auto kappa = [tau](double k, double g) {
-      return tau * std::sqrt(k) + (1.0 + g) * 0.5 * std::sqrt(2.0 * k * tau * (k + 1.0) * (1.0 + g));
-    };
-    const double kx = kappa(d, gd), kg = kappa(p, gp);
-    const at::Tensor E = (gd + gp + gd * gp) * M.square() + 2.0 * M * (kx * (1.0 + gp) * B1 + kg * (1.0 + gd) * A1) +
-                         2.0 * kx * kg * (T * M + A1 * B1);
-    const double w = kV + gamma_k(T * T, kV) * (1.0 + kV);
-    return {((1.0 + w) * E + w * M.square()) * out_slack, at::zeros_like(M)};
+  const double tau = dims.tau, u = dims.u;
+  // Position norms. T = 1: exact, the kernel sums the squares in double (exact squares of fp32
+  // values, which neither underflow nor overflow there). T > 1: from sums of k squares in the
+  // accumulation dtype (cheap: no double copy of x or g, which cost the MNIST net a third of its
+  // step), made upper bounds: the k squares and the k additions round by u each (relative,
+  // <= gamma_{k+2}(u) in all) and each may lose < tau to underflow (flush-to-zero, or a subnormal
+  // entry read as zero: its square is < tau too), so ||a_t||^2 <= sq (1 + 2 gamma_{k+2}(u)) + 3 k tau.
+  // (fp32 sums of squares of entries near 1e-24 underflowed to 0, and the ghost bound of an example
+  // of norm 0.05 came out 0.) A sum that overflows gives +Inf: the example's bound is then +Inf.
+  c[kGrowX] = c[kGrowG] = 1.0;
+  if (dims.T > 1) {
+    c[kGrowX] = 1.0 + 2.0 * gamma_k(d + 2.0, up);
+    c[kAddX] = 3.0 * d * tau;
+    c[kGrowG] = 1.0 + 2.0 * gamma_k(p + 2.0, up);
+    c[kAddG] = 3.0 * p * tau;
   }
-  const double gT = gamma_k(T, dims.u), root_dp = std::sqrt(d * p);
-  const at::Tensor daz = (tau * (A1 + B1) * root_dp * M).sqrt();
-  const at::Tensor flush = (1.0 + gT) * (2.0 * T * tau * (T + 1.0) * (1.0 + gT) * root_dp * M).sqrt();
-  return {at::zeros_like(M), (daz + flush) * out_slack};
+  c[kSlack] = sum_slack(dims.T + dims.d + dims.p);  // the norms' own sums of d or p squares too
+  c[kOutSlack] = 1.0 + 0x1p-40;                     // the few roundings of the error terms' formulas
+  // The GEMMs' error terms (T > 1), from M = sum_t a_t b_t, A1 = sum_t a_t, B1 = sum_t b_t. Every
+  // term has a factor M or A1 B1, so an example whose gradient is 0 because its x or g is 0 gets none.
+  // Ghost: under = (1 + w) E + w M^2 bounds |sq_W - ||G_W||^2| (added under the root).
+  const double gd = gamma_k(d, u), gp = gamma_k(p, u);
+  // kappa_k: a Gram entry of length-k rows errs by <= gamma_k a_s a_t + kappa_k (a_s + a_t)
+  const auto kappa_k = [tau](double k, double g) {
+    return tau * std::sqrt(k) + (1.0 + g) * 0.5 * std::sqrt(2.0 * k * tau * (k + 1.0) * (1.0 + g));
+  };
+  const double kx = kappa_k(d, gd), kg = kappa_k(p, gp);
+  c[kGhostM2] = gd + gp + gd * gp;
+  c[kGhostB1] = kx * (1.0 + gp);
+  c[kGhostA1] = kg * (1.0 + gd);
+  c[kGhostAB] = 2.0 * kx * kg;
+  c[kGhostW] = kV + gamma_k(T * T, kV) * (1.0 + kV);
+  // Instantiation: extra bounds the underflow part of ||G_W - G_W^|| (added to the bound; the
+  // relative part gamma_T(u) M is in kappa P).
+  const double gT = gamma_k(T, u), root_dp = std::sqrt(d * p);
+  c[kInstDaz] = tau * root_dp;
+  c[kInstF1] = 1.0 + gT;
+  c[kInstF2] = 2.0 * T * tau * (T + 1.0) * (1.0 + gT) * root_dp;
+  // bound = sqrt(sq grow + eps P^2 + under) + kappa P + absolute X + extra.
+  const double r = (1.0 + rz_unit(acc)) * (1.0 + dims.r_in) * (1.0 + dims.r_in) - 1.0;
+  c[kAbsolute] = 2.0 * kFloorInverse * subnormal_quantum(acc) * std::sqrt(p);
+  const int64_t terms = method == Method::kGhost ? dims.T * dims.T : dims.d * dims.p;
+  c[kGrow] = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2), kV)));
+  c[kKappa] = gamma_k(T, kV) + r;
+  if (dims.T == 1) {  // ||x||^2 ||g||^2 from double norms
+    const double e1 = (1.0 + gamma_k(d, kV)) * (1.0 + gamma_k(p, kV)) * (1.0 + kV) - 1.0;
+    c[kEps] = e1 + gamma_k(1.0, kV) * (1.0 + e1);
+  } else if (method == Method::kInstantiate) {
+    c[kKappa] += gamma_k(T, u);
+  }
+  return c;
 }
 
-// x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; returns per example
-// (summing `groups_per_example` consecutive rows) the sq of [G_W, G_b] over the parameters that
-// train, and the spread P, both double.
-Parts rows_norms(const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& xn, const at::Tensor& gn,
-                 Method method, const Dims& dims, int64_t groups_per_example, bool keep) {
-  const int64_t n = x3.size(0), per = groups_per_example;
-  at::Tensor sq = at::zeros({n}, x3.options().dtype(at::kDouble)), kept_w, kept_b;
-  if (dims.weight) {
-    if (dims.T == 1) {
-      sq = (xn.square() * gn.square()).sum(1);
-    } else if (method == Method::kGhost) {
-      // The products of Gram entries in double: a finite example with entries near 1e12 has Gram
-      // entries near 1e24, whose fp32 product overflows (the example was dropped as non-finite).
-      at::Tensor gx = at::bmm(x3, x3.transpose(1, 2)).to(at::kDouble);
-      const at::Tensor gg = at::bmm(g3, g3.transpose(1, 2));
-      sq = gx.mul_(gg).sum({1, 2});
+// bpclip_fast::exact_bound_ through the dispatcher (the kernel of the tensors' device).
+void exact_bound_(at::Tensor& sq, at::Tensor& bound, const at::Tensor& x, const at::Tensor& g, const at::Tensor& gb,
+                  const at::Tensor& wa, const at::Tensor& wb, int64_t offset, int64_t per, int64_t flags,
+                  at::ArrayRef<double> consts, const c10::optional<at::Tensor>& nonfinite) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::exact_bound_", "")
+                       .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                                   at::ArrayRef<double>, const c10::optional<at::Tensor>&)>();
+  op.call(sq, bound, x, g, gb, wa, wb, offset, per, flags, consts, nonfinite);
+}
+
+// What one norms op builds over its chunks: sq and bound [B] (each chunk writes its examples),
+// the kept per-example gradients, and what every chunk shares.
+struct NormsOut {
+  at::Tensor sq, bound;
+  std::vector<at::Tensor> kept_w, kept_b;
+  Method method;
+  Dims dims;
+  std::vector<double> consts;
+  c10::optional<at::Tensor> nonfinite;
+};
+
+// x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; xs, gs: the position
+// sums of squares [n, T] at T > 1 (undefined at T = 1: the kernel sums x3 and g3 in double). The
+// weight's sq comes from the GEMMs here (ghost: the two Gram matrices, whose entries' products the
+// kernel takes and sums in double: a finite example with entries near 1e12 has Gram entries near
+// 1e24, whose fp32 product overflowed; instantiation: [G_W] per row, squared and summed in double,
+// which cannot overflow); everything else of the bound, for examples [offset, offset + n / per),
+// by exact_bound_.
+void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& xs,
+                const at::Tensor& gs, int64_t per, bool keep) {
+  const int64_t n = x3.size(0);
+  const Dims& dims = out.dims;
+  at::Tensor wa = x3.new_empty({0}), wb = wa;
+  if (dims.weight && dims.T > 1) {
+    if (out.method == Method::kGhost) {
+      wa = at::bmm(x3, x3.transpose(1, 2)).reshape({n, -1});
+      wb = at::bmm(g3, g3.transpose(1, 2)).reshape({n, -1});
     } else {
       const at::Tensor inst = at::bmm(g3.transpose(1, 2), x3);  // [n, p, d]: the weight's layout per group
-      // Squared in double (fp32 squares overflow above 2^64), on a copy: inst itself may be kept.
-      sq = inst.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true).square_().sum({1, 2});
-      if (keep) kept_w = inst.reshape({n / per, -1});
+      wa = wb = inst.reshape({n, -1});
+      if (keep) {
+        out.kept_w.push_back(inst.reshape({n / per, -1}));
+        // Conv2d: a channel's bias gradient is over the positions of its own group only, so the
+        // per-(example, group) sums concatenate to the example's bias gradient.
+        if (dims.bias) out.kept_b.push_back(g3.sum({1}, false, at::kDouble).reshape({n / per, -1}));
+      }
     }
   }
-  if (dims.bias) {
-    // Conv2d: a channel's bias gradient is over the positions of its own group only, so the
-    // per-(example, group) sums square and add up exactly as the full bias vector's would.
-    const at::Tensor sums = g3.sum({1}, false, at::kDouble);
-    sq = sq + sums.square().sum(1);
-    if (kept_w.defined()) kept_b = sums.reshape({n / per, -1});
-  }
-  const auto [sp, xs] = spread(xn, gn, dims);
-  at::Tensor under = at::zeros_like(sq), extra = at::zeros_like(sq);
-  if (dims.weight && dims.T > 1) std::tie(under, extra) = gemm_errors(xn, gn, method, dims);
-  if (per == 1) return {sq, sp, xs, under, extra, kept_w, kept_b};
-  // Per example, over its channel groups (disjoint blocks of G_W): the squared errors add under the
-  // root, and the sum of the groups' norm errors bounds the norm of their concatenation.
-  const auto by_example = [per](const at::Tensor& t) { return t.reshape({-1, per}).sum(1); };
-  return {by_example(sq), by_example(sp), by_example(xs), by_example(under), by_example(extra), kept_w, kept_b};
-}
-
-// The bound of the file comment, from the computed sq, spread P, input sum X and the GEMMs' error terms.
-at::Tensor norm_bound(const at::Tensor& sq, const at::Tensor& sp, const at::Tensor& xs, const at::Tensor& under,
-                      const at::Tensor& extra, Method method, const Dims& dims, double u, at::ScalarType acc) {
-  const double r = (1.0 + rz_unit(acc)) * (1.0 + dims.r_in) * (1.0 + dims.r_in) - 1.0;
-  const double absolute = 2.0 * kFloorInverse * subnormal_quantum(acc) * std::sqrt(static_cast<double>(dims.p));
-  const int64_t terms = method == Method::kGhost ? dims.T * dims.T : dims.d * dims.p;
-  const double grow = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2), kV)));
-  double eps = 0.0, kappa = gamma_k(static_cast<double>(dims.T), kV) + r;
-  if (dims.T == 1) {  // ||x||^2 ||g||^2 from double norms
-    const double e1 = (1.0 + gamma_k(dims.d, kV)) * (1.0 + gamma_k(dims.p, kV)) * (1.0 + kV) - 1.0;
-    eps = e1 + gamma_k(1.0, kV) * (1.0 + e1);
-  } else if (method == Method::kInstantiate) {
-    kappa += gamma_k(static_cast<double>(dims.T), u);
-  }
-  return (sq * grow + eps * sp.square() + under).sqrt() + kappa * sp + absolute * xs + extra;
+  const bool summed = dims.T > 1;
+  const int64_t flags = (dims.weight ? kBoundWeight : 0) | (dims.bias ? kBoundBias : 0) |
+                        (out.method == Method::kGhost ? kBoundGhost : 0) | (summed ? kBoundSummed : 0);
+  exact_bound_(out.sq, out.bound, summed ? xs.unsqueeze(2) : x3, summed ? gs.unsqueeze(2) : g3, g3, wa, wb, offset,
+               per, flags, out.consts, out.nonfinite);
 }
 
 // Examples per chunk so that one chunk's temporaries stay within `workspace` bytes.
@@ -361,24 +353,19 @@ bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t group
          4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B);
 }
 
-Norms finish(std::vector<Parts>& parts, const at::Tensor& x, Method method, const Dims& dims, double u) {
-  std::vector<at::Tensor> sqs, sps, xss, unders, extras, kws, kbs;
-  for (auto& part : parts) {
-    sqs.push_back(part.sq);
-    sps.push_back(part.spread);
-    xss.push_back(part.inputs);
-    unders.push_back(part.under);
-    extras.push_back(part.extra);
-    if (part.kept_w.defined()) kws.push_back(part.kept_w);
-    if (part.kept_b.defined()) kbs.push_back(part.kept_b);
-  }
-  at::Tensor sq = sqs.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sqs);
-  at::Tensor sp = sps.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(sps);
-  at::Tensor xs = xss.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(xss);
-  at::Tensor under = unders.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(unders);
-  at::Tensor extra = extras.empty() ? at::zeros({0}, x.options().dtype(at::kDouble)) : at::cat(extras);
-  return {sq, norm_bound(sq, sp, xs, under, extra, method, dims, u, acc_dtype(x)), kws.empty() ? x.new_empty({0}) : at::cat(kws),
-          kbs.empty() ? x.new_empty({0}) : at::cat(kbs)};
+NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, double up) {
+  const at::TensorOptions f64 = x.options().dtype(at::kDouble);
+  return NormsOut{at::empty({B}, f64), at::empty({B}, f64), {}, {}, method, dims,
+                  bound_consts(dims, method, up, acc_dtype(x)), c10::nullopt};
+}
+
+at::Tensor joined(const std::vector<at::Tensor>& parts, const at::Tensor& x) {
+  if (parts.empty()) return x.new_empty({0});
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+Norms finish(const NormsOut& out, const at::Tensor& x) {
+  return {out.sq, out.bound, joined(out.kept_w, x), joined(out.kept_b, x)};
 }
 
 Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::array<bool, 2> params,
@@ -397,28 +384,29 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const int64_t rows = chunk_rows(elt * (T * (d + p) + temps) + 8 * T * (d + p), workspace, B);
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
   const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
-  std::vector<Parts> parts;
+  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc));
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
-    const double up = position_unit(xc, acc);
-    parts.push_back(rows_norms(xc, gc, position_norms(xc, 2, T == 1, up, dims.tau),
-                               position_norms(gc, 2, T == 1, up, dims.tau), method, dims, 1, kept));
+    at::Tensor xs, gs;
+    if (T > 1) {
+      xs = (xc * xc).sum(2);
+      gs = (gc * gc).sum(2);
+    }
+    rows_norms(out, b0, xc, gc, xs, gs, 1, kept);
   }
-  return finish(parts, x, method, dims, gemm_unit(acc));
+  return finish(out, x);
 }
 
-// ||U_{gamma,t}|| per (example, group) row and position, [n G, T] (see position_norms): at T = 1
-// exactly, in double over the patches x3 [n G, T, d]; otherwise without reading the patches, by the
-// convolution of x^2 with a ones kernel (one output channel per group), made upper bounds.
-at::Tensor patch_norms(const at::Tensor& xa, int64_t groups, at::IntArrayRef k, at::IntArrayRef stride,
-                       at::IntArrayRef padding, at::IntArrayRef dilation, const at::Tensor& x3, double tau) {
-  const int64_t T = x3.size(1), d = x3.size(2), n = xa.size(0);
-  if (T == 1) return position_norms(x3, 2, true, 0.0, tau);
+// The sums of squares of the patches U_{gamma,t} per (example, group) row and position, [n G, T],
+// without reading the patches: the convolution of x^2 with a ones kernel (one output channel per
+// group). Only at T > 1 (at T = 1 the kernel sums the patches themselves in double).
+at::Tensor patch_sums(const at::Tensor& xa, int64_t groups, at::IntArrayRef k, at::IntArrayRef stride,
+                      at::IntArrayRef padding, at::IntArrayRef dilation, int64_t T) {
+  const int64_t n = xa.size(0);
   const at::Tensor ones = at::ones({groups, xa.size(1) / groups, k[0], k[1]}, xa.options());
-  const at::Tensor sq =
-      at::convolution(xa * xa, ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, groups).reshape({n * groups, T});
-  return bounded_norms(sq.clamp_min(0), d, position_unit(xa, xa.scalar_type()), tau);
+  return at::convolution(xa * xa, ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, groups)
+      .reshape({n * groups, T});
 }
 
 // The zero-padded patches as [n, C_in kh kw, T] (im2col's layout: channel-major, so channel group
@@ -460,7 +448,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
   const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps) + 8 * G * T * (d + p), workspace, B);
   const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
-  std::vector<Parts> parts;
+  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc));
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xa = x.narrow(0, b0, n).to(acc);
@@ -469,12 +457,14 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
                 "of the input");
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
     const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
-    const at::Tensor g3 = gt.transpose(1, 2);
-    const at::Tensor xn = patch_norms(xa, G, kernel_size, stride, padding, dilation, x3, dims.tau);
-    const at::Tensor gn = position_norms(gt, 1, T == 1, position_unit(xa, acc), dims.tau);
-    parts.push_back(rows_norms(x3, g3, xn, gn, method, dims, G, kept));
+    at::Tensor xs, gs;
+    if (T > 1) {
+      xs = patch_sums(xa, G, kernel_size, stride, padding, dilation, T);
+      gs = (gt * gt).sum(1);
+    }
+    rows_norms(out, b0, x3, gt.transpose(1, 2), xs, gs, G, kept);
   }
-  return finish(parts, x, method, dims, gemm_unit(acc));
+  return finish(out, x);
 }
 
 // The gradient the release holds: each example's upstream gradient scaled by its factor (rounded

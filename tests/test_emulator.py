@@ -233,6 +233,43 @@ def test_every_global_kernel_is_launched(sim):
     assert not missing, f"kernels in csrc/cuda that no emulator test launches: {sorted(missing)}"
 
 
+# ---- exact_bound_ and exact_factors (csrc/cuda/bound_kernels.cuh, bpclip_fast/bound.h) --------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T,ghost,per,conv_layout", [(1, False, 1, False), (1, False, 3, True), (7, True, 1, False),
+                                                     (33, True, 2, True), (70, False, 1, False),
+                                                     (40, False, 3, True)])
+@pytest.mark.parametrize("flags", [3, 1, 2])  # weight and bias, weight only, bias only
+def test_exact_bound_matches_cpu_bit_for_bit(sim, request, dtype, T, ghost, per, conv_layout, flags):
+    _schedule(sim, request)
+    gen = torch.Generator().manual_seed(T * 31 + per + flags)
+    rows = 5 * per
+    xs, gs, gb, wa, wb = harness.bound_inputs(dtype, rows, T, 6, 45, per, ghost, gen, conv_layout=conv_layout)
+    flags |= (4 if ghost else 0) | (8 if T > 1 else 0)
+    assert harness.compare_exact_bound(sim, xs, gs, gb, wa, wb, per, flags, harness.bound_consts(gen)) == []
+
+
+def test_exact_bound_counts_nonfinite_as_cpu(sim):
+    gen = torch.Generator().manual_seed(4)
+    xs, gs, gb, wa, wb = harness.bound_inputs(torch.float32, 6, 1, 5, 4, 1, False, gen)
+    xs[1, 0, 2] = float("inf")
+    gs[4, 0, 0] = float("nan")
+    assert harness.compare_exact_bound(sim, xs, gs, gb, wa, wb, 1, 3, harness.bound_consts(gen)) == []
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+@pytest.mark.parametrize("layers", [1, 4])
+@pytest.mark.parametrize("clip_fn", ["clip", "normalize", "global"])
+def test_exact_factors_matches_cpu_bit_for_bit(sim, request, fp64, layers, clip_fn):
+    _schedule(sim, request)
+    gen = torch.Generator().manual_seed(layers)
+    bounds = [torch.exp(torch.randn(300, generator=gen, dtype=torch.float64) * 15) for _ in range(layers)]
+    f32max = torch.finfo(torch.float32).max
+    bounds[0][:6] = torch.tensor([float("nan"), float("inf"), f32max * (1 + 2.0 ** -30), 2.0 ** 61, 0.0, 1e-320],
+                                 dtype=torch.float64)
+    assert harness.compare_exact_factors(sim, bounds, 0.7, clip_fn, 0.05, fp64) == []
+
+
 # ---- the emulator's conversions -------------------------------------------------------------------
 
 def _floats_around_half_edges():
@@ -431,6 +468,13 @@ MUTANTS = {
     "gn_affine_wrong_group": ("norm_affine_kernels.cuh", "(o % D) / (D / G)", "(o % D) % G"),
     "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<fac_t>, warp_blocks(r.B),",
                                   "launch(finalize_rows_kernel<fac_t>, r.B / kWarpsPerBlock,"),
+    "bound_reduction_skips_upper_lanes": ("bound_kernels.cuh",
+                                          "for (int off = kBoundLanes / 2; off > 0; off >>= 1) add_lane",
+                                          "for (int off = kBoundLanes / 4; off > 0; off >>= 1) add_lane"),
+    "bound_grid_rounds_down": ("bound_launch.cuh", "(s.examples + per_block - 1) / per_block",
+                               "s.examples / per_block"),
+    "factors_kernel_reads_wrong_layer_stride": ("bound_kernels.cuh", "layers_total(bounds + i, L, B, inflate)",
+                                                "layers_total(bounds + i, L, 1, inflate)"),
 }
 
 

@@ -383,6 +383,18 @@ def _opcheck_cases(device):
         (OPS.conv2d_grad_norms, (go, x, [3, 3], [1, 1], [0, 0], [1, 1], 1, [True, True], "auto", 1 << 20, True)),
         (OPS.conv2d_grad_norms, (torch.randn(4, 2, 6, 6, device=device), x, [1, 1], [1, 1], [0, 0], [1, 1], 1,
                                  [True, False], "instantiate", 1 << 20, True)),  # keeps: 2x3 <= 2x36
+        # exact_bound_ (called inside the norms ops): T = 1 rows, and summed positions with Gram terms.
+        (OPS.exact_bound_, (torch.zeros(4, dtype=torch.float64, device=device),
+                            torch.zeros(4, dtype=torch.float64, device=device), xl[:, :1], gol[:, :1], gol[:, :1],
+                            xl.new_empty(0), xl.new_empty(0), 0, 1, 3, [1e-3] * 18, c.clone())),
+        (OPS.exact_bound_, (torch.zeros(5, dtype=torch.float64, device=device),
+                            torch.zeros(5, dtype=torch.float64, device=device), xl.square().sum(2, keepdim=True),
+                            gol.square().sum(2, keepdim=True), gol, torch.randn(4, 4, device=device),
+                            torch.randn(4, 4, device=device), 1, 2, 15, [1e-3] * 18, None)),
+        (OPS.exact_factors, ([torch.rand(4, dtype=torch.float64, device=device)], c.clone(), 1.0, "clip", 0.01,
+                             False)),
+        (OPS.exact_factors, ([torch.rand(4, dtype=torch.float64, device=device) for _ in range(3)], c.clone(), 0.5,
+                             "normalize", 0.01, True)),
         (OPS.linear_clipped_grads, (gol, xl, f, wl, [True, True], [3, 4], 0.1)),
         (OPS.linear_clipped_grads, (gol, xl, f, wl, [False, True], [0, 0], 0.0)),
         (OPS.conv2d_clipped_grads, (go, x, f, w, [1, 1], [0, 0], [1, 1], 1, [True, True], [3, 4], 0.1)),

@@ -25,6 +25,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 }  // namespace cuda
 }  // namespace bpclip
 
+#include "bound_launch.cuh"
 #include "clip_launch.cuh"
 #include "noise_launch.cuh"
 #include "norm_affine_launch.cuh"
@@ -132,6 +133,39 @@ int simt_norm_affine(int dtype, const void* g, const void* x, const void* mean, 
                                  static_cast<const acc_t*>(rstd), layer_norm != 0, B, R, D, G, work.data(),
                                  static_cast<acc_t*>(gw), static_cast<acc_t*>(gb));
   });
+}
+
+// exact_bound_ over contiguous-or-strided fp32/fp64 buffers (dtype kF32 or kF64); geometry as
+// bpclip_fast/bound.h's BoundGeometry, given as 16 int64 (examples, per, T, dx, dg, p, L, 9 strides)
+// and flags; consts: kBoundConsts doubles.
+int simt_exact_bound(int dtype, const void* x, const void* g, const void* gb, const void* wa, const void* wb,
+                     const int64_t* geo, int flags, const double* consts, double* sq, double* bound,
+                     int64_t* nonfinite) {
+  const BoundGeometry s{geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7],
+                        geo[8], geo[9], geo[10], geo[11], geo[12], geo[13], geo[14], geo[15], flags};
+  auto run = [&]<typename T>() {
+    exact_bound_device<T>(static_cast<const T*>(x), static_cast<const T*>(g), static_cast<const T*>(gb),
+                          static_cast<const T*>(wa), static_cast<const T*>(wb), s, consts, sq, bound,
+                          reinterpret_cast<unsigned long long*>(nonfinite));
+  };
+  if (dtype == kF32) run.template operator()<float>();
+  else if (dtype == kF64) run.template operator()<double>();
+  else return 2;
+  return simt::has_error() ? 1 : 0;
+}
+
+// exact_factors over bounds [L, B] (float64); factor fp32 (fp64 when fp64).
+int simt_exact_factors(const double* bounds, int64_t L, int64_t B, double inflate, double bound_eff, int fn,
+                       double gamma, int fp64, void* factor, double* total, int64_t* nonfinite) {
+  auto* counter = reinterpret_cast<unsigned long long*>(nonfinite);
+  if (fp64) {
+    exact_factors_device<double>(bounds, L, B, inflate, bound_eff, fn, gamma, static_cast<double*>(factor), total,
+                                 counter);
+  } else {
+    exact_factors_device<float>(bounds, L, B, inflate, bound_eff, fn, gamma, static_cast<float*>(factor), total,
+                                counter);
+  }
+  return simt::has_error() ? 1 : 0;
 }
 
 // The conversions of the half/bfloat16 stand-ins, for comparison with torch's.

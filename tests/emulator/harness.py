@@ -151,6 +151,8 @@ class Simt:
         lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
         lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32, i32]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
+        lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
+        lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
             getattr(lib, name).argtypes = [vp, vp, i64, i32]
@@ -196,6 +198,19 @@ class Simt:
         """mean/rstd flat in the accumulation dtype; gw, gb [B, D] buffers of that dtype."""
         self.call("simt_norm_affine", DTYPES[x.dtype], _ptr(g), _ptr(x), _ptr(mean), _ptr(rstd), int(layer_norm), B,
                   R, D, G, _ptr(gw), _ptr(gb))
+
+    def exact_bound(self, x, g, gb, wa, wb, per, flags, consts, sq, bound, nonfinite):
+        """x, g, gb: 3-D views (any strides) of fp32/fp64 storage; wa, wb: contiguous [rows, L] or empty."""
+        L = wa.shape[-1] if wa.numel() else 0
+        geo = torch.tensor([x.shape[0] // per, per, x.shape[1], x.shape[2], g.shape[2], gb.shape[2], L,
+                            *x.stride(), *g.stride(), *gb.stride()], dtype=torch.int64)
+        c = torch.tensor(consts, dtype=torch.float64)
+        self.call("simt_exact_bound", DTYPES[x.dtype], _ptr(x), _ptr(g), _ptr(gb), _ptr(wa), _ptr(wb), _ptr(geo),
+                  flags, _ptr(c), _ptr(sq), _ptr(bound), _ptr(nonfinite))
+
+    def exact_factors(self, stacked, inflate, bound_eff, clip_fn, gamma, fp64, factor, total, nonfinite):
+        self.call("simt_exact_factors", _ptr(stacked), stacked.shape[0], stacked.shape[1], inflate, bound_eff,
+                  CLIP_FNS[clip_fn], gamma, int(fp64), _ptr(factor), _ptr(total), _ptr(nonfinite))
 
     def box_muller(self, words: torch.Tensor) -> torch.Tensor:
         """philox.h's box_muller run as emulated device code on [pairs, 3] uint32 words (as int64)."""
@@ -436,10 +451,100 @@ def compare_norm_affine(sim: Simt, g, x, layer_norm: bool, groups: int = 1, norm
     return problems
 
 
+BOUND_CONSTS = 18  # kBoundConsts of bpclip_fast/bound.h
+
+
+def bound_inputs(dtype, rows, T, d, p, per, ghost, gen, summed=None, conv_layout=False):
+    """Inputs of exact_bound_ as csrc/exact.cpp builds them: positions (T = 1: x and g themselves;
+    T > 1: their sums of squares), the upstream gradient for the bias, and the weight's terms."""
+    x = torch.randn(rows, T, d, generator=gen, dtype=torch.float64).to(dtype)
+    if conv_layout:  # g as the conv path reads it: [rows, p, T] transposed to [rows, T, p]
+        g = torch.randn(rows, p, T, generator=gen, dtype=torch.float64).to(dtype).transpose(1, 2)
+    else:
+        g = torch.randn(rows, T, p, generator=gen, dtype=torch.float64).to(dtype)
+    summed = T > 1 if summed is None else summed
+    xs = (x * x).sum(2, keepdim=True) if summed else x
+    gs = (g * g).sum(2, keepdim=True) if summed else g
+    if T == 1:
+        wa = wb = x.new_empty(0)
+    elif ghost:
+        wa = torch.bmm(x, x.transpose(1, 2)).reshape(rows, -1)
+        wb = torch.bmm(g, g.transpose(1, 2)).reshape(rows, -1)
+    else:
+        wa = wb = torch.bmm(g.transpose(1, 2), x).reshape(rows, -1)
+    return xs, gs, g, wa.contiguous(), wb.contiguous()
+
+
+def bound_consts(gen):
+    """Constants of the shape the file comment gives them (grow factors just above 1, small error
+    coefficients), random so that every term moves the result."""
+    c = torch.rand(BOUND_CONSTS, generator=gen, dtype=torch.float64) * 1e-3
+    for k in (0, 2, 4, 10, 14):  # kGrowX, kGrowG, kSlack, kOutSlack, kGrow
+        c[k] += 1.0
+    return c.tolist()
+
+
+def compare_exact_bound(sim: Simt, xs, gs, gb, wa, wb, per, flags, consts, nonfinite_rows=()):
+    """Emulated exact_bound_ vs the CPU op: the same arithmetic in the same order (bound.h), so the
+    same bits; and nothing written outside the examples' slots."""
+    rows = xs.shape[0]
+    B = rows // per
+    problems = []
+    sq, bound = torch.full((B + 3,), 7.0, dtype=torch.float64), torch.full((B + 3,), 7.0, dtype=torch.float64)
+    count = torch.zeros(1, dtype=torch.int64)
+    sim.exact_bound(xs, gs, gb, wa, wb, per, flags, consts, sq[1:], bound[1:], count)
+    ref_sq, ref_bound = torch.full_like(sq, 7.0), torch.full_like(bound, 7.0)
+    ref_count = torch.zeros(1, dtype=torch.int64)
+    torch.ops.bpclip_fast.exact_bound_(ref_sq, ref_bound, xs, gs, gb, wa, wb, 1, per, flags, consts, ref_count)
+    if not (sq[0] == 7.0 and (sq[B + 1:] == 7.0).all() and bound[0] == 7.0 and (bound[B + 1:] == 7.0).all()):
+        problems.append("written outside the examples' slots")
+    for name, a, b in (("sq", sq, ref_sq), ("bound", bound, ref_bound)):
+        if not torch.equal(a.view(torch.int64), b.view(torch.int64)):
+            diff = ((a - b).abs() / b.abs()).nan_to_num(0).max().item()
+            problems.append(f"{name} differs from the CPU op (max rel {diff:.3g})")
+    if int(count) != int(ref_count):
+        problems.append(f"non-finite count {int(count)} != {int(ref_count)}")
+    return problems
+
+
+def compare_exact_factors(sim: Simt, bounds, max_norm, clip_fn, gamma, fp64):
+    """Emulated exact_factors vs the CPU op, bit for bit (factor, total, count)."""
+    L = len(bounds)
+    stacked = torch.stack(bounds).contiguous()
+    B = stacked.shape[1]
+    k = L + 3
+    inflate = 1.0 + 2.0 * (k * 2.0 ** -53 / (1.0 - k * 2.0 ** -53))
+    eta = 2.0 ** -53
+    while eta < 5 * 2.0 ** -53:  # clip.h's bound_shrink(1)
+        eta *= 2.0
+    factor = torch.full((B,), float("nan"), dtype=torch.float64 if fp64 else torch.float32)
+    total = torch.full((B,), float("nan"), dtype=torch.float64)
+    count = torch.zeros(1, dtype=torch.int64)
+    sim.exact_factors(stacked, inflate, max_norm * (1.0 - eta), clip_fn, gamma, fp64, factor, total, count)
+    ref_count = torch.zeros(1, dtype=torch.int64)
+    ref_factor, ref_total = torch.ops.bpclip_fast.exact_factors(bounds, ref_count, max_norm, clip_fn, gamma, fp64)
+    problems = []
+    for name, a, b in (("factor", factor, ref_factor), ("total", total, ref_total)):
+        if not torch.equal(_bits(a), _bits(b)):
+            problems.append(f"{name} differs from the CPU op")
+    if int(count) != int(ref_count):
+        problems.append(f"non-finite count {int(count)} != {int(ref_count)}")
+    return problems
+
+
 def sweep(sim: Simt) -> list[str]:
     """A small run of every op, dtype and kernel path; the problems it finds, labelled."""
     problems = []
     gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        for T, ghost, per in ((1, False, 1), (5, True, 2), (40, False, 1)):
+            xs, gs, gb, wa, wb = bound_inputs(dtype, 6, T, 7, 3, per, ghost, gen)
+            flags = 1 | 2 | (4 if ghost else 0) | (8 if T > 1 else 0)
+            problems += [f"exact_bound {dtype} T={T}: {p}"
+                         for p in compare_exact_bound(sim, xs, gs, gb, wa, wb, per, flags, bound_consts(gen))]
+        bounds = [torch.rand(37, generator=gen, dtype=torch.float64) * 3 for _ in range(3)]
+        problems += [f"exact_factors {dtype}: {p}"
+                     for p in compare_exact_factors(sim, bounds, 1.0, "clip", 0.01, dtype == torch.float64)]
     for dtype in DTYPES:
         for shape in ((9, 100), (3, 4097), (1, 70000)):
             x = torch.randn(shape, generator=gen).to(dtype)

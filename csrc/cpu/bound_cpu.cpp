@@ -1,0 +1,92 @@
+// CPU kernel of exact_bound_: each example's sq and norm bound (csrc/exact.cpp), by the arithmetic
+// of bpclip_fast/bound.h with the lanes of the CUDA warp run as a loop, so both give the same bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <math.h>
+
+#include <atomic>
+#include <vector>
+
+#include "../bound_args.h"
+#include "bpclip_fast/bound.h"
+
+namespace bpclip {
+namespace {
+
+template <typename T>
+int64_t bound_rows(const T* x, const T* g, const T* gb, const T* wa, const T* wb, const BoundGeometry& s, const double* c,
+                   double* sq, double* bound) {
+  std::atomic<int64_t> bad{0};
+  at::parallel_for(0, s.examples, 1, [&](int64_t begin, int64_t end) {
+    int64_t local = 0;
+    LaneSums lanes[kBoundLanes];
+    for (int64_t i = begin; i < end; ++i) {
+      ExampleSums e{0, 0, 0, 0, 0};
+      for (int64_t k = 0; k < s.per; ++k) {
+        for (int l = 0; l < kBoundLanes; ++l) lanes[l] = lane_sums(x, g, gb, wa, wb, s, c, i * s.per + k, l);
+        add_row(e, combine_lanes(lanes), s, c);
+      }
+      sq[i] = e.sq;
+      bound[i] = example_bound(e, c);
+      local += finite_bound(bound[i]) ? 0 : 1;
+    }
+    bad += local;
+  });
+  return bad.load();
+}
+
+void exact_bound_cpu(at::Tensor& sq, at::Tensor& bound, const at::Tensor& x, const at::Tensor& g, const at::Tensor& gb, const at::Tensor& wa,
+                     const at::Tensor& wb, int64_t offset, int64_t per, int64_t flags, at::ArrayRef<double> consts,
+                     const c10::optional<at::Tensor>& nonfinite) {
+  const BoundGeometry s = check_bound_args(sq, bound, x, g, gb, wa, wb, offset, per, flags, consts, nonfinite);
+  if (s.examples == 0) return;
+  int64_t bad = 0;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "exact_bound_cpu", [&] {
+    const scalar_t* wap = s.L ? wa.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* wbp = s.L ? wb.const_data_ptr<scalar_t>() : nullptr;
+    bad = bound_rows<scalar_t>(x.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(),
+                               (flags & kBoundBias) ? gb.const_data_ptr<scalar_t>() : nullptr, wap, wbp, s,
+                               consts.data(), sq.mutable_data_ptr<double>() + offset,
+                               bound.mutable_data_ptr<double>() + offset);
+  });
+  // Written in place (not add_): the op then launches no ATen kernel of its own.
+  if (bad && nonfinite.has_value() && nonfinite->defined()) nonfinite->mutable_data_ptr<int64_t>()[0] += bad;
+}
+
+std::tuple<at::Tensor, at::Tensor> exact_factors_cpu(at::TensorList bounds, at::Tensor& nonfinite, double max_norm,
+                                                     c10::string_view clip_fn, double gamma, bool fp64) {
+  const FactorsArgs a = check_factors_args(bounds, nonfinite, max_norm, clip_fn, gamma);
+  const at::TensorOptions opts = bounds[0].options();
+  at::Tensor factor = at::empty({a.B}, opts.dtype(fp64 ? at::kDouble : at::kFloat));
+  at::Tensor total = at::empty({a.B}, opts);
+  std::vector<const double*> ptrs;
+  for (const at::Tensor& b : bounds) ptrs.push_back(b.const_data_ptr<double>());
+  double* tp = total.mutable_data_ptr<double>();
+  int64_t bad = 0;
+  std::vector<double> row(static_cast<size_t>(a.L));
+  for (int64_t i = 0; i < a.B; ++i) {
+    for (int64_t l = 0; l < a.L; ++l) row[l] = ptrs[l][i];
+    tp[i] = layers_total(row.data(), a.L, 1, a.inflate);
+    bool odd = false;
+    const double f = example_factor(tp[i], fp64, a.bound_eff, a.fn, gamma, &odd);
+    if (fp64) {
+      factor.mutable_data_ptr<double>()[i] = f;
+    } else {
+      factor.mutable_data_ptr<float>()[i] = static_cast<float>(f);  // already an fp32 value
+    }
+    bad += odd ? 1 : 0;
+  }
+  if (bad) nonfinite.mutable_data_ptr<int64_t>()[0] += bad;
+  return {factor, total};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
+  m.impl("exact_bound_", &exact_bound_cpu);
+  m.impl("exact_factors", &exact_factors_cpu);
+}
+
+}  // namespace bpclip

@@ -1,0 +1,32 @@
+// The launch of exact_bound_ over raw device pointers, shared by the tensor launcher
+// (bound_cuda.cu) and the test emulator; `launch` as in clip_launch.cuh.
+#pragma once
+
+#include <stdint.h>
+
+#include "bound_kernels.cuh"
+
+namespace bpclip {
+namespace cuda {
+
+constexpr int kBoundThreads = 128;  // 4 warps, 4 examples per block
+
+template <typename T>
+void exact_bound_device(const T* x, const T* g, const T* gb, const T* wa, const T* wb, const BoundGeometry& s,
+                        const double* consts, double* sq, double* bound, unsigned long long* nonfinite) {
+  BoundConstArray c;
+  for (int k = 0; k < kBoundConsts; ++k) c.c[k] = consts[k];
+  const int64_t per_block = kBoundThreads / kBoundLanes;
+  launch(exact_bound_kernel<T>, (s.examples + per_block - 1) / per_block, kBoundThreads, x, g, gb, wa, wb, s, c, sq,
+         bound, nonfinite);
+}
+
+template <typename fac_t>
+void exact_factors_device(const double* bounds, int64_t L, int64_t B, double inflate, double bound_eff, int fn,
+                          double gamma, fac_t* factor, double* total, unsigned long long* nonfinite) {
+  launch(exact_factors_kernel<fac_t>, (B + kBoundThreads - 1) / kBoundThreads, kBoundThreads, bounds, L, B, inflate,
+         bound_eff, fn, gamma, factor, total, nonfinite);
+}
+
+}  // namespace cuda
+}  // namespace bpclip

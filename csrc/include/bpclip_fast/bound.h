@@ -1,0 +1,222 @@
+// The per-example arithmetic of the exact norms' bound (csrc/exact.cpp, file comment), shared by the
+// CPU kernel (csrc/cpu/bound_cpu.cpp), the CUDA kernel (csrc/cuda/bound_kernels.cuh) and the test
+// emulator, so that all three evaluate the same double operations in the same order.
+//
+// One example is `per` consecutive rows (its channel groups; 1 for Linear). A row r has T positions
+// with input vectors x_t and upstream gradients g_t, given either as themselves, x[r, t, :] (dx
+// entries) and g[r, t, :] (dg entries), whose squares the kernel sums in double (T = 1: exact
+// squares), or (flag kBoundSummed) as the sums of their squares x[r, t, 0], g[r, t, 0] that the
+// caller computed in the accumulation dtype; the bias reads the upstream gradient itself,
+// gb[r, t, :] (p channels). All through strides, in the accumulation dtype. Its work is split over kLanes lanes (a CUDA warp; a
+// loop on the CPU): lane l takes positions t = l, l + kLanes, ... and entries e = l, l + kLanes, ...
+// of the weight's squared-norm terms and channels j = l, ... of the bias; each lane sums its share
+// sequentially in double, and the lanes' partial sums are combined by the tree of a warp's
+// shuffle-down reduction (combine_lanes). Every one of these sums is of non-negative terms, except
+// the ghost products' (whose bound gamma_n(v) sum |terms| holds in any order), so any order is
+// covered by the file comment's gamma terms.
+#pragma once
+
+#include <stdint.h>
+
+#include <math.h>
+
+#include "clip.h"
+#include "macros.h"
+
+namespace bpclip {
+
+constexpr int kBoundLanes = 32;
+
+// K of csrc/exact.cpp's file comment: a factor below 1/K is set to 0 (bpclip_fast/exact.py,
+// FACTOR_FLOOR), so the bound need cover the release's subnormal rounding only for factors >= 1/K.
+constexpr double kFloorInverse = 0x1p60;
+
+// What the kernel knows of a layer's norms: computed on the host (csrc/exact.cpp, bound_consts)
+// and passed as one float[] (kBoundConsts entries, in this order).
+enum BoundConst : int {
+  kGrowX,    // position norm of x: a_t = sqrt(S_t grow + add) (grow 1, add 0 where exact: T = 1)
+  kAddX,
+  kGrowG,    // likewise for g
+  kAddG,
+  kSlack,    // sum_slack(T + d + p): the sums over positions
+  kGhostM2,  // ghost E = cM2 M^2 + 2 M (cB1 B1 + cA1 A1) + cAB (T M + A1 B1)
+  kGhostB1,
+  kGhostA1,
+  kGhostAB,
+  kGhostW,   // under = ((1 + w) E + w M^2) out_slack
+  kOutSlack,
+  kInstDaz,  // instantiation: extra = (sqrt(cD (A1 + B1) M) + cF1 sqrt(cF2 M)) out_slack
+  kInstF1,
+  kInstF2,
+  kGrow,     // bound = sqrt(sq grow + eps P^2 + under) + kappa P + absolute X + extra
+  kEps,
+  kKappa,
+  kAbsolute,
+  kBoundConsts
+};
+
+enum BoundFlag : int { kBoundWeight = 1, kBoundBias = 2, kBoundGhost = 4, kBoundSummed = 8 };
+
+// Geometry of one call: rows = examples x per; x [rows, T, dx] and g [rows, T, dg] by strides; the
+// weight's squared-norm terms wa[r, e] * wb[r, e], e < L, contiguous rows (Gram entries of x and of
+// g for ghost, the instantiated gradient twice for instantiation; L = 0 at T = 1, where the weight's
+// sq is a^2 b^2 from the position norms).
+struct BoundGeometry {
+  int64_t examples, per, T, dx, dg, p, L;
+  int64_t sx0, sx1, sx2, sg0, sg1, sg2, sb0, sb1, sb2;
+  int flags;
+};
+
+// One lane's partial sums over its share of a row.
+struct LaneSums {
+  double P, X, M, A, B, W, bias;
+};
+
+BPCLIP_HD inline void add_lane(LaneSums& a, const LaneSums& b) {
+  a.P += b.P;
+  a.X += b.X;
+  a.M += b.M;
+  a.A += b.A;
+  a.B += b.B;
+  a.W += b.W;
+  a.bias += b.bias;
+}
+
+template <typename T>
+BPCLIP_HD inline double sum_squares(const T* v, int64_t n, int64_t stride) {
+  double s = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double e = static_cast<double>(v[j * stride]);
+    s += e * e;
+  }
+  return s;
+}
+
+// The sum of squares of one position: computed here, or given (kBoundSummed; a negative one, which
+// a convolution of squares could only give by rounding, is taken as 0, and NaN stays NaN).
+template <typename T>
+BPCLIP_HD inline double position_sq(const T* v, int64_t n, int64_t stride, bool summed) {
+  if (!summed) return sum_squares(v, n, stride);
+  const double s = static_cast<double>(v[0]);
+  return s < 0.0 ? 0.0 : s;
+}
+
+// Lane `lane`'s share of row r.
+template <typename T>
+BPCLIP_HD inline LaneSums lane_sums(const T* x, const T* g, const T* gb, const T* wa, const T* wb,
+                                    const BoundGeometry& s, const double* c, int64_t r, int lane) {
+  LaneSums out{0, 0, 0, 0, 0, 0, 0};
+  const bool weight = s.flags & kBoundWeight, bias = s.flags & kBoundBias, summed = s.flags & kBoundSummed;
+  const T* xr = x + r * s.sx0;
+  const T* gr = g + r * s.sg0;
+  for (int64_t t = lane; t < s.T; t += kBoundLanes) {
+    const double a = sqrt(position_sq(xr + t * s.sx1, s.dx, s.sx2, summed) * c[kGrowX] + c[kAddX]);
+    const double b = sqrt(position_sq(gr + t * s.sg1, s.dg, s.sg2, summed) * c[kGrowG] + c[kAddG]);
+    const double x2 = weight ? a * a : 0.0;
+    const double row = sqrt(bias ? x2 + 1.0 : x2);
+    out.P += row * b;
+    out.X += row;
+    out.M += a * b;
+    out.A += a;
+    out.B += b;
+    if (s.T == 1 && weight) out.W = (a * a) * (b * b);  // from the double norms (file comment, T = 1)
+  }
+  if (weight && s.L > 0) {
+    const T* ar = wa + r * s.L;
+    const T* br = wb + r * s.L;
+    for (int64_t e = lane; e < s.L; e += kBoundLanes) out.W += static_cast<double>(ar[e]) * static_cast<double>(br[e]);
+  }
+  if (bias) {
+    const T* br = gb + r * s.sb0;
+    for (int64_t j = lane; j < s.p; j += kBoundLanes) {
+      double sum = 0.0;  // the bias gradient's entry j, in double
+      for (int64_t t = 0; t < s.T; ++t) sum += static_cast<double>(br[t * s.sb1 + j * s.sb2]);
+      out.bias += sum * sum;
+    }
+  }
+  return out;
+}
+
+// Lane 0's result of a warp's shuffle-down reduction of v[0..kBoundLanes), for a host loop.
+BPCLIP_HD inline LaneSums combine_lanes(LaneSums* v) {
+  for (int off = kBoundLanes / 2; off > 0; off >>= 1)
+    for (int l = 0; l < off; ++l) add_lane(v[l], v[l + off]);
+  return v[0];
+}
+
+// The per-example quantities summed over its rows (channel groups).
+struct ExampleSums {
+  double sq, P, X, under, extra;
+};
+
+// Row r's totals (all lanes) -> its sq, P, X and the GEMMs' error terms, added into e.
+BPCLIP_HD inline void add_row(ExampleSums& e, const LaneSums& t, const BoundGeometry& s, const double* c) {
+  const bool weight = s.flags & kBoundWeight, bias = s.flags & kBoundBias;
+  double sq = weight ? t.W : 0.0;
+  if (bias) sq = sq + t.bias;
+  const double slack = c[kSlack];
+  double under = 0.0, extra = 0.0;
+  if (weight && s.T > 1) {
+    const double M = t.M * slack, A1 = t.A * slack, B1 = t.B * slack;
+    if (s.flags & kBoundGhost) {
+      const double E = c[kGhostM2] * (M * M) + (2.0 * M) * (c[kGhostB1] * B1 + c[kGhostA1] * A1) +
+                       c[kGhostAB] * (static_cast<double>(s.T) * M + A1 * B1);
+      under = ((1.0 + c[kGhostW]) * E + c[kGhostW] * (M * M)) * c[kOutSlack];
+    } else {
+      const double daz = sqrt(c[kInstDaz] * (A1 + B1) * M);
+      const double flush = c[kInstF1] * sqrt(c[kInstF2] * M);
+      extra = (daz + flush) * c[kOutSlack];
+    }
+  }
+  e.sq += sq;
+  e.P += t.P * slack;
+  e.X += t.X * slack;
+  e.under += under;
+  e.extra += extra;
+}
+
+BPCLIP_HD inline double example_bound(const ExampleSums& e, const double* c) {
+  return sqrt(e.sq * c[kGrow] + c[kEps] * (e.P * e.P) + e.under) + c[kKappa] * e.P + c[kAbsolute] * e.X + e.extra;
+}
+
+// n >= 0 always; NaN fails both comparisons and +Inf the second (clip.h's is_finite_norm).
+BPCLIP_HD inline bool finite_bound(double n) { return n == n && n - n == 0.0; }
+
+
+// ---- The clip factors from the bounds (exact_factors; bpclip_fast/exact.py, factors) -------------
+// total: one layer's bound as it is; over L > 1 layers (flat) sqrt(sum_l bound_l^2 K) with
+// K = 1 + 2 gamma_{L+3}(2^-53) (the caller's `inflate`), an upper bound on the exact root: the sum
+// of the L rounded squares is >= S (1 - gamma_L), and the product with K and the root round by
+// at most 1 - v each, (1 - gamma_{L+3}) K >= 1. (The plain double root could fall an ulp or a few
+// below the exact one, and c * total <= C would not cover the exact total.)
+BPCLIP_HD inline double layers_total(const double* bounds, int64_t L, int64_t stride, double inflate) {
+  if (L == 1) return bounds[0];
+  double s = 0.0;
+  for (int64_t l = 0; l < L; ++l) s += bounds[l * stride] * bounds[l * stride];
+  return sqrt(s * inflate);
+}
+
+// The bound rounded up to fp32 (never down: c * bound <= C must hold for the double bound), NaN
+// and +Inf kept; for fp64 data the bound itself.
+BPCLIP_HD inline double round_up_to_factor_dtype(double b, bool fp64) {
+  if (fp64) return b;
+  float f = static_cast<float>(b);
+  if (static_cast<double>(f) < b) f = nextafterf(f, static_cast<float>(INFINITY));
+  return static_cast<double>(f);
+}
+
+// Example factor of a total bound: clip_rows on the rounded-up bound as a row of one element (its
+// norm sqrt(b * b), its factor against bound_eff = effective_bound(C, 1), stored rounded toward zero
+// to fp32 unless fp64: bit for bit what clip_rows gives; clip.h's proof), then the floor 1/K.
+// *nonfinite: whether clip_rows counts the example as non-finite.
+BPCLIP_HD inline double example_factor(double total, bool fp64, double bound_eff, int fn, double gamma,
+                                       bool* nonfinite) {
+  const double b = round_up_to_factor_dtype(total, fp64);
+  const double n = sqrt(b * b);
+  *nonfinite = !is_finite_norm(n);
+  const double c = clip_factor(n, bound_eff, fn, gamma);
+  const double f = fp64 ? c : static_cast<double>(f64_to_f32_rz(c));
+  return f < 1.0 / kFloorInverse ? 0.0 : f;
+}
+
+}  // namespace bpclip
