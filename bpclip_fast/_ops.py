@@ -105,14 +105,14 @@ if _LOAD_ERROR is None:
         return sq, torch.empty_like(sq), kw, kb
 
     @torch.library.register_fake("bpclip_fast::linear_grad_norms")
-    def _linear_grad_norms_fake(grad_out, x, params, method, workspace, keep):
+    def _linear_grad_norms_fake(grad_out, x, params, method, workspace, keep, nonfinite=None):
         b, d, p = x.shape[0], x.shape[-1], grad_out.shape[-1]
         T = x.numel() // (b * d) if b and d else 1
         return _norms_fake(grad_out, x, T, d, p, 1, params, method, keep)
 
     @torch.library.register_fake("bpclip_fast::conv2d_grad_norms")
     def _conv2d_grad_norms_fake(grad_out, x, kernel_size, stride, padding, dilation, groups, params, method,
-                                workspace, keep):
+                                workspace, keep, nonfinite=None):
         d = x.shape[1] // groups * kernel_size[0] * kernel_size[1]
         return _norms_fake(grad_out, x, grad_out.shape[2] * grad_out.shape[3], d, grad_out.shape[1] // groups,
                            groups, params, method, keep)

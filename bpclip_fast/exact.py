@@ -280,15 +280,17 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
     return gw, gb
 
 
-def _norms(layer, x, g, geometry, mask):
-    """``(bound, kept)``: the norm bounds, and the kept per-example gradients (or ``None``)."""
+def _norms(layer, x, g, geometry, mask, counter=None):
+    """``(bound, kept)``: the norm bounds, and the kept per-example gradients (or ``None``).
+    ``counter``: flat clipping's per-layer non-finite count, added to by the norms op's own kernel
+    (what :func:`_count_nonfinite` does for the other layers, without its chain of launches)."""
     method, ws = layer.norm_method, WORKSPACE_BYTES
     if geometry is None:
-        _, bound, kw, kb = torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws, True)
+        _, bound, kw, kb = torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws, True, counter)
     else:
         stride, padding, dilation, groups = geometry
         _, bound, kw, kb = torch.ops.bpclip_fast.conv2d_grad_norms(g, x, list(layer.kernel_size), stride, padding,
-                                                                   dilation, groups, mask, method, ws, True)
+                                                                   dilation, groups, mask, method, ws, True, counter)
     return bound, ((kw, kb) if kw.numel() else None)
 
 
@@ -329,7 +331,7 @@ class _ExactLayer(torch.autograd.Function):
         if not any(mask):
             return gx, None, None, None, None, None, None, None
         step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
-        bound, kept = _norms(layer, x, g, geometry, mask)
+        bound, kept = _norms(layer, x, g, geometry, mask, layer._nonfinite[1:2] if book is not None else None)
         held = (None, None) if kept is not None else (x, g)
         out = _clip(layer, book, bound, held, kept, step_args, geometry, x.dtype)
         if out is None:  # flat: the collector releases the gradients; the token's gradient is not read
@@ -342,7 +344,8 @@ def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):
     (returns ``None``); ``per_layer`` clips at once and returns ``(∇W, ∇b)``."""
     d = step_args[3]
     if book is not None:
-        _count_nonfinite(layer, bound)
+        if geometry is EXAMPLES:  # the norms ops of Linear/Conv2d counted theirs (_norms)
+            _count_nonfinite(layer, bound)
         book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
         return None
     if layer.max_grad_norm > layer.noise_bound:  # the noise is scaled to noise_bound

@@ -79,14 +79,15 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // about `workspace` bytes of temporaries (the batch is chunked). With keep, and where the
   // instantiated per-example gradients are no larger than grad_out, they are returned too
   // ([B, weight numel] fp32/fp64, and the bias sums [B, out] fp64), for the clipped_grads ops;
-  // otherwise those two are empty.
+  // otherwise those two are empty. nonfinite (when given, int64 [1]) += the examples whose bound is
+  // not finite (flat clipping's per-layer count: its factors come later, from all layers' bounds).
   m.def(
-      "linear_grad_norms(Tensor grad_out, Tensor x, bool[2] params, str method, int workspace, bool keep)"
-      " -> (Tensor, Tensor, Tensor, Tensor)");
+      "linear_grad_norms(Tensor grad_out, Tensor x, bool[2] params, str method, int workspace, bool keep,"
+      " Tensor(a!)? nonfinite=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "conv2d_grad_norms(Tensor grad_out, Tensor x, int[2] kernel_size, int[2] stride, int[2] padding,"
-      " int[2] dilation, int groups, bool[2] params, str method, int workspace, bool keep)"
-      " -> (Tensor, Tensor, Tensor, Tensor)");
+      " int[2] dilation, int groups, bool[2] params, str method, int workspace, bool keep,"
+      " Tensor(a!)? nonfinite=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // The per-example part of the norms ops (csrc/exact.cpp; arithmetic in bpclip_fast/bound.h): for
   // the rows [offset, offset + x.size(0) / per) of sq and bound (float64 [B]), each example's squared
   // gradient norm and its bound, from its `per` rows of positions x [rows, T, dx] and g [rows, T, dg]

@@ -369,7 +369,8 @@ Norms finish(const NormsOut& out, const at::Tensor& x) {
 }
 
 Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::array<bool, 2> params,
-                        c10::string_view method_name, int64_t workspace, bool keep) {
+                        c10::string_view method_name, int64_t workspace, bool keep,
+                        const c10::optional<at::Tensor>& nonfinite) {
   check_norm_inputs(grad_out, x, workspace, "linear_grad_norms");
   TORCH_CHECK(x.dim() >= 2 && grad_out.dim() == x.dim(), "bpclip_fast.linear_grad_norms: input and grad_out must be "
               "[B, *, features] with the same number of dims");
@@ -385,6 +386,7 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
   const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
   NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc));
+  out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
@@ -432,7 +434,8 @@ at::Tensor patches(const at::Tensor& x, at::IntArrayRef k, at::IntArrayRef strid
 
 Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntArrayRef kernel_size,
                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                        std::array<bool, 2> params, c10::string_view method_name, int64_t workspace, bool keep) {
+                        std::array<bool, 2> params, c10::string_view method_name, int64_t workspace, bool keep,
+                        const c10::optional<at::Tensor>& nonfinite) {
   check_norm_inputs(grad_out, x, workspace, "conv2d_grad_norms");
   TORCH_CHECK(x.dim() == 4 && grad_out.dim() == 4, "bpclip_fast.conv2d_grad_norms: input and grad_out must be "
               "[B, C, H, W]");
@@ -449,6 +452,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps) + 8 * G * T * (d + p), workspace, B);
   const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
   NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc));
+  out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xa = x.narrow(0, b0, n).to(acc);

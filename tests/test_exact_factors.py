@@ -76,3 +76,29 @@ def test_one_layer_total_is_the_bound():
     b = _edge_bounds()
     _, total = torch.ops.bpclip_fast.exact_factors([b], torch.zeros(1, dtype=torch.int64), 1.0, "clip", 0.01, False)
     assert torch.equal(total, b) or torch.equal(total.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv2d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_norms_ops_count_the_nonfinite_bounds_they_return(conv, dtype):
+    """Flat clipping's per-layer count comes from the norms op's own kernel: it must add exactly the
+    number of examples whose returned bound is not finite (an inf or NaN upstream gradient, or an
+    input that overflows the Gram products), and nothing without a counter."""
+    gen = torch.Generator().manual_seed(3)
+    if conv:
+        x, g = torch.randn(5, 2, 6, 6, generator=gen, dtype=dtype), torch.randn(5, 3, 4, 4, generator=gen, dtype=dtype)
+        g[1, 0, 2, 2], g[3, 2, 0, 1] = float("inf"), float("nan")
+        call = lambda counter: torch.ops.bpclip_fast.conv2d_grad_norms(  # noqa: E731
+            g, x, [3, 3], [1, 1], [0, 0], [1, 1], 1, [True, True], "auto", 1 << 20, True, counter)
+    else:
+        x, g = torch.randn(5, 7, 4, generator=gen, dtype=dtype), torch.randn(5, 7, 3, generator=gen, dtype=dtype)
+        g[1, 2, 0], x[3, 0, 1] = float("inf"), float("nan")
+        call = lambda counter: torch.ops.bpclip_fast.linear_grad_norms(  # noqa: E731
+            g, x, [True, True], "auto", 1 << 20, True, counter)
+    counter = torch.full((1,), 7, dtype=torch.int64)
+    _, bound, _, _ = call(counter)
+    expected = int((~torch.isfinite(bound)).sum())
+    assert expected == 2
+    assert int(counter) == 7 + expected
+    _, again, _, _ = call(None)
+    assert torch.equal(again.nan_to_num(-1.0), bound.nan_to_num(-1.0))  # NaN != NaN

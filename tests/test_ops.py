@@ -378,11 +378,14 @@ def _opcheck_cases(device):
                                [False, False], [0, 0], 0.0)),
         (OPS.linear_grad_norms, (gol, xl, [True, True], "ghost", 1 << 20, True)),
         (OPS.linear_grad_norms, (gol, xl, [True, False], "instantiate", 64, False)),
+        (OPS.linear_grad_norms, (gol, xl, [True, True], "ghost", 1 << 20, True, c.clone())),  # flat's counter
         (OPS.linear_grad_norms, (torch.randn(4, 9, 2, device=device), torch.randn(4, 9, 3, device=device),
                                  [True, True], "instantiate", 1 << 20, True)),  # keeps: 2x3 <= 9x2
         (OPS.conv2d_grad_norms, (go, x, [3, 3], [1, 1], [0, 0], [1, 1], 1, [True, True], "auto", 1 << 20, True)),
         (OPS.conv2d_grad_norms, (torch.randn(4, 2, 6, 6, device=device), x, [1, 1], [1, 1], [0, 0], [1, 1], 1,
                                  [True, False], "instantiate", 1 << 20, True)),  # keeps: 2x3 <= 2x36
+        (OPS.conv2d_grad_norms, (go, x, [3, 3], [1, 1], [0, 0], [1, 1], 1, [True, True], "auto", 1 << 20, True,
+                                 c.clone())),
         # exact_bound_ (called inside the norms ops): T = 1 rows, and summed positions with Gram terms.
         (OPS.exact_bound_, (torch.zeros(4, dtype=torch.float64, device=device),
                             torch.zeros(4, dtype=torch.float64, device=device), xl[:, :1], gol[:, :1], gol[:, :1],
