@@ -253,7 +253,11 @@ def _refuse_release(layers, details, instead, rule="rows"):
 
 
 def _count_nonfinite(layer, bound):
-    layer._nonfinite[1:2].add_(bound.isfinite().logical_not().sum())
+    """Adds the examples whose (float64) bound is not finite to the layer's count, in one launch:
+    ``exact_factors`` counts exactly those (with ``fp64`` the bounds are not rounded to fp32, so no
+    finite bound overflows into the count); its factors are not needed here. ``isfinite()``,
+    ``logical_not``, ``sum`` and ``add_`` took seven launches per layer."""
+    torch.ops.bpclip_fast.exact_factors([bound], layer._nonfinite[1:2], 1.0, "clip", 0.0, True)
 
 
 def _release(layer, x, g, factor, step_args, geometry, kept):
