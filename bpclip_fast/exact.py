@@ -178,6 +178,10 @@ class FlatClipping:
         if not (torch.is_grad_enabled() and params):
             self._stack.append(None)
             return
+        if torch.compiler.is_compiling():  # the collector as an opaque op (bpclip_fast.compiled)
+            from . import compiled
+            self._stack.append(compiled.begin_flat(self, params))
+            return
         holder = {"params": params}
         tokens = _Collector.apply(self, holder, *params)
         book = _Book(self, tokens)

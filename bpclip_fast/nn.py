@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, exact, modules, registry
+from . import autograd, compiled, exact, modules, registry
 from .boundary import LayerStep, StepRefused
 
 CLIP_FNS = ("clip", "global", "normalize")
@@ -288,6 +288,8 @@ class Linear(_Clipped, nn.Linear):
         if x.dim() < 2:
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
+        if self.exact and torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
+            return compiled.exact_layer(x, self)
         sens = self._noise_sensitivity(x)
         if self.exact:
             return exact.exact_layer(x, self, sens)
@@ -376,10 +378,12 @@ class Conv2d(_Clipped, nn.Conv2d):
         self._check_input(x)
         if x.dim() != 4:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
-        sens = self._noise_sensitivity(x)
         if self.exact:
             geometry = (list(self.stride), list(self._explicit_padding), list(self.dilation), self.groups)
-            return exact.exact_layer(x, self, sens, geometry)
+            if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
+                return compiled.exact_layer(x, self, geometry)
+            return exact.exact_layer(x, self, self._noise_sensitivity(x), geometry)
+        sens = self._noise_sensitivity(x)
         return autograd.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 
     def extra_repr(self):

@@ -1,0 +1,271 @@
+"""Exact clipping under ``torch.compile``: the private layers as opaque custom ops (issue 25).
+
+The eager path (:mod:`bpclip_fast.exact`) keeps a step's bookkeeping — the graph-task id of the
+backward pass, its rows and draw (``boundary.LayerStep.begin_backward``), flat clipping's book
+entries, the records of what each backward returned — in Python inside ``autograd.Function``
+backwards. Dynamo would trace into those backwards and AOTAutograd would run their Python *once, at
+trace time*: every later step would reuse one graph-task id, one noise key, one row count. So when
+``torch.compiler.is_compiling()``, each exact layer's forward is instead one custom op (pure math)
+whose registered backward is another custom op; the backward op's *runtime* implementation is the
+eager backward's own code (``exact._step_args``, ``_norms``, ``_clip``), run inside the compiled
+backward node, so the graph-task id, draws and records are those of the real pass.
+
+Python objects cannot be op arguments, so the ops name them by integer handles:
+
+* a layer by ``id(layer)``, registered (weakly) in :data:`_LAYERS` when the forward is traced
+  (``torch._dynamo.assume_constant_result``: evaluated at trace time, a constant of the graph);
+* a flat book by its serial, carried as the *value* of the collector's tokens (float64 on the
+  CPU, exact below 2^53): the collector op creates the book at run time and the layers' backward
+  ops read the serial from the token they saved (a host read, never a device sync).
+
+Order in the compiled backward follows data dependencies only: under ``flat`` each layer's backward
+op returns a (zero) gradient for its token, and the collector's release op consumes the sum of
+them, so it runs after every layer's entry is in the book, as autograd's dependency count makes the
+eager collector do.
+
+What the forward reads from Python becomes a dynamo guard. The compiled forward reads only
+configuration fixed at make_private (the mode, the layer's geometry, which parameters train);
+values that move between steps are read at run time inside the ops: the bounds' version of the
+forward (returned by the forward op as a CPU tensor and checked by the backward op, as
+``_ExactLayer`` checks ``ctx.bounds_version``), the clipping thresholds and noise bound, the step's
+draw. The engine's forward pre-hook (``_OutsideCheck``) is traced; the parameters' ``requires_grad``
+it reads are guarded by dynamo, so a parameter unfrozen after compilation recompiles and re-checks.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from . import exact
+
+_LAYERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+# Books of compiled flat forwards, by serial, until their release. A forward whose backward never
+# runs leaves its (empty) book here; the oldest are dropped past _MAX_BOOKS, and a backward reaching
+# a dropped book is refused (its norms could not be paired with the others').
+_BOOKS: "collections.OrderedDict[int, exact._Book]" = collections.OrderedDict()
+_MAX_BOOKS = 4096
+
+
+@torch._dynamo.assume_constant_result
+def _layer_handle(layer) -> int:
+    _LAYERS[id(layer)] = layer
+    return id(layer)
+
+
+@torch._dynamo.assume_constant_result
+def _group_handle(group) -> int:
+    _GROUPS[id(group)] = group
+    return id(group)
+
+
+@torch._dynamo.assume_constant_result
+def _position(group, layer) -> int:
+    return [id(m) for m in group.layers].index(id(layer))
+
+
+def _lookup(table, handle, what):
+    obj = table.get(handle)
+    if obj is None:
+        raise RuntimeError(f"bpclip_fast.compiled: the {what} this compiled graph was traced for no longer exists; "
+                           "compile the model again")
+    return obj
+
+
+def _geometry(stride, padding, dilation, groups):
+    return None if stride is None else (list(stride), list(padding), list(dilation), groups)
+
+
+# ------------------------------------------------------------------------------ Linear / Conv2d
+
+@torch.library.custom_op("bpclip_fast_compiled::exact_forward", mutates_args=())
+def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
+                  layer: int, stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None,
+                  groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, version)``: the layer's output and the bounds' version of this forward (CPU int64)."""
+    version = torch.tensor([_lookup(_LAYERS, layer, "layer")._bounds_version], dtype=torch.int64)
+    if stride is None:
+        return F.linear(x, weight, bias), version
+    return F.conv2d(x, weight, bias, stride, padding, dilation, groups), version
+
+
+@exact_forward.register_fake
+def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
+    if stride is None:
+        out = F.linear(x, weight, bias)
+    else:
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return out, torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::exact_backward", mutates_args=())
+def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, token: torch.Tensor | None,
+                   version: torch.Tensor, layer: int, mask: list[bool], stride: list[int] | None,
+                   padding: list[int] | None, dilation: list[int] | None,
+                   groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(∇x, ∇W, ∇b, ∇token)`` — ``_ExactLayer.backward`` at run time. ``mask``: [input, weight,
+    bias] gradients wanted (fixed at trace time). Empty tensors stand for gradients not returned
+    (flat: the collector releases W and b; the token's gradient is a zero that orders the release)."""
+    lay = _lookup(_LAYERS, layer, "layer")
+    lay._check_bounds_version(int(version[0]))
+    geometry = _geometry(stride, padding, dilation, groups)
+    book = None if token is None else _book(int(token.item()))
+    g = grad_out.contiguous()
+    gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
+    pmask = exact._trainable(lay) if book is not None else list(mask[1:])
+    def none():  # a fresh empty tensor each time: an op's outputs may not alias each other
+        return weight.new_empty(0)
+    gtoken = token.new_zeros(()) if token is not None else none()
+    if not any(pmask):
+        return gx, none(), none(), gtoken
+    step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
+    bound, kept = exact._norms(lay, x, g, geometry, pmask)
+    held = (None, None) if kept is not None else (x, g)
+    if book is not None and kept is None:
+        # The book holds x and g until the release, but the compiled graph owns their buffers and
+        # reuses them once this op returns (inductor's memory planning): the release would scale
+        # other data by factors computed from these norms, unbounded. Copies are the book's alone.
+        held = (x.clone(), g.clone())
+    out = exact._clip(lay, book, bound, held, kept, step_args, geometry, x.dtype)
+    if out is None:
+        return gx, none(), none(), gtoken
+    gw, gb = out
+    return gx, (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
+
+
+@exact_backward.register_fake
+def _(grad_out, x, weight, token, version, layer, mask, stride, padding, dilation, groups):
+    gx = torch.empty_like(x) if mask[0] else x.new_empty(0)
+    flat = token is not None
+    gw = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)
+    gb = weight.new_empty(weight.shape[0]) if mask[2] and not flat else weight.new_empty(0)
+    gtoken = token.new_empty(()) if flat else weight.new_empty(0)
+    return gx, gw, gb, gtoken
+
+
+def _forward_setup(ctx, inputs, output):
+    x, weight, bias, token, layer, stride, padding, dilation, groups = inputs
+    ctx.save_for_backward(x, weight, token, output[1])
+    ctx.args = (layer, stride, padding, dilation, groups)
+    ctx.flat = token is not None
+    ctx.has_bias = bias is not None
+
+
+def _forward_backward(ctx, grad_out, _grad_version):
+    x, weight, token, version = ctx.saved_tensors
+    layer, stride, padding, dilation, groups = ctx.args
+    need = ctx.needs_input_grad
+    mask = [need[0], need[1], need[2] and ctx.has_bias]
+    gx, gw, gb, gtoken = exact_backward(grad_out, x, weight, token, version, layer, mask, stride, padding, dilation,
+                                        groups)
+    return (gx if mask[0] else None, gw if mask[1] and not ctx.flat else None,
+            gb if mask[2] and not ctx.flat else None, gtoken if ctx.flat else None,
+            None, None, None, None, None)
+
+
+exact_forward.register_autograd(_forward_backward, setup_context=_forward_setup)
+
+
+def exact_layer(x, layer, geometry=None):
+    """The compiled counterpart of :func:`bpclip_fast.exact.exact_layer`."""
+    weight, bias = layer.weight, layer.bias
+    needs = torch.is_grad_enabled() and any(exact._trainable(layer))
+    token = None
+    if layer.clipping == "flat" and needs:
+        token = _flat_token(layer)
+        weight, bias = weight.detach(), bias.detach() if bias is not None else None
+    stride, padding, dilation, groups = geometry if geometry is not None else (None, None, None, 1)
+    return exact_forward(x, weight, bias, token, _layer_handle(layer), stride, padding, dilation, groups)[0]
+
+
+# ------------------------------------------------------------------------------ flat: collector and release
+
+def _book(serial: int) -> "exact._Book":
+    book = _BOOKS.get(serial)
+    if book is None:
+        raise RuntimeError("bpclip_fast.compiled: a flat layer's backward reached a forward whose book was dropped "
+                           f"(more than {_MAX_BOOKS} compiled forwards ran without their backward); run the backward "
+                           "of each forward, or run the forward under torch.no_grad()")
+    return book
+
+
+@torch.library.custom_op("bpclip_fast_compiled::flat_collect", mutates_args=())
+def flat_collect(params: list[torch.Tensor], group: int) -> torch.Tensor:
+    """A new book of ``group`` for this forward; one token per flat layer whose value is its serial."""
+    grp = _lookup(_GROUPS, group, "flat clipping")
+    book = exact._Book(grp, ())
+    _BOOKS[book.serial] = book
+    while len(_BOOKS) > _MAX_BOOKS:
+        _BOOKS.popitem(last=False)
+    return torch.full((len(grp.layers),), float(book.serial), dtype=torch.float64)
+
+
+@flat_collect.register_fake
+def _(params, group):
+    n = len(_lookup(_GROUPS, group, "flat clipping").layers)
+    return torch.empty(n, dtype=torch.float64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::flat_release", mutates_args=())
+def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[torch.Tensor],
+                 group: int) -> list[torch.Tensor]:
+    """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
+    grp = _lookup(_GROUPS, group, "flat clipping")
+    book = _book(int(tokens[0].item()))
+    del _BOOKS[book.serial]
+    grads = grp.release(book)
+    missing = [p for p in params if id(p) not in grads]
+    if missing:
+        # A traced graph returns a tensor for every parameter; eager flat returns None for a layer
+        # whose output never reached the loss. Zeros would land as a gradient without a draw.
+        names = [layer.layer_name for layer in grp.layers
+                 if any(q is p for p in missing for q in (layer.weight, layer.bias))]
+        exact._refuse_release([layer for layer in grp.layers if layer.layer_name in names],
+                              "under torch.compile every flat layer's output must reach the loss (no gradient "
+                              "can be left out of a compiled backward)", "run that layer eagerly or freeze it")
+    return [grads[id(p)] for p in params]
+
+
+@flat_release.register_fake
+def _(token_grad, tokens, params, group):
+    return [torch.empty_like(p) for p in params]
+
+
+def _collect_setup(ctx, inputs, output):
+    params, group = inputs
+    ctx.save_for_backward(output, *params)
+    ctx.group = group
+
+
+def _collect_backward(ctx, token_grad):
+    tokens, *params = ctx.saved_tensors
+    return flat_release(token_grad, tokens, params, ctx.group), None
+
+
+flat_collect.register_autograd(_collect_backward, setup_context=_collect_setup)
+
+
+class CompiledBook:
+    """What ``FlatClipping``'s stack holds for a compiled forward: the collector's tokens."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+def begin_flat(group, params) -> CompiledBook:
+    return CompiledBook(flat_collect(params, _group_handle(group)))
+
+
+def _flat_token(layer):
+    group = layer._flat
+    book = group.current() if group is not None else None
+    if not isinstance(book, CompiledBook):
+        exact._flat_book(layer)  # its refusal (no book: the layer ran outside its model's forward)
+        raise RuntimeError(f"{layer.layer_name}: a flat layer traced by torch.compile inside a forward that was not "
+                           "(the model's forward pre-hook ran eagerly); compile the whole model")
+    return book.tokens[_position(group, layer)]
