@@ -269,3 +269,103 @@ def _flat_token(layer):
         raise RuntimeError(f"{layer.layer_name}: a flat layer traced by torch.compile inside a forward that was not "
                            "(the model's forward pre-hook ran eagerly); compile the whole model")
     return book.tokens[_position(group, layer)]
+
+
+# ------------------------------------------------------------------------------ backprop clipping (the default)
+# The eager path (bpclip_fast.autograd) reads the layer's bounds and Δ in the forward; here the forward
+# op reads them at run time and returns what the backward needs of them (the bounds' version and Δ of
+# this forward) as a CPU float64 tensor, so nothing that moves between steps becomes a guard.
+
+@torch.library.custom_op("bpclip_fast_compiled::backprop_forward", mutates_args=())
+def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
+                     padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, x_factor, x_norm, meta)``: the clipped layer's forward (the extension's op, which also
+    counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ]``."""
+    lay = _lookup(_LAYERS, layer, "layer")
+    sens = lay._noise_sensitivity(x)  # its budget check and max-shape refusal, as the eager forward's
+    meta = torch.tensor([float(lay._bounds_version), float(sens)], dtype=torch.float64)
+    if padding is None:
+        out, factor, norm = torch.ops.bpclip_fast.linear_forward(
+            x, weight, bias, lay._nonfinite[0:1], float(lay.input_clip), lay.clip_fn, float(lay.gamma))
+    else:
+        out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
+            x, weight, bias, lay._nonfinite[0:1], list(lay.stride), list(padding), list(lay.dilation), lay.groups,
+            float(lay.input_clip), lay.clip_fn, float(lay.gamma))
+    return out, factor, norm, meta
+
+
+@backprop_forward.register_fake
+def _(x, weight, bias, layer, padding):
+    lay = _lookup(_LAYERS, layer, "layer")
+    nonfinite = torch.empty(1, dtype=torch.int64, device=x.device)
+    if padding is None:
+        out, factor, norm = torch.ops.bpclip_fast.linear_forward(x, weight, bias, nonfinite, 1.0, lay.clip_fn, 0.01)
+    else:
+        out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(x, weight, bias, nonfinite, list(lay.stride),
+                                                                 list(padding), list(lay.dilation), lay.groups, 1.0,
+                                                                 lay.clip_fn, 0.01)
+    return out, factor, norm, torch.empty(2, dtype=torch.float64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::backprop_backward", mutates_args=())
+def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Tensor, norm: torch.Tensor,
+                      weight: torch.Tensor, meta: torch.Tensor, layer: int, mask: list[bool],
+                      padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``autograd._backward`` at run time; ``mask``: [input, weight, bias] gradients wanted."""
+    from . import autograd
+
+    lay = _lookup(_LAYERS, layer, "layer")
+    version, sens = meta.tolist()
+    ctx = _BackpropCtx(lay, sens, int(version), mask, padding)
+    ctx.saved_tensors = (x, factor, norm, weight)
+    if padding is None:
+        gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.linear_backward)
+    else:
+        geometry = (list(lay.stride), list(padding), list(lay.dilation), lay.groups, lay.norm)
+        gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry)
+    return tuple(t if t is not None else weight.new_empty(0) for t in (gx, gw, gb))
+
+
+class _BackpropCtx:
+    """What ``autograd._backward`` reads of an autograd context, rebuilt from the ops' arguments."""
+
+    def __init__(self, layer, sensitivity, version, mask, padding):
+        self.layer, self.sensitivity, self.bounds_version = layer, sensitivity, version
+        self.needs_input_grad = (mask[0], mask[1], mask[2])
+        self.has_bias = layer.bias is not None
+        self.padding = padding
+        self.saved_tensors = None
+
+
+@backprop_backward.register_fake
+def _(grad_out, x, factor, norm, weight, meta, layer, mask, padding):
+    gx = torch.empty_like(x, memory_format=torch.contiguous_format) if mask[0] else x.new_empty(0)
+    gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if mask[1] else weight.new_empty(0)
+    gb = weight.new_empty(weight.shape[0]) if mask[2] else weight.new_empty(0)
+    return gx, gw, gb
+
+
+def _backprop_setup(ctx, inputs, output):
+    x, weight, bias, layer, padding = inputs
+    _, factor, norm, meta = output
+    ctx.save_for_backward(x, factor, norm, weight, meta)
+    ctx.args = (layer, padding)
+    ctx.has_bias = bias is not None
+
+
+def _backprop_backward(ctx, grad_out, *_):
+    x, factor, norm, weight, meta = ctx.saved_tensors
+    layer, padding = ctx.args
+    need = ctx.needs_input_grad
+    mask = [need[0], need[1], need[2] and ctx.has_bias]
+    gx, gw, gb = backprop_backward(grad_out, x, factor, norm, weight, meta, layer, mask, padding)
+    return gx if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None, None, None
+
+
+backprop_forward.register_autograd(_backprop_backward, setup_context=_backprop_setup)
+
+
+def backprop_layer(x, layer, padding=None):
+    """The compiled counterpart of ``autograd.clipped_linear`` / ``clipped_conv2d``."""
+    return backprop_forward(x, layer.weight, layer.bias, _layer_handle(layer),
+                            list(padding) if padding is not None else None)[0]

@@ -288,8 +288,8 @@ class Linear(_Clipped, nn.Linear):
         if x.dim() < 2:
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
-        if self.exact and torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
-            return compiled.exact_layer(x, self)
+        if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
+            return compiled.exact_layer(x, self) if self.exact else compiled.backprop_layer(x, self)
         sens = self._noise_sensitivity(x)
         if self.exact:
             return exact.exact_layer(x, self, sens)
@@ -383,6 +383,8 @@ class Conv2d(_Clipped, nn.Conv2d):
             if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
                 return compiled.exact_layer(x, self, geometry)
             return exact.exact_layer(x, self, self._noise_sensitivity(x), geometry)
+        if torch.compiler.is_compiling():
+            return compiled.backprop_layer(x, self, self._explicit_padding)
         sens = self._noise_sensitivity(x)
         return autograd.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 

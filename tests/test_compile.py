@@ -1,4 +1,4 @@
-"""``torch.compile`` of a private model under exact clipping (issue 25; bpclip_fast/compiled.py).
+"""``torch.compile`` of a private model, exact and backprop clipping (issue 25; bpclip_fast/compiled.py).
 
 The compiled model must trace without graph breaks, compile at most twice over Poisson batch sizes
 (the first size static, then the batch dimension dynamic), release the same gradients as eager for
@@ -31,7 +31,7 @@ dynamo = pytest.importorskip("torch._dynamo")
 if not hasattr(torch, "compile"):
     pytest.skip("torch.compile is unavailable", allow_module_level=True)
 
-MODES = ["flat", "per_layer"]
+MODES = ["flat", "per_layer", "backprop"]
 STEPS = 4
 
 
@@ -56,11 +56,12 @@ def _data():
 def _private(base, mode, seed=7):
     model = copy.deepcopy(base)
     X, Y = _data()
+    bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                             data_loader=DataLoader(TensorDataset(X, Y), batch_size=6),
-                                            noise_multiplier=1.0, clipping=mode, max_grad_norm=1.0, noise_seed=seed)
+                                            noise_multiplier=1.0, clipping=mode, noise_seed=seed, **bounds)
 
 
 @pytest.mark.parametrize("mode", MODES)
