@@ -369,3 +369,92 @@ def backprop_layer(x, layer, padding=None):
     """The compiled counterpart of ``autograd.clipped_linear`` / ``clipped_conv2d``."""
     return backprop_forward(x, layer.weight, layer.bias, _layer_handle(layer),
                             list(padding) if padding is not None else None)[0]
+
+
+# ------------------------------------------------------------------------------ layers with instantiated
+# per-example gradients (LayerNorm, GroupNorm, Embedding, PositionalEmbedding, ClassToken)
+# The layer's own forward (parameters detached) is traced as plain ops, so autograd takes the input
+# gradient from the unclipped upstream gradient; the tap op passes the output on and its backward op
+# clips the parameters' gradients (``exact._Tap``). An op may not return an alias of its input, so the
+# tap copies the output: one copy per layer, the price of an opaque node on this path.
+
+@torch.library.custom_op("bpclip_fast_compiled::example_tap", mutates_args=())
+def example_tap(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
+                saved: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, version)``: a copy of the layer's output and the bounds' version of this forward."""
+    version = torch.tensor([_lookup(_LAYERS, layer, "layer")._bounds_version], dtype=torch.int64)
+    return out.clone(), version
+
+
+@example_tap.register_fake
+def _(out, weight, bias, token, saved, layer):
+    return torch.empty_like(out), torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::example_backward", mutates_args=())
+def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[torch.Tensor],
+                     token: torch.Tensor | None, version: torch.Tensor, layer: int,
+                     mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(∇W, ∇b, ∇token)`` — ``exact._Tap.backward`` at run time; empty tensors where not returned."""
+    lay = _lookup(_LAYERS, layer, "layer")
+    lay._check_bounds_version(int(version[0]))
+    book = None if token is None else _book(int(token.item()))
+    pmask = exact._trainable(lay) if book is not None else list(mask)
+
+    def none():
+        return weight.new_empty(0)
+
+    gtoken = token.new_zeros(()) if token is not None else none()
+    if not any(pmask):
+        return none(), none(), gtoken
+    g = grad_out.contiguous()
+    if book is not None:  # the book may hold these until the release (see exact_backward)
+        g, saved = g.clone(), [t.clone() for t in saved]
+    step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
+    examples = lay._examples(tuple(saved), g, pmask)
+    bound = examples.bound(pmask)
+    out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)
+    if out is None:
+        return none(), none(), gtoken
+    gw, gb = out
+    return (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
+
+
+@example_backward.register_fake
+def _(grad_out, weight, saved, token, version, layer, mask):
+    flat = token is not None
+    gw = weight.new_empty(weight.shape) if mask[0] and not flat else weight.new_empty(0)
+    gb = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)
+    return gw, gb, (token.new_empty(()) if flat else weight.new_empty(0))
+
+
+def _tap_setup(ctx, inputs, output):
+    out, weight, bias, token, saved, layer = inputs
+    ctx.save_for_backward(weight, token, output[1], *saved)
+    ctx.layer, ctx.flat, ctx.has_bias = layer, token is not None, bias is not None
+
+
+def _tap_backward(ctx, grad_out, _grad_version):
+    weight, token, version, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [need[1], need[2] and ctx.has_bias]
+    gw, gb, gtoken = example_backward(grad_out, weight, saved, token, version, ctx.layer, mask)
+    return (grad_out, gw if mask[0] and not ctx.flat else None, gb if mask[1] and not ctx.flat else None,
+            gtoken if ctx.flat else None, [None] * len(saved), None)
+
+
+example_tap.register_autograd(_tap_backward, setup_context=_tap_setup)
+
+
+def example_layer(layer, x):
+    """The compiled counterpart of :func:`bpclip_fast.exact.example_layer`."""
+    needs = torch.is_grad_enabled() and any(exact._trainable(layer))
+    weight, bias = layer.weight, layer.bias
+    detached = (weight.detach(), bias.detach() if bias is not None else None)
+    if not needs:
+        return layer._forward(x, *detached, False)[0]
+    token = _flat_token(layer) if layer.clipping == "flat" else None
+    if token is not None:
+        weight, bias = detached
+    out, saved = layer._forward(x, *detached, True)
+    return example_tap(out, weight, bias, token, list(saved), _layer_handle(layer))[0]

@@ -127,3 +127,41 @@ def test_second_batch_before_step_is_refused_compiled(mode, compiled):
     with pytest.raises(StepRefused) as exc:
         F.cross_entropy(cm(x), y).backward()
     assert exc.value.rule == "batches"
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_vit_layers_compile_without_break_and_release_as_eager(mode):
+    """LayerNorm, ClassToken, PositionalEmbedding (their per-example gradients instantiated: the tap
+    op) next to Linear/Conv2d. aot_eager runs the traced ATen ops one by one with no decomposition,
+    the very kernels of the eager backward, so equality is again bitwise. A module with its own
+    forward is traced by dynamo as separate frames (the model's pre-hooks, then forward): under flat
+    the collector's op is the pre-hook's graph, so two graphs and no break reason."""
+    from bpclip_fast.models import vit
+
+    torch.manual_seed(0)
+    base = vit(image_size=8, patch=4, dim=16, depth=1, heads=2, mlp_ratio=2)
+    model, _, loader = _private(base, mode)
+    ex = torch._dynamo.explain(model)(next(iter(loader))[0])
+    assert not ex.break_reasons, [str(r.reason)[:200] for r in ex.break_reasons]
+    assert ex.graph_count <= (2 if mode == "flat" else 1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    me, oe, le = _private(base, mode)
+    mc, oc, lc = _private(base, mode)
+    cm = torch.compile(mc, backend="aot_eager")
+    sizes = []
+    for (xe, ye), (xc, yc) in zip(le, lc):
+        if len(sizes) == 3:
+            break
+        oe.zero_grad()
+        F.cross_entropy(me(xe), ye).backward()
+        oc.zero_grad()
+        F.cross_entropy(cm(xc), yc).backward()
+        for pe, pc in zip(me.parameters(), mc.parameters()):
+            assert torch.equal(pe.grad, pc.grad)
+        sizes.append(len(xe))
+        oe.step()
+        oc.step()
+    assert len(set(sizes)) >= 2
+    # at most one recompile per traced frame (flat: the pre-hook's graph has no batch dimension)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= (3 if mode == "flat" else 2)
