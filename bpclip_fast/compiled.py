@@ -53,6 +53,34 @@ _MAX_BOOKS = 4096
 
 
 @torch._dynamo.assume_constant_result
+def _recomputation() -> str:
+    """The AOTAutograd setting that would let the partitioner recompute our forward ops in the
+    backward, or ``""``. Those ops have run-time effects (a new flat book, the non-finite count, the
+    budget check) and read what must be the forward's (the bounds' version), and the partitioner
+    recomputes any op outside its allowlist under these settings (tags do not stop it)."""
+    from torch._functorch import config
+
+    if config.aggressive_recomputation:
+        return "torch._functorch.config.aggressive_recomputation=True"
+    if config.activation_memory_budget < 1.0:
+        return f"torch._functorch.config.activation_memory_budget={config.activation_memory_budget}"
+    return ""
+
+
+def _refuse_recomputation():
+    setting = _recomputation()
+    if setting:  # a constant of the trace: no call, no break, in the default settings
+        _raise_recomputation(setting)
+
+
+@torch._dynamo.disable  # run for real: a raise in traced code would just fall back to eager
+def _raise_recomputation(setting):
+    raise RuntimeError(f"bpclip_fast: torch.compile of a private model with {setting}: the partitioner could "
+                           "run the private layers' forward ops again in the backward, redoing their step "
+                           "bookkeeping; compile it with the default recomputation settings")
+
+
+@torch._dynamo.assume_constant_result
 def _layer_handle(layer) -> int:
     _LAYERS[id(layer)] = layer
     return id(layer)
@@ -173,6 +201,7 @@ exact_forward.register_autograd(_forward_backward, setup_context=_forward_setup)
 
 def exact_layer(x, layer, geometry=None):
     """The compiled counterpart of :func:`bpclip_fast.exact.exact_layer`."""
+    _refuse_recomputation()
     weight, bias = layer.weight, layer.bias
     needs = torch.is_grad_enabled() and any(exact._trainable(layer))
     token = None
@@ -258,6 +287,7 @@ class CompiledBook:
 
 
 def begin_flat(group, params) -> CompiledBook:
+    _refuse_recomputation()
     return CompiledBook(flat_collect(params, _group_handle(group)))
 
 
@@ -367,6 +397,7 @@ backprop_forward.register_autograd(_backprop_backward, setup_context=_backprop_s
 
 def backprop_layer(x, layer, padding=None):
     """The compiled counterpart of ``autograd.clipped_linear`` / ``clipped_conv2d``."""
+    _refuse_recomputation()
     return backprop_forward(x, layer.weight, layer.bias, _layer_handle(layer),
                             list(padding) if padding is not None else None)[0]
 
@@ -448,6 +479,7 @@ example_tap.register_autograd(_tap_backward, setup_context=_tap_setup)
 
 def example_layer(layer, x):
     """The compiled counterpart of :func:`bpclip_fast.exact.example_layer`."""
+    _refuse_recomputation()
     needs = torch.is_grad_enabled() and any(exact._trainable(layer))
     weight, bias = layer.weight, layer.bias
     detached = (weight.detach(), bias.detach() if bias is not None else None)

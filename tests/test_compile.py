@@ -165,3 +165,18 @@ def test_vit_layers_compile_without_break_and_release_as_eager(mode):
     assert len(set(sizes)) >= 2
     # at most one recompile per traced frame (flat: the pre-hook's graph has no batch dimension)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= (3 if mode == "flat" else 2)
+
+
+@pytest.mark.parametrize("setting", [dict(aggressive_recomputation=True), dict(activation_memory_budget=0.5)])
+def test_recomputing_partitioner_settings_are_refused(setting):
+    """Under these settings AOTAutograd's partitioner recomputes ops outside its allowlist in the
+    backward (measured: flat's collector and a layer's forward op ran again there), which would
+    make a new book and re-read the bounds' version at backward time."""
+    from torch._functorch import config as functorch_config
+
+    model, opt, loader = _private(_base(), "flat")
+    x, _ = next(iter(loader))
+    with functorch_config.patch(**setting):
+        cm = torch.compile(model, backend="aot_eager_decomp_partition")
+        with pytest.raises(RuntimeError, match=next(iter(setting))):
+            cm(x)
