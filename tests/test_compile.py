@@ -180,3 +180,33 @@ def test_recomputing_partitioner_settings_are_refused(setting):
         cm = torch.compile(model, backend="aot_eager_decomp_partition")
         with pytest.raises(RuntimeError, match=next(iter(setting))):
             cm(x)
+
+
+def test_flat_layer_missing_the_loss_is_refused_compiled():
+    """Eager flat returns no gradient for a layer whose output never reached the loss; a compiled
+    backward returns a tensor for every parameter, and zeros would land without a draw: refused."""
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            self.b(x)  # output dropped
+            return self.a(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(20, 4, generator=g), torch.randint(0, 3, (20,), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 5),
+            noise_multiplier=1.0, clipping="flat", max_grad_norm=1.0, noise_seed=1, probe=False)
+    cm = torch.compile(model, backend="aot_eager")
+    x, y = next(iter(loader))
+    with pytest.raises(StepRefused, match="must reach the loss") as exc:
+        F.cross_entropy(cm(x), y).backward()
+    assert exc.value.rule == "rows"
