@@ -174,6 +174,10 @@ class FlatClipping:
         if not (torch.is_grad_enabled() and params):
             self._stack.append(None)
             return
+        if torch.compiler.is_compiling():  # the collector as an opaque op (bpclip_fast.compiled)
+            from . import compiled
+            self._stack.append(compiled.begin_flat(self, params))
+            return
         holder = {"params": params}
         tokens = _Collector.apply(self, holder, *params)
         book = _Book(self, tokens)
@@ -391,6 +395,9 @@ def exact_layer(x, layer, sensitivity, geometry=None):
     """The forward of ``layer`` (Linear, or Conv2d with ``geometry = (stride, padding, dilation,
     groups)``) under its exact clipping mode."""
     _ops.require_extension()
+    if torch.compiler.is_compiling():  # opaque ops (bpclip_fast.compiled): no step bookkeeping traced
+        from . import compiled
+        return compiled.exact_layer(x, layer, geometry)
     weight, bias = layer.weight, layer.bias
     needs = torch.is_grad_enabled() and any(_trainable(layer))
     book, token = None, None
@@ -544,6 +551,9 @@ def example_layer(layer, x, sensitivity):
     """The forward of a layer whose per-example gradients are instantiated (``layer._forward(x,
     weight, bias, keep) -> (out, saved)``, ``layer._examples(saved, g, mask)``) under its exact mode."""
     _ops.require_extension()
+    if torch.compiler.is_compiling():  # opaque ops (bpclip_fast.compiled)
+        from . import compiled
+        return compiled.example_layer(layer, x)
     needs = torch.is_grad_enabled() and any(_trainable(layer))
     weight, bias = layer.weight, layer.bias
     detached = (weight.detach(), bias.detach() if bias is not None else None)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, exact, modules, registry
+from . import autograd, compiled, exact, modules, registry
 from .boundary import LayerStep, StepRefused
 
 CLIP_FNS = ("clip", "global", "normalize")
@@ -288,6 +288,8 @@ class Linear(_Clipped, nn.Linear):
         if x.dim() < 2:
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
+        if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
+            return compiled.exact_layer(x, self) if self.exact else compiled.backprop_layer(x, self)
         sens = self._noise_sensitivity(x)
         if self.exact:
             return exact.exact_layer(x, self, sens)
@@ -376,10 +378,14 @@ class Conv2d(_Clipped, nn.Conv2d):
         self._check_input(x)
         if x.dim() != 4:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
-        sens = self._noise_sensitivity(x)
         if self.exact:
             geometry = (list(self.stride), list(self._explicit_padding), list(self.dilation), self.groups)
-            return exact.exact_layer(x, self, sens, geometry)
+            if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
+                return compiled.exact_layer(x, self, geometry)
+            return exact.exact_layer(x, self, self._noise_sensitivity(x), geometry)
+        if torch.compiler.is_compiling():
+            return compiled.backprop_layer(x, self, self._explicit_padding)
+        sens = self._noise_sensitivity(x)
         return autograd.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 
     def extra_repr(self):
@@ -413,6 +419,8 @@ class _ExampleLayer(_Clipped):
 
     def forward(self, x):
         self._check_input(x)
+        if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
+            return compiled.example_layer(self, x)
         return exact.example_layer(self, x, self._noise_sensitivity(x))
 
     def extra_repr(self):

@@ -1,0 +1,104 @@
+"""Eager vs ``torch.compile`` (inductor) step time of a private model under exact clipping (issue 25).
+
+    OMP_NUM_THREADS=1 python -m bench.compile [--models digits,mnist] [--modes flat,per_layer]
+                                              [--batch 64] [--steps 20] [--warmup 3]
+
+One step is ``zero_grad; forward; cross-entropy (mean); backward; step()`` of a PrivacyEngine
+private model on fixed-size batches of synthetic data (``poisson_sampling=False``, so every step has
+the same shape and the compiled graph is reused; Poisson batches add one recompile, after which the
+batch dimension is dynamic). The compiled model is warmed up (compilation excluded) before timing;
+eager and compiled steps alternate, so a slow phase of a shared machine falls on both alike. Median
+of ``--steps`` steps, milliseconds, on this machine's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from bpclip_fast import PrivacyEngine
+from bpclip_fast.models import digits_net, mnist_net
+
+def mlp_net():
+    """Linear layers only: the ops' own overhead, without the max-pools whose inductor kernels are
+    slower than eager's on this CPU in training mode (they also return the pooling indices)."""
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 256), torch.nn.ReLU(),
+                               torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+MODELS = {"digits": (digits_net, (1, 8, 8)), "mnist": (mnist_net, (1, 28, 28)), "mlp": (mlp_net, (1, 28, 28))}
+
+
+def _private(base, shape, mode, batch):
+    model = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(0)
+    n = 4 * batch
+    data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PrivacyEngine(accountant="zcdp").make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                                            data_loader=DataLoader(data, batch_size=batch), noise_multiplier=1.0,
+                                            clipping=mode, max_grad_norm=1.0, noise_seed=0, poisson_sampling=False)
+
+
+def _batches(loader):
+    while True:
+        yield from loader
+
+
+def _step(model, opt, batches):
+    x, y = next(batches)
+    t = time.perf_counter()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t
+
+
+def measure(name, mode, batch, steps, warmup):
+    factory, shape = MODELS[name]
+    torch.manual_seed(0)
+    base = factory()
+    me, oe, le = _private(base, shape, mode, batch)
+    mc, oc, lc = _private(base, shape, mode, batch)
+    cm = torch.compile(mc)
+    be, bc = _batches(le), _batches(lc)
+    t = time.perf_counter()
+    _step(cm, oc, bc)
+    compile_s = time.perf_counter() - t
+    for _ in range(warmup):
+        _step(me, oe, be)
+        _step(cm, oc, bc)
+    eager, compiled = [], []
+    for _ in range(steps):
+        eager.append(_step(me, oe, be))
+        compiled.append(_step(cm, oc, bc))
+    return statistics.median(eager) * 1e3, statistics.median(compiled) * 1e3, compile_s
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="digits,mnist,mlp")
+    ap.add_argument("--modes", default="flat,per_layer")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), batch {args.batch}, "
+          f"median of {args.steps} steps")
+    print(f"{'model':8} {'mode':10} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} {'compile s':>10}")
+    for name in args.models.split(","):
+        for mode in args.modes.split(","):
+            e, c, s = measure(name, mode, args.batch, args.steps, args.warmup)
+            print(f"{name:8} {mode:10} {e:9.2f} {c:12.2f} {c / e:6.2f} {s:10.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

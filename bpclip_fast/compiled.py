@@ -1,0 +1,492 @@
+"""Exact clipping under ``torch.compile``: the private layers as opaque custom ops (issue 25).
+
+The eager path (:mod:`bpclip_fast.exact`) keeps a step's bookkeeping — the graph-task id of the
+backward pass, its rows and draw (``boundary.LayerStep.begin_backward``), flat clipping's book
+entries, the records of what each backward returned — in Python inside ``autograd.Function``
+backwards. Dynamo would trace into those backwards and AOTAutograd would run their Python *once, at
+trace time*: every later step would reuse one graph-task id, one noise key, one row count. So when
+``torch.compiler.is_compiling()``, each exact layer's forward is instead one custom op (pure math)
+whose registered backward is another custom op; the backward op's *runtime* implementation is the
+eager backward's own code (``exact._step_args``, ``_norms``, ``_clip``), run inside the compiled
+backward node, so the graph-task id, draws and records are those of the real pass.
+
+Python objects cannot be op arguments, so the ops name them by integer handles:
+
+* a layer by ``id(layer)``, registered (weakly) in :data:`_LAYERS` when the forward is traced
+  (``torch._dynamo.assume_constant_result``: evaluated at trace time, a constant of the graph);
+* a flat book by its serial, carried as the *value* of the collector's tokens (float64 on the
+  CPU, exact below 2^53): the collector op creates the book at run time and the layers' backward
+  ops read the serial from the token they saved (a host read, never a device sync).
+
+Order in the compiled backward follows data dependencies only: under ``flat`` each layer's backward
+op returns a (zero) gradient for its token, and the collector's release op consumes the sum of
+them, so it runs after every layer's entry is in the book, as autograd's dependency count makes the
+eager collector do.
+
+What the forward reads from Python becomes a dynamo guard. The compiled forward reads only
+configuration fixed at make_private (the mode, the layer's geometry, which parameters train);
+values that move between steps are read at run time inside the ops: the bounds' version of the
+forward (returned by the forward op as a CPU tensor and checked by the backward op, as
+``_ExactLayer`` checks ``ctx.bounds_version``), the clipping thresholds and noise bound, the step's
+draw. The engine's forward pre-hook (``_OutsideCheck``) is traced; the parameters' ``requires_grad``
+it reads are guarded by dynamo, so a parameter unfrozen after compilation recompiles and re-checks.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from . import exact
+
+_LAYERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+# Books of compiled flat forwards, by serial, until their release. A forward whose backward never
+# runs leaves its (empty) book here; the oldest are dropped past _MAX_BOOKS, and a backward reaching
+# a dropped book is refused (its norms could not be paired with the others').
+_BOOKS: "collections.OrderedDict[int, exact._Book]" = collections.OrderedDict()
+_MAX_BOOKS = 4096
+
+
+@torch._dynamo.assume_constant_result
+def _recomputation() -> str:
+    """The AOTAutograd setting that would let the partitioner recompute our forward ops in the
+    backward, or ``""``. Those ops have run-time effects (a new flat book, the non-finite count, the
+    budget check) and read what must be the forward's (the bounds' version), and the partitioner
+    recomputes any op outside its allowlist under these settings (tags do not stop it)."""
+    from torch._functorch import config
+
+    if config.aggressive_recomputation:
+        return "torch._functorch.config.aggressive_recomputation=True"
+    if config.activation_memory_budget < 1.0:
+        return f"torch._functorch.config.activation_memory_budget={config.activation_memory_budget}"
+    return ""
+
+
+def _refuse_recomputation():
+    setting = _recomputation()
+    if setting:  # a constant of the trace: no call, no break, in the default settings
+        _raise_recomputation(setting)
+
+
+@torch._dynamo.disable  # run for real: a raise in traced code would just fall back to eager
+def _raise_recomputation(setting):
+    raise RuntimeError(f"bpclip_fast: torch.compile of a private model with {setting}: the partitioner could "
+                           "run the private layers' forward ops again in the backward, redoing their step "
+                           "bookkeeping; compile it with the default recomputation settings")
+
+
+@torch._dynamo.assume_constant_result
+def _layer_handle(layer) -> int:
+    _LAYERS[id(layer)] = layer
+    return id(layer)
+
+
+@torch._dynamo.assume_constant_result
+def _group_handle(group) -> int:
+    _GROUPS[id(group)] = group
+    return id(group)
+
+
+@torch._dynamo.assume_constant_result
+def _position(group, layer) -> int:
+    return [id(m) for m in group.layers].index(id(layer))
+
+
+def _lookup(table, handle, what):
+    obj = table.get(handle)
+    if obj is None:
+        raise RuntimeError(f"bpclip_fast.compiled: the {what} this compiled graph was traced for no longer exists; "
+                           "compile the model again")
+    return obj
+
+
+def _geometry(stride, padding, dilation, groups):
+    return None if stride is None else (list(stride), list(padding), list(dilation), groups)
+
+
+# ------------------------------------------------------------------------------ Linear / Conv2d
+
+@torch.library.custom_op("bpclip_fast_compiled::exact_forward", mutates_args=())
+def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
+                  layer: int, stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None,
+                  groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, version)``: the layer's output and the bounds' version of this forward (CPU int64)."""
+    version = torch.tensor([_lookup(_LAYERS, layer, "layer")._bounds_version], dtype=torch.int64)
+    if stride is None:
+        return F.linear(x, weight, bias), version
+    return F.conv2d(x, weight, bias, stride, padding, dilation, groups), version
+
+
+@exact_forward.register_fake
+def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
+    if stride is None:
+        out = F.linear(x, weight, bias)
+    else:
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return out, torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::exact_backward", mutates_args=())
+def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, token: torch.Tensor | None,
+                   version: torch.Tensor, layer: int, mask: list[bool], stride: list[int] | None,
+                   padding: list[int] | None, dilation: list[int] | None,
+                   groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(∇x, ∇W, ∇b, ∇token)`` — ``_ExactLayer.backward`` at run time. ``mask``: [input, weight,
+    bias] gradients wanted (fixed at trace time). Empty tensors stand for gradients not returned
+    (flat: the collector releases W and b; the token's gradient is a zero that orders the release)."""
+    lay = _lookup(_LAYERS, layer, "layer")
+    lay._check_bounds_version(int(version[0]))
+    geometry = _geometry(stride, padding, dilation, groups)
+    book = None if token is None else _book(int(token.item()))
+    g = grad_out.contiguous()
+    gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
+    pmask = exact._trainable(lay) if book is not None else list(mask[1:])
+    def none():  # a fresh empty tensor each time: an op's outputs may not alias each other
+        return weight.new_empty(0)
+    gtoken = token.new_zeros(()) if token is not None else none()
+    if not any(pmask):
+        return gx, none(), none(), gtoken
+    step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
+    bound, kept = exact._norms(lay, x, g, geometry, pmask)
+    held = (None, None) if kept is not None else (x, g)
+    if book is not None and kept is None:
+        # The book holds x and g until the release, but the compiled graph owns their buffers and
+        # reuses them once this op returns (inductor's memory planning): the release would scale
+        # other data by factors computed from these norms, unbounded. Copies are the book's alone.
+        held = (x.clone(), g.clone())
+    out = exact._clip(lay, book, bound, held, kept, step_args, geometry, x.dtype)
+    if out is None:
+        return gx, none(), none(), gtoken
+    gw, gb = out
+    return gx, (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
+
+
+@exact_backward.register_fake
+def _(grad_out, x, weight, token, version, layer, mask, stride, padding, dilation, groups):
+    gx = torch.empty_like(x) if mask[0] else x.new_empty(0)
+    flat = token is not None
+    gw = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)
+    gb = weight.new_empty(weight.shape[0]) if mask[2] and not flat else weight.new_empty(0)
+    gtoken = token.new_empty(()) if flat else weight.new_empty(0)
+    return gx, gw, gb, gtoken
+
+
+def _forward_setup(ctx, inputs, output):
+    x, weight, bias, token, layer, stride, padding, dilation, groups = inputs
+    ctx.save_for_backward(x, weight, token, output[1])
+    ctx.args = (layer, stride, padding, dilation, groups)
+    ctx.flat = token is not None
+    ctx.has_bias = bias is not None
+
+
+def _forward_backward(ctx, grad_out, _grad_version):
+    x, weight, token, version = ctx.saved_tensors
+    layer, stride, padding, dilation, groups = ctx.args
+    need = ctx.needs_input_grad
+    mask = [need[0], need[1], need[2] and ctx.has_bias]
+    gx, gw, gb, gtoken = exact_backward(grad_out, x, weight, token, version, layer, mask, stride, padding, dilation,
+                                        groups)
+    return (gx if mask[0] else None, gw if mask[1] and not ctx.flat else None,
+            gb if mask[2] and not ctx.flat else None, gtoken if ctx.flat else None,
+            None, None, None, None, None)
+
+
+exact_forward.register_autograd(_forward_backward, setup_context=_forward_setup)
+
+
+def exact_layer(x, layer, geometry=None):
+    """The compiled counterpart of :func:`bpclip_fast.exact.exact_layer`."""
+    _refuse_recomputation()
+    weight, bias = layer.weight, layer.bias
+    needs = torch.is_grad_enabled() and any(exact._trainable(layer))
+    token = None
+    if layer.clipping == "flat" and needs:
+        token = _flat_token(layer)
+        weight, bias = weight.detach(), bias.detach() if bias is not None else None
+    stride, padding, dilation, groups = geometry if geometry is not None else (None, None, None, 1)
+    return exact_forward(x, weight, bias, token, _layer_handle(layer), stride, padding, dilation, groups)[0]
+
+
+# ------------------------------------------------------------------------------ flat: collector and release
+
+def _book(serial: int) -> "exact._Book":
+    book = _BOOKS.get(serial)
+    if book is None:
+        raise RuntimeError("bpclip_fast.compiled: a flat layer's backward reached a forward whose book was dropped "
+                           f"(more than {_MAX_BOOKS} compiled forwards ran without their backward); run the backward "
+                           "of each forward, or run the forward under torch.no_grad()")
+    return book
+
+
+@torch.library.custom_op("bpclip_fast_compiled::flat_collect", mutates_args=())
+def flat_collect(params: list[torch.Tensor], group: int) -> torch.Tensor:
+    """A new book of ``group`` for this forward; one token per flat layer whose value is its serial."""
+    grp = _lookup(_GROUPS, group, "flat clipping")
+    book = exact._Book(grp, ())
+    _BOOKS[book.serial] = book
+    while len(_BOOKS) > _MAX_BOOKS:
+        _BOOKS.popitem(last=False)
+    return torch.full((len(grp.layers),), float(book.serial), dtype=torch.float64)
+
+
+@flat_collect.register_fake
+def _(params, group):
+    n = len(_lookup(_GROUPS, group, "flat clipping").layers)
+    return torch.empty(n, dtype=torch.float64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::flat_release", mutates_args=())
+def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[torch.Tensor],
+                 group: int) -> list[torch.Tensor]:
+    """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
+    grp = _lookup(_GROUPS, group, "flat clipping")
+    book = _book(int(tokens[0].item()))
+    del _BOOKS[book.serial]
+    grads = grp.release(book)
+    missing = [p for p in params if id(p) not in grads]
+    if missing:
+        # A traced graph returns a tensor for every parameter; eager flat returns None for a layer
+        # whose output never reached the loss. Zeros would land as a gradient without a draw.
+        names = [layer.layer_name for layer in grp.layers
+                 if any(q is p for p in missing for q in (layer.weight, layer.bias))]
+        exact._refuse_release([layer for layer in grp.layers if layer.layer_name in names],
+                              "under torch.compile every flat layer's output must reach the loss (no gradient "
+                              "can be left out of a compiled backward)", "run that layer eagerly or freeze it")
+    return [grads[id(p)] for p in params]
+
+
+@flat_release.register_fake
+def _(token_grad, tokens, params, group):
+    return [torch.empty_like(p) for p in params]
+
+
+def _collect_setup(ctx, inputs, output):
+    params, group = inputs
+    ctx.save_for_backward(output, *params)
+    ctx.group = group
+
+
+def _collect_backward(ctx, token_grad):
+    tokens, *params = ctx.saved_tensors
+    return flat_release(token_grad, tokens, params, ctx.group), None
+
+
+flat_collect.register_autograd(_collect_backward, setup_context=_collect_setup)
+
+
+class CompiledBook:
+    """What ``FlatClipping``'s stack holds for a compiled forward: the collector's tokens."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+def begin_flat(group, params) -> CompiledBook:
+    _refuse_recomputation()
+    return CompiledBook(flat_collect(params, _group_handle(group)))
+
+
+def _flat_token(layer):
+    group = layer._flat
+    book = group.current() if group is not None else None
+    if not isinstance(book, CompiledBook):
+        exact._flat_book(layer)  # its refusal (no book: the layer ran outside its model's forward)
+        raise RuntimeError(f"{layer.layer_name}: a flat layer traced by torch.compile inside a forward that was not "
+                           "(the model's forward pre-hook ran eagerly); compile the whole model")
+    return book.tokens[_position(group, layer)]
+
+
+# ------------------------------------------------------------------------------ backprop clipping (the default)
+# The eager path (bpclip_fast.autograd) reads the layer's bounds and Δ in the forward; here the forward
+# op reads them at run time and returns what the backward needs of them (the bounds' version and Δ of
+# this forward) as a CPU float64 tensor, so nothing that moves between steps becomes a guard.
+
+@torch.library.custom_op("bpclip_fast_compiled::backprop_forward", mutates_args=())
+def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
+                     padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, x_factor, x_norm, meta)``: the clipped layer's forward (the extension's op, which also
+    counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ]``."""
+    lay = _lookup(_LAYERS, layer, "layer")
+    sens = lay._noise_sensitivity(x)  # its budget check and max-shape refusal, as the eager forward's
+    meta = torch.tensor([float(lay._bounds_version), float(sens)], dtype=torch.float64)
+    if padding is None:
+        out, factor, norm = torch.ops.bpclip_fast.linear_forward(
+            x, weight, bias, lay._nonfinite[0:1], float(lay.input_clip), lay.clip_fn, float(lay.gamma))
+    else:
+        out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
+            x, weight, bias, lay._nonfinite[0:1], list(lay.stride), list(padding), list(lay.dilation), lay.groups,
+            float(lay.input_clip), lay.clip_fn, float(lay.gamma))
+    return out, factor, norm, meta
+
+
+@backprop_forward.register_fake
+def _(x, weight, bias, layer, padding):
+    lay = _lookup(_LAYERS, layer, "layer")
+    nonfinite = torch.empty(1, dtype=torch.int64, device=x.device)
+    if padding is None:
+        out, factor, norm = torch.ops.bpclip_fast.linear_forward(x, weight, bias, nonfinite, 1.0, lay.clip_fn, 0.01)
+    else:
+        out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(x, weight, bias, nonfinite, list(lay.stride),
+                                                                 list(padding), list(lay.dilation), lay.groups, 1.0,
+                                                                 lay.clip_fn, 0.01)
+    return out, factor, norm, torch.empty(2, dtype=torch.float64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::backprop_backward", mutates_args=())
+def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Tensor, norm: torch.Tensor,
+                      weight: torch.Tensor, meta: torch.Tensor, layer: int, mask: list[bool],
+                      padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``autograd._backward`` at run time; ``mask``: [input, weight, bias] gradients wanted."""
+    from . import autograd
+
+    lay = _lookup(_LAYERS, layer, "layer")
+    version, sens = meta.tolist()
+    ctx = _BackpropCtx(lay, sens, int(version), mask, padding)
+    ctx.saved_tensors = (x, factor, norm, weight)
+    if padding is None:
+        gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.linear_backward)
+    else:
+        geometry = (list(lay.stride), list(padding), list(lay.dilation), lay.groups, lay.norm)
+        gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry)
+    return tuple(t if t is not None else weight.new_empty(0) for t in (gx, gw, gb))
+
+
+class _BackpropCtx:
+    """What ``autograd._backward`` reads of an autograd context, rebuilt from the ops' arguments."""
+
+    def __init__(self, layer, sensitivity, version, mask, padding):
+        self.layer, self.sensitivity, self.bounds_version = layer, sensitivity, version
+        self.needs_input_grad = (mask[0], mask[1], mask[2])
+        self.has_bias = layer.bias is not None
+        self.padding = padding
+        self.saved_tensors = None
+
+
+@backprop_backward.register_fake
+def _(grad_out, x, factor, norm, weight, meta, layer, mask, padding):
+    gx = torch.empty_like(x, memory_format=torch.contiguous_format) if mask[0] else x.new_empty(0)
+    gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if mask[1] else weight.new_empty(0)
+    gb = weight.new_empty(weight.shape[0]) if mask[2] else weight.new_empty(0)
+    return gx, gw, gb
+
+
+def _backprop_setup(ctx, inputs, output):
+    x, weight, bias, layer, padding = inputs
+    _, factor, norm, meta = output
+    ctx.save_for_backward(x, factor, norm, weight, meta)
+    ctx.args = (layer, padding)
+    ctx.has_bias = bias is not None
+
+
+def _backprop_backward(ctx, grad_out, *_):
+    x, factor, norm, weight, meta = ctx.saved_tensors
+    layer, padding = ctx.args
+    need = ctx.needs_input_grad
+    mask = [need[0], need[1], need[2] and ctx.has_bias]
+    gx, gw, gb = backprop_backward(grad_out, x, factor, norm, weight, meta, layer, mask, padding)
+    return gx if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None, None, None
+
+
+backprop_forward.register_autograd(_backprop_backward, setup_context=_backprop_setup)
+
+
+def backprop_layer(x, layer, padding=None):
+    """The compiled counterpart of ``autograd.clipped_linear`` / ``clipped_conv2d``."""
+    _refuse_recomputation()
+    return backprop_forward(x, layer.weight, layer.bias, _layer_handle(layer),
+                            list(padding) if padding is not None else None)[0]
+
+
+# ------------------------------------------------------------------------------ layers with instantiated
+# per-example gradients (LayerNorm, GroupNorm, Embedding, PositionalEmbedding, ClassToken)
+# The layer's own forward (parameters detached) is traced as plain ops, so autograd takes the input
+# gradient from the unclipped upstream gradient; the tap op passes the output on and its backward op
+# clips the parameters' gradients (``exact._Tap``). An op may not return an alias of its input, so the
+# tap copies the output: one copy per layer, the price of an opaque node on this path.
+
+@torch.library.custom_op("bpclip_fast_compiled::example_tap", mutates_args=())
+def example_tap(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
+                saved: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, version)``: a copy of the layer's output and the bounds' version of this forward."""
+    version = torch.tensor([_lookup(_LAYERS, layer, "layer")._bounds_version], dtype=torch.int64)
+    return out.clone(), version
+
+
+@example_tap.register_fake
+def _(out, weight, bias, token, saved, layer):
+    return torch.empty_like(out), torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("bpclip_fast_compiled::example_backward", mutates_args=())
+def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[torch.Tensor],
+                     token: torch.Tensor | None, version: torch.Tensor, layer: int,
+                     mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(∇W, ∇b, ∇token)`` — ``exact._Tap.backward`` at run time; empty tensors where not returned."""
+    lay = _lookup(_LAYERS, layer, "layer")
+    lay._check_bounds_version(int(version[0]))
+    book = None if token is None else _book(int(token.item()))
+    pmask = exact._trainable(lay) if book is not None else list(mask)
+
+    def none():
+        return weight.new_empty(0)
+
+    gtoken = token.new_zeros(()) if token is not None else none()
+    if not any(pmask):
+        return none(), none(), gtoken
+    g = grad_out.contiguous()
+    if book is not None:  # the book may hold these until the release (see exact_backward)
+        g, saved = g.clone(), [t.clone() for t in saved]
+    step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
+    examples = lay._examples(tuple(saved), g, pmask)
+    bound = examples.bound(pmask)
+    out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)
+    if out is None:
+        return none(), none(), gtoken
+    gw, gb = out
+    return (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
+
+
+@example_backward.register_fake
+def _(grad_out, weight, saved, token, version, layer, mask):
+    flat = token is not None
+    gw = weight.new_empty(weight.shape) if mask[0] and not flat else weight.new_empty(0)
+    gb = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)
+    return gw, gb, (token.new_empty(()) if flat else weight.new_empty(0))
+
+
+def _tap_setup(ctx, inputs, output):
+    out, weight, bias, token, saved, layer = inputs
+    ctx.save_for_backward(weight, token, output[1], *saved)
+    ctx.layer, ctx.flat, ctx.has_bias = layer, token is not None, bias is not None
+
+
+def _tap_backward(ctx, grad_out, _grad_version):
+    weight, token, version, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [need[1], need[2] and ctx.has_bias]
+    gw, gb, gtoken = example_backward(grad_out, weight, saved, token, version, ctx.layer, mask)
+    return (grad_out, gw if mask[0] and not ctx.flat else None, gb if mask[1] and not ctx.flat else None,
+            gtoken if ctx.flat else None, [None] * len(saved), None)
+
+
+example_tap.register_autograd(_tap_backward, setup_context=_tap_setup)
+
+
+def example_layer(layer, x):
+    """The compiled counterpart of :func:`bpclip_fast.exact.example_layer`."""
+    _refuse_recomputation()
+    needs = torch.is_grad_enabled() and any(exact._trainable(layer))
+    weight, bias = layer.weight, layer.bias
+    detached = (weight.detach(), bias.detach() if bias is not None else None)
+    if not needs:
+        return layer._forward(x, *detached, False)[0]
+    token = _flat_token(layer) if layer.clipping == "flat" else None
+    if token is not None:
+        weight, bias = detached
+    out, saved = layer._forward(x, *detached, True)
+    return example_tap(out, weight, bias, token, list(saved), _layer_handle(layer))[0]

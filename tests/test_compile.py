@@ -1,0 +1,212 @@
+"""``torch.compile`` of a private model, exact and backprop clipping (issue 25; bpclip_fast/compiled.py).
+
+The compiled model must trace without graph breaks, compile at most twice over Poisson batch sizes
+(the first size static, then the batch dimension dynamic), release the same gradients as eager for
+the same seed and batch, and refuse what eager refuses.
+
+Equality is bit-for-bit, and that is derived, not observed: the loss runs eagerly, the private
+layers run the very kernels of the eager path inside opaque ops (the same inputs in the same order),
+and everything else the compiled digits net computes — ReLU, max-pool, flatten, and their backward
+maps — selects or routes values without rounding. (A max-pool tie can only be among values ReLU
+set to 0, whose upstream gradient ReLU's backward sets to 0 wherever it is routed.)
+
+Compilation is slow on small CPU machines: every test uses ``aot_eager`` (AOTAutograd's graphs run
+op by op) except one with inductor, the backend whose memory planning the flat book must survive.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from bpclip_fast import PrivacyEngine, StepRefused
+from bpclip_fast.models import digits_net
+
+dynamo = pytest.importorskip("torch._dynamo")
+if not hasattr(torch, "compile"):
+    pytest.skip("torch.compile is unavailable", allow_module_level=True)
+
+MODES = ["flat", "per_layer", "backprop"]
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _base():
+    torch.manual_seed(0)
+    return digits_net()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 10, (40,), generator=g)
+
+
+def _private(base, mode, seed=7):
+    model = copy.deepcopy(base)
+    X, Y = _data()
+    bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                            data_loader=DataLoader(TensorDataset(X, Y), batch_size=6),
+                                            noise_multiplier=1.0, clipping=mode, noise_seed=seed, **bounds)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_private_forward_has_no_graph_break(mode):
+    model, _, loader = _private(_base(), mode)
+    x, _ = next(iter(loader))
+    ex = torch._dynamo.explain(model)(x)
+    assert ex.graph_break_count == 0, [str(r.reason)[:200] for r in ex.break_reasons]
+    assert ex.graph_count == 1
+
+
+def _run_pair(mode, backend, steps=STEPS):
+    """Eager and compiled copies of one private model, same seeds: per step the batch size and
+    whether every released gradient is bitwise equal."""
+    base = _base()
+    me, oe, le = _private(base, mode)
+    mc, oc, lc = _private(base, mode)
+    cm = torch.compile(mc, backend=backend)
+    out = []
+    for (xe, ye), (xc, yc) in zip(le, lc):
+        if len(out) == steps:
+            break
+        assert torch.equal(xe, xc)  # same sampler seed: the same batch
+        oe.zero_grad()
+        F.cross_entropy(me(xe), ye).backward()
+        oc.zero_grad()
+        F.cross_entropy(cm(xc), yc).backward()
+        grads = [(pe.grad, pc.grad) for pe, pc in zip(me.parameters(), mc.parameters())]
+        assert all(ge is not None and gc is not None for ge, gc in grads)
+        out.append((len(xe), all(torch.equal(ge, gc) for ge, gc in grads)))
+        oe.step()
+        oc.step()
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_release_equals_eager_and_compiles_at_most_twice(mode):
+    runs = _run_pair(mode, "aot_eager")
+    sizes = [b for b, _ in runs]
+    assert all(eq for _, eq in runs), runs
+    # the test means something only if the batch size changed and avoided dynamo's 0/1 specialisation
+    assert len(set(sizes)) >= 3 and min(sizes) >= 2, sizes
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+
+
+def test_inductor_flat_release_equals_eager():
+    """Inductor reuses a buffer once its last reader in the graph has run; the flat book holds each
+    layer's input and upstream gradient until the release, so it must hold copies."""
+    runs = _run_pair("flat", "inductor", steps=2)
+    assert all(eq for _, eq in runs), runs
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_second_batch_before_step_is_refused_compiled(mode, compiled):
+    model, opt, loader = _private(_base(), mode)
+    cm = torch.compile(model, backend="aot_eager") if compiled else model
+    it = iter(loader)
+    x, y = next(it)
+    opt.zero_grad()
+    F.cross_entropy(cm(x), y).backward()
+    x, y = next(it)  # a second batch of the same step
+    with pytest.raises(StepRefused) as exc:
+        F.cross_entropy(cm(x), y).backward()
+    assert exc.value.rule == "batches"
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_vit_layers_compile_without_break_and_release_as_eager(mode):
+    """LayerNorm, ClassToken, PositionalEmbedding (their per-example gradients instantiated: the tap
+    op) next to Linear/Conv2d. aot_eager runs the traced ATen ops one by one with no decomposition,
+    the very kernels of the eager backward, so equality is again bitwise. A module with its own
+    forward is traced by dynamo as separate frames (the model's pre-hooks, then forward): under flat
+    the collector's op is the pre-hook's graph, so two graphs and no break reason."""
+    from bpclip_fast.models import vit
+
+    torch.manual_seed(0)
+    base = vit(image_size=8, patch=4, dim=16, depth=1, heads=2, mlp_ratio=2)
+    model, _, loader = _private(base, mode)
+    ex = torch._dynamo.explain(model)(next(iter(loader))[0])
+    assert not ex.break_reasons, [str(r.reason)[:200] for r in ex.break_reasons]
+    assert ex.graph_count <= (2 if mode == "flat" else 1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    me, oe, le = _private(base, mode)
+    mc, oc, lc = _private(base, mode)
+    cm = torch.compile(mc, backend="aot_eager")
+    sizes = []
+    for (xe, ye), (xc, yc) in zip(le, lc):
+        if len(sizes) == 3:
+            break
+        oe.zero_grad()
+        F.cross_entropy(me(xe), ye).backward()
+        oc.zero_grad()
+        F.cross_entropy(cm(xc), yc).backward()
+        for pe, pc in zip(me.parameters(), mc.parameters()):
+            assert torch.equal(pe.grad, pc.grad)
+        sizes.append(len(xe))
+        oe.step()
+        oc.step()
+    assert len(set(sizes)) >= 2
+    # at most one recompile per traced frame (flat: the pre-hook's graph has no batch dimension)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= (3 if mode == "flat" else 2)
+
+
+@pytest.mark.parametrize("setting", [dict(aggressive_recomputation=True), dict(activation_memory_budget=0.5)])
+def test_recomputing_partitioner_settings_are_refused(setting):
+    """Under these settings AOTAutograd's partitioner recomputes ops outside its allowlist in the
+    backward (measured: flat's collector and a layer's forward op ran again there), which would
+    make a new book and re-read the bounds' version at backward time."""
+    from torch._functorch import config as functorch_config
+
+    model, opt, loader = _private(_base(), "flat")
+    x, _ = next(iter(loader))
+    with functorch_config.patch(**setting):
+        cm = torch.compile(model, backend="aot_eager_decomp_partition")
+        with pytest.raises(RuntimeError, match=next(iter(setting))):
+            cm(x)
+
+
+def test_flat_layer_missing_the_loss_is_refused_compiled():
+    """Eager flat returns no gradient for a layer whose output never reached the loss; a compiled
+    backward returns a tensor for every parameter, and zeros would land without a draw: refused."""
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            self.b(x)  # output dropped
+            return self.a(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(20, 4, generator=g), torch.randint(0, 3, (20,), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 5),
+            noise_multiplier=1.0, clipping="flat", max_grad_norm=1.0, noise_seed=1, probe=False)
+    cm = torch.compile(model, backend="aot_eager")
+    x, y = next(iter(loader))
+    with pytest.raises(StepRefused, match="must reach the loss") as exc:
+        F.cross_entropy(cm(x), y).backward()
+    assert exc.value.rule == "rows"
