@@ -151,15 +151,9 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     gtoken = token.new_zeros(()) if token is not None else none()
     if not any(pmask):
         return gx, none(), none(), gtoken
-    step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
-    bound, kept = exact._norms(lay, x, g, geometry, pmask)
-    held = (None, None) if kept is not None else (x, g)
-    if book is not None and kept is None:
-        # The book holds x and g until the release, but the compiled graph owns their buffers and
-        # reuses them once this op returns (inductor's memory planning): the release would scale
-        # other data by factors computed from these norms, unbounded. Copies are the book's alone.
-        held = (x.clone(), g.clone())
-    out = exact._clip(lay, book, bound, held, kept, step_args, geometry, x.dtype)
+    # own_inputs: the compiled graph owns x's and g's buffers and reuses them once this op returns
+    # (inductor's memory planning), so a flat book holds copies of its own.
+    out = exact.clip_params(lay, x, g, geometry, pmask, book, lay.noise_bound, own_inputs=True)
     if out is None:
         return gx, none(), none(), gtoken
     gw, gb = out

@@ -338,13 +338,24 @@ class _ExactLayer(torch.autograd.Function):
         mask = _trainable(layer) if book is not None else [ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         if not any(mask):
             return gx, None, None, None, None, None, None, None
-        step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
-        bound, kept = _norms(layer, x, g, geometry, mask, layer._nonfinite[1:2] if book is not None else None)
-        held = (None, None) if kept is not None else (x, g)
-        out = _clip(layer, book, bound, held, kept, step_args, geometry, x.dtype)
+        out = clip_params(layer, x, g, geometry, mask, book, ctx.sensitivity)
         if out is None:  # flat: the collector releases the gradients; the token's gradient is not read
             return gx, None, None, None, None, None, None, None
         return gx, *out, None, None, None, None, None
+
+
+def clip_params(layer, x, g, geometry, mask, book, sensitivity, own_inputs=False):
+    """The parameter part of a Linear/Conv2d backward under an exact mode, for ``_ExactLayer`` and
+    the compiled op alike (:mod:`bpclip_fast.compiled`): the norms (flat: with the layer's
+    non-finite count), then :func:`_clip`. ``own_inputs``: a flat book holds copies of ``x`` and
+    ``g`` (a compiled graph reuses their buffers once the op returns, and the release would scale
+    other data by factors computed from these norms)."""
+    step_args = _step_args(layer, g.shape[0], sensitivity)
+    bound, kept = _norms(layer, x, g, geometry, mask, layer._nonfinite[1:2] if book is not None else None)
+    held = (None, None) if kept is not None else (x, g)
+    if own_inputs and book is not None and kept is None:
+        held = (x.clone(), g.clone())
+    return _clip(layer, book, bound, held, kept, step_args, geometry, x.dtype)
 
 
 def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):

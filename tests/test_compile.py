@@ -210,3 +210,25 @@ def test_flat_layer_missing_the_loss_is_refused_compiled():
     with pytest.raises(StepRefused, match="must reach the loss") as exc:
         F.cross_entropy(cm(x), y).backward()
     assert exc.value.rule == "rows"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nonfinite_counts_compiled_equal_eager(mode):
+    """An example whose input is NaN reaches every layer: the per-layer non-finite counts (which
+    ``nonfinite='raise'`` refuses on) must be the same compiled as eager, and its NaN must reach no
+    released gradient in either."""
+    base = _base()
+    runs = []
+    for compiled in (False, True):
+        model, opt, loader = _private(base, mode)
+        cm = torch.compile(model, backend="aot_eager") if compiled else model
+        x, y = next(iter(loader))
+        x = x.clone()
+        x[1] = float("nan")
+        opt.zero_grad()
+        F.cross_entropy(cm(x), y, reduction="none").nan_to_num(0.0).mean().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        runs.append({n: [int(v) for v in layer._nonfinite] for n, layer in model.named_modules()
+                     if hasattr(layer, "_nonfinite")})
+    assert runs[0] == runs[1]
+    assert any(any(v) for v in runs[0].values())  # the NaN example was counted somewhere
