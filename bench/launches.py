@@ -23,10 +23,13 @@ after warm-up steps; on a GPU each is one kernel launch):
 - an ATen op with data work counts once; views (the schema returns an alias of an input: ``view``,
   ``t``, ``slice``, ``expand``, ...), allocation and metadata ops (``empty*``, ``resize_``,
   ``detach``, ``as_strided_``, ...) and syncs count zero;
-- an extension (``bpclip_fast::``) op counts once for its own kernel *plus* what its CPU
-  implementation calls: the innermost ATen events with data work and the extension ops (each once
-  more, with theirs), from ``torch.profiler`` events of another step. Where the CUDA implementation
-  is one fused kernel this over-counts, so the number never flatters the extension;
+- an extension (``bpclip_fast::``) op with a kernel of its own (``clip_rows``, ``philox_noise_``,
+  ``exact_bound_``, ...) counts once *plus* whatever its CPU implementation calls; a composite one
+  (registered ``CompositeExplicitAutograd``: the layer and exact ops of csrc/layers.cpp and
+  csrc/exact.cpp, written once over ATen for every backend) counts only what it calls. What an
+  extension op calls is read from ``torch.profiler`` events of another step: the innermost ATen
+  events with data work, and the extension kernels (each once, plus theirs). So fusing a Python
+  chain into a C++ op that still calls ATen op by op does not flatter the count;
 - a *host sync* is ``_local_scalar_dense`` (``item``, ``bool``, ``int``, ``float`` of a tensor),
   ``nonzero``, ``equal``/``allclose``, or a Python-level ``Tensor.tolist/numpy/cpu`` during the step
   (patched for the counted step only).
@@ -91,11 +94,18 @@ def _is_view(name: str) -> bool:
 _VIEW_CACHE: dict = {}
 
 
+def _composite(name: str) -> bool:
+    """An extension op written over ATen and other extension ops for every backend (csrc/exact.cpp,
+    csrc/layers.cpp): it launches nothing of its own, only what it calls."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
+
+
 def _kind(name: str) -> str | None:
-    """'ext', 'aten' (data work), 'sync', 'free' (views, allocation, metadata) or None (not an op)."""
+    """'ext' (an extension kernel), 'composite' (an extension op over other ops), 'aten' (data
+    work), 'sync', 'free' (views, allocation, metadata) or None (not an op)."""
     ns, _, op = name.partition("::")
     if ns == "bpclip_fast":
-        return "ext"
+        return "composite" if _composite(name) else "ext"
     if ns != "aten":
         return None
     if op in SYNCS:
@@ -124,7 +134,7 @@ def inner_leaves(events) -> dict:
     (from profiler events: innermost ATen events under it, views/allocation/syncs excluded)."""
     kinds = {id(e): _kind(e.name) for e in events}
 
-    def leaves(e) -> int:  # an extension op inside counts once plus its own leaves
+    def leaves(e) -> int:  # an extension kernel inside counts once plus its own leaves
         n = 0
         for c in e.cpu_children:
             below, k = leaves(c), kinds.get(id(c))
@@ -132,7 +142,7 @@ def inner_leaves(events) -> dict:
         return n
     per: dict = collections.defaultdict(list)
     for e in events:
-        if kinds[id(e)] == "ext":
+        if kinds[id(e)] in ("ext", "composite"):
             per[e.name].append(leaves(e))
     return {k: max(v) for k, v in per.items()}
 
@@ -147,8 +157,8 @@ def count(names, inner: dict) -> tuple[int, int, collections.Counter]:
         elif k == "aten":
             ops += 1
             hist[name] += 1
-        elif k == "ext":
-            n = 1 + inner.get(name, 0)
+        elif k in ("ext", "composite"):
+            n = (k == "ext") + inner.get(name, 0)
             ops += n
             hist[name] += n
     return ops, syncs, hist

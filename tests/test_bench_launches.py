@@ -51,3 +51,23 @@ def test_an_extension_op_counts_its_own_kernel_and_what_it_calls():
     inner = launches.inner_leaves(prof.events())
     ops, _, hist = _counted(lambda: torch.ops.bpclip_fast.scale_rows(x, factor), inner)
     assert ops == 1 + inner.get("bpclip_fast::scale_rows", 0) == hist["bpclip_fast::scale_rows"]
+
+
+def test_a_composite_extension_op_counts_only_what_it_calls():
+    """linear_forward is written over clip_rows and ATen's linear (CompositeExplicitAutograd): it
+    launches nothing of its own, so it counts as clip_rows' kernel plus the GEMM."""
+    from bpclip_fast import _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    from torch.profiler import ProfilerActivity, profile
+
+    x, w, b, counter = torch.randn(3, 5), torch.randn(4, 5), torch.randn(4), torch.zeros(1, dtype=torch.int64)
+
+    def fwd():
+        return torch.ops.bpclip_fast.linear_forward(x, w, b, counter, 1.0, "clip", 0.01)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fwd()
+    inner = launches.inner_leaves(prof.events())
+    ops, _, _ = _counted(fwd, inner)
+    assert ops == 2  # clip_rows + addmm
