@@ -49,14 +49,18 @@ WORKSPACE_BYTES = 64 << 20  # temporaries of the norms (instantiated gradients, 
 FACTOR_FLOOR = 2.0 ** -60
 
 
-def factors(bound: torch.Tensor, max_norm: float, clip_fn: str, gamma: float, nonfinite: torch.Tensor,
+def factors(bound, max_norm: float, clip_fn: str, gamma: float, nonfinite: torch.Tensor,
             data_dtype: torch.dtype) -> torch.Tensor:
-    """The per-example clip factors for norm upper bounds ``bound`` (float64): ``clip_rows`` on the
-    bounds as rows of one element, so ``c·bound ≤ C`` after rounding (csrc/include/bpclip_fast/clip.h).
-    The bounds are rounded *up* to the factor dtype (fp32; fp64 for fp64 data); a non-finite bound
-    gives factor 0 and is counted in ``nonfinite``; a factor below :data:`FACTOR_FLOOR` is set to 0
-    (the subnormal part of the bound's proof, csrc/exact.cpp)."""
-    factor, _ = torch.ops.bpclip_fast.exact_factors([bound], nonfinite, float(max_norm), clip_fn, float(gamma),
+    """The per-example clip factors for norm upper bounds ``bound`` (float64 [B]; flat: the list of
+    every layer's, whose total is an upper bound on the root of their sum of squares,
+    csrc/include/bpclip_fast/bound.h): ``clip_rows`` on the bounds as rows of one element, so
+    ``c·bound ≤ C`` after rounding (csrc/include/bpclip_fast/clip.h). The bounds are rounded *up*
+    to the factor dtype (fp32; fp64 for fp64 data); a non-finite bound gives factor 0 and is counted
+    in ``nonfinite``; a factor below :data:`FACTOR_FLOOR` is set to 0 (the subnormal part of the
+    bound's proof, csrc/exact.cpp). One op (``exact_factors``) for both modes: the one place where
+    factors are made (the audits plant their bugs here)."""
+    bounds = bound if isinstance(bound, (list, tuple)) else [bound]
+    factor, _ = torch.ops.bpclip_fast.exact_factors(bounds, nonfinite, float(max_norm), clip_fn, float(gamma),
                                                     data_dtype == torch.float64)
     return factor
 
@@ -218,15 +222,13 @@ class FlatClipping:
         scratch = torch.zeros(1, dtype=torch.int64, device=entries[0].bound.device)
         bounds = [e.bound for e in entries]
 
-        def flat_factors(dt):  # total: an upper bound on (sum_l bound_l^2)^(1/2) (csrc/include/bpclip_fast/bound.h)
-            return torch.ops.bpclip_fast.exact_factors(bounds, scratch, self.max_grad_norm / d, self.clip_fn,
-                                                       self.gamma / d, dt == torch.float64)
-
         by_dtype = {}
-        first = entries[0].layer.weight.dtype
-        by_dtype[first], total = flat_factors(first)
         counting = any(e.layer._step is not None and e.layer._step.counting for e in entries)
-        unclipped = (total <= self.max_grad_norm / d).sum().reshape(1) if counting else None  # adaptive: within C
+        unclipped = None
+        if counting:  # adaptive: the examples within C, by the same total the factors use
+            _, total = torch.ops.bpclip_fast.exact_factors(bounds, scratch, self.max_grad_norm / d, self.clip_fn,
+                                                           self.gamma / d, True)
+            unclipped = (total <= self.max_grad_norm / d).sum().reshape(1)
         for e in entries:
             if e.layer._step is not None:
                 e.layer._step.joined(book.serial)
@@ -236,7 +238,7 @@ class FlatClipping:
         for e in entries:
             dt = e.layer.weight.dtype
             if dt not in by_dtype:
-                by_dtype[dt] = flat_factors(dt)[0]
+                by_dtype[dt] = factors(bounds, self.max_grad_norm / d, self.clip_fn, self.gamma / d, scratch, dt)
             gw, gb = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry, e.kept)
             for p, g in zip((e.layer.weight, e.layer.bias), (gw, gb)):
                 if g is not None:
