@@ -161,7 +161,8 @@ class PrivacyEngine:
         """Converts the model (same ``Parameter`` objects), fixes every layer's Δ and gives each its
         step state (``boundary.LayerStep``); returns ``(module, inner)``."""
         module = r.module
-        converted = bnn.convert_model(inner, clipping=r.clipping, clip_fn=r.clip_fn, gamma=r.gamma,  # it takes the mode's
+        # convert_model keeps the bounds of the mode (modes.Mode.conversion_settings) and ignores the others
+        converted = bnn.convert_model(inner, clipping=r.clipping, clip_fn=r.clip_fn, gamma=r.gamma,
                                       input_clip=r.input_clip, grad_clip=r.grad_clip, norm=r.conv_norm,
                                       max_grad_norm=r.max_grad_norm, norm_method=r.norm_method)
         if converted is not inner:  # a bare nn.Linear / nn.Conv2d
