@@ -38,9 +38,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _ops
+from .modes import EXACT as EXACT_MODES, NAMES as MODES  # noqa: F401  (the modes' names live in bpclip_fast.modes)
 
-MODES = ("backprop", "flat", "per_layer")
-EXACT_MODES = ("flat", "per_layer")
 NORM_METHODS = ("auto", "ghost", "instantiate")
 WORKSPACE_BYTES = 64 << 20  # temporaries of the norms (instantiated gradients, Gram matrices) per layer
 # Factors below this are set to 0: the bounds of csrc/exact.cpp cover the absolute (subnormal)

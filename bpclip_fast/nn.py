@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, compiled, exact, modules, registry
+from . import autograd, compiled, exact, modes, modules, registry
 from .boundary import LayerStep, StepRefused
+from .modes.base import check_positive as _check_positive
 
 CLIP_FNS = ("clip", "global", "normalize")
 CONV_NORMS = ("l15", "l2")
@@ -60,16 +61,6 @@ class NonFiniteError(RuntimeError):
         self.counts = counts
 
 
-def _check_positive(value, what: str, layer: str) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{layer}: {what} must be a positive number, got {value!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{layer}: {what} must be a positive finite number, got {value!r}")
-    return v
-
-
 class _Clipped:
     """Clipping configuration, the non-finite counter and the fixed sensitivity shared by our layers.
 
@@ -80,25 +71,10 @@ class _Clipped:
     def _init_clipping(self, input_clip, grad_clip, clip_fn, gamma, clipping="backprop", max_grad_norm=None,
                        norm_method="auto"):
         kind = type(self).__name__
-        if clipping not in exact.MODES:
-            raise ValueError(f"{kind}: clipping must be one of {exact.MODES}, got {clipping!r}")
+        mode = modes.strategy(clipping, kind)
         self.clipping = clipping
-        if clipping == "backprop":
-            if input_clip is None or grad_clip is None:
-                raise TypeError(f"{kind}: clipping='backprop' needs input_clip and grad_clip (the per-example bounds "
-                                "of the layer's input and upstream gradient)")
-            self.input_clip = _check_positive(input_clip, "input_clip", kind)
-            self.grad_clip = _check_positive(grad_clip, "grad_clip", kind)
-            self.max_grad_norm = None
-        else:
-            if max_grad_norm is None:
-                raise TypeError(f"{kind}: clipping={clipping!r} needs max_grad_norm (the bound on each example's "
-                                "gradient norm)")
-            if input_clip is not None or grad_clip is not None:
-                raise TypeError(f"{kind}: input_clip and grad_clip belong to clipping='backprop'; clipping="
-                                f"{clipping!r} clips each example's gradient to max_grad_norm")
-            self.input_clip = self.grad_clip = None
-            self.max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm", kind)
+        self.input_clip, self.grad_clip, self.max_grad_norm = mode.layer_bounds(kind, input_clip, grad_clip,
+                                                                                max_grad_norm)
         if norm_method not in exact.NORM_METHODS:
             raise ValueError(f"{kind}: norm_method must be one of {exact.NORM_METHODS}, got {norm_method!r}")
         self.norm_method = norm_method
@@ -404,7 +380,7 @@ class _ExampleLayer(_Clipped):
         if getattr(self, "weight", None) is None:
             raise ValueError(f"{kind}: without affine parameters there is nothing to clip; use torch's "
                              f"nn.{kind} for it")
-        if clipping == "backprop":
+        if not modes.strategy(clipping, kind).exact:
             raise ValueError(f"{kind}: clipping='backprop' has no proved bound for a {kind}'s parameters; use "
                              "clipping='flat' or 'per_layer' (exact per-example clipping: make_private(..., "
                              f"clipping='flat')), or freeze the {kind} (requires_grad_(False))")
@@ -744,7 +720,7 @@ def _sqrt_batch(layer, x) -> float:
     return math.sqrt(x.shape[0]) if x.dim() else 1.0
 
 
-_EXACT = ("flat", "per_layer")
+_EXACT = modes.EXACT
 registry.register_layer(nn.LayerNorm, LayerNorm, convert=_convert_layer_norm, modes=_EXACT, multiplier_norm=_sqrt_numel,
                         plain=lambda layer, x, p: F.layer_norm(x, layer.normalized_shape, p.get("weight"), p.get("bias"),
                                                                layer.eps))
@@ -783,18 +759,6 @@ def _convert(layer: nn.Module, **clipping) -> nn.Module:
     return new
 
 
-def _thresholds(max_grad_norm, count: int, clipping: str) -> list:
-    """Each converted layer's ``max_grad_norm``: flat's one ``C`` for all; per_layer's list (one per
-    layer, in ``named_modules`` order) or a scalar ``C`` split as ``C/√L``."""
-    if clipping == "flat" or not isinstance(max_grad_norm, (list, tuple)):
-        value = _check_positive(max_grad_norm, "max_grad_norm", "convert_model")
-        return [value if clipping == "flat" else value / math.sqrt(max(count, 1))] * count
-    if len(max_grad_norm) != count:
-        raise ValueError(f"convert_model: max_grad_norm has {len(max_grad_norm)} thresholds but the model has {count} "
-                         "layers to clip (one per trainable layer of a registered type, in named_modules order)")
-    return [_check_positive(c, "max_grad_norm", "convert_model") for c in max_grad_norm]
-
-
 def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l15", clip_fn="clip", gamma=0.01,
                   clipping="backprop", max_grad_norm=None, norm_method="auto") -> nn.Module:
     """Swaps every trainable layer of a registered type (``nn.Linear``, ``nn.Conv2d``; for the exact
@@ -816,28 +780,23 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
     if problems:
         raise ValueError("convert_model: these layers cannot be trained with bpclip_fast:\n  "
                          + "\n  ".join(problems))
-    if clipping not in exact.MODES:
-        raise ValueError(f"convert_model: clipping must be one of {exact.MODES}, got {clipping!r}")
+    mode = modes.strategy(clipping, "convert_model")
     unbounded = registry.mode_problems(model, clipping)
     if unbounded:
         raise ValueError("convert_model: these layers cannot be trained with clipping=" f"{clipping!r}:\n  "
                          + "\n  ".join(unbounded))
-    kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping)
-    if clipping == "backprop":
-        kw.update(input_clip=input_clip, grad_clip=grad_clip, norm=norm)
-    else:
-        kw.update(norm_method=norm_method)
+    kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping,
+              **mode.conversion_settings(input_clip=input_clip, grad_clip=grad_clip, norm=norm, norm_method=norm_method))
     if registry.convertible(model):
-        thresholds = _thresholds(max_grad_norm, 1, clipping) if clipping != "backprop" else [None]
-        new = _convert(model, **kw, max_grad_norm=thresholds[0])
+        new = _convert(model, **kw, max_grad_norm=mode.layer_thresholds(max_grad_norm, 1)[0])
         new._bp_name = type(model).__name__
-        if clipping == "flat":
-            exact.attach_flat(new, [new], new.max_grad_norm, clip_fn, gamma)
+        if mode.collects:  # a bare layer's noise bound is its own C already; flat's collector it needs
+            mode.settle(new, [new], new.max_grad_norm, clip_fn, gamma)
         return new
     children = [(name, m, child_name, child) for name, m in list(model.named_modules())
                 for child_name, child in list(m.named_children())]
     count = len({id(c) for _, _, _, c in children if registry.convertible(c)})
-    thresholds = iter(_thresholds(max_grad_norm, count, clipping) if clipping != "backprop" else [None] * count)
+    thresholds = iter(mode.layer_thresholds(max_grad_norm, count))
     converted = {}  # a layer under two parents becomes one clipped layer, not two sharing parameters
     for name, m, child_name, child in children:
         if id(child) not in converted and registry.convertible(child):
@@ -846,10 +805,6 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
         if id(child) in converted:
             setattr(m, child_name, converted[id(child)])
     new_layers = list(converted.values())
-    if clipping == "per_layer":
-        total = math.sqrt(sum(layer.max_grad_norm ** 2 for layer in new_layers))
-        for layer in new_layers:
-            layer.noise_bound = total
-    if clipping == "flat" and new_layers:
-        exact.attach_flat(model, new_layers, new_layers[0].max_grad_norm, clip_fn, gamma)
+    if new_layers:
+        mode.settle(model, new_layers, new_layers[0].max_grad_norm, clip_fn, gamma)
     return model

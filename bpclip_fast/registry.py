@@ -32,6 +32,8 @@ from typing import Callable
 
 from torch import nn
 
+from .modes import NAMES as _MODES
+
 __all__ = ["LayerType", "register_layer", "register_module_check", "layer_type", "is_clipped", "owns_trainable",
            "clipped_by_conversion", "trained_layer", "unbounded", "mode_problems", "mixes_batch", "module_problems", "label"]
 
@@ -56,7 +58,7 @@ class LayerType:
     convert: Callable
     plain: Callable
     taps: Callable
-    modes: tuple = ("backprop", "flat", "per_layer")
+    modes: tuple = _MODES
     multiplier_norm: Callable | None = None
 
 
@@ -72,7 +74,7 @@ _CHECKS: list[_Check] = []
 
 
 def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
-                   taps: Callable = lambda layer: 1, modes: tuple = ("backprop", "flat", "per_layer"),
+                   taps: Callable = lambda layer: 1, modes: tuple = _MODES,
                    multiplier_norm: Callable | None = None) -> LayerType:
     """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring)."""
     entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import adaptive as _adaptive
+from .. import modes
 from .. import nn as bnn
 from . import optimizer as _optimizer
 from ._common import InsecureSeedWarning, positive
@@ -90,30 +91,8 @@ def check(made_private: bool, module, optimizer, data_loader, *, noise_multiplie
 
 
 def check_clipping(clipping, input_clip, grad_clip, max_grad_norm) -> None:
-    """The bounds each clipping mode takes, and only those."""
-    modes = bnn.exact.MODES
-    if clipping not in modes:
-        raise ValueError(f"make_private: clipping must be one of {modes}, got {clipping!r}")
-    if clipping == "backprop":
-        if input_clip is None or grad_clip is None:
-            raise TypeError("make_private: clipping='backprop' needs input_clip and grad_clip (or use "
-                            "clipping='flat' with max_grad_norm, as in Opacus)")
-        if max_grad_norm is not None:
-            raise TypeError("make_private: max_grad_norm belongs to clipping='flat'/'per_layer'; backpropagation "
-                            "clipping takes input_clip and grad_clip")
-        positive(input_clip, "input_clip")
-        positive(grad_clip, "grad_clip")
-        return
-    if max_grad_norm is None:
-        raise TypeError(f"make_private: clipping={clipping!r} needs max_grad_norm")
-    if input_clip is not None or grad_clip is not None:
-        raise TypeError(f"make_private: input_clip/grad_clip belong to clipping='backprop'; clipping={clipping!r} "
-                        "clips each example's gradient to max_grad_norm")
-    if clipping == "per_layer" and isinstance(max_grad_norm, (list, tuple)):
-        for c in max_grad_norm:
-            positive(c, "max_grad_norm")
-    else:
-        positive(max_grad_norm, "max_grad_norm")
+    """The bounds each clipping mode takes, and only those (the mode's ``check_request``)."""
+    modes.strategy(clipping, "make_private").check_request(input_clip, grad_clip, max_grad_norm)
 
 
 def check_adaptive(adaptive):
@@ -132,10 +111,7 @@ def check_built_layers(inner, clipping, max_grad_norm) -> None:
     """Clipped layers the user built must clip as the engine does (flat: with its ``C``)."""
     bad = [f"{name} is clipping={layer.clipping!r}" for name, layer in bnn.clipped_layers(inner)
            if layer.clipping != clipping]
-    if clipping == "flat":
-        bad += [f"{name} has max_grad_norm={layer.max_grad_norm:g}, not {float(max_grad_norm):g}"
-                for name, layer in bnn.clipped_layers(inner)
-                if layer.clipping == "flat" and layer.max_grad_norm != float(max_grad_norm)]
+    bad += modes.strategy(clipping).built_layer_problems(bnn.clipped_layers(inner), max_grad_norm)
     if bad:
         raise ValueError(f"make_private: clipping={clipping!r}, but the model's own clipped layers differ: "
                          + "; ".join(bad) + ". Build them with the engine's clipping, or use torch's layers "

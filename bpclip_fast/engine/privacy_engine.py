@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import data, ranks as _ranks
+from .. import data, modes, ranks as _ranks
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import DistributedRecorder, LayerStep, StepRefused  # noqa: F401  (StepRefused: re-exported)
@@ -162,11 +161,10 @@ class PrivacyEngine:
         """Converts the model (same ``Parameter`` objects), fixes every layer's Δ and gives each its
         step state (``boundary.LayerStep``); returns ``(module, inner)``."""
         module = r.module
-        if r.clipping == "backprop":
-            settings = dict(input_clip=r.input_clip, grad_clip=r.grad_clip, norm=r.conv_norm)
-        else:
-            settings = dict(max_grad_norm=r.max_grad_norm, norm_method=r.norm_method)
-        converted = bnn.convert_model(inner, clipping=r.clipping, clip_fn=r.clip_fn, gamma=r.gamma, **settings)
+        # convert_model keeps the bounds of the mode (modes.Mode.conversion_settings) and ignores the others
+        converted = bnn.convert_model(inner, clipping=r.clipping, clip_fn=r.clip_fn, gamma=r.gamma,
+                                      input_clip=r.input_clip, grad_clip=r.grad_clip, norm=r.conv_norm,
+                                      max_grad_norm=r.max_grad_norm, norm_method=r.norm_method)
         if converted is not inner:  # a bare nn.Linear / nn.Conv2d
             if isinstance(module, distributed.ddp_class()):
                 raise ValueError("make_private: wrap a container module in DDP, not a bare layer")
@@ -177,11 +175,14 @@ class PrivacyEngine:
                              "(bpclip_fast.registry: Linear, Conv2d; LayerNorm, GroupNorm, Embedding, "
                              "bpclip_fast.modules under exact clipping)")
         model_checks.fix_sensitivities(layers, shapes, r.max_input_shape is not None)
-        self._prepare_mode(r, inner, layers)
+        self._mode = modes.strategy(r.clipping)
+        # What the mode sets over all the layers, those built by the user included: flat's one collector,
+        # per_layer's noise bound (Σ_l C_l²)^½.
+        self._mode.settle(inner, [layer for _, layer in layers], r.max_grad_norm, r.clip_fn, r.gamma)
         if r.sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
-            sigma = r.sigma_effective * (1.0 if self._exact else math.sqrt(len(layers)))
+            sigma = r.sigma_effective * self._mode.sigma_factor(len(layers))
         self._layers = [layer for _, layer in layers]
-        self._flat_group = self._layers[0]._flat if r.clipping == "flat" else None
+        self._flat_group = self._mode.collector(self._layers)
         thresholds.prepare(self, r.adaptive, sigma, plan)
         self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
         inner.register_forward_pre_hook(guards.OutsideCheck(self))
@@ -190,16 +191,6 @@ class PrivacyEngine:
         self.loss_reduction = r.loss_reduction
         self.max_input_shape = r.max_input_shape
         return module, inner
-
-    def _prepare_mode(self, r: arguments.Request, inner, layers) -> None:
-        """What the exact modes set over all the layers: flat's one book-keeping, per_layer's noise bound."""
-        if r.clipping == "flat":  # one book-keeping over every layer, those built by the user included
-            bnn.exact.attach_flat(inner, [layer for _, layer in layers], r.max_grad_norm, r.clip_fn, r.gamma)
-        if r.clipping == "per_layer":  # each layer's noise is scaled to C = (Σ_l C_l²)^½ over all of them
-            total = math.sqrt(sum(layer.max_grad_norm ** 2 for _, layer in layers))
-            for _, layer in layers:
-                layer.noise_bound = total
-        self._exact = r.clipping != "backprop"
 
     def _prepare_steps(self, layers, mean_batch) -> None:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
@@ -298,9 +289,7 @@ class PrivacyEngine:
         """The noise multiplier of one step's single Gaussian on all layers: ``σ`` under exact clipping
         (sensitivity ``C``, noise ``σC`` on every coordinate), ``(Σ_l σ_l⁻²)^(-1/2) = σ/√L`` under
         backpropagation clipping."""
-        if self._exact:
-            return float(self._noise_multiplier)
-        return float(accounting().effective_noise_multiplier([self._noise_multiplier] * len(self._layers)))
+        return self._mode.effective_sigma(self._noise_multiplier, len(self._layers))
 
     # σ and the step counter are read by the accountant and key the noise: an assignment would charge
     # one σ while the layers add another, or draw a step's noise twice.

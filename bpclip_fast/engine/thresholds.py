@@ -4,8 +4,6 @@ each mode, the noisy counts released with each step, and the new values given to
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import adaptive as _adaptive
@@ -14,11 +12,7 @@ from . import distributed
 
 def slots(engine):
     """``[(name, layers, attribute)]``: every clipping threshold of the mode and the layers it sets."""
-    mode = engine._layers[0].clipping
-    if mode == "flat":
-        return [("max_grad_norm", engine._layers, "max_grad_norm")]
-    attrs = ("max_grad_norm",) if mode == "per_layer" else ("input_clip", "grad_clip")
-    return [(f"{layer.layer_name}.{attr}", [layer], attr) for layer in engine._layers for attr in attrs]
+    return engine._mode.threshold_slots(engine._layers)
 
 
 def prepare(engine, adaptive, sigma, plan) -> None:
@@ -30,7 +24,7 @@ def prepare(engine, adaptive, sigma, plan) -> None:
         return
     slots_ = slots(engine)
     k, n_layers = len(slots_), len(engine._layers)
-    per_layer = 1.0 if engine._layers[0].exact else math.sqrt(n_layers)  # backprop: σ = σ_eff·√L
+    per_layer = engine._mode.sigma_factor(n_layers)  # backprop: σ = σ_eff·√L
     sigma_grad_eff, sigma_b = _adaptive.noise_split(sigma / per_layer, k, adaptive.count_noise)
     engine._gradient_sigma = sigma_grad_eff * per_layer
     initial = [float(getattr(layers[0], attr)) for _, layers, attr in slots_]
@@ -42,12 +36,7 @@ def centered_counts(engine) -> torch.Tensor:
     """``Σ_{i in batch} (1[n_{k,i} ≤ C_k] − ½)`` per threshold, over every process (float64, CPU):
     a layer's ``rows`` examples were counted, the rest of the batch did not reach it (norm 0)."""
     half = engine._counter.last_rows / 2.0
-    mode = engine._layers[0].clipping
-    if mode == "flat":  # every flat layer holding a contribution holds the same count (verify.flat_problems)
-        slots_ = [(st, 0) for st in engine._steps_of if st.rows][:1] or [(None, 0)]
-    else:
-        width = 1 if mode == "per_layer" else 2
-        slots_ = [(st if st.rows else None, j) for st in engine._steps_of for j in range(width)]
+    slots_ = engine._mode.count_slots(engine._steps_of)
     live = [st.counts[j].reshape(()) for st, j in slots_ if st is not None]
     counts = iter(torch.stack(live).to("cpu", torch.float64).tolist() if live else [])  # one device sync
     centered = torch.tensor([next(counts) - st.rows + half if st is not None else half for st, _ in slots_],
@@ -78,15 +67,4 @@ def adopt(engine, values) -> None:
 def apply(engine, values) -> None:
     """Gives the layers the thresholds ``values`` (under per_layer every layer's noise bound is
     ``(Σ_l C_l²)^½`` of them)."""
-    mode = engine._layers[0].clipping
-    if mode == "flat":
-        engine._flat_group._set_max_grad_norm(values[0])
-        for layer in engine._layers:
-            layer._set_bounds(max_grad_norm=values[0], noise_bound=values[0])
-    elif mode == "per_layer":
-        total = math.hypot(*values)
-        for layer, c in zip(engine._layers, values):
-            layer._set_bounds(max_grad_norm=c, noise_bound=total)
-    else:
-        for layer, cx, cg in zip(engine._layers, values[0::2], values[1::2]):
-            layer._set_bounds(input_clip=cx, grad_clip=cg)
+    engine._mode.set_thresholds(engine._layers, values, engine._flat_group)

@@ -18,7 +18,7 @@ def verify(engine, optimizer):
     problems = _outside_problems(engine, optimizer)
     step_problems, layer_problems, pending, checks = _layer_records(engine)
     problems += step_problems
-    layer_problems += flat_problems(engine)
+    layer_problems += engine._mode.step_problems(engine._steps_of)  # flat: every layer reached holds the same releases
     problems += _edited(checks)
     problems += layer_problems
     problems += _nonfinite_problems(engine)
@@ -85,17 +85,6 @@ def _nonfinite_problems(engine):
     if not bad:
         return []
     return [("nonfinite", "non-finite values reached " + ", ".join(f"{n} {counts[n]}" for n in bad), bad)]
-
-
-def flat_problems(engine):
-    """Flat clipping: each release's factor must cover every layer an example reached in the step,
-    so every layer holding a contribution must hold the same releases (books)."""
-    held = [st for st in engine._steps_of if st.rows and st.layer.clipping == "flat"]
-    if len({frozenset(st.books) for st in held}) < 2:
-        return []
-    return [("rows", "under flat clipping the backward passes of this step reached different sets of layers "
-             "(another loss or head per pass, layers frozen in turn, backward(inputs=...)), so no factor covered "
-             "an example's whole gradient", [st.name for st in held])]
 
 
 def fallback_noise(engine, pending) -> None:

@@ -1,0 +1,41 @@
+"""``clipping="per_layer"``: each layer's exact per-example gradient clipped to its own ``C_l``;
+every layer's noise is scaled to ``C = (Σ_l C_l²)^½`` over all the model's layers."""
+
+from __future__ import annotations
+
+import math
+
+from .base import ExactMode, check_positive, request_positive
+
+
+class PerLayer(ExactMode):
+    name = "per_layer"
+
+    def check_max_grad_norm(self, max_grad_norm) -> None:
+        if isinstance(max_grad_norm, (list, tuple)):  # one C_l per layer (their count is checked at conversion)
+            for c in max_grad_norm:
+                request_positive(c, "max_grad_norm")
+        else:
+            request_positive(max_grad_norm, "max_grad_norm")
+
+    def layer_thresholds(self, max_grad_norm, count: int) -> list:
+        """A list of ``C_l`` (one per layer, in ``named_modules`` order), or a scalar ``C`` split as ``C/√L``."""
+        if not isinstance(max_grad_norm, (list, tuple)):
+            value = check_positive(max_grad_norm, "max_grad_norm", "convert_model")
+            return [value / math.sqrt(max(count, 1))] * count
+        if len(max_grad_norm) != count:
+            raise ValueError(f"convert_model: max_grad_norm has {len(max_grad_norm)} thresholds but the model has "
+                             f"{count} layers to clip (one per trainable layer of a registered type, in named_modules "
+                             "order)")
+        return [check_positive(c, "max_grad_norm", "convert_model") for c in max_grad_norm]
+
+    def settle(self, module, layers, max_grad_norm, clip_fn: str, gamma: float) -> None:
+        # An example's whole gradient has norm ≤ (Σ_l C_l²)^½: each layer's noise is scaled to that.
+        total = math.sqrt(sum(layer.max_grad_norm ** 2 for layer in layers))
+        for layer in layers:
+            layer.noise_bound = total
+
+    def set_thresholds(self, layers, values, collector) -> None:
+        total = math.hypot(*values)
+        for layer, c in zip(layers, values):
+            layer._set_bounds(max_grad_norm=c, noise_bound=total)
