@@ -26,6 +26,9 @@ class Backprop(Mode):
         if input_clip is None or grad_clip is None:
             raise TypeError(f"{kind}: clipping='backprop' needs input_clip and grad_clip (the per-example bounds "
                             "of the layer's input and upstream gradient)")
+        if max_grad_norm is not None:  # it would be dropped: the layer clips its input and upstream gradient
+            raise TypeError(f"{kind}: max_grad_norm applies to clipping='flat' or 'per_layer'; clipping='backprop' "
+                            "clips each example's input (input_clip) and upstream gradient (grad_clip)")
         return check_positive(input_clip, "input_clip", kind), check_positive(grad_clip, "grad_clip", kind), None
 
     def conversion_settings(self, *, input_clip, grad_clip, norm, norm_method) -> dict:

@@ -8,6 +8,14 @@ import math
 from .base import ExactMode, check_positive, request_positive
 
 
+def noise_bound(thresholds) -> float:
+    """``(Σ_l C_l²)^½`` rounded up: ``math.hypot`` errs by under one ulp (Python ≥ 3.10) and neither
+    underflows nor overflows, and one step up makes it an upper bound on the exact root. (The plain
+    ``√(Σ C_l²)`` in double was 0 for thresholds below ~1e-154, so those layers drew no noise, and
+    could fall an ulp below the root.)"""
+    return math.nextafter(math.hypot(*thresholds), math.inf)
+
+
 class PerLayer(ExactMode):
     name = "per_layer"
 
@@ -31,11 +39,11 @@ class PerLayer(ExactMode):
 
     def settle(self, module, layers, max_grad_norm, clip_fn: str, gamma: float) -> None:
         # An example's whole gradient has norm ≤ (Σ_l C_l²)^½: each layer's noise is scaled to that.
-        total = math.sqrt(sum(layer.max_grad_norm ** 2 for layer in layers))
+        total = noise_bound([layer.max_grad_norm for layer in layers])
         for layer in layers:
             layer.noise_bound = total
 
     def set_thresholds(self, layers, values, collector) -> None:
-        total = math.hypot(*values)
+        total = noise_bound(values)
         for layer, c in zip(layers, values):
             layer._set_bounds(max_grad_norm=c, noise_bound=total)
