@@ -105,6 +105,14 @@ def _lookup(table, handle, what):
     return obj
 
 
+def _seal(*layers):
+    """Fingerprints what the layers' backward just produced (``LayerStep.seal_produced``): the graph
+    that receives it may add a plain use's gradient into its buffer in place, unseen by autograd."""
+    for lay in layers:
+        if lay._step is not None:
+            lay._step.seal_produced()
+
+
 def _geometry(stride, padding, dilation, groups):
     return None if stride is None else (list(stride), list(padding), list(dilation), groups)
 
@@ -156,6 +164,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     out = exact.clip_params(lay, x, g, geometry, pmask, book, lay.noise_bound, own_inputs=True)
     if out is None:
         return gx, none(), none(), gtoken
+    _seal(lay)
     gw, gb = out
     return gx, (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
 
@@ -251,6 +260,7 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
         exact._refuse_release([layer for layer in grp.layers if layer.layer_name in names],
                               "under torch.compile every flat layer's output must reach the loss (no gradient "
                               "can be left out of a compiled backward)", "run that layer eagerly or freeze it")
+    _seal(*grp.layers)
     return [grads[id(p)] for p in params]
 
 
@@ -347,6 +357,7 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
     else:
         geometry = (list(lay.stride), list(padding), list(lay.dilation), lay.groups, lay.norm)
         gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry)
+    _seal(lay)
     return tuple(t if t is not None else weight.new_empty(0) for t in (gx, gw, gb))
 
 
@@ -441,6 +452,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)
     if out is None:
         return none(), none(), gtoken
+    _seal(lay)
     gw, gb = out
     return (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
 
