@@ -71,3 +71,24 @@ def test_weight_used_in_plain_code_is_refused_under_inductor(mode, layer, backen
         F.cross_entropy(run(x), y).backward()
         opt.step()
     assert exc.value.rule == "weight-reuse"
+
+
+def test_compiled_private_ops_are_never_captured_in_a_cuda_graph():
+    """Finding 2 (critical, needs a GPU to show). ``mode="reduce-overhead"`` replays a CUDA graph of
+    the compiled step, and inductor's graph partition (on by default) keeps every GPU op in it that
+    is not tagged ``cudagraph_unsafe``, CPU ops split out. Our ops' work is Python (the step's draw,
+    its rows, the flat book, the budget), which a replay never runs: every replayed step would add
+    the same noise (two releases minus each other: the noise cancels) and no check would run. Each
+    op of the compiled path must carry the tag, so that inductor runs it outside any CUDA graph."""
+    from bpclip_fast import compiled  # noqa: F401 (registers the ops)
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    names = ["exact_forward", "exact_backward", "flat_collect", "flat_release", "backprop_forward",
+             "backprop_backward", "example_tap", "example_backward"]
+    ns = torch.ops.bpclip_fast_compiled
+    assert sorted(names) == sorted(n for n in dir(ns) if not n.startswith("_") and hasattr(getattr(ns, n), "default")
+                                   and n not in ("name",)), dir(ns)
+    graph = torch.fx.Graph()
+    for name in names:
+        node = graph.call_function(getattr(ns, name).default, ())
+        assert is_cudagraph_unsafe_fx_node(node), name
