@@ -157,6 +157,7 @@ class LayerStep:
         # Device bools, read at step() with one sync: "a gradient we restarted from was not zero",
         # "a gradient changed between two passes without a version change (a .data write)".
         self.edit_checks: list[torch.Tensor] = []
+        self.reuse_checks: list[torch.Tensor] = []  # device flags: a sealed output changed in place (compiled)
         self._expected: dict[int, tuple] = {}      # param index -> record of .grad after our last write
         self._fingerprints: dict[int, torch.Tensor] = {}  # param index -> bits of .grad after a partial pass
         self._param_versions = None  # the parameters' versions at the step's first backward pass
@@ -233,10 +234,13 @@ class LayerStep:
                                         f"{self._param_name(i)} (it can rewrite the gradient unseen)"))
             if incoming is None:  # nothing accumulates (a flat collector with no entry for this layer)
                 return None
-            if not _same_tensor(self._produced.pop(i, None), incoming):
+            record = self._produced.pop(i, None)
+            if not _same_tensor(record, incoming):
                 self.violations.append((
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
                     "(the parameter is used outside the layer, or a tensor hook changed its gradient)"))
+            elif len(record) > 2:  # sealed (seal_produced): the bits must be those our op returned
+                self.reuse_checks.append(_fingerprint(incoming).ne(record[2]))
             if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once
                 self.rows += self._pass_rows
                 self.noised = self.noised or self._pass_noised
@@ -413,6 +417,16 @@ class LayerStep:
             if g is not None:
                 self._produced[i] = _record(g)
 
+    def seal_produced(self) -> None:
+        """Adds the bits' fingerprint to the records of what this backward produced, for the compiled
+        path (:mod:`bpclip_fast.compiled`): there the traced graph, not autograd, adds the gradient of a
+        plain use of the weight to our op's output, and inductor writes that sum into our output's
+        buffer in place (``buf6 = buf3  # reuse``): the same tensor object at the same version."""
+        for i, rec in list(self._produced.items()):
+            t = rec[0]()
+            if t is not None and len(rec) == 2:
+                self._produced[i] = (*rec, _fingerprint(t))
+
     def check_budget(self, what: str) -> None:
         """Before anything that may end in a charged refusal: the engine's budget must cover the charge
         (else ``PrivacyBudgetError``, not charged; engine ``_budget_covers``)."""
@@ -436,6 +450,7 @@ class LayerStep:
         self._restart()
         self.violations.clear()
         self.edit_checks.clear()
+        self.reuse_checks.clear()
         self._produced.clear()
         self._fingerprints.clear()
         self._param_versions = None

@@ -43,6 +43,12 @@ import torch.nn.functional as F
 
 from . import exact
 
+# Every op below does its work in Python (the step's draw and rows, the flat book, the budget and
+# bounds checks), which the replay of a CUDA graph (mode="reduce-overhead") never runs: a replayed step
+# would add the draw of the captured one again. Inductor runs ops with this tag outside its graphs
+# (graph partition) or does not capture the graph at all.
+_NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
+
 _LAYERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 # Books of compiled flat forwards, by serial, until their release. A forward whose backward never
@@ -105,13 +111,21 @@ def _lookup(table, handle, what):
     return obj
 
 
+def _seal(*layers):
+    """Fingerprints what the layers' backward just produced (``LayerStep.seal_produced``): the graph
+    that receives it may add a plain use's gradient into its buffer in place, unseen by autograd."""
+    for lay in layers:
+        if lay._step is not None:
+            lay._step.seal_produced()
+
+
 def _geometry(stride, padding, dilation, groups):
     return None if stride is None else (list(stride), list(padding), list(dilation), groups)
 
 
 # ------------------------------------------------------------------------------ Linear / Conv2d
 
-@torch.library.custom_op("bpclip_fast_compiled::exact_forward", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::exact_forward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
                   layer: int, stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None,
                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +145,7 @@ def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
     return out, torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("bpclip_fast_compiled::exact_backward", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::exact_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, token: torch.Tensor | None,
                    version: torch.Tensor, layer: int, mask: list[bool], stride: list[int] | None,
                    padding: list[int] | None, dilation: list[int] | None,
@@ -156,6 +170,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     out = exact.clip_params(lay, x, g, geometry, pmask, book, lay.noise_bound, own_inputs=True)
     if out is None:
         return gx, none(), none(), gtoken
+    _seal(lay)
     gw, gb = out
     return gx, (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
 
@@ -217,7 +232,7 @@ def _book(serial: int) -> "exact._Book":
     return book
 
 
-@torch.library.custom_op("bpclip_fast_compiled::flat_collect", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::flat_collect", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def flat_collect(params: list[torch.Tensor], group: int) -> torch.Tensor:
     """A new book of ``group`` for this forward; one token per flat layer whose value is its serial."""
     grp = _lookup(_GROUPS, group, "flat clipping")
@@ -234,7 +249,7 @@ def _(params, group):
     return torch.empty(n, dtype=torch.float64, device="cpu")
 
 
-@torch.library.custom_op("bpclip_fast_compiled::flat_release", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::flat_release", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[torch.Tensor],
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
@@ -251,6 +266,7 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
         exact._refuse_release([layer for layer in grp.layers if layer.layer_name in names],
                               "under torch.compile every flat layer's output must reach the loss (no gradient "
                               "can be left out of a compiled backward)", "run that layer eagerly or freeze it")
+    _seal(*grp.layers)
     return [grads[id(p)] for p in params]
 
 
@@ -300,7 +316,7 @@ def _flat_token(layer):
 # op reads them at run time and returns what the backward needs of them (the bounds' version and Δ of
 # this forward) as a CPU float64 tensor, so nothing that moves between steps becomes a guard.
 
-@torch.library.custom_op("bpclip_fast_compiled::backprop_forward", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::backprop_forward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
                      padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, x_factor, x_norm, meta)``: the clipped layer's forward (the extension's op, which also
@@ -331,7 +347,7 @@ def _(x, weight, bias, layer, padding):
     return out, factor, norm, torch.empty(2, dtype=torch.float64, device="cpu")
 
 
-@torch.library.custom_op("bpclip_fast_compiled::backprop_backward", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::backprop_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Tensor, norm: torch.Tensor,
                       weight: torch.Tensor, meta: torch.Tensor, layer: int, mask: list[bool],
                       padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -347,6 +363,7 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
     else:
         geometry = (list(lay.stride), list(padding), list(lay.dilation), lay.groups, lay.norm)
         gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry)
+    _seal(lay)
     return tuple(t if t is not None else weight.new_empty(0) for t in (gx, gw, gb))
 
 
@@ -403,7 +420,7 @@ def backprop_layer(x, layer, padding=None):
 # clips the parameters' gradients (``exact._Tap``). An op may not return an alias of its input, so the
 # tap copies the output: one copy per layer, the price of an opaque node on this path.
 
-@torch.library.custom_op("bpclip_fast_compiled::example_tap", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::example_tap", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def example_tap(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
                 saved: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: a copy of the layer's output and the bounds' version of this forward."""
@@ -416,7 +433,7 @@ def _(out, weight, bias, token, saved, layer):
     return torch.empty_like(out), torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("bpclip_fast_compiled::example_backward", mutates_args=())
+@torch.library.custom_op("bpclip_fast_compiled::example_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[torch.Tensor],
                      token: torch.Tensor | None, version: torch.Tensor, layer: int,
                      mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -441,6 +458,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)
     if out is None:
         return none(), none(), gtoken
+    _seal(lay)
     gw, gb = out
     return (gw if gw is not None else none()), (gb if gb is not None else none()), gtoken
 

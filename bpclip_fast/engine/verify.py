@@ -62,7 +62,8 @@ def _layer_records(engine):
             layer_problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, "
                                    f"the batch drawn for it has {rows}", [st.name]))
         layer_problems += [(rule, details, [st.name]) for rule, details in dict.fromkeys(st.violations)]
-        checks += [(st.name, flag) for flag in st.edit_checks]
+        checks += [(st.name, flag, "edit") for flag in st.edit_checks]
+        checks += [(st.name, flag, "reuse") for flag in st.reuse_checks]
     return problems, layer_problems, pending, checks
 
 
@@ -70,10 +71,14 @@ def _edited(checks):
     """The layers whose gradient an edit check flagged (one sync, only in steps that have checks)."""
     if not checks:
         return []
-    flags = torch.stack([flag.to("cpu") for _, flag in checks]).tolist()
-    return [("grad-edit", f"{name}'s gradient was changed (not zeroed, not by its backward) "
+    flags = torch.stack([flag.to("cpu") for _, flag, _ in checks]).tolist()
+    bad = dict.fromkeys((name, kind) for (name, _, kind), b in zip(checks, flags) if b)
+    return [("weight-reuse", f"{name}'s gradient is not its layer's own output: the compiled graph added another "
+             "use of the parameter to it (the parameter is used outside the layer); use it only through its layer",
+             [name]) if kind == "reuse" else
+            ("grad-edit", f"{name}'s gradient was changed (not zeroed, not by its backward) "
              "between its backward passes or after them", [name])
-            for name in dict.fromkeys(name for (name, _), bad in zip(checks, flags) if bad)]
+            for name, kind in bad]
 
 
 def _nonfinite_problems(engine):
