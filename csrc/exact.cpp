@@ -46,8 +46,14 @@
 //   sq_W + under, under = (1 + w) E + w M^2 (times 1 + 2^-40 for the evaluation of these formulas).
 //   Without the tau terms, fp32 Gram entries of an input near 1e-24 underflowed to 0 while the
 //   upstream gradient's were near 1e38: bound 0 for an example of norm 0.05, 52 C by removal.
-// * T = 1 layers (Linear and Conv2d alike): sq = a^2 b^2 from the double norms, |sq_W - ||G_W||^2|
-//   <= eps M^2 with eps = e1 + gamma_1(v)(1 + e1), e1 = (1 + gamma_d(v))(1 + gamma_p(v))(1 + v) - 1.
+// * T = 1 layers (Linear and Conv2d alike): sq = (a a)(b b) from the double norms a = sqrt(S_x),
+//   b = sqrt(S_g) (S the double sums of squares, within gamma_d(v) and gamma_p(v)): each root's
+//   rounding counts twice once squared, then the two squares and their product round once each, so
+//   |sq_W - ||G_W||^2| <= e1 M^2, e1 = (1 + gamma_d(v))(1 + gamma_p(v))(1 + v)^7 - 1; and eps =
+//   e1 + gamma_8(v)(1 + e1) also covers the evaluation of the bound's formula (sq grow, eps P P, two
+//   additions and the root: at most 7 roundings of the radicand), for which fp64 data has no other
+//   slack (u = v there; fp32 data's grow carries 1/(1 - 2^-24)). (Until issue 25 e1 counted the
+//   product alone and eps gamma_1: for fp64 data with few outputs the bound could fall ~3 ulp short.)
 // * Instantiation (T > 1; G_W per example by one GEMM over the T positions): entry (j, k) is a dot
 //   product of length T with S_jk = sum_t |g_tj||x_tk|, sum_jk S_jk <= sqrt(d p) M: its relative part
 //   sums to ||.|| <= gamma_T(u) M (in kappa P); its subnormal inputs lose <= min(tau (A1 + B1),
@@ -259,8 +265,8 @@ std::vector<double> bound_consts(const Dims& dims, Method method, double up, at:
   c[kGrow] = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2), kV)));
   c[kKappa] = gamma_k(T, kV) + r;
   if (dims.T == 1) {  // ||x||^2 ||g||^2 from double norms
-    const double e1 = (1.0 + gamma_k(d, kV)) * (1.0 + gamma_k(p, kV)) * (1.0 + kV) - 1.0;
-    c[kEps] = e1 + gamma_k(1.0, kV) * (1.0 + e1);
+    const double e1 = (1.0 + gamma_k(d, kV)) * (1.0 + gamma_k(p, kV)) * std::pow(1.0 + kV, 7) - 1.0;
+    c[kEps] = e1 + gamma_k(8.0, kV) * (1.0 + e1);
   } else if (method == Method::kInstantiate) {
     c[kKappa] += gamma_k(T, u);
   }
@@ -479,7 +485,9 @@ std::tuple<at::Tensor, at::Tensor> scaled_inputs(const at::Tensor& grad_out, con
                                                  const at::Tensor& factor) {
   TORCH_CHECK(factor.dim() == 1 && factor.size(0) == x.size(0), "bpclip_fast: factor needs one entry per example");
   const at::ScalarType acc = acc_dtype(x);
-  return {scale_rows(grad_out.to(acc), factor), scale_rows(x.to(acc), factor.gt(0).to(factor.scalar_type()))};
+  // sign(c) is 1 where c > 0 and 0 where c = 0 (factors are never negative or NaN): one launch for
+  // the mask, and RZ(1 * x) = x.
+  return {scale_rows(grad_out.to(acc), factor), scale_rows(x.to(acc), at::sign(factor))};
 }
 
 void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntArrayRef noise_key, double noise_std,
