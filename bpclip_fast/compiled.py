@@ -56,6 +56,9 @@ _GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionar
 # a dropped book is refused (its norms could not be paired with the others').
 _BOOKS: "collections.OrderedDict[int, exact._Book]" = collections.OrderedDict()
 _MAX_BOOKS = 4096
+# Serials of the books already released (bounded like _BOOKS): a second backward reaching one is a
+# second pass over a retained graph, refused as eager refuses it.
+_RELEASED: "collections.OrderedDict[int, None]" = collections.OrderedDict()
 
 
 @torch._dynamo.assume_constant_result
@@ -156,7 +159,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     lay = _lookup(_LAYERS, layer, "layer")
     lay._check_bounds_version(int(version[0]))
     geometry = _geometry(stride, padding, dilation, groups)
-    book = None if token is None else _book(int(token.item()))
+    book = None if token is None else _book(int(token.item()), [lay])
     g = grad_out.contiguous()
     gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
     pmask = exact._trainable(lay) if book is not None else list(mask[1:])
@@ -223,8 +226,13 @@ def exact_layer(x, layer, geometry=None):
 
 # ------------------------------------------------------------------------------ flat: collector and release
 
-def _book(serial: int) -> "exact._Book":
+def _book(serial: int, layers=None) -> "exact._Book":
     book = _BOOKS.get(serial)
+    if book is None and serial in _RELEASED and layers:
+        # Eager flat refuses a second pass over a retained graph by its row count ('rows'); here the
+        # book is gone with its release, so the same refusal is made by name.
+        exact._refuse_release(layers, "a second backward pass reached a compiled flat forward whose release was "
+                              "already made (backward(retain_graph=True) run twice)", "run one backward per forward")
     if book is None:
         raise RuntimeError("bpclip_fast.compiled: a flat layer's backward reached a forward whose book was dropped "
                            f"(more than {_MAX_BOOKS} compiled forwards ran without their backward); run the backward "
@@ -254,8 +262,11 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
     grp = _lookup(_GROUPS, group, "flat clipping")
-    book = _book(int(tokens[0].item()))
+    book = _book(int(tokens[0].item()), grp.layers)
     del _BOOKS[book.serial]
+    _RELEASED[book.serial] = None
+    while len(_RELEASED) > _MAX_BOOKS:
+        _RELEASED.popitem(last=False)
     grads = grp.release(book)
     missing = [p for p in params if id(p) not in grads]
     if missing:
@@ -440,7 +451,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     """``(∇W, ∇b, ∇token)`` — ``exact._Tap.backward`` at run time; empty tensors where not returned."""
     lay = _lookup(_LAYERS, layer, "layer")
     lay._check_bounds_version(int(version[0]))
-    book = None if token is None else _book(int(token.item()))
+    book = None if token is None else _book(int(token.item()), [lay])
     pmask = exact._trainable(lay) if book is not None else list(mask)
 
     def none():

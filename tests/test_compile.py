@@ -232,3 +232,17 @@ def test_nonfinite_counts_compiled_equal_eager(mode):
                      if hasattr(layer, "_nonfinite")})
     assert runs[0] == runs[1]
     assert any(any(v) for v in runs[0].values())  # the NaN example was counted somewhere
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flat_second_backward_over_a_retained_graph_is_refused_as_rows(compiled):
+    model, opt, loader = _private(_base(), "flat")
+    cm = torch.compile(model, backend="aot_eager") if compiled else model
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    loss = F.cross_entropy(cm(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(StepRefused) as exc:
+        loss.backward()
+        opt.step()
+    assert exc.value.rule == "rows"
