@@ -18,10 +18,12 @@
 // matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u); tau: what
 // one GEMM operation may lose absolutely to underflow, 2^-126 for fp32 (the smallest normal: a
 // result flushed to zero, or a subnormal input read as zero, loses less), 2^-1022 for fp64).
-// The position norms a_t >= ||x_t||, b_t >= ||g_t|| are upper bounds (bound_consts: exact double
-// sums of squares at T = 1, elsewhere accumulation-dtype sums inflated for their rounding and their
-// underflow), and every sum of them below (P, X, M = sum_t a_t b_t, A1 = sum_t a_t, B1 = sum_t b_t)
-// is computed in double and inflated by 1 + 2 gamma_{T+d+p+4}(v) for its own rounding.
+// The position norms a_t, b_t bound ||x_t||, ||g_t|| (bound_consts: double sums of the rows' squares
+// in the kernel for every Linear and at T = 1, whose rounding, and an fp64 square's, the slack below
+// covers; a Conv2d's T > 1 positions from accumulation-dtype sums inflated for their rounding and
+// their underflow), and every sum of them below (P, X, M = sum_t a_t b_t, A1 = sum_t a_t, B1 =
+// sum_t b_t) is computed in double and inflated by 1 + 2 gamma_{T+d+p+4}(v) for its own rounding
+// and the norms' sums of d or p squares.
 // Everything after the GEMMs is one kernel per chunk, exact_bound_ (bpclip_fast/bound.h: the
 // position norms, sq, P, X, the error terms and the bound, per example in double). Its sums run in
 // the order of a warp's lanes and their reduction tree (the CPU kernel runs the same order); every
@@ -217,20 +219,22 @@ double sum_slack(int64_t n) { return 1.0 + 2.0 * gamma_k(static_cast<double>(n +
 // The constants of the bound's formulas, in the order of bpclip_fast/bound.h (whose kernel
 // exact_bound_ evaluates them per example in double; see the file comment for each term).
 // up: the unit roundoff of the position sums of squares the caller computes at T > 1.
-std::vector<double> bound_consts(const Dims& dims, Method method, double up, at::ScalarType acc) {
+std::vector<double> bound_consts(const Dims& dims, Method method, double up, at::ScalarType acc, bool summed) {
   std::vector<double> c(kBoundConsts, 0.0);
   const double d = static_cast<double>(dims.d), p = static_cast<double>(dims.p), T = static_cast<double>(dims.T);
   const double tau = dims.tau, u = dims.u;
-  // Position norms. T = 1: exact, the kernel sums the squares in double (exact squares of fp32
-  // values, which neither underflow nor overflow there). T > 1: from sums of k squares in the
-  // accumulation dtype (cheap: no double copy of x or g, which cost the MNIST net a third of its
-  // step), made upper bounds: the k squares and the k additions round by u each (relative,
-  // <= gamma_{k+2}(u) in all) and each may lose < tau to underflow (flush-to-zero, or a subnormal
-  // entry read as zero: its square is < tau too), so ||a_t||^2 <= sq (1 + 2 gamma_{k+2}(u)) + 3 k tau.
-  // (fp32 sums of squares of entries near 1e-24 underflowed to 0, and the ghost bound of an example
-  // of norm 0.05 came out 0.) A sum that overflows gives +Inf: the example's bound is then +Inf.
+  // Position norms. Not summed (T = 1, and every Linear): the kernel sums the squares of the rows
+  // in double itself (exact squares of fp32 values, which neither underflow nor overflow there; the
+  // additions' rounding, and an fp64 square's, is in the sums' slack below), with no launch of its
+  // own. Summed (a Conv2d's T > 1 positions: the convolution of x^2 with ones, which never reads the
+  // patches): from sums of k squares in the accumulation dtype, made upper bounds: the k squares and
+  // the k additions round by u each (relative, <= gamma_{k+2}(u) in all) and each may lose < tau to
+  // underflow (flush-to-zero, or a subnormal entry read as zero: its square is < tau too), so
+  // ||a_t||^2 <= sq (1 + 2 gamma_{k+2}(u)) + 3 k tau. (fp32 sums of squares of entries near 1e-24
+  // underflowed to 0, and the ghost bound of an example of norm 0.05 came out 0.) A sum that
+  // overflows gives +Inf: the example's bound is then +Inf.
   c[kGrowX] = c[kGrowG] = 1.0;
-  if (dims.T > 1) {
+  if (summed) {
     c[kGrowX] = 1.0 + 2.0 * gamma_k(d + 2.0, up);
     c[kAddX] = 3.0 * d * tau;
     c[kGrowG] = 1.0 + 2.0 * gamma_k(p + 2.0, up);
@@ -294,10 +298,11 @@ struct NormsOut {
   Dims dims;
   std::vector<double> consts;
   c10::optional<at::Tensor> nonfinite;
+  bool summed;  // the position sums of squares come from the caller (bound_consts)
 };
 
 // x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; xs, gs: the position
-// sums of squares [n, T] at T > 1 (undefined at T = 1: the kernel sums x3 and g3 in double). The
+// sums of squares [n, T] where out.summed (undefined otherwise: the kernel sums x3 and g3 in double). The
 // weight's sq comes from the GEMMs here (ghost: the two Gram matrices, whose entries' products the
 // kernel takes and sums in double: a finite example with entries near 1e12 has Gram entries near
 // 1e24, whose fp32 product overflowed; instantiation: [G_W] per row, squared and summed in double,
@@ -323,7 +328,7 @@ void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::T
       }
     }
   }
-  const bool summed = dims.T > 1;
+  const bool summed = out.summed;
   const int64_t flags = (dims.weight ? kBoundWeight : 0) | (dims.bias ? kBoundBias : 0) |
                         (out.method == Method::kGhost ? kBoundGhost : 0) | (summed ? kBoundSummed : 0);
   exact_bound_(out.sq, out.bound, summed ? xs.unsqueeze(2) : x3, summed ? gs.unsqueeze(2) : g3, g3, wa, wb, offset,
@@ -359,10 +364,10 @@ bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t group
          4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B);
 }
 
-NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, double up) {
+NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, double up, bool summed) {
   const at::TensorOptions f64 = x.options().dtype(at::kDouble);
   return NormsOut{at::empty({B}, f64), at::empty({B}, f64), {}, {}, method, dims,
-                  bound_consts(dims, method, up, acc_dtype(x)), c10::nullopt};
+                  bound_consts(dims, method, up, acc_dtype(x), summed), c10::nullopt, summed};
 }
 
 at::Tensor joined(const std::vector<at::Tensor>& parts, const at::Tensor& x) {
@@ -391,17 +396,14 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const int64_t rows = chunk_rows(elt * (T * (d + p) + temps) + 8 * T * (d + p), workspace, B);
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
   const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
-  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc));
+  // The kernel sums the rows' squares itself (not summed): four launches per layer fewer than the
+  // accumulation dtype's (x * x).sum(2) and (g * g).sum(2), and exact squares.
+  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), false);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
-    at::Tensor xs, gs;
-    if (T > 1) {
-      xs = (xc * xc).sum(2);
-      gs = (gc * gc).sum(2);
-    }
-    rows_norms(out, b0, xc, gc, xs, gs, 1, kept);
+    rows_norms(out, b0, xc, gc, at::Tensor(), at::Tensor(), 1, kept);
   }
   return finish(out, x);
 }
@@ -457,7 +459,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
   const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps) + 8 * G * T * (d + p), workspace, B);
   const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
-  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc));
+  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), T > 1);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
