@@ -22,8 +22,9 @@
 // in the kernel for every Linear and at T = 1, whose rounding, and an fp64 square's, the slack below
 // covers; a Conv2d's T > 1 positions from accumulation-dtype sums inflated for their rounding and
 // their underflow), and every sum of them below (P, X, M = sum_t a_t b_t, A1 = sum_t a_t, B1 =
-// sum_t b_t) is computed in double and inflated by 1 + 2 gamma_{T+d+p+4}(v) for its own rounding
-// and the norms' sums of d or p squares.
+// sum_t b_t) is computed in double and inflated by 1 + 2 gamma_{T+d+p+G+4}(v) for its own rounding,
+// the norms' sums of d or p squares and the sum over a Conv2d's G channel groups (G = 1 for Linear;
+// the groups' under and extra terms are summed too, covered by 2 gamma_{G+4}(v) in out_slack).
 // Everything after the GEMMs is one kernel per chunk, exact_bound_ (bpclip_fast/bound.h: the
 // position norms, sq, P, X, the error terms and the bound, per example in double). Its sums run in
 // the order of a warp's lanes and their reduction tree (the CPU kernel runs the same order); every
@@ -82,7 +83,8 @@
 //   term by at most (1 + r_in)^2 more: the relative part is then (1 + r)(1 + r_in)^2 - 1 =: r'.
 // Hence, by the triangle inequality on [G_W, G_b] and these perturbations, the contribution the
 // release holds is <= c (bound - 2K q sqrt(p) X) + q sqrt(p) X with grow = (1 - u)^-1 (1 -
-// gamma_n(v))^-1 (n the terms summed), eps as above (T = 1; 0 otherwise), under and extra as above, and kappa = gamma_T(u)
+// gamma_n(v))^-1 (n the terms summed, with the groups' G - 1 additions of their rows), eps as
+// above (T = 1; 0 otherwise), under and extra as above, and kappa = gamma_T(u)
 // [instantiation] + gamma_T(v) + r'. The absolute part q sqrt(p) X does not scale with c: the
 // bound carries it as 2K q sqrt(p) X (K = 2^60; the 2 covers the double rounding of that term and
 // its share of the last addition's) and exact.factors gives factor 0 to every example whose
@@ -101,7 +103,9 @@
 // Range: the Gram matrices and the instantiated gradients are fp32 for fp32 (and fp16/bf16) data, so
 // an example with input or upstream-gradient rows of norm above ~2^64 can still overflow them; its
 // bound is then +Inf and it gets factor 0 and is counted as non-finite (no contribution, so the bound
-// holds). fp64 data: squares below 2^-1022 may underflow the double position norms (clip.h's limits).
+// holds). fp64 data: squares below 2^-1022 may underflow the double position norms, so those add
+// 3 d tau (3 p tau) to each position's sum as the summed ones do (not clip.h's absolute limit: a
+// lost ||x_t|| multiplies ||g_t||, and x ~ 1e-163 with g ~ 1e153 gave a ghost bound of 0).
 //
 // ---- Memory layout ------------------------------------------------------------------------------
 // Every op reads its tensors by their logical indices (reshape, narrow, convolution, and the
@@ -218,8 +222,11 @@ double sum_slack(int64_t n) { return 1.0 + 2.0 * gamma_k(static_cast<double>(n +
 
 // The constants of the bound's formulas, in the order of bpclip_fast/bound.h (whose kernel
 // exact_bound_ evaluates them per example in double; see the file comment for each term).
-// up: the unit roundoff of the position sums of squares the caller computes at T > 1.
-std::vector<double> bound_consts(const Dims& dims, Method method, double up, at::ScalarType acc, bool summed) {
+// up: the unit roundoff of the position sums of squares the caller computes at T > 1. groups: the
+// rows per example (Conv2d's channel groups), whose sq, P, X, under and extra the kernel adds up in
+// double (groups - 1 additions each).
+std::vector<double> bound_consts(const Dims& dims, Method method, double up, at::ScalarType acc, bool summed,
+                                 int64_t groups) {
   std::vector<double> c(kBoundConsts, 0.0);
   const double d = static_cast<double>(dims.d), p = static_cast<double>(dims.p), T = static_cast<double>(dims.T);
   const double tau = dims.tau, u = dims.u;
@@ -233,15 +240,26 @@ std::vector<double> bound_consts(const Dims& dims, Method method, double up, at:
   // ||a_t||^2 <= sq (1 + 2 gamma_{k+2}(u)) + 3 k tau. (fp32 sums of squares of entries near 1e-24
   // underflowed to 0, and the ghost bound of an example of norm 0.05 came out 0.) A sum that
   // overflows gives +Inf: the example's bound is then +Inf.
+  // Not summed, fp64 data: a square below 2^-1022 underflows in double (an entry below ~1.5e-162
+  // squares to 0), losing < tau each, and its addition may lose < tau (flush-to-zero): a_t^2 =
+  // RN(S + 3 d tau) >= ||x_t||^2 (1 - gamma_d(v)) (1 - v). Without it, x ~ 1e-163 gave a_t = 0 while
+  // g ~ 1e153 made ||G_W|| ~ 1e-10: a ghost bound of 0, whatever C (the norms are scale-free, so
+  // this is no absolute 2^-537 loss as in clip.h: it multiplies ||g||).
   c[kGrowX] = c[kGrowG] = 1.0;
-  if (summed) {
-    c[kGrowX] = 1.0 + 2.0 * gamma_k(d + 2.0, up);
+  const bool add = summed || acc == at::kDouble;
+  if (add) {
     c[kAddX] = 3.0 * d * tau;
-    c[kGrowG] = 1.0 + 2.0 * gamma_k(p + 2.0, up);
     c[kAddG] = 3.0 * p * tau;
   }
-  c[kSlack] = sum_slack(dims.T + dims.d + dims.p);  // the norms' own sums of d or p squares too
-  c[kOutSlack] = 1.0 + 0x1p-40;                     // the few roundings of the error terms' formulas
+  if (summed) {
+    c[kGrowX] = 1.0 + 2.0 * gamma_k(d + 2.0, up);
+    c[kGrowG] = 1.0 + 2.0 * gamma_k(p + 2.0, up);
+  }
+  // P and X also add up the groups' rows (groups - 1 additions; a depthwise conv has many).
+  c[kSlack] = sum_slack(dims.T + dims.d + dims.p + groups);  // the norms' own sums of d or p squares too
+  // The few roundings of the error terms' formulas (2^-40), and the groups' sums of under and extra
+  // (non-negative terms; the product by this slack too).
+  c[kOutSlack] = 1.0 + 0x1p-40 + 2.0 * gamma_k(static_cast<double>(groups + 4), kV);
   // The GEMMs' error terms (T > 1), from M = sum_t a_t b_t, A1 = sum_t a_t, B1 = sum_t b_t. Every
   // term has a factor M or A1 B1, so an example whose gradient is 0 because its x or g is 0 gets none.
   // Ghost: under = (1 + w) E + w M^2 bounds |sq_W - ||G_W||^2| (added under the root).
@@ -265,11 +283,17 @@ std::vector<double> bound_consts(const Dims& dims, Method method, double up, at:
   // bound = sqrt(sq grow + eps P^2 + under) + kappa P + absolute X + extra.
   const double r = (1.0 + rz_unit(acc)) * (1.0 + dims.r_in) * (1.0 + dims.r_in) - 1.0;
   c[kAbsolute] = 2.0 * kFloorInverse * subnormal_quantum(acc) * std::sqrt(p);
+  // The sq of a row: its terms' sum (terms roundings), the bias's p squares, their addition; then the
+  // groups' rows added (groups - 1) and the product by grow. (The groups' sum was not counted: for
+  // fp64 data, where u = v leaves one rounding of slack, a depthwise conv's bound fell ~57 ulp short
+  // with 255 groups each under half an ulp of the first's sq.)
   const int64_t terms = method == Method::kGhost ? dims.T * dims.T : dims.d * dims.p;
-  c[kGrow] = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2), kV)));
+  c[kGrow] = 1.0 / ((1.0 - u) * (1.0 - gamma_k(static_cast<double>(terms + dims.p + 2 + (groups - 1)), kV)));
   c[kKappa] = gamma_k(T, kV) + r;
   if (dims.T == 1) {  // ||x||^2 ||g||^2 from double norms
-    const double e1 = (1.0 + gamma_k(d, kV)) * (1.0 + gamma_k(p, kV)) * std::pow(1.0 + kV, 7) - 1.0;
+    // (d + 1, p + 1: the addition of add rounds too where it is not 0)
+    const double dd = add ? d + 1.0 : d, pp = add ? p + 1.0 : p;
+    const double e1 = (1.0 + gamma_k(dd, kV)) * (1.0 + gamma_k(pp, kV)) * std::pow(1.0 + kV, 7) - 1.0;
     c[kEps] = e1 + gamma_k(8.0, kV) * (1.0 + e1);
   } else if (method == Method::kInstantiate) {
     c[kKappa] += gamma_k(T, u);
@@ -364,10 +388,11 @@ bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t group
          4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B);
 }
 
-NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, double up, bool summed) {
+NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, double up, bool summed,
+                     int64_t groups) {
   const at::TensorOptions f64 = x.options().dtype(at::kDouble);
   return NormsOut{at::empty({B}, f64), at::empty({B}, f64), {}, {}, method, dims,
-                  bound_consts(dims, method, up, acc_dtype(x), summed), c10::nullopt, summed};
+                  bound_consts(dims, method, up, acc_dtype(x), summed, groups), c10::nullopt, summed};
 }
 
 at::Tensor joined(const std::vector<at::Tensor>& parts, const at::Tensor& x) {
@@ -398,7 +423,7 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
   // The kernel sums the rows' squares itself (not summed): four launches per layer fewer than the
   // accumulation dtype's (x * x).sum(2) and (g * g).sum(2), and exact squares.
-  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), false);
+  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), false, 1);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
@@ -459,7 +484,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
   const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps) + 8 * G * T * (d + p), workspace, B);
   const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
-  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), T > 1);
+  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), T > 1, G);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);

@@ -112,13 +112,18 @@ def bounded_terms(case: Case, T: int, d: int, p: int, xn: torch.Tensor, gn: torc
     """``(P, √p·X, (M, A1, B1))`` as csrc/exact.cpp builds them: from upper bounds of the position norms
     (``xn``, ``gn``: exact float64, ``[n, positions]``), which where ``T > 1`` are the accumulation
     dtype's sums of ``k`` squares inflated by ``1 + 2γ_{k+2}(u)`` plus ``3k·τ`` for underflow (τ its
-    smallest normal), and sums over the positions in double (here with the bias 1 always, and
+    smallest normal; at ``T = 1`` fp64 data adds ``3k·τ`` too), and sums over the positions in double
+    (here with the bias 1 always, and
     ``1 + 1e-12`` for the code's own slack)."""
     if T > 1:
         acc = F64 if case.dtype == F64 else F32
         u, tau = UNIT[acc], torch.finfo(acc).tiny
         xn = (xn.square() * (1 + 2 * gamma(d + 2, u)) + 3 * d * tau).sqrt()
         gn = (gn.square() * (1 + 2 * gamma(p + 2, u)) + 3 * p * tau).sqrt()
+    elif case.dtype == F64:  # the kernel's own double sums add 3k·τ for fp64 squares that underflow
+        tau = torch.finfo(F64).tiny
+        xn = (xn.square() + 3 * d * tau).sqrt()
+        gn = (gn.square() + 3 * p * tau).sqrt()
     rows = (xn.square() + 1).sqrt()
     slack = 1 + 1e-12
     return ((gn * rows).sum(1) * slack, math.sqrt(p) * rows.sum(1) * slack,
@@ -140,12 +145,22 @@ def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Te
     r = RZ[acc]
     e1 = (1 + gamma(d, u)) * (1 + gamma(p, u)) * (1 + u) - 1
     eps = e1 + gamma(T * T, V) * (1 + e1)
+    if T == 1:  # the code's eps: the seven roundings of (a a)(b b), the formula's eight, fp64's 3k·τ addition
+        e1 = (1 + gamma(d + 1, u)) * (1 + gamma(p + 1, u)) * (1 + u) ** 7 - 1
+        eps = e1 + gamma(8, V) * (1 + e1)
     kappa = gamma(T, u) + gamma(T, V) + r
-    grow = 1.0 / ((1 - u) * (1 - gamma(max(T * T, d * p) + p + 2, V)))
+    groups = case.geometry.get("groups", 1)  # the kernel adds up the channel groups' sq (G - 1 additions)
+    grow = 1.0 / ((1 - u) * (1 - gamma(max(T * T, d * p) + p + 2 + groups - 1, V)))
     Pp = P * (1 + 2 * gamma(d + p + T + 4, u)) * (1 + 4 * V)
     subnormal = 2.0 * 2.0 ** 60 * subnormal_step(acc) * pX * (1 + 4 * gamma(d + p + T + 4, u))
     relative = (math.sqrt(grow) * (gamma(T, u) + math.sqrt(2 * eps)) + kappa) * Pp
-    return (math.sqrt(grow) - 1) * n + relative + subnormal + underflow_margin(case, T, d, p, sums)
+    lift = 0.0
+    if T == 1 and case.dtype == F64:
+        # the position norms' 3k·τ (bounded_terms) raise each group's a·b above ‖x‖‖g‖ by at most this
+        tau = torch.finfo(F64).tiny
+        lift = (math.sqrt(3 * p * tau) * sums[1] + math.sqrt(3 * d * tau) * sums[2] +
+                groups * 3 * math.sqrt(d * p) * tau) * math.sqrt(grow) * (1 + 1e-9)
+    return (math.sqrt(grow) - 1) * n + relative + subnormal + lift + underflow_margin(case, T, d, p, sums)
 
 
 def dense_margin(terms: int, n: torch.Tensor) -> torch.Tensor:

@@ -34,11 +34,12 @@ constexpr double kFloorInverse = 0x1p60;
 // What the kernel knows of a layer's norms: computed on the host (csrc/exact.cpp, bound_consts)
 // and passed as one float[] (kBoundConsts entries, in this order).
 enum BoundConst : int {
-  kGrowX,    // position norm of x: a_t = sqrt(S_t grow + add) (grow 1, add 0 where exact: T = 1)
+  kGrowX,    // position norm of x: a_t = sqrt(S_t grow + add) (grow 1 where the kernel sums, add 0 for
+             // fp32 data there)
   kAddX,
   kGrowG,    // likewise for g
   kAddG,
-  kSlack,    // sum_slack(T + d + p): the sums over positions
+  kSlack,    // sum_slack(T + d + p + G): the sums over positions and channel groups
   kGhostM2,  // ghost E = cM2 M^2 + 2 M (cB1 B1 + cA1 A1) + cAB (T M + A1 B1)
   kGhostB1,
   kGhostA1,
