@@ -7,7 +7,7 @@ backwards. Dynamo would trace into those backwards and AOTAutograd would run the
 trace time*: every later step would reuse one graph-task id, one noise key, one row count. So when
 ``torch.compiler.is_compiling()``, each exact layer's forward is instead one custom op (pure math)
 whose registered backward is another custom op; the backward op's *runtime* implementation is the
-eager backward's own code (``exact._step_args``, ``_norms``, ``_clip``), run inside the compiled
+eager backward's own code (``exact.clip_params``, ``exact._clip``, ``autograd._backward``), run inside the compiled
 backward node, so the graph-task id, draws and records are those of the real pass.
 
 Python objects cannot be op arguments, so the ops name them by integer handles:

@@ -405,11 +405,9 @@ def _flat_book(layer):
 
 def exact_layer(x, layer, sensitivity, geometry=None):
     """The forward of ``layer`` (Linear, or Conv2d with ``geometry = (stride, padding, dilation,
-    groups)``) under its exact clipping mode."""
+    groups)``) under its exact clipping mode, eager (the layers' forward sends a compiled one to
+    :mod:`bpclip_fast.compiled` before it gets here)."""
     _ops.require_extension()
-    if torch.compiler.is_compiling():  # opaque ops (bpclip_fast.compiled): no step bookkeeping traced
-        from . import compiled
-        return compiled.exact_layer(x, layer, geometry)
     weight, bias = layer.weight, layer.bias
     needs = torch.is_grad_enabled() and any(_trainable(layer))
     book, token = None, None
@@ -563,9 +561,6 @@ def example_layer(layer, x, sensitivity):
     """The forward of a layer whose per-example gradients are instantiated (``layer._forward(x,
     weight, bias, keep) -> (out, saved)``, ``layer._examples(saved, g, mask)``) under its exact mode."""
     _ops.require_extension()
-    if torch.compiler.is_compiling():  # opaque ops (bpclip_fast.compiled)
-        from . import compiled
-        return compiled.example_layer(layer, x)
     needs = torch.is_grad_enabled() and any(_trainable(layer))
     weight, bias = layer.weight, layer.bias
     detached = (weight.detach(), bias.detach() if bias is not None else None)

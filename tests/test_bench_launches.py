@@ -50,7 +50,9 @@ def test_an_extension_op_counts_its_own_kernel_and_what_it_calls():
         torch.ops.bpclip_fast.scale_rows(x, factor)
     inner = launches.inner_leaves(prof.events())
     ops, _, hist = _counted(lambda: torch.ops.bpclip_fast.scale_rows(x, factor), inner)
-    assert ops == 1 + inner.get("bpclip_fast::scale_rows", 0) == hist["bpclip_fast::scale_rows"]
+    # scale_rows is one kernel of its own that allocates its output and calls no ATen op with data
+    # work: one launch.
+    assert ops == hist["bpclip_fast::scale_rows"] == 1
 
 
 def test_a_composite_extension_op_counts_only_what_it_calls():
