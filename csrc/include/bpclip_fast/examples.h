@@ -60,8 +60,9 @@ inline double examples_bound_tiny(int64_t n, bool fp64) {
   return fp64 ? static_cast<double>(n) * 0x1p-1074 : 0.0;
 }
 
-// The halving tree over kBoundParts partial sums (part[t] += part[t + s], s = 128, .., 1), as the
-// CUDA block does it through shared memory; then the bound.
+// The bound from an example's sum of squares `total` (after the halving tree over the kBoundParts
+// partial sums, part[t] += part[t + s] for s = 128, .., 1, as the CUDA block does it in shared memory;
+// the partials of absent entries are exact zeros, so at most n - 1 additions round).
 BPCLIP_HD inline double examples_bound_of(double total, double tiny, double r) {
   return sqrt(total + tiny) * r;
 }
