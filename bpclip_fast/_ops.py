@@ -161,6 +161,16 @@ if _LOAD_ERROR is None:
         gw = x.new_empty((batch, d), dtype=_acc_dtype(x))
         return gw, torch.empty_like(gw)
 
+    @torch.library.register_fake("bpclip_fast::examples_bound")
+    def _examples_bound_fake(weight, bias, nonfinite=None):
+        like = weight if weight is not None else bias
+        return like.new_empty((like.shape[0],), dtype=torch.float64)
+
+    @torch.library.register_fake("bpclip_fast::examples_release")
+    def _examples_release_fake(weight, bias, factor, noise_key, noise_std, scale):
+        like = weight if weight is not None else bias
+        return tuple(t.new_empty(t.shape[1:]) if t is not None else like.new_empty((0,)) for t in (weight, bias))
+
 
 def build_config() -> dict:
     """What the extension was compiled with, as reported by the library itself."""
@@ -198,3 +208,24 @@ def norm_affine_example_grads(grad_out, x, mean, rstd, batch, groups=1, layer_no
     ``native_group_norm``: ``[batch, D]`` (or ``[batch, C]``), float32 (float64 for float64 data)."""
     return torch.ops.bpclip_fast.norm_affine_example_grads(grad_out, x, mean, rstd, int(batch), int(groups),
                                                            bool(layer_norm))
+
+
+def _need_values(weight, bias, op):
+    # (the C++ check is unreachable here: with no tensor argument the dispatcher finds no kernel)
+    if weight is None and bias is None:
+        raise ValueError(f"bpclip_fast.{op}: needs the weight's or the bias's per-example values (both are None)")
+
+
+def examples_bound(weight, bias=None, nonfinite=None):
+    """Float64 ``[B]`` upper bounds on the norms of per-example values ``weight``/``bias`` ``[B, *]``
+    (either may be ``None``) taken together; ``nonfinite`` (int64 ``[1]``) += the non-finite ones."""
+    _need_values(weight, bias, "examples_bound")
+    return torch.ops.bpclip_fast.examples_bound(weight, bias, nonfinite)
+
+
+def examples_release(weight, bias, factor, seed=0, offset=0, std=0.0, scale=1.0):
+    """``(Σ_b RZ(factor[b]·weight[b]) + noise)·scale`` and the same for ``bias`` (noise counters
+    ``offset`` and ``offset + 1``), in the values' dtype; an empty tensor where one is ``None``."""
+    _need_values(weight, bias, "examples_release")
+    return torch.ops.bpclip_fast.examples_release(weight, bias, factor, [int(seed), int(offset)], float(std),
+                                                  float(scale))

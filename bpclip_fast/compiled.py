@@ -465,7 +465,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
         g, saved = g.clone(), [t.clone() for t in saved]
     step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
     examples = lay._examples(tuple(saved), g, pmask)
-    bound = examples.bound(pmask)
+    bound = exact.example_bound(lay, examples, pmask, book)
     out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)
     if out is None:
         return none(), none(), gtoken

@@ -257,12 +257,12 @@ def _refuse_release(layers, details, instead, rule="rows"):
     raise RuntimeError(f"{details} [{names}]; {instead}")
 
 
-def _count_nonfinite(layer, bound):
-    """Adds the examples whose (float64) bound is not finite to the layer's count, in one launch:
+def _count_nonfinite(counter, bound):
+    """Adds the examples whose (float64) bound is not finite to ``counter``, in one launch:
     ``exact_factors`` counts exactly those (with ``fp64`` the bounds are not rounded to fp32, so no
     finite bound overflows into the count); its factors are not needed here. ``isfinite()``,
     ``logical_not``, ``sum`` and ``add_`` took seven launches per layer."""
-    torch.ops.bpclip_fast.exact_factors([bound], layer._nonfinite[1:2], 1.0, "clip", 0.0, True)
+    torch.ops.bpclip_fast.exact_factors([bound], counter, 1.0, "clip", 0.0, True)
 
 
 def _release(layer, x, g, factor, step_args, geometry, kept):
@@ -363,9 +363,7 @@ def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):
     """The part of a layer's backward after its norm bounds: ``flat`` leaves an entry in the book
     (returns ``None``); ``per_layer`` clips at once and returns ``(∇W, ∇b)``."""
     d = step_args[3]
-    if book is not None:
-        if geometry is EXAMPLES:  # the norms ops of Linear/Conv2d counted theirs (_norms)
-            _count_nonfinite(layer, bound)
+    if book is not None:  # the norms ops (_norms) and example_bound counted the non-finite bounds
         book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
         return None
     if layer.max_grad_norm > layer.noise_bound:  # the noise is scaled to noise_bound
@@ -425,7 +423,8 @@ EXAMPLES = "examples"  # the geometry of an entry whose ``kept`` is a per-exampl
 
 def _grow(terms: int) -> float:
     """``1 + (n + 4)·2^-52`` for ``n`` summed squares: covers the double sum and the roundings of
-    the root and the product by ``√grow`` (see :class:`DenseExamples`). Exact in double for ``n < 2^40``."""
+    the root and the product by ``√grow`` (RowExamples; DenseExamples' kernel uses ``grow(n + 1)``,
+    csrc/include/bpclip_fast/examples.h). Exact in double for ``n < 2^40``."""
     return 1.0 + (terms + 4) * 2.0 ** -52
 
 
@@ -433,37 +432,40 @@ class DenseExamples:
     """Each example's gradient stored as a tensor: ``[B, *weight.shape]`` (and bias), rounded to the
     parameters' dtype first (so that a lone example's release is exactly its stored values, with no
     rounding after the clipping). The release is ``Σ_i RZ(c_i·G_i)`` (summed in the accumulation
-    dtype), the very values normed here, so the bound needs only the rounding of the norm:
+    dtype, in a fixed order), the very values normed here, so the bound needs only the rounding of
+    the norm. Both are one kernel each (``examples_bound``, ``examples_release``; their arithmetic
+    and proofs: csrc/include/bpclip_fast/examples.h):
 
-    The norm is one ``linalg.vector_norm`` in double over the example's entries (weight and bias
-    side by side): its squares of fp32/bf16/fp16 entries are exact in double (an fp64 square rounds
-    once, ``≤ v``, ``v = 2^-53``); a double sum of ``n`` non-negative terms, in any order, errs by
-    at most ``γ_{n-1}(v)`` of the exact sum ``s = ‖G_i‖²``, so ``s ≤ ŝ / (1 − γ_n(v))``; its root
-    rounds once. The bound is that norm times ``r ≥ √grow`` (a double rounded up), which rounds
-    once more, so the computed bound is ``≥ √(ŝ·grow)·(1 − v)² ≥ ‖G_i‖`` whenever
-    ``grow ≥ 1/((1 − γ_n(v))(1 − v)⁴)``; ``grow = 1 + 2(n + 4)v`` is (for ``nv < 2^-13``).
+    The bound is each example's double sum of squares over its entries (weight and bias side by
+    side): squares of fp32/bf16/fp16 entries are exact in double; an fp64 square rounds once
+    (``≤ v``, ``v = 2^-53``) or underflows (absolute ``≤ τ/2``, ``τ = 2^-1074``, covered by adding
+    ``nτ``); a double sum of ``n`` non-negative terms, in any order, errs by at most
+    ``γ_{n-1}(v)``; that addition, the root and the product by ``r ≥ √grow(n + 1)`` round once each,
+    so the bound is ``≥ ‖G_i‖`` (for ``nv < 2^-13``: ``n < 2^39``, checked).
     ``factors`` then gives ``c_i·bound ≤ C`` (clip_rows' proof) and ``|RZ(c_i g)| ≤ c_i|g|`` entrywise
-    (``scale_rows``), so ``‖RZ(c_i·G_i)‖ ≤ C``: example ``i`` adds at most ``C`` to the release.
-    A non-finite ``G_i`` has a non-finite bound, factor 0, and adds exact zeros.
+    (the release rounds each product toward zero, as ``scale_rows``), so ``‖RZ(c_i·G_i)‖ ≤ C``:
+    example ``i`` adds at most ``C`` to the release. A non-finite ``G_i`` has a non-finite bound,
+    factor 0, and adds exact zeros (never ``0·NaN``). The release adds the step's draw to the sums
+    exactly as ``philox_noise_(accumulate=True)`` would (counters ``offset`` for the weight,
+    ``offset + 1`` for the bias), multiplies by the mean-loss scale and rounds once to the dtype.
     """
 
     def __init__(self, gw, gb, dtype):
         self.gw, self.gb = (t.to(dtype) if t is not None else None for t in (gw, gb))
 
-    def bound(self, mask) -> torch.Tensor:
-        parts = [t for t, m in zip((self.gw, self.gb), mask) if m and t is not None]
-        b = parts[0].shape[0]
-        # explicit sizes, not reshape(b, -1): an empty (Poisson) batch has b = 0
-        rows = [t.reshape(b, math.prod(t.shape[1:])) for t in parts]
-        rows = rows[0] if len(rows) == 1 else torch.cat(rows, 1)
-        # three launches whatever the layer (the squares, sum and root in one, the upcast inside it)
-        norm = torch.linalg.vector_norm(rows, 2, dim=1, dtype=torch.float64)
-        return norm * math.nextafter(math.sqrt(_grow(rows.shape[1])), math.inf)
+    def _masked(self, mask):
+        return tuple(t if m and t is not None else None for t, m in zip((self.gw, self.gb), mask))
 
-    def release(self, factor, mask):
-        return tuple(_ops.scale_rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), factor)
-                     .sum(0, dtype=factor.dtype).reshape(t.shape[1:])
-                     if m and t is not None else None for t, m in zip((self.gw, self.gb), mask))
+    def bound(self, mask, nonfinite=None) -> torch.Tensor:
+        """Float64 ``[B]``; ``nonfinite`` (flat clipping's per-layer count) += the non-finite ones."""
+        return _ops.examples_bound(*self._masked(mask), nonfinite)
+
+    def release(self, factor, mask, noise):
+        """``(∇W, ∇b)`` in the stored dtype: the clipped sums with the draw ``noise = (seed, offset,
+        std, scale)`` added and the scale applied (``None`` where masked)."""
+        w, b = self._masked(mask)
+        gw, gb = _ops.examples_release(w, b, factor, *noise)
+        return (gw if w is not None else None), (gb if b is not None else None)
 
 
 class RowExamples:
@@ -471,23 +473,43 @@ class RowExamples:
     positions ``t`` of example ``i = example[k]`` that read table row ``index[k]`` (ghost norm through
     index equality: no ``[B, V, D]`` tensor). ``‖G_i‖² = Σ_{k of i} ‖row_k‖²``; the release is
     ``Σ_k RZ(c_{example[k]}·row_k)`` into table row ``index[k]``, which holds example ``i``'s rows and
-    nothing else of it, so :class:`DenseExamples`' proof applies with ``n = D·(positions of i)``
-    (rows rounded to the table's dtype first, as there; the bound here is ``√(ŝ·grow)``, whose
-    product and root round three times, fewer than the four that ``grow`` allows for)."""
+    nothing else of it. The bound: the rows are rounded to the table's dtype first (fp32/fp16/bf16:
+    squares exact in double; fp64: see below), a double sum of ``n = D·(positions of i)`` squares
+    (``γ_{n-1}``), then ``√(ŝ·grow(n))``, whose product and root round twice: ``grow(n) ≥
+    1/((1 − γ_{n-1})(1 − v)^4)`` leaves room for them and for the fp64 squares' own rounding; an fp64
+    square that underflows is covered by adding ``nτ`` (``τ = 2^-1074``), one more rounding."""
 
     def __init__(self, rows, example, index, batch, positions, num_embeddings, dtype):
         self.rows, self.example, self.index = rows.to(dtype), example, index
         self.batch, self.positions, self.num_embeddings = batch, positions, num_embeddings
 
-    def bound(self, mask) -> torch.Tensor:
+    def bound(self, mask, nonfinite=None) -> torch.Tensor:
+        n = self.rows.shape[1] * self.positions
         sq = torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device)
         sq.index_add_(0, self.example, self.rows.double().square().sum(1))
-        return (sq * _grow(self.rows.shape[1] * self.positions)).sqrt()
+        if self.rows.dtype == torch.float64:  # squares that underflow (see the docstring)
+            sq.add_(n * 2.0 ** -1074)
+        bound = (sq * _grow(n + 1)).sqrt()
+        if nonfinite is not None:
+            _count_nonfinite(nonfinite, bound)
+        return bound
 
-    def release(self, factor, mask):
+    def release(self, factor, mask, noise):
         out = self.rows.new_zeros(self.num_embeddings, self.rows.shape[1], dtype=factor.dtype)
         out.index_add_(0, self.index, _ops.scale_rows(self.rows, factor[self.example]).to(factor.dtype))
-        return out, None
+        return _noised(out, self.rows.dtype, noise, 0), None
+
+
+def _noised(total, dtype, noise, which):
+    """The step's draw on a clipped sum ``total`` (accumulation dtype) of parameter ``which`` (0
+    weight, 1 bias: counters ``offset + which``), then the mean-loss scale, then one rounding to
+    ``dtype``. The one place the separately drawn noise of these layers is added."""
+    seed, offset, std, scale = noise
+    if std > 0:
+        _ops.philox_noise_(total, seed, offset + which, std, accumulate=True)
+    if scale != 1.0:
+        total.mul_(scale)
+    return total.to(dtype)
 
 
 def affine_example_grads(g, x, mean, rstd, groups, layer_norm, weight_shape, has_bias):
@@ -502,21 +524,19 @@ def affine_example_grads(g, x, mean, rstd, groups, layer_norm, weight_shape, has
 
 def _release_examples(layer, examples, factor, step_args, mask):
     """``(∇W, ∇b)`` from per-example gradients: the clipped sum, the step's draw (counters
-    ``offset`` for the weight, ``offset + 1`` for the bias, as every layer), the mean-loss scale."""
+    ``offset`` for the weight, ``offset + 1`` for the bias, as every layer), the mean-loss scale,
+    rounded once to the stored dtype (a parameter of another dtype is converted after)."""
     seed, offset, std, d, scale = step_args
-    sums = examples.release(factor, mask)
-    out = []
-    for p, total, m, off in zip((layer.weight, layer.bias), sums, mask, (offset, offset + 1)):
-        if not m:
-            out.append(None)
-            continue
-        acc = total.to(torch.float64 if p.dtype == torch.float64 else torch.float32)
-        if std > 0:
-            _ops.philox_noise_(acc, seed, off, std, accumulate=True)
-        if scale != 1.0:
-            acc.mul_(scale)
-        out.append(acc.to(p.dtype))
-    return tuple(out)
+    grads = examples.release(factor, mask, (seed, offset, std, scale))
+    return tuple(g.to(p.dtype) if m and g is not None else None
+                 for p, g, m in zip((layer.weight, layer.bias), grads, mask))
+
+
+def example_bound(layer, examples, mask, book):
+    """The norm bounds of a layer with instantiated per-example gradients; under flat clipping
+    (``book``) the layer's non-finite count is added to by the bound itself (the factors come later,
+    from every layer's bounds), as the Linear/Conv2d norms ops do."""
+    return examples.bound(mask, layer._nonfinite[1:2] if book is not None else None)
 
 
 class _Tap(torch.autograd.Function):
@@ -550,7 +570,7 @@ class _Tap(torch.autograd.Function):
         g = grad_out.contiguous()
         step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
         examples = layer._examples(saved, g, mask)
-        bound = examples.bound(mask)
+        bound = example_bound(layer, examples, mask, book)
         out = _clip(layer, book, bound, (None, None), examples, step_args, EXAMPLES, ctx.dtype)
         if out is None:  # flat: as _ExactLayer
             return grad_out, None, None, *nones

@@ -126,6 +126,17 @@ TORCH_LIBRARY(bpclip_fast, m) {
   m.def(
       "norm_affine_example_grads(Tensor grad_out, Tensor x, Tensor mean, Tensor rstd, int batch, int groups,"
       " bool layer_norm) -> (Tensor, Tensor)");
+  // Instantiated per-example gradients (bpclip_fast/exact.py, DenseExamples; the arithmetic and its
+  // proofs: bpclip_fast/examples.h). weight, bias: [B, *] values of one dtype (either may be None).
+  // examples_bound: float64 [B], an upper bound on each example's norm over both, rounding included;
+  // nonfinite (when given) += the examples whose bound is not finite. examples_release: the sums
+  // sum_b RZ(factor[b] * x[b]) (zeros for factor 0) of each, in a fixed order in fp32 (fp64), the
+  // noise of philox_noise_ (key [seed, offset]: the weight at offset, the bias at offset + 1; none
+  // for std 0), times scale, rounded once to the values' dtype; empty where not given.
+  m.def("examples_bound(Tensor? weight, Tensor? bias, Tensor(a!)? nonfinite=None) -> Tensor");
+  m.def(
+      "examples_release(Tensor? weight, Tensor? bias, Tensor factor, int[2] noise_key, float noise_std,"
+      " float scale) -> (Tensor, Tensor)");
   m.def("_build_config() -> str", &build_config);
 }
 

@@ -165,8 +165,10 @@ def norm_margin(case: Case, T: int, d: int, p: int, P: torch.Tensor, n: torch.Te
 
 def dense_margin(terms: int, n: torch.Tensor) -> torch.Tensor:
     """How far DenseExamples'/RowExamples' bound ``√(ŝ·grow)`` may exceed the stored norm: the double
-    sum of ``terms`` exact squares (γ_terms(v)), ``grow = 1 + (terms + 4)·2^-52`` and two roundings."""
-    return n * ((1 + gamma(terms, V)) * (1 + (terms + 4) * 2.0 ** -52) * (1 + V) ** 3 - 1)
+    sum of ``terms`` exact squares (γ_terms(v)), ``grow = 1 + (terms + 5)·2^-52`` (both use
+    ``grow(terms + 1)`` for their fp64 underflow term, whose own size is the caller's ``under``) and
+    three roundings."""
+    return n * ((1 + gamma(terms, V)) * (1 + (terms + 5) * 2.0 ** -52) * (1 + V) ** 3 - 1)
 
 
 def normalisation_error(case: Case, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

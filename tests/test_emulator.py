@@ -205,6 +205,25 @@ def test_norm_affine_group_norm(sim, request, shape, groups, dtype):
     assert harness.compare_norm_affine(sim, g, x, False, groups) == []
 
 
+# examples_bound / examples_release (DenseExamples). B = 0, 1, one part each (8), one past, many;
+# rows below, at and past the 256 partial sums (the bias straddling one), tiles of 32 below, at and
+# past; weight only, bias only. Bit for bit: both backends follow bpclip_fast/examples.h's orders.
+EXAMPLES_CASES = [(0, (5,), (5,)), (1, (1,), None), (8, (32,), (32,)), (9, (33,), (7,)), (19, (200,), (100,)),
+                  (3, None, (257,)), (2, (16, 40), (640,)), (40, (3,), (3,))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", EXAMPLES_CASES, ids=str)
+@pytest.mark.parametrize("noise", [(0.0, 1.0), (1.1, 0.3)], ids=["plain", "noised"])
+def test_examples_bound_and_release(sim, request, case, dtype, noise):
+    _schedule(sim, request)
+    B, ws, bs = case
+    gen = torch.Generator().manual_seed(len(request.node.nodeid))
+    w, b, factor = harness.examples_inputs(dtype, B, ws, bs, gen, nonfinite=True)
+    std, scale = noise
+    assert harness.compare_examples(sim, w, b, factor, 0xDEADBEEF12, 6, std, scale, count=True) == []
+
+
 @pytest.mark.parametrize("policy", ["in_order", "reverse", "random"])
 def test_results_do_not_depend_on_the_schedule(sim, policy):
     # Our reductions have a fixed order (no float atomics), so every schedule gives the same bits.
@@ -225,7 +244,7 @@ def test_every_global_kernel_is_launched(sim):
     kernels = harness.global_kernels()
     assert {"row_partial_kernel", "finalize_rows_kernel", "scale_rows_kernel", "clip_jvp_kernel",
             "philox_noise_kernel", "ln_affine_partial_kernel", "gn_affine_partial_kernel",
-            "affine_finalize_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
+            "affine_finalize_kernel", "examples_bound_kernel", "examples_release_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
     sim.schedule("random", 7)
     assert harness.sweep(sim) == []
     launched = {harness.kernel_base_name(name) for name in sim.stats()}
@@ -466,6 +485,17 @@ MUTANTS = {
     "affine_finalize_skips_last_chunk": ("norm_affine_kernels.cuh", "for (int64_t k = 0; k < K; ++k) s += p[k * O];",
                                          "for (int64_t k = 0; k + 1 < K; ++k) s += p[k * O];"),
     "gn_affine_wrong_group": ("norm_affine_kernels.cuh", "(o % D) / (D / G)", "(o % D) % G"),
+    "examples_bound_tree_skips_half": ("examples_kernels.cuh",
+                                       "for (int half = kBoundParts / 2; half > 0; half >>= 1) {",
+                                       "for (int half = kBoundParts / 4; half > 0; half >>= 1) {"),
+    "examples_release_skips_last_example": ("examples_kernels.cuh",
+                                            "for (int64_t b = p; b < B; b += kReleaseParts) {",
+                                            "for (int64_t b = p; b + 1 < B; b += kReleaseParts) {"),
+    "examples_release_bias_shares_weight_noise": ("examples_kernels.cuh", "const uint64_t off = is_w ? offset : offset + 1;",
+                                                  "const uint64_t off = offset;"),
+    "examples_release_scales_a_zero_factor_row": ("examples_kernels.cuh",
+                                                  "if (f != acc_t(0)) s += to_acc(scale_store(f, x[b * N + o]));",
+                                                  "s += to_acc(scale_store(f, x[b * N + o]));"),
     "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<fac_t>, warp_blocks(r.B),",
                                   "launch(finalize_rows_kernel<fac_t>, r.B / kWarpsPerBlock,"),
     "bound_reduction_skips_upper_lanes": ("bound_kernels.cuh",

@@ -405,6 +405,11 @@ def _opcheck_cases(device):
             gol, [6], None, None, 1e-5)[1:], 4, 1, True)),
         (OPS.norm_affine_example_grads, (go, torch.randn_like(go), *torch.ops.aten.native_group_norm(
             go, None, None, 4, 5, 16, 5, 1e-5)[1:], 4, 5, False)),
+        (OPS.examples_bound, (torch.randn(4, 3, 2, device=device), torch.randn(4, 6, device=device), c.clone())),
+        (OPS.examples_bound, (None, torch.randn(4, 5, device=device, dtype=torch.float64), None)),
+        (OPS.examples_release, (torch.randn(4, 3, 2, device=device), torch.randn(4, 6, device=device), f, [3, 4], 0.1,
+                                0.5)),
+        (OPS.examples_release, (torch.randn(4, 7, device=device), None, f, [0, 0], 0.0, 1.0)),
     ]
 
 

@@ -27,6 +27,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 
 #include "bound_launch.cuh"
 #include "clip_launch.cuh"
+#include "examples_launch.cuh"
 #include "noise_launch.cuh"
 #include "norm_affine_launch.cuh"
 
@@ -132,6 +133,26 @@ int simt_norm_affine(int dtype, const void* g, const void* x, const void* mean, 
     norm_affine_device<T, acc_t>(static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const acc_t*>(mean),
                                  static_cast<const acc_t*>(rstd), layer_norm != 0, B, R, D, G, work.data(),
                                  static_cast<acc_t*>(gw), static_cast<acc_t*>(gb));
+  });
+}
+
+// examples_bound over w [B, Nw] and bias [B, Nb] (either null); nonfinite may be null.
+int simt_examples_bound(int dtype, const void* w, const void* bias, int64_t B, int64_t Nw, int64_t Nb, double* out,
+                        int64_t* nonfinite) {
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    examples_bound_device<T>(static_cast<const T*>(w), static_cast<const T*>(bias), B, Nw, Nb, dtype == kF64, out,
+                             reinterpret_cast<unsigned long long*>(nonfinite));
+  });
+}
+
+// examples_release: out_w [Nw], out_b [Nb] of the values' dtype; factor [B] of the accumulation dtype.
+int simt_examples_release(int dtype, const void* w, const void* bias, const void* factor, int64_t B, int64_t Nw,
+                          int64_t Nb, uint64_t seed, uint64_t offset, float stdv, double scale, void* out_w,
+                          void* out_b) {
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    examples_release_device<T, acc_t>(static_cast<const T*>(w), static_cast<const T*>(bias),
+                                      static_cast<const acc_t*>(factor), B, Nw, Nb, seed, offset, stdv,
+                                      static_cast<acc_t>(scale), static_cast<T*>(out_w), static_cast<T*>(out_b));
   });
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -126,6 +127,10 @@ def _ptr(t: torch.Tensor):
     return ctypes.c_void_p(t.data_ptr())
 
 
+def _ptr_or_null(t):
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else ctypes.c_void_p(None)
+
+
 def summary(sim: "Simt") -> str:
     """One line: how many of csrc/cuda's kernels, instantiations and launches ``sim`` executed."""
     ours = global_kernels()
@@ -153,6 +158,8 @@ class Simt:
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
         lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
+        lib.simt_examples_bound.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp]
+        lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, ctypes.c_float, dbl, vp, vp]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
             getattr(lib, name).argtypes = [vp, vp, i64, i32]
@@ -193,6 +200,15 @@ class Simt:
         N = g[0].numel() if B else 0
         self.call("simt_clip_rows_backward", DTYPES[g.dtype], _ptr(g), _ptr(xc), _ptr(factor), _ptr(norm), B, N,
                   bound, CLIP_FNS[clip_fn], _ptr(out))
+
+    def examples_bound(self, dtype, w, b, B, Nw, Nb, out, nonfinite):
+        """w, b: flat buffers (or None); out float64 [B]; nonfinite int64 [1] or None."""
+        self.call("simt_examples_bound", DTYPES[dtype], _ptr_or_null(w), _ptr_or_null(b), B, Nw, Nb, _ptr(out),
+                  _ptr_or_null(nonfinite))
+
+    def examples_release(self, dtype, w, b, factor, B, Nw, Nb, seed, offset, std, scale, out_w, out_b):
+        self.call("simt_examples_release", DTYPES[dtype], _ptr_or_null(w), _ptr_or_null(b), _ptr(factor), B, Nw, Nb,
+                  seed, offset, std, scale, _ptr_or_null(out_w), _ptr_or_null(out_b))
 
     def norm_affine(self, g, x, mean, rstd, gw, gb, *, layer_norm, B, R, D, G):
         """mean/rstd flat in the accumulation dtype; gw, gb [B, D] buffers of that dtype."""
@@ -451,6 +467,57 @@ def compare_norm_affine(sim: Simt, g, x, layer_norm: bool, groups: int = 1, norm
     return problems
 
 
+def compare_examples(sim: Simt, w, b, factor, seed=0, offset=0, std=0.0, scale=1.0, count=False):
+    """Emulated examples_bound and examples_release vs the CPU ops: bit-identical (the same fixed
+    orders: bpclip_fast/examples.h; the noise with FMA contraction off, as the emulator builds),
+    the counter alike, and nothing written past the ends. w or b may be None."""
+    like = w if w is not None else b
+    dtype, B = like.dtype, like.shape[0]
+    Nw = w[0].numel() if w is not None and B else (math.prod(w.shape[1:]) if w is not None else 0)
+    Nb = b[0].numel() if b is not None and B else (math.prod(b.shape[1:]) if b is not None else 0)
+    problems = []
+    bbuf, bound = guarded(B, torch.float64)
+    counter = torch.zeros(1, dtype=torch.int64) if count else None
+    gw_in = guarded_copy(w.contiguous()) if w is not None else None
+    gb_in = guarded_copy(b.contiguous()) if b is not None else None
+    sim.examples_bound(dtype, gw_in, gb_in, B, Nw, Nb, bound, counter)
+    ref_counter = torch.zeros(1, dtype=torch.int64) if count else None
+    ref = torch.ops.bpclip_fast.examples_bound(w, b, ref_counter)
+    if not _guard_intact(bbuf, B, float("nan")):
+        problems.append("bound: written past its end")
+    if not torch.equal(_bits(bound), _bits(ref)):
+        problems.append(f"bound differs at {int((_bits(bound) != _bits(ref)).sum())} of {B} examples")
+    if count and not torch.equal(counter, ref_counter):
+        problems.append(f"nonfinite count {int(counter)} vs the CPU's {int(ref_counter)}")
+    wbuf, ow = guarded(Nw, dtype) if w is not None else (None, None)
+    obuf, ob = guarded(Nb, dtype) if b is not None else (None, None)
+    sim.examples_release(dtype, gw_in, gb_in, guarded_copy(factor), B, Nw, Nb, seed, offset, std, scale, ow, ob)
+    rw, rb = torch.ops.bpclip_fast.examples_release(w, b, factor, [seed, offset], std, scale)
+    for name, buf, out, r, n in (("weight", wbuf, ow, rw, Nw), ("bias", obuf, ob, rb, Nb)):
+        if out is None:
+            continue
+        if not _guard_intact(buf, n, float("nan")):
+            problems.append(f"release {name}: written past its end")
+        if not torch.equal(_bits(out), _bits(r.reshape(-1))):
+            problems.append(f"release {name} differs at {int((_bits(out) != _bits(r.reshape(-1))).sum())} of {n}")
+    return problems
+
+
+def examples_inputs(dtype, B, wshape, bshape, gen, nonfinite=False):
+    """Per-example values and factors for compare_examples; with nonfinite, example 1 holds NaN and
+    Inf with factor 0 (and its bound is not finite)."""
+    w = torch.randn(B, *wshape, generator=gen, dtype=torch.float64).to(dtype) if wshape is not None else None
+    b = torch.randn(B, *bshape, generator=gen, dtype=torch.float64).to(dtype) if bshape is not None else None
+    factor = torch.rand(B, generator=gen, dtype=torch.float64).to(acc_dtype(dtype))
+    if nonfinite and B > 1:
+        factor[1] = 0
+        for t in (w, b):
+            if t is not None:
+                t.view(B, -1)[1, 0] = float("nan")
+                t.view(B, -1)[1, -1] = float("inf")
+    return w, b, factor
+
+
 BOUND_CONSTS = 18  # kBoundConsts of bpclip_fast/bound.h
 
 
@@ -565,6 +632,10 @@ def sweep(sim: Simt) -> list[str]:
                          for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks, misalign=mis)]
             problems += [f"noise+ {label}: {p}"
                          for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks, misalign=mis)]
+        for B, ws, bs in ((9, (40,), (40,)), (3, (13, 21), None), (2, None, (300,))):
+            w, b, factor = examples_inputs(dtype, B, ws, bs, gen, nonfinite=True)
+            problems += [f"examples {dtype} B={B}: {p}"
+                         for p in compare_examples(sim, w, b, factor, 31, 4, 0.9, 0.25, count=True)]
         for shape, ln, groups in (((3, 70, 33), True, 1), ((2, 5, 9), True, 1), ((2, 6, 4097), False, 3),
                                   ((9, 4, 5), False, 2)):
             g = torch.randn(shape, generator=gen).to(dtype)

@@ -1,0 +1,153 @@
+// CPU kernels of examples_bound and examples_release: the bound and the clipped, noised release of
+// instantiated per-example gradients (bpclip_fast/exact.py, DenseExamples). The arithmetic and the
+// summation orders are bpclip_fast/examples.h's, the same as the CUDA kernels'
+// (csrc/cuda/examples_kernels.cuh), so both give the same bits (the noise up to the GPU's FMA
+// contraction, as philox_noise_).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <type_traits>
+
+#include "../common.h"
+#include "../examples_args.h"
+#include "bpclip_fast/examples.h"
+#include "bpclip_fast/philox.h"
+
+namespace bpclip {
+namespace {
+
+inline double square_f64(float v) { return static_cast<double>(v) * static_cast<double>(v); }
+inline double square_f64(double v) { return v * v; }
+inline double square_f64(c10::Half v) { return square_f64(static_cast<float>(v)); }
+inline double square_f64(c10::BFloat16 v) { return square_f64(static_cast<float>(v)); }
+
+template <typename scalar_t>
+void bound_rows(const scalar_t* w, const scalar_t* bias, const ExamplesShape& s, double* out, int64_t* bad) {
+  const int64_t n = s.Nw + s.Nb;
+  const double r = examples_bound_factor(n);
+  const double tiny = examples_bound_tiny(n, std::is_same_v<scalar_t, double>);
+  int64_t count = 0;
+  for (int64_t b = 0; b < s.B; ++b) {
+    double part[kBoundParts] = {};
+    // Entry j goes to part j mod kBoundParts (the CUDA thread that reads it), in increasing j.
+    for (int64_t j0 = 0; j0 < n; j0 += kBoundParts) {
+      const int64_t m = std::min<int64_t>(kBoundParts, n - j0);
+      for (int64_t t = 0; t < m; ++t) {
+        const int64_t j = j0 + t;
+        part[t] += j < s.Nw ? square_f64(w[b * s.Nw + j]) : square_f64(bias[b * s.Nb + (j - s.Nw)]);
+      }
+    }
+    for (int half = kBoundParts / 2; half > 0; half >>= 1)
+      for (int t = 0; t < half; ++t) part[t] += part[t + half];
+    out[b] = examples_bound_of(part[0], tiny, r);
+    count += finite_bound(out[b]) ? 0 : 1;
+  }
+  *bad = count;
+}
+
+at::Tensor examples_bound_cpu(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              std::optional<at::Tensor> nonfinite) {
+  const ExamplesArgs a = check_examples_args(weight, bias, "examples_bound");
+  if (nonfinite) check_counter(*nonfinite, a.like);
+  at::Tensor out = at::empty({a.s.B}, a.like.options().dtype(at::kDouble));
+  if (a.s.B == 0) return out;
+  int64_t bad = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.like.scalar_type(), "examples_bound_cpu", [&] {
+    bound_rows<scalar_t>(a.w.defined() ? a.w.const_data_ptr<scalar_t>() : nullptr,
+                         a.b.defined() ? a.b.const_data_ptr<scalar_t>() : nullptr, a.s,
+                         out.mutable_data_ptr<double>(), &bad);
+  });
+  if (bad && nonfinite) nonfinite->add_(bad);  // a launch only when some example is not finite
+  return out;
+}
+
+// RZ_T(f x) widened to acc_t (bpclip_fast/clip.h, as scale_rows stores it); f != 0.
+inline float scaled(float f, float x) { return scale_rz_f32(f, x); }
+inline double scaled(double f, double x) { return scale_rz_f64(f, x); }
+inline float scaled(float f, c10::Half x) {
+  return static_cast<float>(c10::Half(scale_rz_f16_bits(f, static_cast<float>(x)), c10::Half::from_bits()));
+}
+inline float scaled(float f, c10::BFloat16 x) {
+  return static_cast<float>(
+      c10::BFloat16(scale_rz_bf16_bits(f, static_cast<float>(x)), c10::BFloat16::from_bits()));
+}
+
+constexpr int64_t kReleaseSpan = 512;  // elements per CPU task
+
+// out[o] for o in [lo, hi) of one tensor ([B, N] per-example values x), counter offset `offset`.
+template <typename scalar_t, typename acc_t>
+void release_span(const scalar_t* x, const acc_t* factor, int64_t B, int64_t N, int64_t lo, int64_t hi,
+                  uint64_t seed, uint64_t offset, float stdv, acc_t scale, scalar_t* out) {
+  const int64_t m = hi - lo;
+  acc_t part[kReleaseParts][kReleaseSpan] = {};
+  for (int64_t b = 0; b < B; ++b) {  // example b into part b mod kReleaseParts, in increasing b
+    const acc_t f = factor[b];
+    if (f == acc_t(0)) continue;  // adds +0 (exactly nothing) on the GPU; x may be NaN/Inf here
+    acc_t* p = part[b % kReleaseParts];
+    const scalar_t* row = x + b * N + lo;
+    for (int64_t t = 0; t < m; ++t) p[t] += scaled(f, row[t]);
+  }
+  float z[kNormalsPerGroup];
+  for (int64_t t = 0; t < m; ++t) {
+    const int64_t o = lo + t;
+    acc_t column[kReleaseParts];
+    for (int q = 0; q < kReleaseParts; ++q) column[q] = part[q][t];
+    acc_t v = release_parts_total(column);
+    if (stdv > 0.0f) {  // philox_noise_'s accumulate: one float product, one add in acc_t
+      if (t == 0 || o % kNormalsPerGroup == 0)  // a group's eight normals, drawn once
+        philox_normal8(seed, offset, static_cast<uint64_t>(o / kNormalsPerGroup), z);
+      v = v + static_cast<acc_t>(stdv * z[o % kNormalsPerGroup]);
+    }
+    if (scale != acc_t(1)) v = v * scale;
+    out[o] = static_cast<scalar_t>(v);
+  }
+}
+
+template <typename scalar_t>
+void release_tensor(const at::Tensor& x, const at::Tensor& factor, int64_t B, int64_t N, uint64_t seed,
+                    uint64_t offset, float stdv, double scale, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* xp = B ? x.const_data_ptr<scalar_t>() : nullptr;
+  const acc_t* fp = factor.const_data_ptr<acc_t>();
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  const int64_t spans = (N + kReleaseSpan - 1) / kReleaseSpan;
+  at::parallel_for(0, spans, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t lo = s * kReleaseSpan;
+      release_span<scalar_t, acc_t>(xp, fp, B, N, lo, std::min(lo + kReleaseSpan, N), seed, offset, stdv,
+                                    static_cast<acc_t>(scale), op);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> examples_release_cpu(const std::optional<at::Tensor>& weight,
+                                                        const std::optional<at::Tensor>& bias,
+                                                        const at::Tensor& factor_in, at::IntArrayRef noise_key,
+                                                        double noise_std, double scale) {
+  const ExamplesArgs a = check_examples_args(weight, bias, "examples_release");
+  const ReleaseNoise k = check_release_args(a, factor_in, noise_key, noise_std, scale);
+  const at::Tensor factor = factor_in.contiguous();
+  at::Tensor ow = a.w.defined() ? at::empty(a.w.sizes().slice(1), a.like.options()) : a.like.new_empty({0});
+  at::Tensor ob = a.b.defined() ? at::empty(a.b.sizes().slice(1), a.like.options()) : a.like.new_empty({0});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.like.scalar_type(), "examples_release_cpu", [&] {
+    if (a.w.defined())
+      release_tensor<scalar_t>(a.w, factor, a.s.B, a.s.Nw, k.seed, k.offset, k.stdv, scale, ow);
+    if (a.b.defined())
+      release_tensor<scalar_t>(a.b, factor, a.s.B, a.s.Nb, k.seed, k.offset + 1, k.stdv, scale, ob);
+  });
+  return {ow, ob};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
+  m.impl("examples_bound", &examples_bound_cpu);
+  m.impl("examples_release", &examples_release_cpu);
+}
+
+}  // namespace bpclip
