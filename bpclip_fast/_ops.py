@@ -55,6 +55,20 @@ if _LOAD_ERROR is None:
     def _philox_noise_fake(buf, seed, offset, std, accumulate):
         return None
 
+    @torch.library.register_fake("bpclip_fast::philox_noise2_")
+    def _philox_noise2_fake(w, b, seed, offset, std, accumulate_w, accumulate_b):
+        return None
+
+    @torch.library.register_fake("bpclip_fast::scale_rows2")
+    def _scale_rows2_fake(x, x_factor, y, y_factor, mask_y):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(y, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("bpclip_fast::clip_rows_rescale")
+    def _clip_rows_rescale_fake(g, nonfinite, bound, norm, clip_fn, gamma, x, x_factor):
+        return (*_clip_rows_fake(g, nonfinite, bound, norm, clip_fn, gamma),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
     @torch.library.register_fake("bpclip_fast::linear_forward")
     def _linear_forward_fake(x, weight, bias, nonfinite, input_bound, clip_fn, gamma):
         b = x.shape[0]
@@ -200,6 +214,26 @@ def philox_noise_(buf, seed, offset, std, accumulate=False):
     """``buf = std*z`` (or ``buf += std*z``) with z ~ N(0, 1) from Philox4x32-10 keyed by (seed, offset)."""
     torch.ops.bpclip_fast.philox_noise_(buf, int(seed), int(offset), float(std), bool(accumulate))
     return buf
+
+
+def philox_noise2_(w, b, seed, offset, std, accumulate_w=False, accumulate_b=False):
+    """A layer's two noise draws in one launch: ``w`` as ``philox_noise_(w, seed, offset, ...)`` and ``b``
+    as ``philox_noise_(b, seed, offset + 1, ...)``, bit for bit (w and b share a device and dtype)."""
+    torch.ops.bpclip_fast.philox_noise2_(w, b, int(seed), int(offset), float(std), bool(accumulate_w),
+                                         bool(accumulate_b))
+    return w, b
+
+
+def scale_rows2(x, x_factor, y, y_factor, mask_y=False):
+    """``(scale_rows(x, x_factor), scale_rows(y, y_factor))`` in one launch; with ``mask_y`` the second is
+    ``y`` where ``y_factor > 0`` and zeros elsewhere (``scale_rows(y, sign(y_factor))``)."""
+    return torch.ops.bpclip_fast.scale_rows2(x, x_factor, y, y_factor, bool(mask_y))
+
+
+def clip_rows_rescale(g, nonfinite, bound, norm, clip_fn, gamma, x, x_factor):
+    """``(*clip_rows(g, ...), scale_rows(x, x_factor))`` with one elementwise pass for both."""
+    return torch.ops.bpclip_fast.clip_rows_rescale(g, nonfinite, float(bound), norm, clip_fn, float(gamma), x,
+                                                   x_factor)
 
 
 def norm_affine_example_grads(grad_out, x, mean, rstd, batch, groups=1, layer_norm=True):

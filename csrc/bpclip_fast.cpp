@@ -38,12 +38,27 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // to x's dtype; zeros where factor[b] == 0), bit for bit what clip_rows wrote for that factor.
   // The layer backward rebuilds the clipped input from the saved x and factor with it.
   m.def("scale_rows(Tensor x, Tensor factor) -> Tensor");
+  // Two row scalings in one launch: (scale_rows(x, x_factor), scale_rows(y, y_factor)), or with mask_y
+  // the second as scale_rows(y, sign(y_factor)) (y's rows kept where the factor is positive, zeros
+  // elsewhere): the exact modes' scaled upstream gradient and masked input. x and y share the batch.
+  m.def("scale_rows2(Tensor x, Tensor x_factor, Tensor y, Tensor y_factor, bool mask_y) -> (Tensor, Tensor)");
+  // clip_rows(g, ...) and scale_rows(x, x_factor) in one op, the second in the same elementwise launch
+  // as clip_rows' own scaling: the layer backward's clipped upstream gradient and rebuilt clipped
+  // input. Returns (clipped g, factor, norm, x rescaled).
+  m.def(
+      "clip_rows_rescale(Tensor g, Tensor(a!) nonfinite, float bound, str norm, str clip_fn, float gamma,"
+      " Tensor x, Tensor x_factor) -> (Tensor, Tensor, Tensor, Tensor)");
   // Exact vector-Jacobian product of x -> x * s(x) (L2 input clipping), from the saved forward.
   m.def(
       "clip_rows_backward(Tensor grad, Tensor clipped, Tensor factor, Tensor norm, float bound, str clip_fn)"
       " -> Tensor");
   // buf = std * z (accumulate=False) or buf += std * z, z from Philox4x32-10 keyed by (seed, offset).
   m.def("philox_noise_(Tensor(a!) buf, int seed, int offset, float std, bool accumulate) -> ()");
+  // A layer's two noise draws in one launch: w as philox_noise_ at offset, b at offset + 1 (the same
+  // bits as the two calls). w and b share a device and a dtype.
+  m.def(
+      "philox_noise2_(Tensor(a!) w, Tensor(b!) b, int seed, int offset, float std, bool accumulate_w,"
+      " bool accumulate_b) -> ()");
   // Layer forward: clip the input per example (L2), then ATen's linear / convolution.
   // Returns (out, x_factor, x_norm): the clipped input itself stays inside, the backward rebuilds it
   // from x and x_factor (csrc/layers.cpp, reclip).

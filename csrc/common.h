@@ -188,4 +188,36 @@ inline void check_noise_args(const at::Tensor& buf, double stdv) {
   TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise_: std must be finite and >= 0, got ", stdv);
 }
 
+// One launch covers both tensors on a GPU, so they share a device and a dtype (a layer's weight and
+// bias gradients always do: both in the accumulation dtype, or both in the parameters').
+inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double stdv) {
+  check_float_tensor(w, "w");
+  check_float_tensor(b, "b");
+  check_same_device(w, b, "w", "b");
+  TORCH_CHECK(w.scalar_type() == b.scalar_type(), "bpclip_fast.philox_noise2_: w is ", w.scalar_type(),
+              " but b is ", b.scalar_type(), "; both tensors need one dtype (or call philox_noise_ on each)");
+  TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise2_: std must be finite and >= 0, got ", stdv);
+}
+
+// clip_rows_rescale: g clipped as clip_rows does, x rescaled by x_factor as scale_rows does; one batch.
+inline void check_clip_rows_rescale_args(const at::Tensor& g, const at::Tensor& x, const at::Tensor& x_factor) {
+  check_scale_rows_args(x, x_factor);
+  check_same_device(g, x, "g", "x");
+  TORCH_CHECK(g.dim() >= 1 && g.size(0) == x.size(0), "bpclip_fast.clip_rows_rescale: g has ",
+              g.dim() >= 1 ? g.size(0) : 0, " examples but x has ", x.size(0));
+  TORCH_CHECK(g.scalar_type() == x.scalar_type(), "bpclip_fast.clip_rows_rescale: g is ", g.scalar_type(),
+              " but x is ", x.scalar_type(), "; both need one dtype");
+}
+
+// scale_rows2: both tensors scaled per example of one batch, each by a factor of its own dtype's.
+inline void check_scale_rows2_args(const at::Tensor& x, const at::Tensor& fx, const at::Tensor& y,
+                                   const at::Tensor& fy) {
+  check_scale_rows_args(x, fx);
+  check_scale_rows_args(y, fy);
+  check_same_device(x, y, "x", "y");
+  TORCH_CHECK(x.size(0) == y.size(0), "bpclip_fast.scale_rows2: x has ", x.size(0), " examples but y has ", y.size(0));
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "bpclip_fast.scale_rows2: x is ", x.scalar_type(), " but y is ",
+              y.scalar_type(), "; both need one dtype");
+}
+
 }  // namespace bpclip

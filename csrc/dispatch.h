@@ -44,5 +44,34 @@ inline void philox_noise_(at::Tensor& buf, int64_t seed, int64_t offset, double 
   op.call(buf, seed, offset, stdv, accumulate);
 }
 
+inline void philox_noise2_(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t offset, double stdv, bool accumulate_w,
+                           bool accumulate_b) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::philox_noise2_", "")
+                       .typed<void(at::Tensor&, at::Tensor&, int64_t, int64_t, double, bool, bool)>();
+  op.call(w, b, seed, offset, stdv, accumulate_w, accumulate_b);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> scale_rows2(const at::Tensor& x, const at::Tensor& x_factor,
+                                                      const at::Tensor& y, const at::Tensor& y_factor, bool mask_y) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("bpclip_fast::scale_rows2", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, bool)>();
+  return op.call(x, x_factor, y, y_factor, mask_y);
+}
+
+using Quad = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+inline Quad clip_rows_rescale(const at::Tensor& g, at::Tensor& nonfinite, double bound, c10::string_view norm,
+                              c10::string_view clip_fn, double gamma, const at::Tensor& x, const at::Tensor& x_factor) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::clip_rows_rescale", "")
+                       .typed<Quad(const at::Tensor&, at::Tensor&, double, c10::string_view, c10::string_view, double,
+                                   const at::Tensor&, const at::Tensor&)>();
+  return op.call(g, nonfinite, bound, norm, clip_fn, gamma, x, x_factor);
+}
+
 }  // namespace ops
 }  // namespace bpclip

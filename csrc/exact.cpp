@@ -129,8 +129,9 @@ namespace {
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 
+using ops::philox_noise2_;
 using ops::philox_noise_;
-using ops::scale_rows;
+using ops::scale_rows2;
 
 double gamma_k(double k, double u) { return k * u / (1.0 - k * u); }
 
@@ -512,16 +513,22 @@ std::tuple<at::Tensor, at::Tensor> scaled_inputs(const at::Tensor& grad_out, con
                                                  const at::Tensor& factor) {
   TORCH_CHECK(factor.dim() == 1 && factor.size(0) == x.size(0), "bpclip_fast: factor needs one entry per example");
   const at::ScalarType acc = acc_dtype(x);
-  // sign(c) is 1 where c > 0 and 0 where c = 0 (factors are never negative or NaN): one launch for
-  // the mask, and RZ(1 * x) = x.
-  return {scale_rows(grad_out.to(acc), factor), scale_rows(x.to(acc), at::sign(factor))};
+  // Both in one launch (scale_rows2); the mask scales x's rows by 1 where c > 0 and by 0 where c = 0
+  // (factors are never negative or NaN), and RZ(1 * x) = x.
+  return scale_rows2(grad_out.to(acc), factor, x.to(acc), factor, true);
 }
 
+// The weight's noise at the key's offset, the bias' at offset + 1 (added); both in one launch.
 void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntArrayRef noise_key, double noise_std,
                bool accumulate_weight) {
   if (noise_std <= 0.0) return;
-  if (weight) philox_noise_(gw, noise_key[0], noise_key[1], noise_std, accumulate_weight);
-  if (bias) philox_noise_(gb, noise_key[0], noise_key[1] + 1, noise_std, true);
+  if (weight && bias) {
+    philox_noise2_(gw, gb, noise_key[0], noise_key[1], noise_std, accumulate_weight, true);
+  } else if (weight) {
+    philox_noise_(gw, noise_key[0], noise_key[1], noise_std, accumulate_weight);
+  } else if (bias) {
+    philox_noise_(gb, noise_key[0], noise_key[1] + 1, noise_std, true);
+  }
 }
 
 // The release from kept per-example gradients: sum_i c_i G_i as one GEMV over the batch (fp32, or
@@ -567,17 +574,18 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
   const at::Tensor g2 = gs.reshape({-1, weight.size(0)}), x2 = xs.reshape({-1, weight.size(1)});
   const at::TensorOptions out = weight.options().dtype(acc_dtype(weight));
   at::Tensor gw = at::empty({0}, out), gb = gw;
+  if (params[1]) gb = g2.sum(0);  // first, so that its noise goes in with the weight's (one launch)
   if (params[0]) {
     gw = at::empty(weight.sizes(), out);
     if (noise_std > 0.0) {  // the noise first, the GEMM accumulates into it: one buffer
-      philox_noise_(gw, noise_key[0], noise_key[1], noise_std, false);
+      add_noise(gw, gb, true, params[1], noise_key, noise_std, false);
       gw.addmm_(g2.t(), x2);
     } else {
       at::mm_out(gw, g2.t(), x2);
     }
+  } else {
+    add_noise(gw, gb, false, params[1], noise_key, noise_std, true);
   }
-  if (params[1]) gb = g2.sum(0);
-  add_noise(gw, gb, false, params[1], noise_key, noise_std, true);
   return {gw, gb};
 }
 

@@ -15,8 +15,9 @@ namespace {
 using Triple = ops::Triple;
 using ops::clip_rows;
 using ops::clip_rows_backward;
+using ops::clip_rows_rescale;
+using ops::philox_noise2_;
 using ops::philox_noise_;
-using ops::scale_rows;
 
 void check_layer_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         const char* layer) {
@@ -59,15 +60,30 @@ void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, cons
               grad_out.scalar_type(), " but the input was ", x.scalar_type());
 }
 
-// x~ = RZ(s x) again, bit for bit as clip_rows wrote it in the forward: scale_rows runs the same
-// element function (the exact product rounded toward zero to x's dtype, zeros where s = 0 whatever
-// x holds; bpclip_fast/clip.h), in one pass into a row-major buffer (the layout clip_rows wrote; a
-// non-contiguous x is made contiguous first, as clip_rows did in the forward).
+// The backward's prologue, one op (clip_rows_rescale): the upstream gradient clipped per example
+// (clip_rows), and x~ = RZ(s x) again, bit for bit as clip_rows wrote it in the forward, in the same
+// elementwise launch as the gradient's scaling: scale_rows' element function (the exact product
+// rounded toward zero to x's dtype, zeros where s = 0 whatever x holds; bpclip_fast/clip.h) into a
+// row-major buffer (the layout clip_rows wrote; a non-contiguous x is made contiguous first, as
+// clip_rows did in the forward).
 // Why recompute rather than save x~: the layer's input x is usually saved anyway by the op that
 // produced it (tanh and ReLU save their output), so saving x costs nothing, while x~ is a second
 // copy of every layer input, measured as +24-32% peak memory on the CIFAR-10 net over non-private
 // training. Recomputing costs one elementwise pass in the backward.
-at::Tensor reclip(const at::Tensor& x, const at::Tensor& factor) { return scale_rows(x, factor); }
+ops::Quad clipped_pair(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& x_factor,
+                       at::Tensor& nonfinite, const BackwardArgs& a, c10::string_view grad_norm) {
+  return clip_rows_rescale(grad_out, nonfinite, a.grad_bound, grad_norm, a.clip_fn, a.gamma, x, x_factor);
+}
+
+// The weight's (and the bias') noise, both draws in one launch: the weight at the key's offset, the
+// bias at offset + 1.
+void add_layer_noise(at::Tensor& gw, at::Tensor& gb, const BackwardArgs& a, bool accumulate_w) {
+  if (a.has_bias) {
+    philox_noise2_(gw, gb, a.seed, a.offset, a.noise_std, accumulate_w, true);
+  } else {
+    philox_noise_(gw, a.seed, a.offset, a.noise_std, accumulate_w);
+  }
+}
 
 // fp16/bf16 weight and bias gradients are summed over the batch, and noised, in fp32, and rounded
 // to the parameter dtype once, after the noise: a sum rounded to fp16 before the noise would move
@@ -90,27 +106,23 @@ Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
                        std::array<bool, 2> output_mask, at::IntArrayRef noise_key, double noise_std) {
   const BackwardArgs a = backward_args(bounds, clip_fn, gamma, output_mask, noise_key, noise_std, "linear_backward");
   check_backward_inputs(grad_out, x, weight, "linear_backward");
-  const at::Tensor x_clipped = reclip(x, x_factor);
   const int64_t in_f = weight.size(1), out_f = weight.size(0);
-  auto [gc, gfactor, gnorm] = clip_rows(grad_out, nonfinite, a.grad_bound, "l2", a.clip_fn, a.gamma);
+  auto [gc, gfactor, gnorm, x_clipped] = clipped_pair(grad_out, x, x_factor, nonfinite, a, "l2");
   const at::Tensor g2 = gc.reshape({-1, out_f});
   const at::Tensor x2 = x_clipped.reshape({-1, in_f});
 
-  // The noise goes in first and the GEMM accumulates into it: one buffer, no extra pass.
+  // The bias sum first; then the noise, the weight's written and the bias' added (one launch); then
+  // the GEMM accumulates into the weight's: one buffer, no extra pass.
   const at::Tensor g2w = widened(g2), x2w = widened(x2);
   at::Tensor gw = at::empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
+  at::Tensor gb = a.has_bias ? g2w.sum(0) : weight.new_empty({0});
   if (a.noise_std > 0.0) {
-    philox_noise_(gw, a.seed, a.offset, a.noise_std, false);
+    add_layer_noise(gw, gb, a, false);
     gw.addmm_(g2w.t(), x2w);
   } else {
     at::mm_out(gw, g2w.t(), x2w);
   }
-  at::Tensor gb = weight.new_empty({0});
-  if (a.has_bias) {
-    gb = g2w.sum(0);
-    if (a.noise_std > 0.0) philox_noise_(gb, a.seed, a.offset + 1, a.noise_std, true);
-    gb = gb.to(weight.scalar_type());
-  }
+  if (a.has_bias) gb = gb.to(weight.scalar_type());
   gw = gw.to(weight.scalar_type());
   at::Tensor gx = x_clipped.new_empty({0});
   if (a.input_grad) {
@@ -136,9 +148,8 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
                        double gamma, std::array<bool, 2> output_mask, at::IntArrayRef noise_key, double noise_std) {
   const BackwardArgs a = backward_args(bounds, clip_fn, gamma, output_mask, noise_key, noise_std, "conv2d_backward");
   check_backward_inputs(grad_out, x, weight, "conv2d_backward");
-  const at::Tensor x_clipped = reclip(x, x_factor);
   TORCH_CHECK(grad_out.dim() == 4, "bpclip_fast.conv2d_backward: grad_out must be [B, C, H, W]");
-  auto [gc, gfactor, gnorm] = clip_rows(grad_out, nonfinite, a.grad_bound, grad_norm, a.clip_fn, a.gamma);
+  auto [gc, gfactor, gnorm, x_clipped] = clipped_pair(grad_out, x, x_factor, nonfinite, a, grad_norm);
   at::Tensor gx_c, gw, gb;
   if (x_clipped.size(0) == 0) {
     gw = at::zeros_like(weight, at::MemoryFormat::Contiguous);
@@ -162,11 +173,8 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
     gb = std::get<2>(grads);
   }
   // ATen's convolution backward has no accumulate-into-output form, so here the noise is added to
-  // the fresh gradient buffer in place: the same memory traffic as writing it first.
-  if (a.noise_std > 0.0) {
-    philox_noise_(gw, a.seed, a.offset, a.noise_std, true);
-    if (a.has_bias) philox_noise_(gb, a.seed, a.offset + 1, a.noise_std, true);
-  }
+  // the fresh gradient buffers in place: the same memory traffic as writing them first.
+  if (a.noise_std > 0.0) add_layer_noise(gw, gb, a, true);
   gw = gw.to(weight.scalar_type());
   if (a.has_bias) gb = gb.to(weight.scalar_type());
   if (!a.has_bias) gb = weight.new_empty({0});

@@ -176,6 +176,58 @@ def test_philox_noise_packs_only_aligned_buffers(sim, dtype):
         assert len(new) == 1 and next(iter(new)).endswith(", false, " + packed), (misalign, new)
 
 
+# philox_noise2_: a layer's weight and bias in one launch, each bit for bit philox_noise_ (the bias
+# at offset + 1): sizes as NOISE_LENGTHS for either buffer, empty ones, every accumulate pairing.
+NOISE2_SIZES = [(0, 0), (0, 9), (5, 0), (1, 1), (256, 1), (257, 264), (1032, 7), (40001, 1025)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("nw,nb", NOISE2_SIZES)
+@pytest.mark.parametrize("acc_w,acc_b", [(False, False), (False, True), (True, False), (True, True)])
+def test_philox_noise2_matches_two_cpu_calls(sim, request, nw, nb, dtype, acc_w, acc_b):
+    _schedule(sim, request)
+    assert harness.compare_noise2(sim, nw, nb, dtype, seed=2**60 + nw, offset=(9 << 20) | 4, std=0.9,
+                                  accumulate_w=acc_w, accumulate_b=acc_b) == []
+
+
+@pytest.mark.parametrize("blocks,threads", [(1, 32), (3, 64), (2, 256)])
+@pytest.mark.parametrize("dtype,misalign", [(torch.float32, 0), (torch.float32, 1), (torch.float16, 0),
+                                            (torch.float64, 3)], ids=["f32", "f32-misaligned", "f16", "f64-misaligned"])
+def test_philox_noise2_grid_stride_and_misaligned(sim, request, blocks, threads, dtype, misalign):
+    # Small grids: warps stride over both buffers' tiles, the bias' numbered on after the weight's.
+    _schedule(sim, request)
+    assert harness.compare_noise2(sim, 10007, 2063, dtype, seed=11, offset=2**63 - 1, std=1.0, accumulate_w=False,
+                                  accumulate_b=True, blocks=blocks, threads=threads, misalign=misalign) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", [(0, 5), (1, 1), (3, 31), (4, 33), (2, 4097), (9, 100)], ids=str)
+@pytest.mark.parametrize("mask_y", [False, True])
+def test_scale_rows2_matches_scale_rows(sim, request, shape, dtype, mask_y):
+    _schedule(sim, request)
+    x = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
+    y = _data(shape[:1] + (4100,), dtype, seed=len(request.node.nodeid) + 1, nonfinite=shape[0] > 2)
+    gen = torch.Generator().manual_seed(len(request.node.nodeid))
+    fx = (torch.rand(shape[0], generator=gen, dtype=torch.float64) * 3).to(harness.acc_dtype(dtype))
+    fy = (torch.rand(shape[0], generator=gen, dtype=torch.float64) * 3).to(harness.acc_dtype(dtype))
+    if shape[0] > 2:
+        fx[2] = fy[2] = fy[0] = 0
+    assert harness.compare_scale_rows2(sim, x, fx, y, fy, mask_y) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("norm,shape", [("l2", (1, 5)), ("l2", (4, 33)), ("l2", (3, 4097)), ("l15", (3, 16, 8, 8))],
+                         ids=str)
+def test_clip_rows_rescale_matches_clip_rows_and_scale_rows(sim, request, norm, shape, dtype):
+    _schedule(sim, request)
+    g = _data(shape, dtype, seed=len(request.node.nodeid), nonfinite=shape[0] > 2)
+    x = _data(shape[:1] + (70,), dtype, seed=len(request.node.nodeid) + 2)
+    gen = torch.Generator().manual_seed(len(request.node.nodeid))
+    fx = (torch.rand(shape[0], generator=gen, dtype=torch.float64) * 3).to(harness.acc_dtype(dtype))
+    fx[-1] = 0
+    assert harness.compare_clip_rows_rescale(sim, g, norm, "clip", _bound_between_norms(g, norm), x, fx) == []
+
+
 # norm_affine_example_grads. LayerNorm [B, T, D]: T at, one past and well past the 64-row chunk
 # (one chunk: no finalize; several: partials and finalize), outputs (B·D·chunks threads) below,
 # at and across a 256-thread block, D = 1, and normalized_shape of two dims. GroupNorm [B, C, S]:
@@ -243,8 +295,9 @@ def test_every_global_kernel_is_launched(sim):
     """Fails when csrc/cuda has a __global__ kernel that the emulator tests never launch."""
     kernels = harness.global_kernels()
     assert {"row_partial_kernel", "finalize_rows_kernel", "scale_rows_kernel", "clip_jvp_kernel",
-            "philox_noise_kernel", "ln_affine_partial_kernel", "gn_affine_partial_kernel",
-            "affine_finalize_kernel", "examples_bound_kernel", "examples_release_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
+            "philox_noise_kernel", "philox_noise2_kernel", "scale_rows2_kernel", "ln_affine_partial_kernel",
+            "gn_affine_partial_kernel", "affine_finalize_kernel", "examples_bound_kernel",
+            "examples_release_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
     sim.schedule("random", 7)
     assert harness.sweep(sim) == []
     launched = {harness.kernel_base_name(name) for name in sim.stats()}
@@ -482,6 +535,17 @@ MUTANTS = {
     "noise_old_values_read_before_staged": ("noise_kernels.cuh", "__syncwarp();  // the old values of", "//"),
     "noise_last_partial_tile_packed": ("noise_kernels.cuh", "const int64_t tiles = n / kNoiseTile;",
                                        "const int64_t tiles = (n + kNoiseTile - 1) / kNoiseTile;"),
+    # philox_noise2_: the bias drawn from the weight's stream; the bias' accumulate flag lost; the
+    # mask of scale_rows2 ignored (the input's dropped rows kept).
+    "noise2_bias_draws_the_weight_stream": ("noise_launch.cuh", "const uint64_t offset_b = offset + 1u;",
+                                            "const uint64_t offset_b = offset;"),
+    "noise2_bias_accumulate_flag_lost": ("noise_launch.cuh", "  if (accumulate_b) {\n    launch(philox_noise2_kernel",
+                                         "  if (accumulate_b == kAccW) {\n    launch(philox_noise2_kernel"),
+    "noise2_bias_tiles_on_the_weight_length": ("noise_kernels.cuh",
+                                               "philox_noise_tiles<T, kAccB, false>(b, nb,",
+                                               "philox_noise_tiles<T, kAccB, false>(b, nb < nw ? nb : nw,"),
+    "scale_rows2_mask_ignored": ("clip_kernels.cuh", "scale_tile(y, fy, Ny, tiles_y, t - x_blocks, mask_y != 0, oy);",
+                                 "scale_tile(y, fy, Ny, tiles_y, t - x_blocks, mask_y < 0, oy);"),
     "affine_finalize_skips_last_chunk": ("norm_affine_kernels.cuh", "for (int64_t k = 0; k < K; ++k) s += p[k * O];",
                                          "for (int64_t k = 0; k + 1 < K; ++k) s += p[k * O];"),
     "gn_affine_wrong_group": ("norm_affine_kernels.cuh", "(o % D) / (D / G)", "(o % D) % G"),

@@ -227,11 +227,12 @@ scalar_t from_double(double v) {
 }
 
 // out[row b] = RZ(factor[b] * x[row b]), zeros where factor[b] = 0 (never 0 * x: x may hold the
-// NaN/Inf that caused it). The one elementwise pass of clip_rows and scale_rows.
+// NaN/Inf that caused it). The one elementwise pass of clip_rows and scale_rows. mask: the factor
+// used is 1 where factor[b] > 0 and 0 otherwise (RZ(1 * x) = x: the row kept as it is, or zeros).
 template <typename scalar_t, typename fac_t>
-void scale_pass(const scalar_t* xp, const fac_t* fp, const RowGeometry& r, scalar_t* op) {
+void scale_pass(const scalar_t* xp, const fac_t* fp, const RowGeometry& r, scalar_t* op, bool mask = false) {
   for_each_row_tile(r, [&](int64_t b, int64_t lo, int64_t hi) {
-    const fac_t f = fp[b];
+    const fac_t f = mask ? (fp[b] > fac_t(0) ? fac_t(1) : fac_t(0)) : fp[b];
     if (f == fac_t(0)) {
       for (int64_t i = lo; i < hi; ++i) op[i] = scalar_t(0);
     } else if constexpr (std::is_same_v<scalar_t, float>) {
@@ -290,6 +291,32 @@ at::Tensor scale_rows_cpu(const at::Tensor& x_in, const at::Tensor& factor_in) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> scale_rows2_cpu(const at::Tensor& x_in, const at::Tensor& fx_in,
+                                                   const at::Tensor& y_in, const at::Tensor& fy_in, bool mask_y) {
+  check_scale_rows2_args(x_in, fx_in, y_in, fy_in);
+  const at::Tensor x = x_in.contiguous(), y = y_in.contiguous();
+  const at::Tensor fx = fx_in.contiguous(), fy = fy_in.contiguous();
+  const RowGeometry rx = row_geometry(x, kL2, kChunk), ry = row_geometry(y, kL2, kChunk);
+  at::Tensor ox = at::empty_like(x, at::MemoryFormat::Contiguous), oy = at::empty_like(y, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "scale_rows2_cpu", [&] {
+    using fac_t = at::opmath_type<scalar_t>;
+    scale_pass<scalar_t, fac_t>(x.const_data_ptr<scalar_t>(), fx.const_data_ptr<fac_t>(), rx,
+                                ox.mutable_data_ptr<scalar_t>());
+    scale_pass<scalar_t, fac_t>(y.const_data_ptr<scalar_t>(), fy.const_data_ptr<fac_t>(), ry,
+                                oy.mutable_data_ptr<scalar_t>(), mask_y);
+  });
+  return {ox, oy};
+}
+
+// clip_rows(g) with scale_rows(x, x_factor): on a GPU the two scalings are one launch (clip_launch.cuh).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> clip_rows_rescale_cpu(
+    const at::Tensor& g, at::Tensor& nonfinite, double bound, c10::string_view norm, c10::string_view clip_fn,
+    double gamma, const at::Tensor& x, const at::Tensor& x_factor) {
+  check_clip_rows_rescale_args(g, x, x_factor);
+  auto [gc, factor, norms] = clip_rows_cpu(g, nonfinite, bound, norm, clip_fn, gamma);
+  return {gc, factor, norms, scale_rows_cpu(x, x_factor)};
+}
+
 at::Tensor clip_rows_backward_cpu(const at::Tensor& grad_in, const at::Tensor& clipped_in, const at::Tensor& factor,
                                   const at::Tensor& norms, double bound, c10::string_view clip_fn_s) {
   const int fn = check_clip_backward_args(grad_in, clipped_in, factor, norms, bound, clip_fn_s);
@@ -339,6 +366,8 @@ TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
   m.impl("clip_rows", &clip_rows_cpu);
   m.impl("clip_rows_backward", &clip_rows_backward_cpu);
   m.impl("scale_rows", &scale_rows_cpu);
+  m.impl("scale_rows2", &scale_rows2_cpu);
+  m.impl("clip_rows_rescale", &clip_rows_rescale_cpu);
 }
 
 }  // namespace bpclip

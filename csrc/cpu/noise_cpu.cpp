@@ -282,8 +282,20 @@ void philox_noise_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double stdv
   if (!work.is_same(buf)) buf.copy_(work);
 }
 
+// A layer's weight and bias noise in one op (one launch on a GPU): exactly philox_noise_(w, offset)
+// then philox_noise_(b, offset + 1), the offset incremented as an unsigned 64-bit counter word.
+void philox_noise2_cpu(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t offset, double stdv, bool accumulate_w,
+                       bool accumulate_b) {
+  check_noise2_args(w, b, stdv);
+  philox_noise_cpu(w, seed, offset, stdv, accumulate_w);
+  philox_noise_cpu(b, seed, static_cast<int64_t>(static_cast<uint64_t>(offset) + 1u), stdv, accumulate_b);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) { m.impl("philox_noise_", &philox_noise_cpu); }
+TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
+  m.impl("philox_noise_", &philox_noise_cpu);
+  m.impl("philox_noise2_", &philox_noise2_cpu);
+}
 
 }  // namespace bpclip

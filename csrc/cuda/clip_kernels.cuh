@@ -97,18 +97,39 @@ __global__ void finalize_rows_kernel(const double* __restrict__ partial, int64_t
   if (!is_finite_norm(n)) atomicAdd(nonfinite, 1ull);
 }
 
-// Block t handles tile (t % tiles) of row (t / tiles): out = RZ(f * x) (bpclip_fast/clip.h).
-// A zero factor writes zeros, never 0 * x.
+// A block's tile t: tile (t % tiles) of row (t / tiles), out = RZ(f * x) (bpclip_fast/clip.h).
+// A zero factor writes zeros, never 0 * x. mask: f is 1 where factor > 0 and 0 otherwise (RZ(1 * x)
+// = x: the row kept as it is, or zeros).
 template <typename T, typename fac_t>
-__global__ void scale_rows_kernel(const T* __restrict__ x, const fac_t* __restrict__ factor, int64_t N,
-                                  int64_t tiles, T* __restrict__ out) {
-  const int64_t t = blockIdx.x;
+__device__ __forceinline__ void scale_tile(const T* __restrict__ x, const fac_t* __restrict__ factor, int64_t N,
+                                           int64_t tiles, int64_t t, bool mask, T* __restrict__ out) {
   const int64_t b = t / tiles;
   const int64_t lo = b * N + (t % tiles) * kScaleTile;
   const int64_t hi = min64(lo + kScaleTile, (b + 1) * N);
-  const fac_t f = factor[b];
+  const fac_t f = mask ? (factor[b] > fac_t(0) ? fac_t(1) : fac_t(0)) : factor[b];
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     out[i] = f == fac_t(0) ? from_acc<T>(fac_t(0)) : scale_store(f, x[i]);
+  }
+}
+
+template <typename T, typename fac_t>
+__global__ void scale_rows_kernel(const T* __restrict__ x, const fac_t* __restrict__ factor, int64_t N,
+                                  int64_t tiles, T* __restrict__ out) {
+  scale_tile(x, factor, N, tiles, static_cast<int64_t>(blockIdx.x), false, out);
+}
+
+// Two row scalings in one launch (scale_rows2; clip_rows_rescale's scaling pass): blocks below
+// x_blocks take x's tiles, the rest y's; mask_y as scale_tile's mask.
+template <typename T, typename fac_t>
+__global__ void scale_rows2_kernel(const T* __restrict__ x, const fac_t* __restrict__ fx, int64_t Nx, int64_t tiles_x,
+                                   int64_t x_blocks, T* __restrict__ ox, const T* __restrict__ y,
+                                   const fac_t* __restrict__ fy, int64_t Ny, int64_t tiles_y, int mask_y,
+                                   T* __restrict__ oy) {
+  const int64_t t = blockIdx.x;
+  if (t < x_blocks) {
+    scale_tile(x, fx, Nx, tiles_x, t, false, ox);
+  } else {
+    scale_tile(y, fy, Ny, tiles_y, t - x_blocks, mask_y != 0, oy);
   }
 }
 

@@ -47,6 +47,16 @@ void scale_rows_device(const T* x, const fac_t* factor, int64_t B, int64_t N, T*
   launch(scale_rows_kernel<T, fac_t>, B * tiles, kClipThreads, x, factor, N, tiles, out);
 }
 
+// (scale_rows(x, fx), scale_rows(y, fy) or with mask_y y's rows kept where fy > 0) in one launch;
+// x [B, Nx] and y [B, Ny].
+template <typename T, typename fac_t>
+void scale_rows2_device(const T* x, const fac_t* fx, int64_t Nx, T* ox, const T* y, const fac_t* fy, int64_t Ny,
+                        bool mask_y, int64_t B, T* oy) {
+  const int64_t tiles_x = (Nx + kScaleTile - 1) / kScaleTile, tiles_y = (Ny + kScaleTile - 1) / kScaleTile;
+  launch(scale_rows2_kernel<T, fac_t>, B * (tiles_x + tiles_y), kClipThreads, x, fx, Nx, tiles_x, B * tiles_x, ox, y,
+         fy, Ny, tiles_y, mask_y ? 1 : 0, oy);
+}
+
 // out = factor * x per row; factor and norm per row; nonfinite += rows with a non-finite norm.
 // `bound` is the caller's bound C; the kernels clip against effective_bound(C, N) (clip.h).
 // r must come from row_geometry(x, norm, kReduceChunk); `partial` holds partial_count(r) doubles.
@@ -58,6 +68,19 @@ void clip_rows_device(const T* x, const RowGeometry& r, bool l15, double bound, 
                         effective_bound(bound, r.N), fn, gamma, partial, static_cast<double*>(nullptr), norm, factor,
                         nonfinite);
   scale_rows_device<T, fac_t>(x, static_cast<const fac_t*>(factor), r.B, r.N, out);
+}
+
+// clip_rows_device on g with scale_rows(x, x_factor) in its scaling launch (x [r.B, Nx]): the
+// layer backward's clipped upstream gradient and rebuilt clipped input, one launch fewer.
+template <typename T, typename fac_t>
+void clip_rows_rescale_device(const T* g, const RowGeometry& r, bool l15, double bound, int fn, double gamma,
+                              double* partial, fac_t* norm, fac_t* factor, unsigned long long* nonfinite, T* out,
+                              const T* x, const fac_t* x_factor, int64_t Nx, T* x_out) {
+  if (r.B == 0) return;
+  reduce_rows<T, fac_t>(g, static_cast<const T*>(nullptr), r, l15 ? kSumAbs : kSumSquares, l15, true,
+                        effective_bound(bound, r.N), fn, gamma, partial, static_cast<double*>(nullptr), norm, factor,
+                        nonfinite);
+  scale_rows2_device<T, fac_t>(g, static_cast<const fac_t*>(factor), r.N, out, x, x_factor, Nx, false, r.B, x_out);
 }
 
 // Entries of the double workspaces of the backward: partial sums (dot products and squared norms)

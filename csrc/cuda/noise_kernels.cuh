@@ -97,24 +97,19 @@ struct NoiseSlots<T, false> {
   }
 };
 
-// Grid-stride over warp tiles: warp w of the grid takes tiles w, w + warps, ...; the warp after the
-// last full tile's owner in that order takes the tail. kPacked: buf is 16-byte aligned (the
-// launcher checks). blockDim.x: a multiple of 32, at most kNoiseThreads.
+// One buffer's share of a launch, grid-stride over its warp tiles: warp w (of `warps`, numbered
+// from this buffer's first) takes tiles w, w + warps, ...; the warp after the last full tile's owner
+// in that order takes the tail. kPacked: buf is 16-byte aligned (the launcher checks). stage: the
+// warp's slice of shared memory, free on entry and on return.
 template <typename T, bool kAccumulate, bool kPacked>
-__global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
-    philox_noise_kernel(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset, float stdv) {
+__device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset,
+                                                   float stdv, int64_t warp, int64_t warps, int lane,
+                                                   NoisePack<T>* stage) {
   using Slots = NoiseSlots<T, kPacked>;
   using Pack = NoisePack<T>;
   constexpr int kPacks = kPacksPerGroup<T>;
   constexpr int kPer = kPackElems<T>;
-  __shared__ Pack stage_of_warp[kNoiseThreads / kNoiseLanes][kNoiseLanes * kPacks];
-  const int lane = static_cast<int>(threadIdx.x) % kNoiseLanes;
-  const int warp_in_block = static_cast<int>(threadIdx.x) / kNoiseLanes;
-  const int64_t warps_per_block = blockDim.x / kNoiseLanes;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
   const int64_t tiles = n / kNoiseTile;
-  Pack* stage = stage_of_warp[warp_in_block];
   for (int64_t t = warp; t < tiles; t += warps) {
     T* tile = buf + t * kNoiseTile;
     const uint64_t group = static_cast<uint64_t>(t) * kNoiseLanes + static_cast<uint64_t>(lane);
@@ -162,6 +157,45 @@ __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
     }
   }
   if (warp == tiles % warps) philox_noise_tail<T, kAccumulate>(buf, n, tiles * kNoiseTile, lane, seed, offset, stdv);
+}
+
+// The stage slices of a block's warps, in shared memory.
+template <typename T>
+using NoiseStage = NoisePack<T>[kNoiseThreads / kNoiseLanes][kNoiseLanes * kPacksPerGroup<T>];
+
+// blockDim.x: a multiple of 32, at most kNoiseThreads.
+template <typename T, bool kAccumulate, bool kPacked>
+__global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
+    philox_noise_kernel(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset, float stdv) {
+  __shared__ NoiseStage<T> stage_of_warp;
+  const int lane = static_cast<int>(threadIdx.x) % kNoiseLanes;
+  const int warp_in_block = static_cast<int>(threadIdx.x) / kNoiseLanes;
+  const int64_t warps_per_block = blockDim.x / kNoiseLanes;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * warps_per_block;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
+  philox_noise_tiles<T, kAccumulate, kPacked>(buf, n, seed, offset, stdv, warp, warps, lane,
+                                              stage_of_warp[warp_in_block]);
+}
+
+// philox_noise2_: a layer's weight w (stream offset_w) and bias b (offset_b) in one launch, each
+// element the value philox_noise_kernel gives it. b's work is numbered on from the warp after the
+// one that took w's tail, so the grid shares out the two buffers' tiles as it would their
+// concatenation. b (a bias: one value per output, far smaller than w) always takes the element
+// slots, coalesced like the packs but valid at any alignment, so only w's alignment picks a variant.
+template <typename T, bool kAccW, bool kPackedW, bool kAccB>
+__global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
+    philox_noise2_kernel(T* __restrict__ w, int64_t nw, T* __restrict__ b, int64_t nb, uint64_t seed,
+                         uint64_t offset_w, uint64_t offset_b, float stdv) {
+  __shared__ NoiseStage<T> stage_of_warp;
+  const int lane = static_cast<int>(threadIdx.x) % kNoiseLanes;
+  const int warp_in_block = static_cast<int>(threadIdx.x) / kNoiseLanes;
+  const int64_t warps_per_block = blockDim.x / kNoiseLanes;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * warps_per_block;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
+  philox_noise_tiles<T, kAccW, kPackedW>(w, nw, seed, offset_w, stdv, warp, warps, lane, stage_of_warp[warp_in_block]);
+  const int64_t first_b = (nw / kNoiseTile + 1) % warps;  // after w's full tiles and its tail
+  philox_noise_tiles<T, kAccB, false>(b, nb, seed, offset_b, stdv, (warp + warps - first_b) % warps, warps, lane,
+                                      stage_of_warp[warp_in_block]);
 }
 
 }  // namespace cuda

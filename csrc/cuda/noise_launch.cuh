@@ -48,5 +48,53 @@ void philox_noise_device(T* buf, int64_t n, uint64_t seed, uint64_t offset, floa
   launch_philox_noise(buf, n, seed, offset, stdv, accumulate, blocks, kNoiseThreads);
 }
 
+template <typename T, bool kAccW, bool kPackedW>
+void launch_philox_noise2_as(T* w, int64_t nw, T* b, int64_t nb, uint64_t seed, uint64_t offset_w, uint64_t offset_b,
+                             float stdv, bool accumulate_b, int64_t blocks, int threads) {
+  if (accumulate_b) {
+    launch(philox_noise2_kernel<T, kAccW, kPackedW, true>, blocks, threads, w, nw, b, nb, seed, offset_w, offset_b,
+           stdv);
+  } else {
+    launch(philox_noise2_kernel<T, kAccW, kPackedW, false>, blocks, threads, w, nw, b, nb, seed, offset_w, offset_b,
+           stdv);
+  }
+}
+
+// w at stream offset, b at offset + 1 (the counter word wraps as an unsigned 64-bit integer, as the
+// CPU op's does): the streams of philox_noise_(w, offset) and philox_noise_(b, offset + 1).
+template <typename T>
+void launch_philox_noise2(T* w, int64_t nw, T* b, int64_t nb, uint64_t seed, uint64_t offset, float stdv,
+                          bool accumulate_w, bool accumulate_b, int64_t blocks, int threads) {
+  const uint64_t offset_b = offset + 1u;
+  const bool packed = reinterpret_cast<uintptr_t>(w) % alignof(NoisePack<T>) == 0;
+  if (accumulate_w) {
+    if (packed) {
+      launch_philox_noise2_as<T, true, true>(w, nw, b, nb, seed, offset, offset_b, stdv, accumulate_b, blocks, threads);
+    } else {
+      launch_philox_noise2_as<T, true, false>(w, nw, b, nb, seed, offset, offset_b, stdv, accumulate_b, blocks, threads);
+    }
+  } else {
+    if (packed) {
+      launch_philox_noise2_as<T, false, true>(w, nw, b, nb, seed, offset, offset_b, stdv, accumulate_b, blocks, threads);
+    } else {
+      launch_philox_noise2_as<T, false, false>(w, nw, b, nb, seed, offset, offset_b, stdv, accumulate_b, blocks,
+                                               threads);
+    }
+  }
+}
+
+// The grid as philox_noise_device's for the two buffers' warp tiles together (each tail counting as one).
+template <typename T>
+void philox_noise2_device(T* w, int64_t nw, T* b, int64_t nb, uint64_t seed, uint64_t offset, float stdv,
+                          bool accumulate_w, bool accumulate_b, int sm_count) {
+  if (nw <= 0 && nb <= 0) return;
+  const int64_t tiles = (nw + kNoiseTile - 1) / kNoiseTile + (nb + kNoiseTile - 1) / kNoiseTile;
+  const int64_t warps_per_block = kNoiseThreads / kNoiseLanes;
+  const int64_t blocks_needed = (tiles + warps_per_block - 1) / warps_per_block;
+  const int64_t resident = static_cast<int64_t>(sm_count > 0 ? sm_count : 1) * kNoiseBlocksPerSm;
+  const int64_t blocks = blocks_needed < resident ? blocks_needed : resident;
+  launch_philox_noise2(w, nw, b, nb, seed, offset, stdv, accumulate_w, accumulate_b, blocks, kNoiseThreads);
+}
+
 }  // namespace cuda
 }  // namespace bpclip

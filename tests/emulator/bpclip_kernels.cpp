@@ -123,6 +123,43 @@ int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t o
   });
 }
 
+// philox_noise2_ over two caller buffers; blocks as simt_philox_noise.
+int simt_philox_noise2(int dtype, void* w, int64_t nw, void* b, int64_t nb, uint64_t seed, uint64_t offset, float stdv,
+                       int accumulate_w, int accumulate_b, int64_t blocks, int threads, int sm_count) {
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
+    if (blocks <= 0) {
+      philox_noise2_device<T>(static_cast<T*>(w), nw, static_cast<T*>(b), nb, seed, offset, stdv, accumulate_w != 0,
+                              accumulate_b != 0, sm_count);
+    } else {
+      launch_philox_noise2<T>(static_cast<T*>(w), nw, static_cast<T*>(b), nb, seed, offset, stdv, accumulate_w != 0,
+                              accumulate_b != 0, blocks, threads);
+    }
+  });
+}
+
+int simt_scale_rows2(int dtype, const void* x, const void* fx, int64_t Nx, void* ox, const void* y, const void* fy,
+                     int64_t Ny, int mask_y, int64_t B, void* oy) {
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
+    scale_rows2_device<T, fac_t>(static_cast<const T*>(x), static_cast<const fac_t*>(fx), Nx, static_cast<T*>(ox),
+                                 static_cast<const T*>(y), static_cast<const fac_t*>(fy), Ny, mask_y != 0, B,
+                                 static_cast<T*>(oy));
+  });
+}
+
+int simt_clip_rows_rescale(int dtype, const void* g, int64_t B, int64_t N, int64_t G, int64_t S, int l15, double bound,
+                           int fn, double gamma, void* out, void* factor, void* norm, int64_t* nonfinite,
+                           const void* x, const void* x_factor, int64_t Nx, void* x_out) {
+  const RowGeometry r = make_row_geometry(B, N, G, S, kReduceChunk);
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
+    auto partial = poisoned(partial_count(r));
+    clip_rows_rescale_device<T, fac_t>(static_cast<const T*>(g), r, l15 != 0, bound, fn, gamma, partial.data(),
+                                       static_cast<fac_t*>(norm), static_cast<fac_t*>(factor),
+                                       reinterpret_cast<unsigned long long*>(nonfinite), static_cast<T*>(out),
+                                       static_cast<const T*>(x), static_cast<const fac_t*>(x_factor), Nx,
+                                       static_cast<T*>(x_out));
+  });
+}
+
 // mean and rstd in the accumulation dtype (as the launcher converts them); gw, gb [B, D] likewise.
 int simt_norm_affine(int dtype, const void* g, const void* x, const void* mean, const void* rstd, int layer_norm,
                      int64_t B, int64_t R, int64_t D, int64_t G, void* gw, void* gb) {

@@ -155,6 +155,10 @@ class Simt:
         lib.simt_scale_rows.argtypes = [i32, vp, vp, i64, i64, vp]
         lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
         lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32, i32]
+        lib.simt_philox_noise2.argtypes = [i32, vp, i64, vp, i64, u64, u64, ctypes.c_float, i32, i32, i64, i32, i32]
+        lib.simt_scale_rows2.argtypes = [i32, vp, vp, i64, vp, vp, vp, i64, i32, i64, vp]
+        lib.simt_clip_rows_rescale.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp, vp, vp,
+                                               i64, vp]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
         lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
@@ -209,6 +213,19 @@ class Simt:
     def examples_release(self, dtype, w, b, factor, B, Nw, Nb, seed, offset, std, scale, out_w, out_b):
         self.call("simt_examples_release", DTYPES[dtype], _ptr_or_null(w), _ptr_or_null(b), _ptr(factor), B, Nw, Nb,
                   seed, offset, std, scale, _ptr_or_null(out_w), _ptr_or_null(out_b))
+    def scale_rows2(self, x, fx, ox, y, fy, oy, mask_y):
+        B = x.shape[0]
+        Nx, Ny = (x[0].numel(), y[0].numel()) if B else (0, 0)
+        self.call("simt_scale_rows2", DTYPES[x.dtype], _ptr(x), _ptr(fx), Nx, _ptr(ox), _ptr(y), _ptr(fy), Ny,
+                  int(mask_y), B, _ptr(oy))
+
+    def clip_rows_rescale(self, g, out, factor, norm, nonfinite, x, x_factor, x_out, *, l15, bound, clip_fn, gamma):
+        B = g.shape[0]
+        N = g[0].numel() if B else 0
+        G, S = (g.shape[1], g.shape[2] * g.shape[3]) if l15 else (1, N)
+        Nx = x[0].numel() if B else 0
+        self.call("simt_clip_rows_rescale", DTYPES[g.dtype], _ptr(g), B, N, G, S, int(l15), bound, CLIP_FNS[clip_fn],
+                  gamma, _ptr(out), _ptr(factor), _ptr(norm), _ptr(nonfinite), _ptr(x), _ptr(x_factor), Nx, _ptr(x_out))
 
     def norm_affine(self, g, x, mean, rstd, gw, gb, *, layer_norm, B, R, D, G):
         """mean/rstd flat in the accumulation dtype; gw, gb [B, D] buffers of that dtype."""
@@ -394,6 +411,85 @@ def compare_noise(sim: Simt, n: int, dtype, seed: int, offset: int, std: float, 
         problems.append("noise written past the end of the buffer")
     if not torch.equal(_bits(view), _bits(ref)):
         problems.append(f"noise differs at {(view != ref).sum().item()} of {n} elements")
+    return problems
+
+
+def compare_noise2(sim: Simt, nw: int, nb: int, dtype, seed: int, offset: int, std: float, accumulate_w: bool,
+                   accumulate_b: bool, blocks: int = 0, threads: int = 256, misalign: int = 0,
+                   sm_count: int = H100_SMS):
+    """Emulated philox_noise2_ vs two CPU philox_noise_ calls (w at offset, b at offset + 1): bit-identical,
+    and nothing written outside either buffer. ``misalign`` offsets both views into their buffers."""
+    fill = 7.0
+    views, bufs, refs = [], [], []
+    for n, off, acc, base in ((nw, offset, accumulate_w, -3.0), (nb, offset + 1, accumulate_b, 2.0)):
+        buf = torch.full((misalign + n + GUARD,), fill, dtype=dtype)
+        view = buf[misalign:misalign + n]
+        start = torch.linspace(base, base + 4, n, dtype=torch.float32).to(dtype)
+        if acc:
+            view.copy_(start)
+        ref = start.clone() if acc else torch.empty(n, dtype=dtype)
+        torch.ops.bpclip_fast.philox_noise_(ref, seed, off - 2 ** 64 if off >= 2 ** 63 else off, std, acc)
+        views.append(view)
+        bufs.append(buf)
+        refs.append(ref)
+    sim.call("simt_philox_noise2", DTYPES[dtype], _ptr(views[0]), nw, _ptr(views[1]), nb, seed, offset, std,
+             int(accumulate_w), int(accumulate_b), blocks, threads, sm_count)
+    problems = []
+    for name, buf, view, ref, n in (("w", bufs[0], views[0], refs[0], nw), ("b", bufs[1], views[1], refs[1], nb)):
+        if not bool((buf[:misalign] == fill).all()):
+            problems.append(f"{name}: noise written before the start of the buffer")
+        if not _guard_intact(buf[misalign:], n, fill):
+            problems.append(f"{name}: noise written past the end of the buffer")
+        if not torch.equal(_bits(view), _bits(ref)):
+            problems.append(f"{name}: noise differs at {(view != ref).sum().item()} of {n} elements")
+    return problems
+
+
+def compare_scale_rows2(sim: Simt, x, fx, y, fy, mask_y: bool):
+    """Emulated scale_rows2 vs scale_rows on each tensor (y by sign(fy) with the mask): bit-identical."""
+    obx, ox = guarded(x.numel(), x.dtype)
+    oby, oy = guarded(y.numel(), y.dtype)
+    sim.scale_rows2(guarded_copy(x), guarded_copy(fx), ox, guarded_copy(y), guarded_copy(fy), oy, mask_y)
+    refs = (torch.ops.bpclip_fast.scale_rows(x, fx),
+            torch.ops.bpclip_fast.scale_rows(y, torch.sign(fy) if mask_y else fy))
+    problems = []
+    for name, buf, out, ref, t in (("x", obx, ox, refs[0], x), ("y", oby, oy, refs[1], y)):
+        if not _guard_intact(buf, t.numel(), float("nan")):
+            problems.append(f"{name}: written past its end")
+        if not torch.equal(_bits(out.reshape(t.shape)), _bits(ref)):
+            problems.append(f"scale_rows2 {name} differs at {(_bits(out.reshape(t.shape)) != _bits(ref)).sum().item()}"
+                            " elements")
+    return problems
+
+
+def compare_clip_rows_rescale(sim: Simt, g, norm: str, clip_fn: str, bound: float, x, x_factor, gamma: float = 0.01):
+    """Emulated clip_rows_rescale: g's part as compare_clip_rows asks of clip_rows (the scaling bit-exact
+    for the kernel's own factor), x's bit for bit the CPU scale_rows."""
+    l15 = norm == "l15"
+    acc = acc_dtype(g.dtype)
+    B = g.shape[0]
+    obuf, out = guarded(g.numel(), g.dtype)
+    fbuf, factor = guarded(B, acc)
+    nbuf, nrm = guarded(B, acc)
+    xbuf, x_out = guarded(x.numel(), x.dtype)
+    count = torch.zeros(1, dtype=torch.int64)
+    sim.clip_rows_rescale(guarded_copy(g), out, factor, nrm, count, guarded_copy(x), guarded_copy(x_factor), x_out,
+                          l15=l15, bound=bound, clip_fn=clip_fn, gamma=gamma)
+    ref_count = torch.zeros(1, dtype=torch.int64)
+    _, ref_factor, ref_norm = torch.ops.bpclip_fast.clip_rows(g, ref_count, bound, norm, clip_fn, gamma)
+    problems = []
+    for name, buf, n in (("out", obuf, g.numel()), ("factor", fbuf, B), ("norm", nbuf, B), ("x_out", xbuf, x.numel())):
+        if not _guard_intact(buf, n, float("nan")):
+            problems.append(f"{name}: written past its end")
+    if not _close(nrm, ref_norm, _rtol(g.dtype)) or not _close(factor, ref_factor, _rtol(g.dtype) * 4):
+        problems.append("norm or factor differs from clip_rows")
+    if int(count) != int(ref_count):
+        problems.append(f"non-finite count {int(count)} != {int(ref_count)}")
+    expect = torch.ops.bpclip_fast.scale_rows(g, factor.clone())
+    if not torch.equal(_bits(out.reshape(g.shape)), _bits(expect)):
+        problems.append("out != scale_rows(g, factor)")
+    if not torch.equal(_bits(x_out.reshape(x.shape)), _bits(torch.ops.bpclip_fast.scale_rows(x, x_factor))):
+        problems.append("x_out != scale_rows(x, x_factor)")
     return problems
 
 
@@ -632,10 +728,21 @@ def sweep(sim: Simt) -> list[str]:
                          for p in compare_noise(sim, n, dtype, 123, 5 << 20, 0.7, False, blocks, misalign=mis)]
             problems += [f"noise+ {label}: {p}"
                          for p in compare_noise(sim, n, dtype, 9, 3, 1.3, True, blocks, misalign=mis)]
+            problems += [f"noise2 {label}: {p}"
+                         for p in compare_noise2(sim, n, 37, dtype, 9, 3, 1.3, False, True, blocks, misalign=mis)]
+            problems += [f"noise2+ {label}: {p}"
+                         for p in compare_noise2(sim, 300, n, dtype, 4, 8, 0.7, True, False, blocks, misalign=mis)]
         for B, ws, bs in ((9, (40,), (40,)), (3, (13, 21), None), (2, None, (300,))):
             w, b, factor = examples_inputs(dtype, B, ws, bs, gen, nonfinite=True)
             problems += [f"examples {dtype} B={B}: {p}"
                          for p in compare_examples(sim, w, b, factor, 31, 4, 0.9, 0.25, count=True)]
+        x2 = torch.randn((9, 300), generator=gen).to(dtype)
+        y2 = torch.randn((9, 4100), generator=gen).to(dtype)
+        f2 = torch.rand(9, generator=gen, dtype=acc_dtype(dtype)) * 2
+        f2[3] = 0
+        problems += [f"scale_rows2 {dtype}: {p}" for p in compare_scale_rows2(sim, x2, f2, y2, f2, True)]
+        problems += [f"clip_rows_rescale {dtype}: {p}"
+                     for p in compare_clip_rows_rescale(sim, y2, "l2", "clip", 30.0, x2, f2)]
         for shape, ln, groups in (((3, 70, 33), True, 1), ((2, 5, 9), True, 1), ((2, 6, 4097), False, 3),
                                   ((9, 4, 5), False, 2)):
             g = torch.randn(shape, generator=gen).to(dtype)
