@@ -131,6 +131,12 @@ if _LOAD_ERROR is None:
         return _norms_fake(grad_out, x, grad_out.shape[2] * grad_out.shape[3], d, grad_out.shape[1] // groups,
                            groups, params, method, keep)
 
+    @torch.library.register_fake("bpclip_fast::conv_patches")
+    def _conv_patches_fake(x, kernel_size, stride, padding, dilation):
+        ho = _conv_out_size(x.shape[2], kernel_size[0], stride[0], padding[0], dilation[0])
+        wo = _conv_out_size(x.shape[3], kernel_size[1], stride[1], padding[1], dilation[1])
+        return x.new_empty((x.shape[0], x.shape[1] * kernel_size[0] * kernel_size[1], ho * wo), dtype=_acc_dtype(x))
+
     @torch.library.register_fake("bpclip_fast::exact_bound_")
     def _exact_bound_fake(sq, bound, x, g, gb, wa, wb, offset, per, flags, consts, nonfinite=None):
         return None

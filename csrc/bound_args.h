@@ -37,9 +37,7 @@ inline BoundGeometry check_bound_args(const at::Tensor& sq, const at::Tensor& bo
                                                       wb.sizes() == wa.sizes() && wa.is_contiguous() &&
                                                       wb.is_contiguous())),
               op, "wa and wb must be empty or contiguous [rows, L] of the same shape");
-  TORCH_CHECK((flags & ~15) == 0, op, "unknown flags ", flags);
-  TORCH_CHECK(!(flags & kBoundSummed) || (x.size(2) == 1 && g.size(2) == 1), op,
-              "with summed positions x and g must be [rows, T, 1]");
+  TORCH_CHECK((flags & ~7) == 0, op, "unknown flags ", flags, " (1 weight, 2 bias, 4 ghost)");
   const bool bias = flags & kBoundBias;
   TORCH_CHECK(!bias || (gb.dim() == 3 && gb.size(0) == x.size(0) && gb.size(1) == x.size(1)), op,
               "with the bias, gb must be [rows, T, channels]");

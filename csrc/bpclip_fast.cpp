@@ -103,13 +103,17 @@ TORCH_LIBRARY(bpclip_fast, m) {
       "conv2d_grad_norms(Tensor grad_out, Tensor x, int[2] kernel_size, int[2] stride, int[2] padding,"
       " int[2] dilation, int groups, bool[2] params, str method, int workspace, bool keep,"
       " Tensor(a!)? nonfinite=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The zero-padded patches of a Conv2d's input, [B, C kh kw, T] (im2col's layout) in the
+  // accumulation dtype, read through the input's own strides (bpclip_fast/patches.h): the input the
+  // exact norms' GEMMs and position norms read (csrc/exact.cpp).
+  m.def("conv_patches(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor");
   // The per-example part of the norms ops (csrc/exact.cpp; arithmetic in bpclip_fast/bound.h): for
   // the rows [offset, offset + x.size(0) / per) of sq and bound (float64 [B]), each example's squared
   // gradient norm and its bound, from its `per` rows of positions x [rows, T, dx] and g [rows, T, dg]
-  // (or, with flag summed, their sums of squares [rows, T, 1]), the upstream gradient gb [rows, T, p]
+  // (by strides; their squares are summed in the kernel, in double), the upstream gradient gb [rows, T, p]
   // for the bias, the weight's squared-norm terms wa * wb [rows, L] (ghost: the Gram matrices;
-  // instantiation: the per-row gradient twice; empty at T = 1), flags (1 weight, 2 bias, 4 ghost,
-  // 8 summed) and the formulas' constants; nonfinite (when given) += the non-finite bounds.
+  // instantiation: the per-row gradient twice; empty at T = 1), flags (1 weight, 2 bias, 4 ghost)
+  // and the formulas' constants; nonfinite (when given) += the non-finite bounds.
   m.def(
       "exact_bound_(Tensor(a!) sq, Tensor(b!) bound, Tensor x, Tensor g, Tensor gb, Tensor wa, Tensor wb, int offset,"
       " int per, int flags, float[] consts, Tensor(c!)? nonfinite=None) -> ()");

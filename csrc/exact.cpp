@@ -1,6 +1,6 @@
 // Exact per-example clipping (modes flat and per_layer; DESIGN.md §6): the per-example norms of a
 // layer's parameter gradient, and its clipped weight/bias gradient with the noise. Written once over
-// ATen (bmm, im2col, convolution_backward) and our dispatcher ops, so the same code serves CPU and
+// ATen (bmm, convolution_backward) and our dispatcher ops, so the same code serves CPU and
 // CUDA; the clip factors themselves come from clip_rows (csrc/include/bpclip_fast/clip.h).
 //
 // ---- The norm bound the factors are computed from --------------------------------------------
@@ -18,10 +18,13 @@
 // matmuls run in TF32 or bf16, 2^-53 for fp64; v = 2^-53; gamma_k(u) = k u / (1 - k u); tau: what
 // one GEMM operation may lose absolutely to underflow, 2^-126 for fp32 (the smallest normal: a
 // result flushed to zero, or a subnormal input read as zero, loses less), 2^-1022 for fp64).
-// The position norms a_t, b_t bound ||x_t||, ||g_t|| (bound_consts: double sums of the rows' squares
-// in the kernel for every Linear and at T = 1, whose rounding, and an fp64 square's, the slack below
-// covers; a Conv2d's T > 1 positions from accumulation-dtype sums inflated for their rounding and
-// their underflow), and every sum of them below (P, X, M = sum_t a_t b_t, A1 = sum_t a_t, B1 =
+// The position norms a_t, b_t bound ||x_t||, ||g_t|| (bound_consts): every layer, at every T, has
+// the kernel sum each position's squares itself, in double (a Linear's input rows; a Conv2d's
+// zero-padded patches, [n G, d, T] from conv_patches, read transposed, d = C_in/G kh kw entries of
+// its own group, padding taps exact zeros; the upstream gradient's p channels of the group): squares
+// of fp32 (fp16/bf16 upcast) values are exact in double, so only the d - 1 (p - 1) additions round,
+// which the slack below covers; an fp64 square may underflow, covered by adding 3 d tau (3 p tau).
+// Every sum of them below (P, X, M = sum_t a_t b_t, A1 = sum_t a_t, B1 =
 // sum_t b_t) is computed in double and inflated by 1 + 2 gamma_{T+d+p+G+4}(v) for its own rounding,
 // the norms' sums of d or p squares and the sum over a Conv2d's G channel groups (G = 1 for Linear;
 // the groups' under and extra terms are summed too, covered by 2 gamma_{G+4}(v) in out_slack).
@@ -103,14 +106,16 @@
 // Range: the Gram matrices and the instantiated gradients are fp32 for fp32 (and fp16/bf16) data, so
 // an example with input or upstream-gradient rows of norm above ~2^64 can still overflow them; its
 // bound is then +Inf and it gets factor 0 and is counted as non-finite (no contribution, so the bound
-// holds). fp64 data: squares below 2^-1022 may underflow the double position norms, so those add
-// 3 d tau (3 p tau) to each position's sum as the summed ones do (not clip.h's absolute limit: a
-// lost ||x_t|| multiplies ||g_t||, and x ~ 1e-163 with g ~ 1e153 gave a ghost bound of 0).
+// holds). The position norms themselves have no such limit for fp32 data (double sums of exact
+// squares). fp64 data: squares below 2^-1022 may underflow the double position norms, so those add
+// 3 d tau (3 p tau) to each position's sum (not clip.h's absolute limit: a lost ||x_t|| multiplies
+// ||g_t||, and x ~ 1e-163 with g ~ 1e153 gave a ghost bound of 0).
 //
 // ---- Memory layout ------------------------------------------------------------------------------
-// Every op reads its tensors by their logical indices (reshape, narrow, convolution, and the
-// patches' view, built from the padded input's own strides), so channels_last, permuted, sliced or
-// expanded inputs and upstream gradients give the norms of the values the release multiplies.
+// Every op reads its tensors by their logical indices (reshape, narrow, convolution, the bound
+// kernel's strides, and conv_patches, which reads the input through its own strides), so
+// channels_last, permuted, sliced or expanded inputs and upstream gradients give the norms of the
+// values the release multiplies.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <torch/library.h>
@@ -154,13 +159,6 @@ double gemm_unit(at::ScalarType acc) {
 // data): relative error r for a normal result, absolute < q (the smallest subnormal) otherwise.
 double rz_unit(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-52 : 0x1p-23; }
 double subnormal_quantum(at::ScalarType acc) { return acc == at::kDouble ? 0x1p-1074 : 0x1p-149; }
-
-// Unit roundoff of the position norms' sums of squares: the accumulation dtype's, and TF32's wherever
-// cuDNN may run the fp32 convolution that gives the patch norms in TF32.
-double position_unit(const at::Tensor& x, at::ScalarType acc) {
-  if (acc == at::kDouble) return kV;
-  return x.is_cuda() ? 0x1p-11 : 0x1p-24;
-}
 
 // tau of the file comment: what one operation of the norms' GEMMs may lose absolutely to underflow,
 // allowing for flush-to-zero of results and denormals-are-zero of inputs (the smallest normal).
@@ -222,42 +220,38 @@ struct Dims {
 double sum_slack(int64_t n) { return 1.0 + 2.0 * gamma_k(static_cast<double>(n + 4), kV); }
 
 // The constants of the bound's formulas, in the order of bpclip_fast/bound.h (whose kernel
-// exact_bound_ evaluates them per example in double; see the file comment for each term).
-// up: the unit roundoff of the position sums of squares the caller computes at T > 1. groups: the
-// rows per example (Conv2d's channel groups), whose sq, P, X, under and extra the kernel adds up in
-// double (groups - 1 additions each).
-std::vector<double> bound_consts(const Dims& dims, Method method, double up, at::ScalarType acc, bool summed,
-                                 int64_t groups) {
+// exact_bound_ evaluates them per example in double; see the file comment for each term). groups:
+// the rows per example (Conv2d's channel groups), whose sq, P, X, under and extra the kernel adds up
+// in double (groups - 1 additions each).
+std::vector<double> bound_consts(const Dims& dims, Method method, at::ScalarType acc, int64_t groups) {
   std::vector<double> c(kBoundConsts, 0.0);
   const double d = static_cast<double>(dims.d), p = static_cast<double>(dims.p), T = static_cast<double>(dims.T);
   const double tau = dims.tau, u = dims.u;
-  // Position norms. Not summed (T = 1, and every Linear): the kernel sums the squares of the rows
-  // in double itself (exact squares of fp32 values, which neither underflow nor overflow there; the
-  // additions' rounding, and an fp64 square's, is in the sums' slack below), with no launch of its
-  // own. Summed (a Conv2d's T > 1 positions: the convolution of x^2 with ones, which never reads the
-  // patches): from sums of k squares in the accumulation dtype, made upper bounds: the k squares and
-  // the k additions round by u each (relative, <= gamma_{k+2}(u) in all) and each may lose < tau to
-  // underflow (flush-to-zero, or a subnormal entry read as zero: its square is < tau too), so
-  // ||a_t||^2 <= sq (1 + 2 gamma_{k+2}(u)) + 3 k tau. (fp32 sums of squares of entries near 1e-24
-  // underflowed to 0, and the ghost bound of an example of norm 0.05 came out 0.) A sum that
-  // overflows gives +Inf: the example's bound is then +Inf.
-  // Not summed, fp64 data: a square below 2^-1022 underflows in double (an entry below ~1.5e-162
-  // squares to 0), losing < tau each, and its addition may lose < tau (flush-to-zero): a_t^2 =
-  // RN(S + 3 d tau) >= ||x_t||^2 (1 - gamma_d(v)) (1 - v). Without it, x ~ 1e-163 gave a_t = 0 while
-  // g ~ 1e153 made ||G_W|| ~ 1e-10: a ghost bound of 0, whatever C (the norms are scale-free, so
-  // this is no absolute 2^-537 loss as in clip.h: it multiplies ||g||).
+  // Position norms, every layer and every T: the kernel sums each position's d (p) squares itself,
+  // in double (a Linear's input row; a Conv2d's zero-padded patch, whose padding taps are +0 and add
+  // nothing; one (example, group) row's patch holds only its group's d = C_in/G kh kw entries).
+  // fp32 (and fp16/bf16) data: a square of an fp32 value is exact in double (at most 2 x 24
+  // significant bits, exponents within [-298, 256]: no overflow, no underflow), so the only error is
+  // the d - 1 additions' rounding, S_t >= ||x_t||^2 (1 - gamma_d(v)), which the sums' slack below
+  // covers (kSlack counts d + p). No grow, no add. (Until issue 25 a Conv2d's T > 1 positions were
+  // fp32 sums of squares from a convolution of x^2 with ones: entries near 1e20 overflowed them to
+  // +Inf, a bound of NaN for an example of norm ~1, and entries near 1e-24 underflowed them to the
+  // 3 d tau that then had to be added, a bound ~1e5 times the norm.)
+  // fp64 data: a square below 2^-1022 underflows in double (an entry below ~1.5e-162 squares to 0),
+  // losing < tau each, and its addition may lose < tau (flush-to-zero): a_t^2 = RN(S + 3 d tau) >=
+  // ||x_t||^2 (1 - gamma_d(v)) (1 - v). Without it, x ~ 1e-163 gave a_t = 0 while g ~ 1e153 made
+  // ||G_W|| ~ 1e-10: a ghost bound of 0, whatever C (the norms are scale-free, so this is no absolute
+  // 2^-537 loss as in clip.h: it multiplies ||g||).
   c[kGrowX] = c[kGrowG] = 1.0;
-  const bool add = summed || acc == at::kDouble;
+  const bool add = acc == at::kDouble;
   if (add) {
     c[kAddX] = 3.0 * d * tau;
     c[kAddG] = 3.0 * p * tau;
   }
-  if (summed) {
-    c[kGrowX] = 1.0 + 2.0 * gamma_k(d + 2.0, up);
-    c[kGrowG] = 1.0 + 2.0 * gamma_k(p + 2.0, up);
-  }
-  // P and X also add up the groups' rows (groups - 1 additions; a depthwise conv has many).
-  c[kSlack] = sum_slack(dims.T + dims.d + dims.p + groups);  // the norms' own sums of d or p squares too
+  // P, X, M, A1, B1 add up T positions (and P and X the groups' rows: groups - 1 additions; a
+  // depthwise conv has many) of roots of the position sums, each of d or p squares: all within
+  // sum_slack(T + d + p + groups).
+  c[kSlack] = sum_slack(dims.T + dims.d + dims.p + groups);
   // The few roundings of the error terms' formulas (2^-40), and the groups' sums of under and extra
   // (non-negative terms; the product by this slack too).
   c[kOutSlack] = 1.0 + 0x1p-40 + 2.0 * gamma_k(static_cast<double>(groups + 4), kV);
@@ -323,18 +317,15 @@ struct NormsOut {
   Dims dims;
   std::vector<double> consts;
   c10::optional<at::Tensor> nonfinite;
-  bool summed;  // the position sums of squares come from the caller (bound_consts)
 };
 
-// x3 [n, T, d], g3 [n, T, p] in the accumulation dtype, n = examples x groups; xs, gs: the position
-// sums of squares [n, T] where out.summed (undefined otherwise: the kernel sums x3 and g3 in double). The
-// weight's sq comes from the GEMMs here (ghost: the two Gram matrices, whose entries' products the
-// kernel takes and sums in double: a finite example with entries near 1e12 has Gram entries near
-// 1e24, whose fp32 product overflowed; instantiation: [G_W] per row, squared and summed in double,
-// which cannot overflow); everything else of the bound, for examples [offset, offset + n / per),
-// by exact_bound_.
-void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::Tensor& g3, const at::Tensor& xs,
-                const at::Tensor& gs, int64_t per, bool keep) {
+// x3 [n, T, d], g3 [n, T, p] in the accumulation dtype (any strides), n = examples x groups; the
+// kernel sums their positions' squares in double itself. The weight's sq comes from the GEMMs here
+// (ghost: the two Gram matrices, whose entries' products the kernel takes and sums in double: a
+// finite example with entries near 1e12 has Gram entries near 1e24, whose fp32 product overflowed;
+// instantiation: [G_W] per row, squared and summed in double, which cannot overflow); everything
+// else of the bound, for examples [offset, offset + n / per), by exact_bound_.
+void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::Tensor& g3, int64_t per, bool keep) {
   const int64_t n = x3.size(0);
   const Dims& dims = out.dims;
   at::Tensor wa = x3.new_empty({0}), wb = wa;
@@ -353,11 +344,9 @@ void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::T
       }
     }
   }
-  const bool summed = out.summed;
   const int64_t flags = (dims.weight ? kBoundWeight : 0) | (dims.bias ? kBoundBias : 0) |
-                        (out.method == Method::kGhost ? kBoundGhost : 0) | (summed ? kBoundSummed : 0);
-  exact_bound_(out.sq, out.bound, summed ? xs.unsqueeze(2) : x3, summed ? gs.unsqueeze(2) : g3, g3, wa, wb, offset,
-               per, flags, out.consts, out.nonfinite);
+                        (out.method == Method::kGhost ? kBoundGhost : 0);
+  exact_bound_(out.sq, out.bound, x3, g3, g3, wa, wb, offset, per, flags, out.consts, out.nonfinite);
 }
 
 // Examples per chunk so that one chunk's temporaries stay within `workspace` bytes.
@@ -389,11 +378,10 @@ bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t group
          4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B);
 }
 
-NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, double up, bool summed,
-                     int64_t groups) {
+NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, int64_t groups) {
   const at::TensorOptions f64 = x.options().dtype(at::kDouble);
   return NormsOut{at::empty({B}, f64), at::empty({B}, f64), {}, {}, method, dims,
-                  bound_consts(dims, method, up, acc_dtype(x), summed, groups), c10::nullopt, summed};
+                  bound_consts(dims, method, acc_dtype(x), groups), c10::nullopt};
 }
 
 at::Tensor joined(const std::vector<at::Tensor>& parts, const at::Tensor& x) {
@@ -422,48 +410,32 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   const int64_t rows = chunk_rows(elt * (T * (d + p) + temps) + 8 * T * (d + p), workspace, B);
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
   const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
-  // The kernel sums the rows' squares itself (not summed): four launches per layer fewer than the
-  // accumulation dtype's (x * x).sum(2) and (g * g).sum(2), and exact squares.
-  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), false, 1);
+  // The kernel sums the rows' squares itself: four launches per layer fewer than the accumulation
+  // dtype's (x * x).sum(2) and (g * g).sum(2), and exact squares.
+  NormsOut out = start_norms(x, B, method, dims, 1);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
     const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
-    rows_norms(out, b0, xc, gc, at::Tensor(), at::Tensor(), 1, kept);
+    rows_norms(out, b0, xc, gc, 1, kept);
   }
   return finish(out, x);
 }
 
-// The sums of squares of the patches U_{gamma,t} per (example, group) row and position, [n G, T],
-// without reading the patches: the convolution of x^2 with a ones kernel (one output channel per
-// group). Only at T > 1 (at T = 1 the kernel sums the patches themselves in double).
-at::Tensor patch_sums(const at::Tensor& xa, int64_t groups, at::IntArrayRef k, at::IntArrayRef stride,
-                      at::IntArrayRef padding, at::IntArrayRef dilation, int64_t T) {
-  const int64_t n = xa.size(0);
-  const at::Tensor ones = at::ones({groups, xa.size(1) / groups, k[0], k[1]}, xa.options());
-  return at::convolution(xa * xa, ones, c10::nullopt, stride, padding, dilation, false, {0, 0}, groups)
-      .reshape({n * groups, T});
-}
-
 // The zero-padded patches as [n, C_in kh kw, T] (im2col's layout: channel-major, so channel group
-// gamma's rows are one block of d), by one strided view of the padded input and one copy: ATen's
-// CPU im2col loops over the examples and measured 50x slower than this copy on the MNIST net.
-// The view is built from the padded tensor's own strides (and storage offset): constant_pad_nd
-// keeps a channels_last input channels_last, and a permuted, sliced or expanded input has strides
-// of its own, so strides assumed from the shape would read other pixels than the release uses.
+// gamma's rows are one block of d) in the accumulation dtype: bpclip_fast::conv_patches, one launch
+// (ATen's chain was constant_pad_nd's fill and copy, then the copy of a strided view; ATen's CPU
+// im2col loops over the examples and measured 50x slower on the MNIST net). It reads the input
+// through its own strides (bpclip_fast/patches.h), so a channels_last, permuted, sliced or
+// expanded input gives the pixels the release's convolution reads, and it upcasts fp16/bf16 input
+// exactly in the same pass.
 at::Tensor patches(const at::Tensor& x, at::IntArrayRef k, at::IntArrayRef stride, at::IntArrayRef padding,
                    at::IntArrayRef dilation) {
-  const at::Tensor xp =
-      (padding[0] || padding[1]) ? at::constant_pad_nd(x, {padding[1], padding[1], padding[0], padding[0]}, 0) : x;
-  const int64_t n = xp.size(0), c = xp.size(1), hp = xp.size(2), wp = xp.size(3);
-  const int64_t ho = (hp - dilation[0] * (k[0] - 1) - 1) / stride[0] + 1;
-  const int64_t wo = (wp - dilation[1] * (k[1] - 1) - 1) / stride[1] + 1;
-  const auto s = xp.strides();
-  const at::Tensor view = xp.as_strided({n, c, k[0], k[1], ho, wo},
-                                        {s[0], s[1], dilation[0] * s[2], dilation[1] * s[3], stride[0] * s[2],
-                                         stride[1] * s[3]},
-                                        xp.storage_offset());
-  return view.reshape({n, c * k[0] * k[1], ho * wo});
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::conv_patches", "")
+                       .typed<at::Tensor(const at::Tensor&, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef,
+                                         at::IntArrayRef)>();
+  return op.call(x, k, stride, padding, dilation);
 }
 
 Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntArrayRef kernel_size,
@@ -483,24 +455,21 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   const Method method = parse_method(method_name, ghost_cheaper(T, d, p));
   const int64_t elt = at::elementSize(acc);
   const int64_t temps = method == Method::kGhost ? 5 * T * T : 3 * d * p;  // with the double copies
-  const int64_t rows = chunk_rows(elt * G * (T * (2 * d + 2 * p) + temps) + 8 * G * T * (d + p), workspace, B);
+  // Per example: the patches (G d T) and the upstream gradient in the accumulation dtype (G p T: a
+  // copy for fp16/bf16 or a layout reshape cannot view), and the GEMMs' temporaries. The kernel's
+  // position sums take no workspace of their own (per thread, 2 T doubles on the CPU).
+  const int64_t rows = chunk_rows(elt * G * (T * (d + p) + temps), workspace, B);
   const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
-  NormsOut out = start_norms(x, B, method, dims, position_unit(x, acc), T > 1, G);
+  NormsOut out = start_norms(x, B, method, dims, G);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
-    const at::Tensor xa = x.narrow(0, b0, n).to(acc);
-    const at::Tensor u = patches(xa, kernel_size, stride, padding, dilation);
+    const at::Tensor u = patches(x.narrow(0, b0, n), kernel_size, stride, padding, dilation);
     TORCH_CHECK(u.size(2) == T, "bpclip_fast.conv2d_grad_norms: grad_out's H x W does not match the convolution "
                 "of the input");
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
     const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
-    at::Tensor xs, gs;
-    if (T > 1) {
-      xs = patch_sums(xa, G, kernel_size, stride, padding, dilation, T);
-      gs = (gt * gt).sum(1);
-    }
-    rows_norms(out, b0, x3, gt.transpose(1, 2), xs, gs, G, kept);
+    rows_norms(out, b0, x3, gt.transpose(1, 2), G, kept);
   }
   return finish(out, x);
 }

@@ -394,14 +394,16 @@ def _opcheck_cases(device):
                                  [True, False], "instantiate", 1 << 20, True)),  # keeps: 2x3 <= 2x36
         (OPS.conv2d_grad_norms, (go, x, [3, 3], [1, 1], [0, 0], [1, 1], 1, [True, True], "auto", 1 << 20, True,
                                  c.clone())),
-        # exact_bound_ (called inside the norms ops): T = 1 rows, and summed positions with Gram terms.
+        # exact_bound_ (called inside the norms ops): T = 1 rows, and positions with Gram terms.
         (OPS.exact_bound_, (torch.zeros(4, dtype=torch.float64, device=device),
                             torch.zeros(4, dtype=torch.float64, device=device), xl[:, :1], gol[:, :1], gol[:, :1],
                             xl.new_empty(0), xl.new_empty(0), 0, 1, 3, [1e-3] * 18, c.clone())),
         (OPS.exact_bound_, (torch.zeros(5, dtype=torch.float64, device=device),
-                            torch.zeros(5, dtype=torch.float64, device=device), xl.square().sum(2, keepdim=True),
-                            gol.square().sum(2, keepdim=True), gol, torch.randn(4, 4, device=device),
-                            torch.randn(4, 4, device=device), 1, 2, 15, [1e-3] * 18, None)),
+                            torch.zeros(5, dtype=torch.float64, device=device), xl, gol, gol,
+                            torch.randn(4, 4, device=device), torch.randn(4, 4, device=device), 1, 2, 7, [1e-3] * 18,
+                            None)),
+        (OPS.conv_patches, (x, [3, 3], [1, 1], [1, 1], [1, 1])),
+        (OPS.conv_patches, (x.half().contiguous(memory_format=torch.channels_last), [2, 3], [2, 1], [0, 2], [1, 2])),
         (OPS.exact_factors, ([torch.rand(4, dtype=torch.float64, device=device)], c.clone(), 1.0, "clip", 0.01,
                              False)),
         (OPS.exact_factors, ([torch.rand(4, dtype=torch.float64, device=device) for _ in range(3)], c.clone(), 0.5,

@@ -15,6 +15,51 @@
 namespace bpclip {
 namespace {
 
+// One row's position sums of squares, as position_sq takes them (each sequential over its n
+// entries, so the same bits), but with the positions as the inner loop where they are the closer
+// stride: a Conv2d's patches are [n, T] per row, and a lane's strided walk over them re-read each
+// cache line up to 16 times; this loop reads the row once, contiguously, and vectorises.
+template <typename T>
+void row_sums(const T* v, int64_t T_, int64_t n, int64_t s1, int64_t s2, double* out) {
+  if (s1 == 1 && s2 != 1) {
+    for (int64_t t = 0; t < T_; ++t) out[t] = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vj = v + j * s2;
+      for (int64_t t = 0; t < T_; ++t) {
+        const double e = static_cast<double>(vj[t]);
+        out[t] += e * e;
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < T_; ++t) out[t] = position_sq(v + t * s1, n, s2);
+  }
+}
+
+// The position sums of one row, precomputed (row_sums).
+struct RowPositions {
+  const double* xs;
+  const double* gs;
+  double x_sq(int64_t, int64_t t) const { return xs[t]; }
+  double g_sq(int64_t, int64_t t) const { return gs[t]; }
+};
+
+// Every lane's weight terms of row r (lane_weight_terms), in one contiguous pass: lane l's W is
+// the same sequence of additions, 0 + the products e = l, l + kBoundLanes, ... in that order (at
+// T > 1 the positions leave W at 0), but the row is read once in order rather than once per lane.
+template <typename T>
+void weight_terms(LaneSums* lanes, const T* wa, const T* wb, const BoundGeometry& s, int64_t r) {
+  if (!(s.flags & kBoundWeight) || s.L == 0) return;
+  const T* ar = wa + r * s.L;
+  const T* br = wb + r * s.L;
+  double acc[kBoundLanes];
+  for (int l = 0; l < kBoundLanes; ++l) acc[l] = lanes[l].W;
+  int64_t e = 0;
+  for (; e + kBoundLanes <= s.L; e += kBoundLanes)
+    for (int l = 0; l < kBoundLanes; ++l) acc[l] += static_cast<double>(ar[e + l]) * static_cast<double>(br[e + l]);
+  for (int l = 0; e + l < s.L; ++l) acc[l] += static_cast<double>(ar[e + l]) * static_cast<double>(br[e + l]);
+  for (int l = 0; l < kBoundLanes; ++l) lanes[l].W = acc[l];
+}
+
 template <typename T>
 int64_t bound_rows(const T* x, const T* g, const T* gb, const T* wa, const T* wb, const BoundGeometry& s, const double* c,
                    double* sq, double* bound) {
@@ -22,10 +67,20 @@ int64_t bound_rows(const T* x, const T* g, const T* gb, const T* wa, const T* wb
   at::parallel_for(0, s.examples, 1, [&](int64_t begin, int64_t end) {
     int64_t local = 0;
     LaneSums lanes[kBoundLanes];
+    std::vector<double> xs(static_cast<size_t>(s.T)), gs(static_cast<size_t>(s.T));
+    const RowPositions pos{xs.data(), gs.data()};
     for (int64_t i = begin; i < end; ++i) {
       ExampleSums e{0, 0, 0, 0, 0};
       for (int64_t k = 0; k < s.per; ++k) {
-        for (int l = 0; l < kBoundLanes; ++l) lanes[l] = lane_sums(x, g, gb, wa, wb, s, c, i * s.per + k, l);
+        const int64_t r = i * s.per + k;
+        row_sums(x + r * s.sx0, s.T, s.dx, s.sx1, s.sx2, xs.data());
+        row_sums(g + r * s.sg0, s.T, s.dg, s.sg1, s.sg2, gs.data());
+        for (int l = 0; l < kBoundLanes; ++l) {
+          lanes[l] = LaneSums{0, 0, 0, 0, 0, 0, 0};
+          lane_positions(lanes[l], pos, s, c, r, l);
+          lane_bias(lanes[l], gb, s, r, l);
+        }
+        weight_terms(lanes, wa, wb, s, r);
         add_row(e, combine_lanes(lanes), s, c);
       }
       sq[i] = e.sq;

@@ -10,6 +10,23 @@
 namespace bpclip {
 namespace cuda {
 
+// The position sums of squares as the CUDA kernel takes them: each one read through the strides and
+// summed where the lane needs it (position_sq; a Conv2d's patches [rows, d, T] are read transposed,
+// sx1 = 1 and sx2 = T, so a warp's lanes read consecutive positions of one entry: coalesced).
+template <typename T>
+struct StridedPositions {
+  const T* x;
+  const T* g;
+  int64_t dx, sx0, sx1, sx2, dg, sg0, sg1, sg2;
+  BPCLIP_HD double x_sq(int64_t r, int64_t t) const { return position_sq(x + r * sx0 + t * sx1, dx, sx2); }
+  BPCLIP_HD double g_sq(int64_t r, int64_t t) const { return position_sq(g + r * sg0 + t * sg1, dg, sg2); }
+};
+
+template <typename T>
+BPCLIP_HD inline StridedPositions<T> strided_positions(const T* x, const T* g, const BoundGeometry& s) {
+  return StridedPositions<T>{x, g, s.dx, s.sx0, s.sx1, s.sx2, s.dg, s.sg0, s.sg1, s.sg2};
+}
+
 __device__ inline LaneSums shfl_down_lanes(const LaneSums& v, int off) {
   LaneSums o;
   o.P = __shfl_down_sync(0xffffffffu, v.P, off);
@@ -39,9 +56,10 @@ __global__ void exact_bound_kernel(const T* __restrict__ x, const T* __restrict_
   const int lane = threadIdx.x % kBoundLanes;
   if (i >= s.examples) return;  // whole warps leave together: the grid is counted in warps
   const double* c = consts.c;
+  const StridedPositions<T> pos = strided_positions(x, g, s);
   ExampleSums e{0, 0, 0, 0, 0};
   for (int64_t k = 0; k < s.per; ++k) {
-    LaneSums v = lane_sums(x, g, gb, wa, wb, s, c, i * s.per + k, lane);
+    LaneSums v = lane_sums(pos, gb, wa, wb, s, c, i * s.per + k, lane);
     for (int off = kBoundLanes / 2; off > 0; off >>= 1) add_lane(v, shfl_down_lanes(v, off));
     if (lane == 0) add_row(e, v, s, c);  // complete in lane 0
   }

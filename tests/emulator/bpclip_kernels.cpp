@@ -30,6 +30,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 #include "examples_launch.cuh"
 #include "noise_launch.cuh"
 #include "norm_affine_launch.cuh"
+#include "patches_launch.cuh"
 
 namespace {
 
@@ -210,6 +211,16 @@ int simt_exact_bound(int dtype, const void* x, const void* g, const void* gb, co
   else if (dtype == kF64) run.template operator()<double>();
   else return 2;
   return simt::has_error() ? 1 : 0;
+}
+
+// conv_patches of x (any strides, given in geo) into out [n, c kh kw, ho wo] of the accumulation
+// dtype; geo: bpclip_fast/patches.h's PatchGeometry as 18 int64 in its order.
+int simt_conv_patches(int dtype, const void* x, const int64_t* geo, void* out) {
+  const PatchGeometry g{geo[0], geo[1], geo[2],  geo[3],  geo[4],  geo[5],  geo[6],  geo[7],  geo[8],
+                        geo[9], geo[10], geo[11], geo[12], geo[13], geo[14], geo[15], geo[16], geo[17]};
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    conv_patches_device<T, acc_t>(static_cast<const T*>(x), g, static_cast<acc_t*>(out));
+  });
 }
 
 // exact_factors over bounds [L, B] (float64); factor fp32 (fp64 when fp64).

@@ -164,6 +164,7 @@ class Simt:
         lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
         lib.simt_examples_bound.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp]
         lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, ctypes.c_float, dbl, vp, vp]
+        lib.simt_conv_patches.argtypes = [i32, vp, vp, vp]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
             getattr(lib, name).argtypes = [vp, vp, i64, i32]
@@ -240,6 +241,14 @@ class Simt:
         c = torch.tensor(consts, dtype=torch.float64)
         self.call("simt_exact_bound", DTYPES[x.dtype], _ptr(x), _ptr(g), _ptr(gb), _ptr(wa), _ptr(wb), _ptr(geo),
                   flags, _ptr(c), _ptr(sq), _ptr(bound), _ptr(nonfinite))
+
+    def conv_patches(self, x, k, stride, padding, dilation, out):
+        """x: a 4-D view (any strides) of its storage; out: [n, c kh kw, ho wo] of the accumulation dtype."""
+        n, c, h, w = x.shape
+        ho = (h + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride[0] + 1
+        wo = (w + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride[1] + 1
+        geo = torch.tensor([n, c, h, w, *k, *stride, *padding, *dilation, ho, wo, *x.stride()], dtype=torch.int64)
+        self.call("simt_conv_patches", DTYPES[x.dtype], _ptr(x), _ptr(geo), _ptr(out))
 
     def exact_factors(self, stacked, inflate, bound_eff, clip_fn, gamma, fp64, factor, total, nonfinite):
         self.call("simt_exact_factors", _ptr(stacked), stacked.shape[0], stacked.shape[1], inflate, bound_eff,
@@ -617,17 +626,16 @@ def examples_inputs(dtype, B, wshape, bshape, gen, nonfinite=False):
 BOUND_CONSTS = 18  # kBoundConsts of bpclip_fast/bound.h
 
 
-def bound_inputs(dtype, rows, T, d, p, per, ghost, gen, summed=None, conv_layout=False):
-    """Inputs of exact_bound_ as csrc/exact.cpp builds them: positions (T = 1: x and g themselves;
-    T > 1: their sums of squares), the upstream gradient for the bias, and the weight's terms."""
-    x = torch.randn(rows, T, d, generator=gen, dtype=torch.float64).to(dtype)
-    if conv_layout:  # g as the conv path reads it: [rows, p, T] transposed to [rows, T, p]
+def bound_inputs(dtype, rows, T, d, p, per, ghost, gen, conv_layout=False):
+    """Inputs of exact_bound_ as csrc/exact.cpp builds them: positions x and g (whose squares the
+    kernel sums), the upstream gradient for the bias, and the weight's terms. conv_layout: x and g
+    as the Conv2d path reads them, [rows, d, T] (the patches) and [rows, p, T] transposed."""
+    if conv_layout:
+        x = torch.randn(rows, d, T, generator=gen, dtype=torch.float64).to(dtype).transpose(1, 2)
         g = torch.randn(rows, p, T, generator=gen, dtype=torch.float64).to(dtype).transpose(1, 2)
     else:
+        x = torch.randn(rows, T, d, generator=gen, dtype=torch.float64).to(dtype)
         g = torch.randn(rows, T, p, generator=gen, dtype=torch.float64).to(dtype)
-    summed = T > 1 if summed is None else summed
-    xs = (x * x).sum(2, keepdim=True) if summed else x
-    gs = (g * g).sum(2, keepdim=True) if summed else g
     if T == 1:
         wa = wb = x.new_empty(0)
     elif ghost:
@@ -635,7 +643,7 @@ def bound_inputs(dtype, rows, T, d, p, per, ghost, gen, summed=None, conv_layout
         wb = torch.bmm(g, g.transpose(1, 2)).reshape(rows, -1)
     else:
         wa = wb = torch.bmm(g.transpose(1, 2), x).reshape(rows, -1)
-    return xs, gs, g, wa.contiguous(), wb.contiguous()
+    return x, g, g, wa.contiguous(), wb.contiguous()
 
 
 def bound_consts(gen):
@@ -670,6 +678,21 @@ def compare_exact_bound(sim: Simt, xs, gs, gb, wa, wb, per, flags, consts, nonfi
     return problems
 
 
+def compare_conv_patches(sim: Simt, x, k, stride, padding, dilation):
+    """Emulated conv_patches vs the CPU op, bit for bit (copies and zeros), the output in a
+    NaN-poisoned buffer (an element never written shows) with nothing written past its end."""
+    ref = torch.ops.bpclip_fast.conv_patches(x, k, stride, padding, dilation)
+    buf, out = guarded(ref.numel(), ref.dtype)
+    sim.conv_patches(x, k, stride, padding, dilation, out)
+    problems = []
+    if not _guard_intact(buf, ref.numel(), float("nan")):
+        problems.append("written past its end")
+    if not torch.equal(_bits(out), _bits(ref.reshape(-1))):
+        bad = int((_bits(out) != _bits(ref.reshape(-1))).sum())
+        problems.append(f"differs from the CPU op at {bad} of {ref.numel()} elements")
+    return problems
+
+
 def compare_exact_factors(sim: Simt, bounds, max_norm, clip_fn, gamma, fp64):
     """Emulated exact_factors vs the CPU op, bit for bit (factor, total, count)."""
     L = len(bounds)
@@ -700,11 +723,18 @@ def sweep(sim: Simt) -> list[str]:
     problems = []
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.float64):
-        for T, ghost, per in ((1, False, 1), (5, True, 2), (40, False, 1)):
-            xs, gs, gb, wa, wb = bound_inputs(dtype, 6, T, 7, 3, per, ghost, gen)
-            flags = 1 | 2 | (4 if ghost else 0) | (8 if T > 1 else 0)
+        for T, ghost, per, conv in ((1, False, 1, False), (5, True, 2, True), (40, False, 1, True), (40, True, 1, False)):
+            xs, gs, gb, wa, wb = bound_inputs(dtype, 6, T, 7, 3, per, ghost, gen, conv_layout=conv)
+            flags = 1 | 2 | (4 if ghost else 0)
             problems += [f"exact_bound {dtype} T={T}: {p}"
                          for p in compare_exact_bound(sim, xs, gs, gb, wa, wb, per, flags, bound_consts(gen))]
+        # conv_patches: padding, stride, dilation, a channels_last and a sliced (offset) input.
+        x = torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64).to(dtype)
+        for xv, geo in ((x, ([3, 3], [1, 1], [1, 1], [1, 1])),
+                        (x.contiguous(memory_format=torch.channels_last), ([2, 3], [2, 1], [0, 2], [1, 2])),
+                        (x[:, 1:, 1:, ::2], ([3, 2], [1, 2], [2, 1], [2, 1]))):
+            problems += [f"conv_patches {dtype} {list(xv.stride())}: {p}"
+                         for p in compare_conv_patches(sim, xv, *geo)]
         bounds = [torch.rand(37, generator=gen, dtype=torch.float64) * 3 for _ in range(3)]
         problems += [f"exact_factors {dtype}: {p}"
                      for p in compare_exact_factors(sim, bounds, 1.0, "clip", 0.01, dtype == torch.float64)]

@@ -3,17 +3,20 @@
 // emulator, so that all three evaluate the same double operations in the same order.
 //
 // One example is `per` consecutive rows (its channel groups; 1 for Linear). A row r has T positions
-// with input vectors x_t and upstream gradients g_t, given either as themselves, x[r, t, :] (dx
-// entries) and g[r, t, :] (dg entries), whose squares the kernel sums in double (T = 1: exact
-// squares), or (flag kBoundSummed) as the sums of their squares x[r, t, 0], g[r, t, 0] that the
-// caller computed in the accumulation dtype; the bias reads the upstream gradient itself,
-// gb[r, t, :] (p channels). All through strides, in the accumulation dtype. Its work is split over kLanes lanes (a CUDA warp; a
-// loop on the CPU): lane l takes positions t = l, l + kLanes, ... and entries e = l, l + kLanes, ...
-// of the weight's squared-norm terms and channels j = l, ... of the bias; each lane sums its share
-// sequentially in double, and the lanes' partial sums are combined by the tree of a warp's
-// shuffle-down reduction (combine_lanes). Every one of these sums is of non-negative terms, except
-// the ghost products' (whose bound gamma_n(v) sum |terms| holds in any order), so any order is
-// covered by the file comment's gamma terms.
+// with input vectors x_t = x[r, t, :] (dx entries: a Linear's input row, or a Conv2d's zero-padded
+// patch, read from the patches [rows, dx, T] transposed) and upstream gradients g_t = g[r, t, :]
+// (dg entries), all through strides, in the accumulation dtype; the bias reads the upstream
+// gradient itself, gb[r, t, :] (p channels). The kernel sums each position's squares itself, in
+// double, sequentially over its entries e = 0, 1, ..., dx - 1 (position_sq; fp32 squares are exact
+// in double and neither overflow nor underflow there). The rest of the row's work is split over
+// kLanes lanes (a CUDA warp; a loop on the CPU): lane l takes positions t = l, l + kLanes, ... and
+// entries e = l, l + kLanes, ... of the weight's squared-norm terms and channels j = l, ... of the
+// bias; each lane sums its share sequentially in double, and the lanes' partial sums are combined by
+// the tree of a warp's shuffle-down reduction (combine_lanes). Every one of these sums is of
+// non-negative terms, except the ghost products' (whose bound gamma_n(v) sum |terms| holds in any
+// order), so any order is covered by the file comment's gamma terms; the CPU kernel keeps this
+// order exactly (it may precompute a row's position sums with the positions as its inner loop, each
+// position's sum still sequential over its entries), so CPU, CUDA and emulator agree bit for bit.
 #pragma once
 
 #include <stdint.h>
@@ -34,8 +37,8 @@ constexpr double kFloorInverse = 0x1p60;
 // What the kernel knows of a layer's norms: computed on the host (csrc/exact.cpp, bound_consts)
 // and passed as one float[] (kBoundConsts entries, in this order).
 enum BoundConst : int {
-  kGrowX,    // position norm of x: a_t = sqrt(S_t grow + add) (grow 1 where the kernel sums, add 0 for
-             // fp32 data there)
+  kGrowX,    // position norm of x: a_t = sqrt(S_t grow + add) (S_t the kernel's double sum of squares;
+             // grow 1 from bound_consts, add 3 d tau for fp64 data, 0 for fp32)
   kAddX,
   kGrowG,    // likewise for g
   kAddG,
@@ -56,7 +59,7 @@ enum BoundConst : int {
   kBoundConsts
 };
 
-enum BoundFlag : int { kBoundWeight = 1, kBoundBias = 2, kBoundGhost = 4, kBoundSummed = 8 };
+enum BoundFlag : int { kBoundWeight = 1, kBoundBias = 2, kBoundGhost = 4 };
 
 // Geometry of one call: rows = examples x per; x [rows, T, dx] and g [rows, T, dg] by strides; the
 // weight's squared-norm terms wa[r, e] * wb[r, e], e < L, contiguous rows (Gram entries of x and of
@@ -83,8 +86,9 @@ BPCLIP_HD inline void add_lane(LaneSums& a, const LaneSums& b) {
   a.bias += b.bias;
 }
 
+// A position's sum of squares, in double, sequentially over its n entries.
 template <typename T>
-BPCLIP_HD inline double sum_squares(const T* v, int64_t n, int64_t stride) {
+BPCLIP_HD inline double position_sq(const T* v, int64_t n, int64_t stride) {
   double s = 0.0;
   for (int64_t j = 0; j < n; ++j) {
     const double e = static_cast<double>(v[j * stride]);
@@ -93,26 +97,15 @@ BPCLIP_HD inline double sum_squares(const T* v, int64_t n, int64_t stride) {
   return s;
 }
 
-// The sum of squares of one position: computed here, or given (kBoundSummed; a negative one, which
-// a convolution of squares could only give by rounding, is taken as 0, and NaN stays NaN).
-template <typename T>
-BPCLIP_HD inline double position_sq(const T* v, int64_t n, int64_t stride, bool summed) {
-  if (!summed) return sum_squares(v, n, stride);
-  const double s = static_cast<double>(v[0]);
-  return s < 0.0 ? 0.0 : s;
-}
-
-// Lane `lane`'s share of row r.
-template <typename T>
-BPCLIP_HD inline LaneSums lane_sums(const T* x, const T* g, const T* gb, const T* wa, const T* wb,
-                                    const BoundGeometry& s, const double* c, int64_t r, int lane) {
-  LaneSums out{0, 0, 0, 0, 0, 0, 0};
-  const bool weight = s.flags & kBoundWeight, bias = s.flags & kBoundBias, summed = s.flags & kBoundSummed;
-  const T* xr = x + r * s.sx0;
-  const T* gr = g + r * s.sg0;
+// Lane `lane`'s share of row r's positions; pos gives the position sums of squares (x_sq(r, t),
+// g_sq(r, t)).
+template <typename Positions>
+BPCLIP_HD inline void lane_positions(LaneSums& out, const Positions& pos, const BoundGeometry& s, const double* c,
+                                     int64_t r, int lane) {
+  const bool weight = s.flags & kBoundWeight, bias = s.flags & kBoundBias;
   for (int64_t t = lane; t < s.T; t += kBoundLanes) {
-    const double a = sqrt(position_sq(xr + t * s.sx1, s.dx, s.sx2, summed) * c[kGrowX] + c[kAddX]);
-    const double b = sqrt(position_sq(gr + t * s.sg1, s.dg, s.sg2, summed) * c[kGrowG] + c[kAddG]);
+    const double a = sqrt(pos.x_sq(r, t) * c[kGrowX] + c[kAddX]);
+    const double b = sqrt(pos.g_sq(r, t) * c[kGrowG] + c[kAddG]);
     const double x2 = weight ? a * a : 0.0;
     const double row = sqrt(bias ? x2 + 1.0 : x2);
     out.P += row * b;
@@ -122,19 +115,41 @@ BPCLIP_HD inline LaneSums lane_sums(const T* x, const T* g, const T* gb, const T
     out.B += b;
     if (s.T == 1 && weight) out.W = (a * a) * (b * b);  // from the double norms (file comment, T = 1)
   }
-  if (weight && s.L > 0) {
-    const T* ar = wa + r * s.L;
-    const T* br = wb + r * s.L;
-    for (int64_t e = lane; e < s.L; e += kBoundLanes) out.W += static_cast<double>(ar[e]) * static_cast<double>(br[e]);
+}
+
+// Lane `lane`'s share of row r's weight terms wa[r, e] wb[r, e], e = lane, lane + kBoundLanes, ...
+// (T > 1; L = 0 at T = 1), added to out.W in that order.
+template <typename T>
+BPCLIP_HD inline void lane_weight_terms(LaneSums& out, const T* wa, const T* wb, const BoundGeometry& s, int64_t r,
+                                        int lane) {
+  if (!(s.flags & kBoundWeight) || s.L == 0) return;
+  const T* ar = wa + r * s.L;
+  const T* br = wb + r * s.L;
+  for (int64_t e = lane; e < s.L; e += kBoundLanes) out.W += static_cast<double>(ar[e]) * static_cast<double>(br[e]);
+}
+
+// Lane `lane`'s share of row r's bias gradient: channels j = lane, lane + kBoundLanes, ..., each
+// summed over the positions in double, then squared.
+template <typename T>
+BPCLIP_HD inline void lane_bias(LaneSums& out, const T* gb, const BoundGeometry& s, int64_t r, int lane) {
+  if (!(s.flags & kBoundBias)) return;
+  const T* br = gb + r * s.sb0;
+  for (int64_t j = lane; j < s.p; j += kBoundLanes) {
+    double sum = 0.0;  // the bias gradient's entry j, in double
+    for (int64_t t = 0; t < s.T; ++t) sum += static_cast<double>(br[t * s.sb1 + j * s.sb2]);
+    out.bias += sum * sum;
   }
-  if (bias) {
-    const T* br = gb + r * s.sb0;
-    for (int64_t j = lane; j < s.p; j += kBoundLanes) {
-      double sum = 0.0;  // the bias gradient's entry j, in double
-      for (int64_t t = 0; t < s.T; ++t) sum += static_cast<double>(br[t * s.sb1 + j * s.sb2]);
-      out.bias += sum * sum;
-    }
-  }
+}
+
+// Lane `lane`'s share of row r (the CUDA kernel's; the CPU kernel runs the same three parts, the
+// weight terms for all lanes in one pass).
+template <typename T, typename Positions>
+BPCLIP_HD inline LaneSums lane_sums(const Positions& pos, const T* gb, const T* wa, const T* wb,
+                                    const BoundGeometry& s, const double* c, int64_t r, int lane) {
+  LaneSums out{0, 0, 0, 0, 0, 0, 0};
+  lane_positions(out, pos, s, c, r, lane);
+  lane_weight_terms(out, wa, wb, s, r, lane);
+  lane_bias(out, gb, s, r, lane);
   return out;
 }
 
