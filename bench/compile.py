@@ -1,6 +1,6 @@
 """Eager vs ``torch.compile`` (inductor) step time of a private model under exact clipping (issue 25).
 
-    OMP_NUM_THREADS=1 python -m bench.compile [--models digits,mnist] [--modes flat,per_layer]
+    OMP_NUM_THREADS=1 python -m bench.compile [--models digits,mnist] [--modes flat,per_layer,none]
                                               [--batch 64] [--steps 20] [--warmup 3] [--clock wall|cpu]
 
 One step is ``zero_grad; forward; cross-entropy (mean); backward; step()`` of a PrivacyEngine
@@ -8,9 +8,10 @@ private model on fixed-size batches of synthetic data (``poisson_sampling=False`
 the same shape and the compiled graph is reused; Poisson batches add one recompile, after which the
 batch dimension is dynamic). The compiled model is warmed up (compilation excluded) before timing;
 eager and compiled steps alternate, so a slow phase of a shared machine falls on both alike. Median
-of ``--steps`` steps, milliseconds, on this machine's CPU. ``--clock cpu`` times the process's CPU
-time instead of wall time (with ``OMP_NUM_THREADS=1``: the step's own work, without the time other
-processes of a shared machine took the core away).
+of ``--steps`` steps, milliseconds, on this machine's CPU. Mode ``none`` times the same net without
+privacy (plain SGD), to tell inductor's own cost from the private layers' ops. ``--clock cpu`` times
+the process's CPU time instead of wall time (with ``OMP_NUM_THREADS=1``: the step's own work,
+without the time other processes of a shared machine took the core away).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def _private(base, shape, mode, batch):
     g = torch.Generator().manual_seed(0)
     n = 4 * batch
     data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+    if mode == "none":  # the same net without privacy: what inductor itself gains or costs
+        return model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(data, batch_size=batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return PrivacyEngine(accountant="zcdp").make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
