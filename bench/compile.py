@@ -1,14 +1,17 @@
 """Eager vs ``torch.compile`` (inductor) step time of a private model under exact clipping (issue 25).
 
-    OMP_NUM_THREADS=1 python -m bench.compile [--models digits,mnist] [--modes flat,per_layer]
-                                              [--batch 64] [--steps 20] [--warmup 3]
+    OMP_NUM_THREADS=1 python -m bench.compile [--models digits,mnist] [--modes flat,per_layer,none]
+                                              [--batch 64] [--steps 20] [--warmup 3] [--clock wall|cpu]
 
 One step is ``zero_grad; forward; cross-entropy (mean); backward; step()`` of a PrivacyEngine
 private model on fixed-size batches of synthetic data (``poisson_sampling=False``, so every step has
 the same shape and the compiled graph is reused; Poisson batches add one recompile, after which the
 batch dimension is dynamic). The compiled model is warmed up (compilation excluded) before timing;
 eager and compiled steps alternate, so a slow phase of a shared machine falls on both alike. Median
-of ``--steps`` steps, milliseconds, on this machine's CPU.
+of ``--steps`` steps, milliseconds, on this machine's CPU. Mode ``none`` times the same net without
+privacy (plain SGD), to tell inductor's own cost from the private layers' ops. ``--clock cpu`` times
+the process's CPU time instead of wall time (with ``OMP_NUM_THREADS=1``: the step's own work,
+without the time other processes of a shared machine took the core away).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def _private(base, shape, mode, batch):
     g = torch.Generator().manual_seed(0)
     n = 4 * batch
     data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+    if mode == "none":  # the same net without privacy: what inductor itself gains or costs
+        return model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(data, batch_size=batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return PrivacyEngine(accountant="zcdp").make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
@@ -53,17 +58,25 @@ def _batches(loader):
         yield from loader
 
 
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _step(model, opt, batches):
     x, y = next(batches)
-    t = time.perf_counter()
+    t = _clock()
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     opt.step()
-    return time.perf_counter() - t
+    return _clock() - t
 
 
 def measure(name, mode, batch, steps, warmup):
     factory, shape = MODELS[name]
+    # Each configuration gets its own dynamo cache: the models share Sequential.forward's code
+    # object, so a second model of another input size would otherwise be compiled with its sizes
+    # dynamic (automatic dynamic shapes after a size guard failed), not as a user's one model is.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     base = factory()
     me, oe, le = _private(base, shape, mode, batch)
@@ -90,9 +103,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--clock", choices=sorted(_CLOCKS), default="wall")
     args = ap.parse_args(argv)
+    global _clock
+    _clock = _CLOCKS[args.clock]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), batch {args.batch}, "
-          f"median of {args.steps} steps")
+          f"median of {args.steps} steps, {args.clock} clock")
     print(f"{'model':8} {'mode':10} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} {'compile s':>10}")
     for name in args.models.split(","):
         for mode in args.modes.split(","):
