@@ -27,9 +27,10 @@ after warm-up steps; on a GPU each is one kernel launch):
   ``exact_bound_``, ...) counts once *plus* whatever its CPU implementation calls; a composite one
   (registered ``CompositeExplicitAutograd``: the layer and exact ops of csrc/layers.cpp and
   csrc/exact.cpp, written once over ATen for every backend) counts only what it calls. What an
-  extension op calls is read from ``torch.profiler`` events of another step: the innermost ATen
-  events with data work, and the extension kernels (each once, plus theirs). So fusing a Python
-  chain into a C++ op that still calls ATen op by op does not flatter the count;
+  extension op calls is read from ``torch.profiler`` events of another step, call by call in call
+  order (one op's calls can take different routes): the innermost ATen events with data work, and
+  the extension kernels (each once, plus theirs). So fusing a Python chain into a C++ op that
+  still calls ATen op by op does not flatter the count;
 - a *host sync* is ``_local_scalar_dense`` (``item``, ``bool``, ``int``, ``float`` of a tensor),
   ``nonzero``, ``equal``/``allclose``, or a Python-level ``Tensor.tolist/numpy/cpu`` during the step
   (patched for the counted step only).
@@ -130,8 +131,10 @@ class _Ops(TorchDispatchMode):
 
 
 def inner_leaves(events) -> dict:
-    """Extension op name -> the ATen leaves with data work its CPU implementation calls, per call
-    (from profiler events: innermost ATen events under it, views/allocation/syncs excluded)."""
+    """Extension op name -> the ATen leaves with data work its CPU implementation calls, one entry per
+    call in call order (from profiler events: innermost ATen events under it, views/allocation/syncs
+    excluded). Only calls made from outside any extension op are listed: those are the ones the
+    dispatch mode sees (an op's own inner calls are in its entry)."""
     kinds = {id(e): _kind(e.name) for e in events}
 
     def leaves(e) -> int:  # an extension kernel inside counts once plus its own leaves
@@ -140,16 +143,27 @@ def inner_leaves(events) -> dict:
             below, k = leaves(c), kinds.get(id(c))
             n += below + 1 if k == "ext" else below if below or k != "aten" else 1
         return n
+
+    def top(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if kinds.get(id(p)) in ("ext", "composite"):
+                return False
+            p = p.cpu_parent
+        return True
     per: dict = collections.defaultdict(list)
-    for e in events:
-        if kinds[id(e)] in ("ext", "composite"):
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if kinds[id(e)] in ("ext", "composite") and top(e):
             per[e.name].append(leaves(e))
-    return {k: max(v) for k, v in per.items()}
+    return dict(per)
 
 
 def count(names, inner: dict) -> tuple[int, int, collections.Counter]:
-    """(leaf ops with data work, host syncs, histogram) of the dispatched op names of one step."""
-    ops, syncs, hist = 0, 0, collections.Counter()
+    """(leaf ops with data work, host syncs, histogram) of the dispatched op names of one step. The
+    k-th call of an extension op counts the leaves of the k-th call in ``inner`` (the same step's
+    calls in the same order: one op's calls can differ, e.g. a layer that keeps its per-example
+    gradients releases them by another route); past the end of its list, the most any call had."""
+    ops, syncs, hist, seen = 0, 0, collections.Counter(), collections.Counter()
     for name in names:
         k = _kind(name)
         if k == "sync":
@@ -158,7 +172,10 @@ def count(names, inner: dict) -> tuple[int, int, collections.Counter]:
             ops += 1
             hist[name] += 1
         elif k in ("ext", "composite"):
-            n = (k == "ext") + inner.get(name, 0)
+            calls = inner.get(name, [])
+            below = calls[seen[name]] if seen[name] < len(calls) else max(calls, default=0)
+            seen[name] += 1
+            n = (k == "ext") + below
             ops += n
             hist[name] += n
     return ops, syncs, hist

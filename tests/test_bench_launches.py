@@ -73,3 +73,30 @@ def test_a_composite_extension_op_counts_only_what_it_calls():
     inner = launches.inner_leaves(prof.events())
     ops, _, _ = _counted(fwd, inner)
     assert ops == 2  # clip_rows + addmm
+
+
+def test_each_call_of_an_extension_op_counts_its_own_route():
+    """One composite op called twice along two routes (with noise: noise buffer then addmm_; without:
+    one mm into the output) counts each call's own leaves, not the larger route twice."""
+    from bpclip_fast import _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    from torch.profiler import ProfilerActivity, profile
+
+    g, x, w, factor = torch.randn(3, 4), torch.randn(3, 5), torch.randn(4, 5), torch.rand(3)
+
+    def release(std):
+        return torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, w, [True, False], [1, 0], std)
+
+    def both():
+        release(1.0)
+        release(0.0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        both()
+    inner = launches.inner_leaves(prof.events())
+    ops, _, _ = _counted(both, inner)
+    routes = inner["bpclip_fast::linear_clipped_grads"]
+    assert len(routes) == 2 and routes[0] > routes[1]  # the noise is a launch of its own
+    # scale_rows2 + philox_noise2_ + addmm_, then scale_rows2 + mm
+    assert routes == [3, 2] and ops == 5
