@@ -30,7 +30,7 @@ def verify(engine, optimizer):
 def _outside_problems(engine, optimizer):
     """Gradients on parameters outside the clipped layers (of the model, or only in the optimizer)."""
     clipped = owned_ids(engine)
-    if not any(p.grad is not None for p in outside_tensors(engine)) and not any(
+    if not any(p.grad is not None for p in outside_tensors(engine, clipped)) and not any(
             p.grad is not None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped):
         return []  # the names below cost a walk of the model; they are needed only for a refusal
     names = {id(p): name for name, p in engine._inner.named_parameters()}
