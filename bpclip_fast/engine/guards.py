@@ -125,6 +125,6 @@ def after_zero_grad(engine) -> None:
     """``zero_grad`` through the private optimizer: every layer whose gradients it cleared starts
     afresh (its draw is added again by its next backward); no device check is needed for them."""
     for st in engine._steps_of:  # only what is None now: zeroed or untouched gradients are checked as usual
-        trainable = [p for p in st.params if p.requires_grad]
-        if trainable and all(p.grad is None for p in st.params):
+        params = st.params
+        if any(p.requires_grad for p in params) and all(p.grad is None for p in params):
             st.cleared()
