@@ -158,14 +158,15 @@ class _Clipped:
         name = self.layer_name
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a tensor input, got {type(x).__name__}")
-        if x.device != self.weight.device:
+        weight = self.weight  # once: each read is a Module.__getattr__ call
+        if x.device != weight.device:
             raise ValueError(f"{name}: the input is on {x.device} but the layer's parameters are on "
-                             f"{self.weight.device}; move the input or the model (.to(device)) so they match")
+                             f"{weight.device}; move the input or the model (.to(device)) so they match")
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: unsupported input dtype {x.dtype}; bpclip_fast layers take float32, "
                             "float16, bfloat16 (or float64)")
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{name}: the input is {x.dtype} but the layer's parameters are {self.weight.dtype}; "
+        if x.dtype != weight.dtype:
+            raise TypeError(f"{name}: the input is {x.dtype} but the layer's parameters are {weight.dtype}; "
                             "cast one of them (x.to(dtype) or model.to(dtype))")
 
     # ------------------------------------------------------------------ a data-independent Δ
