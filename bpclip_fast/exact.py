@@ -220,22 +220,27 @@ class FlatClipping:
         book.entries = []
         if not entries:
             return {}
-        ds = {e.step_args[3] for e in entries}
-        rows = {e.bound.shape[0] for e in entries}
-        layers = [id(e.layer) for e in entries]
-        if len(ds) > 1 or len(rows) > 1 or len(set(layers)) < len(layers):
+        # One pass over the entries for the refusals below (in their order: rows, then bounds).
+        ds, rows, layers, loose, bounds = set(), set(), set(), [], []
+        max_grad_norm = self.max_grad_norm
+        for e in entries:
+            ds.add(e.step_args[3])
+            rows.add(e.bound.shape[0])
+            layers.add(id(e.layer))
+            bounds.append(e.bound)
+            if max_grad_norm > e.layer.noise_bound:
+                loose.append(e)
+        if len(ds) > 1 or len(rows) > 1 or len(layers) < len(entries):
             _refuse_release([e.layer for e in entries], "flat clipping pairs each example's norms across the layers "
                             "of one forward by row, but a layer ran more than once in it or the layers saw different "
                             f"numbers of rows ({sorted(rows)})",
                             "keep every flat layer to one call on all rows of the batch")
-        loose = [e for e in entries if self.max_grad_norm > e.layer.noise_bound]
         if loose:  # the noise is scaled to each layer's fixed noise_bound: never clip to more
             _refuse_release([e.layer for e in loose], f"flat clipping at C = {self.max_grad_norm:g} above the noise "
                             "bound the layers were made private with", "do not change the clipping after make_private",
                             rule="bounds")
         d = ds.pop()
         scratch = torch.zeros(1, dtype=torch.int64, device=entries[0].bound.device)
-        bounds = [e.bound for e in entries]
 
         by_dtype = {}
         counting = any(e.layer._step is not None and e.layer._step.counting for e in entries)
