@@ -305,9 +305,15 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
         stride, padding, dilation, groups = geometry
         gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, weight, stride, padding, dilation,
                                                             groups, mask, [seed, offset], std, kw, kb)
-    gw = (gw.mul_(scale) if scale != 1.0 else gw).to(weight.dtype) if mask[0] else None
-    gb = (gb.mul_(scale) if scale != 1.0 else gb).to(bias.dtype) if mask[1] else None
+    gw = _as_dtype(gw.mul_(scale) if scale != 1.0 else gw, weight.dtype) if mask[0] else None
+    gb = _as_dtype(gb.mul_(scale) if scale != 1.0 else gb, bias.dtype) if mask[1] else None
     return gw, gb
+
+
+def _as_dtype(t, dtype):
+    """``t.to(dtype)``, which returns ``t`` itself when it already has the dtype, without the
+    dispatcher round trip in that case (two per layer per step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _norms(layer, x, g, geometry, mask, counter=None):
