@@ -198,8 +198,8 @@ class LayerStep:
         b = ps["bias"] if "bias" in ps else getattr(self.layer, "bias", None)
         return [w] if b is None else [w, b]
 
-    def _trainable(self):
-        return tuple(p.requires_grad for p in self.params)
+    def _trainable(self, params=None):
+        return tuple(p.requires_grad for p in (self.params if params is None else params))
 
     def install_hooks(self) -> None:
         """Post-accumulate hooks (record what .grad holds) and AccumulateGrad pre-hooks (check what
@@ -267,26 +267,29 @@ class LayerStep:
             return None
         return prehook
 
-    def close_pass(self) -> None:
+    def close_pass(self, params=None) -> None:
         """A pass must land on all of the layer's trainable parameters or on none (a pass restricted
         with ``backward(inputs=[bias])`` would add rows and no draw to the others)."""
-        trainable = {i for i, p in enumerate(self.params) if p.requires_grad}
-        if self._pass_landed and self._pass_landed != trainable:
+        if self._pass_landed and self._pass_landed != {
+                i for i, p in enumerate(self.params if params is None else params) if p.requires_grad}:
             self.violations.append(("rows", f"a backward pass reached only some of {self.name}'s parameters "
                                     "(backward(inputs=...) or torch.autograd.grad on some of them)"))
         self._pass_landed = set()
 
-    def foreign_hooks(self) -> list[str]:
+    def foreign_hooks(self, params=None) -> list[str]:
         """Parameters carrying gradient hooks other than ours: a tensor hook or a post-accumulate hook
         can rewrite the gradient where our records cannot see it (one registered before ours runs
         first, and we would record its result as the layer's own)."""
-        return [self._param_name(i) for i, p in enumerate(self.params) if self._foreign_hooks_on(i, p)]
+        return [self._param_name(i) for i, p in enumerate(self.params if params is None else params)
+                if self._foreign_hooks_on(i, p)]
 
     def _foreign_hooks_on(self, i, p=None) -> bool:
+        # Set containment over the hook dicts' keys (their handle ids): one C-level pass each, asked
+        # per parameter per backward pass and again at step().
         p = self.params[i] if p is None else p
         ours = self._ours
-        return (any(k not in ours for k in (getattr(p, "_post_accumulate_grad_hooks", None) or ()))
-                or any(k not in ours for k in (getattr(p, "_backward_hooks", None) or ())))
+        return not (ours.issuperset(getattr(p, "_post_accumulate_grad_hooks", None) or ())
+                    and ours.issuperset(getattr(p, "_backward_hooks", None) or ()))
 
     def _make_posthook(self, i):
         def posthook(p):
@@ -313,11 +316,11 @@ class LayerStep:
         return f"{self.name}.{'weight' if i == 0 else 'bias'}"
 
     # ------------------------------------------------------------------ the gradient's state
-    def _grad_states(self):
+    def _grad_states(self, params=None):
         """Per parameter that trains or holds a gradient: 'none', 'ours' (exactly what we left) or
         'foreign'. (A layer frozen for a while keeps the gradient it holds: not a restart.)"""
         states = []
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.params if params is None else params):
             if not p.requires_grad and p.grad is None:
                 continue
             g = p.grad
@@ -332,10 +335,10 @@ class LayerStep:
         self.counts = None
         self._task = None
 
-    def sync_with_grads(self) -> bool:
+    def sync_with_grads(self, params=None) -> bool:
         """Brings the bookkeeping in line with the gradients as they are now. Returns True if the
         layer holds a contribution (its gradients are ours), False if it starts afresh."""
-        states = self._grad_states()
+        states = self._grad_states(params)
         kinds = {k for _, _, k in states}
         if kinds <= {"ours"} and kinds:
             for i, p, _ in states:
@@ -354,9 +357,10 @@ class LayerStep:
         self._restart()
         return False
 
-    def params_moved(self) -> bool:
+    def params_moved(self, params=None) -> bool:
         """Whether a parameter changed since the step's first backward pass (records it then)."""
-        versions = tuple((p._version, p.data_ptr()) for p in self.params)  # data_ptr: a rebound p.data
+        versions = tuple((p._version, p.data_ptr())  # data_ptr: a rebound p.data
+                         for p in (self.params if params is None else params))
         if self._param_versions is None:
             self._param_versions = versions
             return False
@@ -369,14 +373,17 @@ class LayerStep:
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
-                if self._hooked != self._trainable():
+                # The parameters are read once for the checks below; nothing between them can rebind
+                # them (install_hooks reads them itself; on_new_pass raises or returns).
+                params = self.params
+                if self._hooked != self._trainable(params):
                     self.install_hooks()  # unfrozen within the step: hook what trains now
-                self.close_pass()
+                self.close_pass(params)
                 if self.on_new_pass is not None:
                     self.on_new_pass()
-                if self.params_moved():
+                if self.params_moved(params):
                     self.refuse("param-edit", f"{self.name}'s parameters changed between backward passes of one step")
-                self.sync_with_grads()
+                self.sync_with_grads(params)
                 self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
                 self._pass_counts = None
             self._pass_rows += int(rows)

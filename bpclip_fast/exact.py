@@ -64,9 +64,22 @@ def factors(bound, max_norm: float, clip_fn: str, gamma: float, nonfinite: torch
     return factor
 
 
-def _trainable(layer):
-    """``[weight, bias]``: which of the layer's parameters train (their gradients are computed)."""
-    return [layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad]
+def _weight_bias(layer):
+    """``(layer.weight, layer.bias)`` without ``Module.__getattr__`` (a Python call per read, asked
+    several times per layer per step): a registered parameter is read from ``_parameters`` unless an
+    instance attribute shadows it, where attribute lookup would find that first, as it does here."""
+    d = layer.__dict__
+    ps = d["_parameters"]
+    w = ps["weight"] if "weight" in ps and "weight" not in d else layer.weight
+    b = ps["bias"] if "bias" in ps and "bias" not in d else layer.bias
+    return w, b
+
+
+def _trainable(layer, wb=None):
+    """``[weight, bias]``: which of the layer's parameters train (their gradients are computed).
+    ``wb``: :func:`_weight_bias` of the layer, where the caller has read it already."""
+    w, b = _weight_bias(layer) if wb is None else wb
+    return [w.requires_grad, b is not None and b.requires_grad]
 
 
 class _Entry:
@@ -173,7 +186,10 @@ class FlatClipping:
         return self._stack[-1] if self._stack else None
 
     def _begin(self, module, args):
-        params = [p for layer in self.layers for p, t in zip((layer.weight, layer.bias), _trainable(layer)) if t]
+        params = []
+        for layer in self.layers:
+            wb = _weight_bias(layer)
+            params += [p for p, t in zip(wb, _trainable(layer, wb)) if t]
         if not (torch.is_grad_enabled() and params):
             self._stack.append(None)
             return
@@ -204,22 +220,27 @@ class FlatClipping:
         book.entries = []
         if not entries:
             return {}
-        ds = {e.step_args[3] for e in entries}
-        rows = {e.bound.shape[0] for e in entries}
-        layers = [id(e.layer) for e in entries]
-        if len(ds) > 1 or len(rows) > 1 or len(set(layers)) < len(layers):
+        # One pass over the entries for the refusals below (in their order: rows, then bounds).
+        ds, rows, layers, loose, bounds = set(), set(), set(), [], []
+        max_grad_norm = self.max_grad_norm
+        for e in entries:
+            ds.add(e.step_args[3])
+            rows.add(e.bound.shape[0])
+            layers.add(id(e.layer))
+            bounds.append(e.bound)
+            if max_grad_norm > e.layer.noise_bound:
+                loose.append(e)
+        if len(ds) > 1 or len(rows) > 1 or len(layers) < len(entries):
             _refuse_release([e.layer for e in entries], "flat clipping pairs each example's norms across the layers "
                             "of one forward by row, but a layer ran more than once in it or the layers saw different "
                             f"numbers of rows ({sorted(rows)})",
                             "keep every flat layer to one call on all rows of the batch")
-        loose = [e for e in entries if self.max_grad_norm > e.layer.noise_bound]
         if loose:  # the noise is scaled to each layer's fixed noise_bound: never clip to more
             _refuse_release([e.layer for e in loose], f"flat clipping at C = {self.max_grad_norm:g} above the noise "
                             "bound the layers were made private with", "do not change the clipping after make_private",
                             rule="bounds")
         d = ds.pop()
         scratch = torch.zeros(1, dtype=torch.int64, device=entries[0].bound.device)
-        bounds = [e.bound for e in entries]
 
         by_dtype = {}
         counting = any(e.layer._step is not None and e.layer._step.counting for e in entries)
@@ -234,18 +255,18 @@ class FlatClipping:
                 if counting:
                     e.layer._step.count(unclipped)
         grads: dict = {}
-        for e in entries:
-            dt = e.layer.weight.dtype
+        wbs = [_weight_bias(e.layer) for e in entries]  # read once: nothing below rebinds them
+        for e, wb in zip(entries, wbs):
+            dt = wb[0].dtype
             if dt not in by_dtype:
                 by_dtype[dt] = factors(bounds, self.max_grad_norm / d, self.clip_fn, self.gamma / d, scratch, dt)
             gw, gb = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry, e.kept)
-            for p, g in zip((e.layer.weight, e.layer.bias), (gw, gb)):
+            for p, g in zip(wb, (gw, gb)):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        for e in entries:
+        for e, (w, b) in zip(entries, wbs):
             if e.layer._step is not None:
-                e.layer._step.produced((grads.get(id(e.layer.weight)),
-                                        grads.get(id(e.layer.bias)) if e.layer.bias is not None else None))
+                e.layer._step.produced((grads.get(id(w)), grads.get(id(b)) if b is not None else None))
         return grads
 
 
@@ -271,22 +292,28 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
     gradients (or ``None``; then from ``g`` and ``x``). The ops return the noised sum in fp32 (fp64)
     for every data dtype; it is rounded to the parameter dtype here, once, after the noise."""
     seed, offset, std, d, scale = step_args
-    mask = _trainable(layer)
+    weight, bias = wb = _weight_bias(layer)
+    mask = _trainable(layer, wb)
     if geometry is EXAMPLES:
         return _release_examples(layer, kept, factor, step_args, mask)
     kw, kb = kept if kept is not None else (None, None)
     if x is None:
-        x = g = layer.weight.new_empty(0)
+        x = g = weight.new_empty(0)
     if geometry is None:
-        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, layer.weight, mask, [seed, offset], std,
-                                                            kw, kb)
+        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, weight, mask, [seed, offset], std, kw, kb)
     else:
         stride, padding, dilation, groups = geometry
-        gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, layer.weight, stride, padding, dilation,
+        gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, weight, stride, padding, dilation,
                                                             groups, mask, [seed, offset], std, kw, kb)
-    gw = (gw.mul_(scale) if scale != 1.0 else gw).to(layer.weight.dtype) if mask[0] else None
-    gb = (gb.mul_(scale) if scale != 1.0 else gb).to(layer.bias.dtype) if mask[1] else None
+    gw = _as_dtype(gw.mul_(scale) if scale != 1.0 else gw, weight.dtype) if mask[0] else None
+    gb = _as_dtype(gb.mul_(scale) if scale != 1.0 else gb, bias.dtype) if mask[1] else None
     return gw, gb
+
+
+def _as_dtype(t, dtype):
+    """``t.to(dtype)``, which returns ``t`` itself when it already has the dtype, without the
+    dispatcher round trip in that case (two per layer per step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _norms(layer, x, g, geometry, mask, counter=None):
@@ -406,8 +433,8 @@ def exact_layer(x, layer, sensitivity, geometry=None):
     groups)``) under its exact clipping mode, eager (the layers' forward sends a compiled one to
     :mod:`bpclip_fast.compiled` before it gets here)."""
     _ops.require_extension()
-    weight, bias = layer.weight, layer.bias
-    needs = torch.is_grad_enabled() and any(_trainable(layer))
+    weight, bias = wb = _weight_bias(layer)
+    needs = torch.is_grad_enabled() and any(_trainable(layer, wb))
     book, token = None, None
     if layer.clipping == "flat" and needs:
         book, token = _flat_book(layer)
@@ -581,8 +608,8 @@ def example_layer(layer, x, sensitivity):
     """The forward of a layer whose per-example gradients are instantiated (``layer._forward(x,
     weight, bias, keep) -> (out, saved)``, ``layer._examples(saved, g, mask)``) under its exact mode."""
     _ops.require_extension()
-    needs = torch.is_grad_enabled() and any(_trainable(layer))
-    weight, bias = layer.weight, layer.bias
+    weight, bias = wb = _weight_bias(layer)
+    needs = torch.is_grad_enabled() and any(_trainable(layer, wb))
     detached = (weight.detach(), bias.detach() if bias is not None else None)
     if not needs:
         return layer._forward(x, *detached, False)[0]

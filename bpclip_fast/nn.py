@@ -155,17 +155,17 @@ class _Clipped:
         return out
 
     def _check_input(self, x: torch.Tensor) -> None:
-        name = self.layer_name
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: expected a tensor input, got {type(x).__name__}")
-        if x.device != self.weight.device:
-            raise ValueError(f"{name}: the input is on {x.device} but the layer's parameters are on "
-                             f"{self.weight.device}; move the input or the model (.to(device)) so they match")
+            raise TypeError(f"{self.layer_name}: expected a tensor input, got {type(x).__name__}")
+        weight = self.weight  # once: each read is a Module.__getattr__ call
+        if x.device != weight.device:
+            raise ValueError(f"{self.layer_name}: the input is on {x.device} but the layer's parameters are on "
+                             f"{weight.device}; move the input or the model (.to(device)) so they match")
         if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: unsupported input dtype {x.dtype}; bpclip_fast layers take float32, "
+            raise TypeError(f"{self.layer_name}: unsupported input dtype {x.dtype}; bpclip_fast layers take float32, "
                             "float16, bfloat16 (or float64)")
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{name}: the input is {x.dtype} but the layer's parameters are {self.weight.dtype}; "
+        if x.dtype != weight.dtype:
+            raise TypeError(f"{self.layer_name}: the input is {x.dtype} but the layer's parameters are {weight.dtype}; "
                             "cast one of them (x.to(dtype) or model.to(dtype))")
 
     # ------------------------------------------------------------------ a data-independent Δ

@@ -38,31 +38,32 @@ class OutsideCheck:
 
 
 def model_params(module) -> list:
-    """Every parameter of ``module`` and its submodules, each once: what ``parameters()`` yields,
-    without building the dotted names (``named_parameters`` cost a ViT step ~0.4 ms per call, and
-    the checks run three times a step; a name is needed only for a refusal)."""
-    seen_modules, seen, out, stack = set(), set(), [], [module]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen_modules:
-            continue
-        seen_modules.add(id(m))
+    """Every parameter of ``module`` and its submodules, each once: what ``parameters()`` yields
+    (in another order), without building the dotted names (``named_parameters`` cost a ViT step
+    ~0.4 ms per call, and the checks run three times a step; a name is needed only for a refusal).
+    Walked afresh at every call: a module or parameter registered, replaced or removed since (also
+    by a direct ``_parameters``/``_modules`` write, which no registration hook sees) is seen."""
+    found, modules, seen = {}, [module], {id(module)}
+    for m in modules:  # grows while iterated: each module once, breadth-first
         for p in m._parameters.values():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        stack.extend(c for c in m._modules.values() if c is not None)
-    return out
+            if p is not None:
+                found[id(p)] = p  # a shared parameter keeps its first place
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                modules.append(c)
+    return list(found.values())
 
 
 def owned_ids(engine) -> set:
     return {id(p) for st in engine._steps_of for p in st.params}
 
 
-def outside_tensors(engine) -> list:
+def outside_tensors(engine, owned=None) -> list:
     """The parameters of the private model that no clipped layer of this engine owns, as the model
-    is now (a layer added or replaced after make_private is outside)."""
-    owned = owned_ids(engine)
+    is now (a layer added or replaced after make_private is outside). ``owned``: :func:`owned_ids`,
+    where the caller has it."""
+    owned = owned_ids(engine) if owned is None else owned
     return [p for p in model_params(engine._inner) if id(p) not in owned]
 
 
@@ -80,7 +81,8 @@ def check_outside(engine, in_backward=False) -> None:
     discarded."""
     if not (in_backward or torch.is_grad_enabled()):
         return
-    if not any(p.requires_grad for p in outside_tensors(engine)):
+    owned = owned_ids(engine)
+    if not any(p.requires_grad and id(p) not in owned for p in model_params(engine._inner)):
         return
     outside = outside_params(engine)
     bad = [name for name, p in outside if p.requires_grad]
@@ -123,6 +125,11 @@ def after_zero_grad(engine) -> None:
     """``zero_grad`` through the private optimizer: every layer whose gradients it cleared starts
     afresh (its draw is added again by its next backward); no device check is needed for them."""
     for st in engine._steps_of:  # only what is None now: zeroed or untouched gradients are checked as usual
-        trainable = [p for p in st.params if p.requires_grad]
-        if trainable and all(p.grad is None for p in st.params):
-            st.cleared()
+        trains = False
+        for p in st.params:  # a plain loop: two generators per layer were most of this function's time
+            if p.grad is not None:
+                break
+            trains = trains or p.requires_grad
+        else:
+            if trains:
+                st.cleared()

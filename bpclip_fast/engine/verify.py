@@ -30,7 +30,7 @@ def verify(engine, optimizer):
 def _outside_problems(engine, optimizer):
     """Gradients on parameters outside the clipped layers (of the model, or only in the optimizer)."""
     clipped = owned_ids(engine)
-    if not any(p.grad is not None for p in outside_tensors(engine)) and not any(
+    if not any(p.grad is not None for p in outside_tensors(engine, clipped)) and not any(
             p.grad is not None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped):
         return []  # the names below cost a walk of the model; they are needed only for a refusal
     names = {id(p): name for name, p in engine._inner.named_parameters()}
@@ -48,15 +48,16 @@ def _layer_records(engine):
     rows = engine._counter.last_rows
     problems, layer_problems, pending, checks = [], [], [], []
     for st in engine._steps_of:
-        st.close_pass()
-        hooked = st.foreign_hooks()
+        params = st.params  # read once per layer: nothing below rebinds them
+        st.close_pass(params)
+        hooked = st.foreign_hooks(params)
         if hooked:
             problems.append(("grad-edit", f"gradient hooks on {', '.join(hooked)} (tensor or post-accumulate "
                              "hooks can rewrite a private gradient); remove them", [st.name]))
-        if st.params_moved():
+        if st.params_moved(params):
             problems.append(("param-edit", f"{st.name}'s parameters changed since the step's first backward pass",
                              [st.name]))
-        holds = st.sync_with_grads()
+        holds = st.sync_with_grads(params)
         pending.append(not (holds and st.noised))
         if st.rows not in (0, rows):  # before the layer's own violations: reuse also mixes its gradient
             layer_problems.append(("rows", f"{st.name}'s backward passes saw {st.rows} example rows in this step, "
