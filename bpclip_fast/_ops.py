@@ -224,10 +224,35 @@ def philox_noise_(buf, seed, offset, std, accumulate=False):
 
 def philox_noise2_(w, b, seed, offset, std, accumulate_w=False, accumulate_b=False):
     """A layer's two noise draws in one launch: ``w`` as ``philox_noise_(w, seed, offset, ...)`` and ``b``
-    as ``philox_noise_(b, seed, offset + 1, ...)``, bit for bit (w and b share a device and dtype)."""
+    as ``philox_noise_(b, seed, offset + 1, ...)``, bit for bit (w and b share a device and dtype, and
+    no memory: see :func:`_spans_cross`)."""
+    if _spans_cross(w, b):
+        raise ValueError("bpclip_fast.philox_noise2_: w and b overlap in memory (views of one buffer whose "
+                         "spans cross); one launch draws both, so a shared element would be raced on or "
+                         "overwritten by the other's copy-back; pass separate buffers, or call philox_noise_ "
+                         "on each")
     torch.ops.bpclip_fast.philox_noise2_(w, b, int(seed), int(offset), float(std), bool(accumulate_w),
                                          bool(accumulate_b))
     return w, b
+
+
+def _spans_cross(a, b) -> bool:
+    """Whether two non-empty tensors' spans of memory (first to last byte they can reach) intersect.
+    philox_noise2_'s CUDA kernel takes both buffers ``__restrict__`` in one launch and copies a
+    non-contiguous one before it and back after it, so buffers that share an element would not get
+    the two calls' values there. Spans, not elements: interleaved views are refused too (cheap, and
+    a layer's weight and bias gradients are always separate buffers)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.is_meta or b.is_meta:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def scale_rows2(x, x_factor, y, y_factor, mask_y=False):
