@@ -123,16 +123,20 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     Summed as 64-bit words (mod 2^64) whenever the tensor's bytes fill whole words: widening each
     fp32/fp16 word to int64 first made this two thirds of a compiled MLP step's overhead (issue 25).
     Changing any one element changes one word, hence the sum. Like the exact sum of 32-bit words
-    it replaces, it is a linear checksum, blind to edits whose word deltas cancel (there: negating
-    one positive and one negative fp32; here: negating two fp32 in the words' high halves) — an
-    ordinary in-place write, not a forgery. The value depends on the bits in logical order only (a
+    it replaces, it is a linear checksum, blind to edits whose deltas cancel (both: negating one
+    positive and one negative fp32; each word is summed with itself shifted right by 33 bits, so two
+    sign flips in the words' high halves, e.g. ``abs_``, do not cancel) — it catches an ordinary
+    in-place write, not a forgery. The value depends on the bits in logical order only (a
     misaligned view is copied first), so equal tensors fingerprint equal whatever their layout."""
     flat = t.detach().reshape(-1)
     size = flat.element_size()
     if (flat.numel() * size) % 8 == 0:
         if (flat.storage_offset() * size) % 8:
             flat = flat.clone()
-        return flat.view(torch.int64).sum()
+        words = flat.view(torch.int64)
+        # + the word shifted right: a sign flip in a word's high half moves the sum by 2^63, so two
+        # of them (abs_ of two negative fp32 there) cancel mod 2^64; their shifted parts do not.
+        return (words + (words >> 33)).sum()
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[size]
     return flat.view(bits).sum(dtype=torch.int64)
 

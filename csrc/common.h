@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <string_view>
 #include <utility>
@@ -194,6 +195,14 @@ inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double s
   check_float_tensor(w, "w");
   check_float_tensor(b, "b");
   check_same_device(w, b, "w", "b");
+  // One launch, both buffers __restrict__, a non-contiguous one copied before it and back after:
+  // buffers sharing memory would not get the two calls' values (an interleaved pair of views of one
+  // storage is "too hard" for ATen to decide, and refused with the rest).
+  const at::MemOverlapStatus overlap = at::get_overlap_status(w, b);
+  TORCH_CHECK(w.numel() == 0 || b.numel() == 0 || overlap == at::MemOverlapStatus::No ||
+                  (overlap == at::MemOverlapStatus::TooHard && !w.storage().is_alias_of(b.storage())),
+              "bpclip_fast.philox_noise2_: w and b overlap in memory; pass separate buffers, or call "
+              "philox_noise_ on each");
   TORCH_CHECK(w.scalar_type() == b.scalar_type(), "bpclip_fast.philox_noise2_: w is ", w.scalar_type(),
               " but b is ", b.scalar_type(), "; both tensors need one dtype (or call philox_noise_ on each)");
   TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise2_: std must be finite and >= 0, got ", stdv);

@@ -44,3 +44,27 @@ def test_noise2_refuses_interleaved_views_conservatively():
     t = torch.zeros(40)
     with pytest.raises(ValueError, match="philox_noise2_: .*overlap"):
         _ops.philox_noise2_(t[0::2], t[1::2], 7, 10, 0.5, True, False)
+
+
+@pytest.mark.parametrize("views", ["same", "partial", "strided_partial", "interleaved"])
+def test_the_noise2_op_itself_refuses_buffers_that_share_memory(views):
+    """The op behind the wrapper (``torch.ops`` callers, and the GPU, where the one launch races)."""
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    t = torch.zeros(32)
+    w, b = {"same": (t, t), "partial": (t[:20], t[10:]), "strided_partial": (t[::2], t[4:12]),
+            "interleaved": (t[0::2], t[1::2])}[views]
+    with pytest.raises(RuntimeError, match="philox_noise2_: .*overlap"):
+        torch.ops.bpclip_fast.philox_noise2_(w, b, 1, 2, 1.0, True, True)
+    assert torch.count_nonzero(t) == 0, "refused, so nothing was drawn"
+
+
+def test_the_fingerprint_sees_abs_of_two_negatives_in_the_words_high_halves():
+    """fp32 pairs fill 64-bit words; abs_ flips the sign bit of the two negatives, each in a word's
+    high half: +2^63 twice, 0 mod 2^64 for a plain word sum."""
+    from bpclip_fast.boundary import _fingerprint
+
+    g = torch.tensor([0.5, -0.1, 0.3, -0.2])
+    before = _fingerprint(g).item()
+    g.abs_()
+    assert _fingerprint(g).item() != before
