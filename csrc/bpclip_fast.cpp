@@ -112,8 +112,9 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // gradient norm and its bound, from its `per` rows of positions x [rows, T, dx] and g [rows, T, dg]
   // (by strides; their squares are summed in the kernel, in double), the upstream gradient gb [rows, T, p]
   // for the bias, the weight's squared-norm terms wa * wb [rows, L] (ghost: the Gram matrices;
-  // instantiation: the per-row gradient twice; empty at T = 1), flags (1 weight, 2 bias, 4 ghost)
-  // and the formulas' constants; nonfinite (when given) += the non-finite bounds.
+  // instantiation: the per-row gradient twice; empty at T = 1), flags (1 weight, 2 bias, 4 ghost,
+  // 8 the bias summed: gb is [rows, 1, p], the bias gradient itself) and the formulas' constants;
+  // nonfinite (when given) += the non-finite bounds.
   m.def(
       "exact_bound_(Tensor(a!) sq, Tensor(b!) bound, Tensor x, Tensor g, Tensor gb, Tensor wa, Tensor wb, int offset,"
       " int per, int flags, float[] consts, Tensor(c!)? nonfinite=None) -> ()");
