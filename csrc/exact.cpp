@@ -103,8 +103,9 @@
 // Not covered: subnormals flushed to zero (torch.set_flush_denormal(True), or a GEMM that flushes
 // its fp32 inputs) move an entry by up to 2^-126 rather than q; the rounding of the batch sum
 // itself (the GEMM over all examples) is outside the per-example argument, as everywhere.
-// Range: the Gram matrices and the instantiated gradients are fp32 for fp32 (and fp16/bf16) data, so
-// an example with input or upstream-gradient rows of norm above ~2^64 can still overflow them; its
+// Range: the Gram matrices and the instantiated gradients (and the kept bias sums, kept_release) are
+// fp32 for fp32 (and fp16/bf16) data, so an example with input or upstream-gradient rows of norm
+// above ~2^64 can still overflow them; its
 // bound is then +Inf and it gets factor 0 and is counted as non-finite (no contribution, so the bound
 // holds). The position norms themselves have no such limit for fp32 data (double sums of exact
 // squares). fp64 data: squares below 2^-1022 may underflow the double position norms, so those add
@@ -375,10 +376,10 @@ void check_norm_inputs(const at::Tensor& grad_out, const at::Tensor& x, int64_t 
 
 using Norms = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Whether to keep the instantiated per-example gradients (fp32) for the release instead of the
-// upstream gradient and the input: only where they are no larger than the upstream gradient the
-// release would otherwise keep, so keeping them never costs memory, and saves the release's GEMM
-// over the positions (the per-example sums cost a GEMV over the batch).
+// Whether to keep the instantiated per-example gradients (the accumulation dtype) for the release
+// instead of the upstream gradient and the input: only where they are no larger than the upstream
+// gradient the release would otherwise keep, so keeping them never costs memory, and saves the
+// release's GEMM over the positions (the per-example sums are one examples_release launch).
 bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t groups, const at::Tensor& grad_out) {
   const int64_t B = grad_out.size(0);
   return keep && method == Method::kInstantiate && dims.weight && dims.T > 1 && B > 0 &&
