@@ -115,7 +115,7 @@ if _LOAD_ERROR is None:
                 and 4 * groups * p * d <= grad_out.element_size() * (grad_out.numel() // b))
         sq = x.new_empty((b,), dtype=torch.float64)
         kw = x.new_empty((b, groups * p * d), dtype=_acc_dtype(x)) if kept else x.new_empty((0,))
-        kb = x.new_empty((b, groups * p), dtype=torch.float64) if kept and params[1] else x.new_empty((0,))
+        kb = x.new_empty((b, groups * p), dtype=_acc_dtype(x)) if kept and params[1] else x.new_empty((0,))
         return sq, torch.empty_like(sq), kw, kb
 
     @torch.library.register_fake("bpclip_fast::linear_grad_norms")

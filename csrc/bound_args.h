@@ -37,10 +37,11 @@ inline BoundGeometry check_bound_args(const at::Tensor& sq, const at::Tensor& bo
                                                       wb.sizes() == wa.sizes() && wa.is_contiguous() &&
                                                       wb.is_contiguous())),
               op, "wa and wb must be empty or contiguous [rows, L] of the same shape");
-  TORCH_CHECK((flags & ~7) == 0, op, "unknown flags ", flags, " (1 weight, 2 bias, 4 ghost)");
-  const bool bias = flags & kBoundBias;
-  TORCH_CHECK(!bias || (gb.dim() == 3 && gb.size(0) == x.size(0) && gb.size(1) == x.size(1)), op,
-              "with the bias, gb must be [rows, T, channels]");
+  TORCH_CHECK((flags & ~15) == 0, op, "unknown flags ", flags, " (1 weight, 2 bias, 4 ghost, 8 bias summed)");
+  const bool bias = flags & kBoundBias, summed = flags & kBoundBiasSummed;
+  TORCH_CHECK(!summed || bias, op, "flag 8 (the bias summed) needs flag 2 (the bias)");
+  TORCH_CHECK(!bias || (gb.dim() == 3 && gb.size(0) == x.size(0) && gb.size(1) == (summed ? 1 : x.size(1))), op,
+              summed ? "with the bias summed, gb must be [rows, 1, channels]" : "with the bias, gb must be [rows, T, channels]");
   TORCH_CHECK(x.size(1) == 1 || !(flags & kBoundWeight) || L > 0, op, "T > 1 needs the weight's terms wa, wb");
   if (nonfinite.has_value() && nonfinite->defined()) check_counter(*nonfinite, x);
   return BoundGeometry{examples,    per,         x.size(1),   x.size(2),   g.size(2),

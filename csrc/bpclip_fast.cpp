@@ -93,7 +93,7 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // factor 1 (rounding included); method 'auto' (the cost rule), 'ghost' or 'instantiate'; at most
   // about `workspace` bytes of temporaries (the batch is chunked). With keep, and where the
   // instantiated per-example gradients are no larger than grad_out, they are returned too
-  // ([B, weight numel] fp32/fp64, and the bias sums [B, out] fp64), for the clipped_grads ops;
+  // ([B, weight numel] and the bias sums [B, out], fp32; fp64 for fp64 data), for the clipped_grads ops;
   // otherwise those two are empty. nonfinite (when given, int64 [1]) += the examples whose bound is
   // not finite (flat clipping's per-layer count: its factors come later, from all layers' bounds).
   m.def(
@@ -112,8 +112,9 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // gradient norm and its bound, from its `per` rows of positions x [rows, T, dx] and g [rows, T, dg]
   // (by strides; their squares are summed in the kernel, in double), the upstream gradient gb [rows, T, p]
   // for the bias, the weight's squared-norm terms wa * wb [rows, L] (ghost: the Gram matrices;
-  // instantiation: the per-row gradient twice; empty at T = 1), flags (1 weight, 2 bias, 4 ghost)
-  // and the formulas' constants; nonfinite (when given) += the non-finite bounds.
+  // instantiation: the per-row gradient twice; empty at T = 1), flags (1 weight, 2 bias, 4 ghost,
+  // 8 the bias summed: gb is [rows, 1, p], the bias gradient itself) and the formulas' constants;
+  // nonfinite (when given) += the non-finite bounds.
   m.def(
       "exact_bound_(Tensor(a!) sq, Tensor(b!) bound, Tensor x, Tensor g, Tensor gb, Tensor wa, Tensor wb, int offset,"
       " int per, int flags, float[] consts, Tensor(c!)? nonfinite=None) -> ()");
@@ -128,7 +129,8 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // The clipped gradients sum_i c_i G_i of the parameters in params = [weight, bias] (empty where
   // not), from grad_out scaled by factor (fp32; fp64 for fp64 data), with the noise (std noise_std,
   // Philox key noise_key = [seed, offset]: the weight at offset, the bias at offset + 1); from the
-  // norms op's kept per-example gradients when given (grad_out and x are then not read).
+  // norms op's kept per-example gradients when given (grad_out and x are then not read; the release
+  // is examples_release's sum_i RZ(c_i G_i)).
   m.def(
       "linear_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, bool[2] params,"
       " int[2] noise_key, float noise_std, Tensor? kept_w=None, Tensor? kept_b=None) -> (Tensor, Tensor)");

@@ -73,5 +73,19 @@ inline Quad clip_rows_rescale(const at::Tensor& g, at::Tensor& nonfinite, double
   return op.call(g, nonfinite, bound, norm, clip_fn, gamma, x, x_factor);
 }
 
+// sum_b RZ(factor[b] * values[b]) of the weight's and the bias's per-example values, with the noise
+// (weight at offset, bias at offset + 1), times scale; one launch (bpclip_fast/examples.h).
+inline std::tuple<at::Tensor, at::Tensor> examples_release(const c10::optional<at::Tensor>& weight,
+                                                           const c10::optional<at::Tensor>& bias,
+                                                           const at::Tensor& factor, at::IntArrayRef noise_key,
+                                                           double noise_std, double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::examples_release", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const c10::optional<at::Tensor>&,
+                                                                 const c10::optional<at::Tensor>&, const at::Tensor&,
+                                                                 at::IntArrayRef, double, double)>();
+  return op.call(weight, bias, factor, noise_key, noise_std, scale);
+}
+
 }  // namespace ops
 }  // namespace bpclip

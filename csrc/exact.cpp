@@ -103,8 +103,9 @@
 // Not covered: subnormals flushed to zero (torch.set_flush_denormal(True), or a GEMM that flushes
 // its fp32 inputs) move an entry by up to 2^-126 rather than q; the rounding of the batch sum
 // itself (the GEMM over all examples) is outside the per-example argument, as everywhere.
-// Range: the Gram matrices and the instantiated gradients are fp32 for fp32 (and fp16/bf16) data, so
-// an example with input or upstream-gradient rows of norm above ~2^64 can still overflow them; its
+// Range: the Gram matrices and the instantiated gradients (and the kept bias sums, kept_release) are
+// fp32 for fp32 (and fp16/bf16) data, so an example with input or upstream-gradient rows of norm
+// above ~2^64 can still overflow them; its
 // bound is then +Inf and it gets factor 0 and is counted as non-finite (no contribution, so the bound
 // holds). The position norms themselves have no such limit for fp32 data (double sums of exact
 // squares). fp64 data: squares below 2^-1022 may underflow the double position norms, so those add
@@ -328,7 +329,8 @@ struct NormsOut {
 void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::Tensor& g3, int64_t per, bool keep) {
   const int64_t n = x3.size(0);
   const Dims& dims = out.dims;
-  at::Tensor wa = x3.new_empty({0}), wb = wa;
+  at::Tensor wa = x3.new_empty({0}), wb = wa, gb = g3;
+  bool summed = false;
   if (dims.weight && dims.T > 1) {
     if (out.method == Method::kGhost) {
       wa = at::bmm(x3, x3.transpose(1, 2)).reshape({n, -1});
@@ -339,14 +341,20 @@ void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::T
       if (keep) {
         out.kept_w.push_back(inst.reshape({n / per, -1}));
         // Conv2d: a channel's bias gradient is over the positions of its own group only, so the
-        // per-(example, group) sums concatenate to the example's bias gradient.
-        if (dims.bias) out.kept_b.push_back(g3.sum({1}, false, at::kDouble).reshape({n / per, -1}));
+        // per-(example, group) sums concatenate to the example's bias gradient. Summed in the
+        // accumulation dtype (the dtype examples_release takes with the weight's) and normed by the
+        // kernel from these very values (kBoundBiasSummed): a sum that overflows is +Inf there too.
+        if (dims.bias) {
+          gb = g3.sum({1}, true);  // [n, 1, p]
+          summed = true;
+          out.kept_b.push_back(gb.reshape({n / per, -1}));
+        }
       }
     }
   }
   const int64_t flags = (dims.weight ? kBoundWeight : 0) | (dims.bias ? kBoundBias : 0) |
-                        (out.method == Method::kGhost ? kBoundGhost : 0);
-  exact_bound_(out.sq, out.bound, x3, g3, g3, wa, wb, offset, per, flags, out.consts, out.nonfinite);
+                        (out.method == Method::kGhost ? kBoundGhost : 0) | (summed ? kBoundBiasSummed : 0);
+  exact_bound_(out.sq, out.bound, x3, g3, gb, wa, wb, offset, per, flags, out.consts, out.nonfinite);
 }
 
 // Examples per chunk so that one chunk's temporaries stay within `workspace` bytes.
@@ -368,10 +376,10 @@ void check_norm_inputs(const at::Tensor& grad_out, const at::Tensor& x, int64_t 
 
 using Norms = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Whether to keep the instantiated per-example gradients (fp32) for the release instead of the
-// upstream gradient and the input: only where they are no larger than the upstream gradient the
-// release would otherwise keep, so keeping them never costs memory, and saves the release's GEMM
-// over the positions (the per-example sums cost a GEMV over the batch).
+// Whether to keep the instantiated per-example gradients (the accumulation dtype) for the release
+// instead of the upstream gradient and the input: only where they are no larger than the upstream
+// gradient the release would otherwise keep, so keeping them never costs memory, and saves the
+// release's GEMM over the positions (the per-example sums are one examples_release launch).
 bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t groups, const at::Tensor& grad_out) {
   const int64_t B = grad_out.size(0);
   return keep && method == Method::kInstantiate && dims.weight && dims.T > 1 && B > 0 &&
@@ -500,25 +508,30 @@ void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntAr
   }
 }
 
-// The release from kept per-example gradients: sum_i c_i G_i as one GEMV over the batch (fp32, or
-// double for the bias sums), rows with c = 0 zeroed first (a non-finite example's G_i), the noise
-// added into the same buffer, in the accumulation dtype (the caller rounds once, after the noise).
+// The release from kept per-example gradients G^_i = [G^_W, G^_b] (the accumulation dtype A: fp32,
+// fp64 for fp64 data; so fp16/bf16 data's are fp32 too): examples_release, one launch, sum_i
+// RZ_A(c_i G^_i) in examples.h's fixed order, rows with c_i = 0 adding exact zeros whatever they
+// hold (a non-finite example), the noise drawn inside as philox_noise_ (weight at offset, bias at
+// offset + 1), scale 1, no rounding (its output dtype is A; the caller rounds to the parameter dtype
+// once, after the noise and the scale).
+// Why the bound covers it: the norms op normed exactly these values. G^_W is the GEMM's [G_W] per
+// row that exact_bound_ squared and summed in double (wa = wb = the kept tensor), so sqrt(sq grow)
+// >= ||G^_W|| (file comment, instantiation: the double squares and sum); G^_b is the acc-dtype sum
+// over the positions that the kernel read as the bias itself (kBoundBiasSummed: one position,
+// squared exactly in double), so the same sq covers ||[G^_W, G^_b]||, and bound >= sqrt(sq grow).
+// Entrywise |RZ_A(c y)| <= c |y| (rounding toward zero never grows a magnitude, and a result below
+// the smallest subnormal becomes 0), so ||RZ_A(c_i G^_i)|| <= c_i ||G^_i|| <= c_i bound <= C: the
+// release needs none of the terms r, q or the GEMM's error that the recomputing path spends. An
+// overflow to +-Inf (or NaN) in G^_i is in sq too: bound +Inf, factor 0, the example adds exact zeros.
+// The factor has the dtype A (exact.factors: fp64 for fp64 data), as examples_release requires.
 Pair kept_release(const at::Tensor& kept_w, const at::Tensor& kept_b, const at::Tensor& factor,
                   const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key, double noise_std) {
-  const at::Tensor keep = factor.gt(0).unsqueeze(1);
-  const at::ScalarType acc = acc_dtype(weight);
-  at::Tensor gw = weight.new_empty({0}, weight.options().dtype(acc)), gb = gw;
-  if (params[0]) {
-    const at::Tensor w = at::where(keep, kept_w, at::zeros({}, kept_w.options()));
-    const at::Tensor sum = w.t().mv(factor.to(kept_w.scalar_type()));
-    gw = sum.to(acc).reshape(weight.sizes()).contiguous();
-  }
-  if (params[1]) {
-    const at::Tensor b = at::where(keep, kept_b, at::zeros({}, kept_b.options()));
-    gb = b.t().mv(factor.to(kept_b.scalar_type())).to(acc);
-  }
-  add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true);
-  return {gw, gb};
+  TORCH_CHECK(params[0], "bpclip_fast: kept per-example gradients need the weight to train");
+  TORCH_CHECK(!params[1] || kept_b.numel() > 0, "bpclip_fast: the bias trains but its kept per-example gradients "
+              "are missing (the norms op ran with the bias frozen)");
+  const c10::optional<at::Tensor> b = params[1] ? c10::optional<at::Tensor>(kept_b) : c10::nullopt;
+  auto [gw, gb] = ops::examples_release(kept_w, b, factor, noise_key, noise_std, 1.0);
+  return {gw.reshape(weight.sizes()), gb};
 }
 
 bool has_kept(const c10::optional<at::Tensor>& kept) { return kept.has_value() && kept->defined() && kept->numel() > 0; }

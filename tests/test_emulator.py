@@ -321,6 +321,19 @@ def test_exact_bound_matches_cpu_bit_for_bit(sim, request, dtype, T, ghost, per,
     assert harness.compare_exact_bound(sim, xs, gs, gb, wa, wb, per, flags, harness.bound_consts(gen)) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T,per,conv_layout", [(70, 1, False), (40, 3, True)])
+def test_exact_bound_with_the_bias_summed_matches_cpu_bit_for_bit(sim, request, dtype, T, per, conv_layout):
+    # Flag 8 (csrc/exact.cpp's kept per-example gradients): gb is the bias itself, [rows, 1, p], one
+    # position; a kept bias that overflowed (+Inf) is counted alike.
+    _schedule(sim, request)
+    gen = torch.Generator().manual_seed(T + per)
+    xs, gs, _, wa, wb = harness.bound_inputs(dtype, 5 * per, T, 6, 45, per, False, gen, conv_layout=conv_layout)
+    gb = gs.sum(1, keepdim=True)
+    gb[2, 0, 3] = float("inf")
+    assert harness.compare_exact_bound(sim, xs, gs, gb, wa, wb, per, 1 | 2 | 8, harness.bound_consts(gen)) == []
+
+
 def test_exact_bound_counts_nonfinite_as_cpu(sim):
     gen = torch.Generator().manual_seed(4)
     xs, gs, gb, wa, wb = harness.bound_inputs(torch.float32, 6, 1, 5, 4, 1, False, gen)

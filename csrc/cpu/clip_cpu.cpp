@@ -13,6 +13,7 @@
 #include "../common.h"
 #include "bpclip_fast/clip.h"
 #include "bpclip_fast/rows.h"
+#include "scale_f32.h"
 #include "vector_clones.h"
 
 namespace bpclip {
@@ -57,6 +58,8 @@ BPCLIP_VECTOR_CLONES double reduce_f32(const float* x, const float* y, int64_t n
   return a[0];
 }
 
+}  // namespace
+
 // out = RZ(f * x) = scale_rz_f32(f, x), the element function of clip.h. Its portable form
 // (a comparison of the double product with its rounding to float) costs the vectorised loop five
 // shuffles per eight elements to move 64-bit masks to 32-bit lanes, so CPUs with FMA (x86-64-v3:
@@ -67,13 +70,13 @@ BPCLIP_VECTOR_CLONES double reduce_f32(const float* x, const float* y, int64_t n
 // it contracts nothing, so no result changes: both forms are RZ exactly, and give the bits of the
 // CUDA kernel. A non-finite x (only possible through scale_rows) flags the tile, which is then
 // redone with scale_rz_f32 so that even NaN payloads match.
-BPCLIP_VECTOR_CLONES void scale_f32_portable(const float* x, float f, float* out, int64_t n) {
+static BPCLIP_VECTOR_CLONES void scale_f32_portable(const float* x, float f, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = scale_rz_f32(f, x[i]);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define BPCLIP_SCALE_FMA 1
-__attribute__((target("avx2,fma"))) bool scale_f32_fma(const float* x, float f, float* out, int64_t n) {
+static __attribute__((target("avx2,fma"))) bool scale_f32_fma(const float* x, float f, float* out, int64_t n) {
   const float a = std::fabs(f);
   const uint32_t fsign = float_bits(f) & 0x80000000u;
   uint32_t odd = 0;
@@ -89,7 +92,7 @@ __attribute__((target("avx2,fma"))) bool scale_f32_fma(const float* x, float f, 
 }
 #endif
 
-bool has_fma() {
+static bool has_fma() {
 #ifdef BPCLIP_SCALE_FMA
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -108,6 +111,8 @@ void scale_f32(const float* x, float f, float* out, int64_t n) {
 #endif
   scale_f32_portable(x, f, out, n);
 }
+
+namespace {
 
 BPCLIP_VECTOR_CLONES void jvp_f32(const float* g, const float* xc, double s, double c, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i)

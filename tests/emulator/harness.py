@@ -728,6 +728,10 @@ def sweep(sim: Simt) -> list[str]:
             flags = 1 | 2 | (4 if ghost else 0)
             problems += [f"exact_bound {dtype} T={T}: {p}"
                          for p in compare_exact_bound(sim, xs, gs, gb, wa, wb, per, flags, bound_consts(gen))]
+            if T > 1 and not ghost:  # the kept bias (flag 8): gb [rows, 1, p]
+                problems += [f"exact_bound {dtype} T={T} bias summed: {p}"
+                             for p in compare_exact_bound(sim, xs, gs, gs.sum(1, keepdim=True), wa, wb, per,
+                                                          flags | 8, bound_consts(gen))]
         # conv_patches: padding, stride, dilation, a channels_last and a sliced (offset) input.
         x = torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64).to(dtype)
         for xv, geo in ((x, ([3, 3], [1, 1], [1, 1], [1, 1])),

@@ -59,7 +59,10 @@ enum BoundConst : int {
   kBoundConsts
 };
 
-enum BoundFlag : int { kBoundWeight = 1, kBoundBias = 2, kBoundGhost = 4 };
+// kBoundBiasSummed: gb is [rows, 1, p], the bias gradient itself (csrc/exact.cpp's kept per-example
+// gradients, summed over the positions by their producer): the bias is normed from exactly those
+// values, so the norm is of what the release sums (an overflow there gives +Inf, factor 0).
+enum BoundFlag : int { kBoundWeight = 1, kBoundBias = 2, kBoundGhost = 4, kBoundBiasSummed = 8 };
 
 // Geometry of one call: rows = examples x per; x [rows, T, dx] and g [rows, T, dg] by strides; the
 // weight's squared-norm terms wa[r, e] * wb[r, e], e < L, contiguous rows (Gram entries of x and of
@@ -129,14 +132,15 @@ BPCLIP_HD inline void lane_weight_terms(LaneSums& out, const T* wa, const T* wb,
 }
 
 // Lane `lane`'s share of row r's bias gradient: channels j = lane, lane + kBoundLanes, ..., each
-// summed over the positions in double, then squared.
+// summed over the positions in double (one position: kBoundBiasSummed), then squared.
 template <typename T>
 BPCLIP_HD inline void lane_bias(LaneSums& out, const T* gb, const BoundGeometry& s, int64_t r, int lane) {
   if (!(s.flags & kBoundBias)) return;
   const T* br = gb + r * s.sb0;
+  const int64_t positions = (s.flags & kBoundBiasSummed) ? 1 : s.T;
   for (int64_t j = lane; j < s.p; j += kBoundLanes) {
     double sum = 0.0;  // the bias gradient's entry j, in double
-    for (int64_t t = 0; t < s.T; ++t) sum += static_cast<double>(br[t * s.sb1 + j * s.sb2]);
+    for (int64_t t = 0; t < positions; ++t) sum += static_cast<double>(br[t * s.sb1 + j * s.sb2]);
     out.bias += sum * sum;
   }
 }
