@@ -217,6 +217,19 @@ class LayerStep:
         b = ps["bias"] if "bias" in ps else getattr(self.layer, "bias", None)
         return [w] if b is None else [w, b]
 
+    def _param(self, i):
+        """``self.params[i]`` without building the list (asked by every gradient hook): the same
+        reads, and the same error for a bias hook of a layer whose bias is gone."""
+        layer = self.layer
+        ps = layer._parameters
+        w = ps["weight"] if "weight" in ps else layer.weight
+        if i == 0:
+            return w
+        b = ps["bias"] if "bias" in ps else getattr(layer, "bias", None)
+        if b is None or i != 1:
+            raise IndexError("list index out of range")
+        return b
+
     def _trainable(self, params=None):
         return tuple(p.requires_grad for p in (self.params if params is None else params))
 
@@ -305,7 +318,7 @@ class LayerStep:
     def _foreign_hooks_on(self, i, p=None) -> bool:
         # Set containment over the hook dicts' keys (their handle ids): one C-level pass each, asked
         # per parameter per backward pass and again at step().
-        p = self.params[i] if p is None else p
+        p = self._param(i) if p is None else p
         ours = self._ours
         return not (ours.issuperset(getattr(p, "_post_accumulate_grad_hooks", None) or ())
                     and ours.issuperset(getattr(p, "_backward_hooks", None) or ()))
@@ -319,7 +332,7 @@ class LayerStep:
 
     def landed(self, i) -> None:
         """Records ``.grad`` of parameter ``i`` as written by its layer (or by DDP's reducer)."""
-        g = self.params[i].grad
+        g = self._param(i).grad
         if g is None:  # an undefined gradient reached AccumulateGrad: nothing landed
             return
         self._expected[i] = _record(g)
@@ -559,7 +572,7 @@ class DistributedRecorder:
 
     def _record(self):
         for step, i in self._touched.values():
-            if step.params[i].grad is not None:
+            if step._param(i).grad is not None:
                 step.landed(i)
         self._touched.clear()
         self._queued = False
