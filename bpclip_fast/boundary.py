@@ -51,7 +51,7 @@ import torch
 
 from .data import derive_seed
 
-__all__ = ["StepRefused", "LayerStep", "DistributedRecorder", "RULES"]
+__all__ = ["StepRefused", "LayerStep", "PassGate", "DistributedRecorder", "RULES"]
 
 # rule -> what it protects and what to do instead (the second half of every message).
 RULES = {
@@ -108,6 +108,9 @@ def _same_tensor(record, t) -> bool:
     return record is not None and t is not None and record[0]() is t and t._version == record[1]
 
 
+_OURS = frozenset(("ours",))
+
+
 def redraw_seed(seed: int, offset: int, k: int) -> int:
     """The Philox key of the ``k``-th draw (k ≥ 1) of one step and layer: independent of the first."""
     return derive_seed(seed, "redraw", offset, k)
@@ -139,6 +142,17 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
         return (words + (words >> 33)).sum()
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[size]
     return flat.view(bits).sum(dtype=torch.int64)
+
+
+class PassGate:
+    """The backward pass (autograd graph task) whose once-per-pass checks (``LayerStep.on_new_pass``)
+    already ran, shared by one engine's layers: the later layers of the pass skip the call. Written
+    by the check itself, before it may raise, as before (a refused pass is not re-checked)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self):
+        self.task = None
 
 
 class LayerStep:
@@ -189,6 +203,7 @@ class LayerStep:
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
+        self._gate = PassGate()     # the engine's (shared with on_new_pass); this one never skips a call
         self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
 
     # ------------------------------------------------------------------ parameters and hooks
@@ -201,6 +216,19 @@ class LayerStep:
         w = ps["weight"] if "weight" in ps else self.layer.weight
         b = ps["bias"] if "bias" in ps else getattr(self.layer, "bias", None)
         return [w] if b is None else [w, b]
+
+    def _param(self, i):
+        """``self.params[i]`` without building the list (asked by every gradient hook): the same
+        reads, and the same error for a bias hook of a layer whose bias is gone."""
+        layer = self.layer
+        ps = layer._parameters
+        w = ps["weight"] if "weight" in ps else layer.weight
+        if i == 0:
+            return w
+        b = ps["bias"] if "bias" in ps else getattr(layer, "bias", None)
+        if b is None or i != 1:
+            raise IndexError("list index out of range")
+        return b
 
     def _trainable(self, params=None):
         return tuple(p.requires_grad for p in (self.params if params is None else params))
@@ -290,7 +318,7 @@ class LayerStep:
     def _foreign_hooks_on(self, i, p=None) -> bool:
         # Set containment over the hook dicts' keys (their handle ids): one C-level pass each, asked
         # per parameter per backward pass and again at step().
-        p = self.params[i] if p is None else p
+        p = self._param(i) if p is None else p
         ours = self._ours
         return not (ours.issuperset(getattr(p, "_post_accumulate_grad_hooks", None) or ())
                     and ours.issuperset(getattr(p, "_backward_hooks", None) or ()))
@@ -304,7 +332,7 @@ class LayerStep:
 
     def landed(self, i) -> None:
         """Records ``.grad`` of parameter ``i`` as written by its layer (or by DDP's reducer)."""
-        g = self.params[i].grad
+        g = self._param(i).grad
         if g is None:  # an undefined gradient reached AccumulateGrad: nothing landed
             return
         self._expected[i] = _record(g)
@@ -324,11 +352,16 @@ class LayerStep:
         """Per parameter that trains or holds a gradient: 'none', 'ours' (exactly what we left) or
         'foreign'. (A layer frozen for a while keeps the gradient it holds: not a restart.)"""
         states = []
+        expected = self._expected
         for i, p in enumerate(self.params if params is None else params):
             if not p.requires_grad and p.grad is None:
                 continue
             g = p.grad
-            states.append((i, p, "none" if g is None else "ours" if _same_tensor(self._expected.get(i), g)
+            if g is None:
+                states.append((i, p, "none"))
+                continue
+            rec = expected.get(i)  # _same_tensor, inline: asked per parameter at every pass and step
+            states.append((i, p, "ours" if rec is not None and rec[0]() is g and g._version == rec[1]
                            else "foreign"))
         return states
 
@@ -344,11 +377,12 @@ class LayerStep:
         layer holds a contribution (its gradients are ours), False if it starts afresh."""
         states = self._grad_states(params)
         kinds = {k for _, _, k in states}
-        if kinds <= {"ours"} and kinds:
-            for i, p, _ in states:
-                fp = self._fingerprints.pop(i, None)
-                if fp is not None:
-                    self.edit_checks.append(_fingerprint(p.grad).ne(fp))
+        if kinds == _OURS:
+            if self._fingerprints:  # only in steps of several passes
+                for i, p, _ in states:
+                    fp = self._fingerprints.pop(i, None)
+                    if fp is not None:
+                        self.edit_checks.append(_fingerprint(p.grad).ne(fp))
             return True
         if "ours" in kinds:  # some gradients kept, others edited or dropped: no consistent state
             self.violations.append(("grad-edit", f"only some of {self.name}'s gradients were cleared or edited"))
@@ -363,33 +397,43 @@ class LayerStep:
 
     def params_moved(self, params=None) -> bool:
         """Whether a parameter changed since the step's first backward pass (records it then)."""
-        versions = tuple((p._version, p.data_ptr())  # data_ptr: a rebound p.data
-                         for p in (self.params if params is None else params))
+        versions = tuple([(p._version, p.data_ptr())  # data_ptr: a rebound p.data
+                          for p in (self.params if params is None else params)])
         if self._param_versions is None:
             self._param_versions = versions
             return False
         return versions != self._param_versions
 
     # ------------------------------------------------------------------ called by the layer
+    def _begin_pass(self, task) -> None:
+        """The checks of a backward pass's first visit to this layer, in the order they always ran:
+        re-hook what trains now, close the previous pass, the engine's once-per-pass checks, the
+        parameters unmoved, the gradients as we left them. The parameters are read once for all of
+        them (nothing between the checks can rebind them; install_hooks reads them itself,
+        on_new_pass raises or returns). Per layer, not per pass: each layer's records
+        must be read when its own backward starts, since code running earlier in the same pass (a
+        hook on an activation) may still edit its gradient before then."""
+        params = self.params
+        trainable = tuple([p.requires_grad for p in params])
+        if self._hooked != trainable:
+            self.install_hooks()  # unfrozen within the step: hook what trains now
+        if self._pass_landed:
+            self.close_pass(params)
+        if self.on_new_pass is not None and self._gate.task != task:
+            self.on_new_pass()
+        if self.params_moved(params):
+            self.refuse("param-edit", f"{self.name}'s parameters changed between backward passes of one step")
+        self.sync_with_grads(params)
+        self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
+        self._pass_counts = None
+
     def begin_backward(self, rows: int, sensitivity: float):
         """``(seed, offset, std, d, scale)`` for one backward pass over ``rows`` example rows:
         clip at ``C/d``, add noise of std ``std`` (0: none), multiply ``[∇W, ∇b]`` by ``scale``."""
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
-                # The parameters are read once for the checks below; nothing between them can rebind
-                # them (install_hooks reads them itself; on_new_pass raises or returns).
-                params = self.params
-                if self._hooked != self._trainable(params):
-                    self.install_hooks()  # unfrozen within the step: hook what trains now
-                self.close_pass(params)
-                if self.on_new_pass is not None:
-                    self.on_new_pass()
-                if self.params_moved(params):
-                    self.refuse("param-edit", f"{self.name}'s parameters changed between backward passes of one step")
-                self.sync_with_grads(params)
-                self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
-                self._pass_counts = None
+                self._begin_pass(task)
             self._pass_rows += int(rows)
         else:
             self.rows += int(rows)
@@ -528,7 +572,7 @@ class DistributedRecorder:
 
     def _record(self):
         for step, i in self._touched.values():
-            if step.params[i].grad is not None:
+            if step._param(i).grad is not None:
                 step.landed(i)
         self._touched.clear()
         self._queued = False

@@ -18,7 +18,6 @@ def init(engine, max_epsilon, delta) -> None:
     """The step counters and the budget ``step()`` enforces."""
     engine._steps = 0
     engine._taken_here = 0  # steps taken since make_private or the last load_state_dict
-    engine._checked_task = None  # the backward pass guards.check_new_pass last ran in
     engine._delivered_at_step = 0
     engine._max_epsilon = None if max_epsilon is None else float(max_epsilon)
     engine._delta = None if delta is None else float(delta)

@@ -106,9 +106,10 @@ def check_new_pass(engine) -> None:
     (a loop that never calls the private step(), or draws a second batch, stops here, charged).
     Once per backward pass, not per layer."""
     task = torch._C._current_graph_task_id()
-    if task == engine._checked_task:
+    gate = engine._pass_gate  # shared with the layers (boundary.PassGate): they skip this call once it is set
+    if task == gate.task:
         return
-    engine._checked_task = task
+    gate.task = task
     if not budget.covers(engine):  # first: everything below may be charged
         refusal.discard(engine, engine.optimizer.original_optimizer)
         raise accounting().PrivacyBudgetError(

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from .. import data, modes, ranks as _ranks
 from .. import nn as bnn
 from .. import validate as _validate
-from ..boundary import DistributedRecorder, LayerStep, StepRefused  # noqa: F401  (StepRefused: re-exported)
+from ..boundary import DistributedRecorder, LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
 from . import arguments, budget, checkpoint, distributed, guards, model_checks, refusal, seeds, thresholds
 from .optimizer import DPOptimizer
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
@@ -195,6 +195,7 @@ class PrivacyEngine:
     def _prepare_steps(self, layers, mean_batch) -> None:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
         recorder = DistributedRecorder() if self.distributed else None
+        self._pass_gate = PassGate()  # the backward pass guards.check_new_pass last ran in
         self._steps_of = []
         for name, layer in layers:
             layer._bp_name = name
@@ -205,6 +206,7 @@ class PrivacyEngine:
             st.after_backward = recorder
             st.batch_rows = functools.partial(guards.batch_rows, self)
             st.on_new_pass = functools.partial(guards.check_new_pass, self)
+            st._gate = self._pass_gate
             st.budget = functools.partial(budget.require, self)
             layer._step = st
             self._steps_of.append(st)
