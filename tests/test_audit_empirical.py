@@ -125,9 +125,9 @@ def test_halved_noise_is_caught_by_many_run(monkeypatch):
 def test_skipped_draw_after_inplace_zero_grad_is_caught(monkeypatch):
     original = boundary.LayerStep.sync_with_grads
 
-    def sync_with_grads(self):  # the bug: a restart keeps the discarded gradient's "noised" flag
+    def sync_with_grads(self, *args):  # the bug: a restart keeps the discarded gradient's "noised" flag
         noised = self.noised
-        holds = original(self)
+        holds = original(self, *args)
         if not holds:
             self.noised = noised
         return holds
