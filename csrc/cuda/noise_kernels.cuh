@@ -159,6 +159,20 @@ __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t 
   if (warp == tiles % warps) philox_noise_tail<T, kAccumulate>(buf, n, tiles * kNoiseTile, lane, seed, offset, stdv);
 }
 
+// This thread's place in the grid, counted in warps: its lane, its warp within the block and
+// within the grid, and the grid's warp count.
+struct NoiseWarp {
+  int lane, in_block;
+  int64_t warp, warps;
+};
+
+__device__ inline NoiseWarp noise_warp() {
+  const int64_t per_block = blockDim.x / kNoiseLanes;
+  const int in_block = static_cast<int>(threadIdx.x) / kNoiseLanes;
+  return {static_cast<int>(threadIdx.x) % kNoiseLanes, in_block, static_cast<int64_t>(blockIdx.x) * per_block + in_block,
+          static_cast<int64_t>(gridDim.x) * per_block};
+}
+
 // The stage slices of a block's warps, in shared memory.
 template <typename T>
 using NoiseStage = NoisePack<T>[kNoiseThreads / kNoiseLanes][kNoiseLanes * kPacksPerGroup<T>];
@@ -168,13 +182,9 @@ template <typename T, bool kAccumulate, bool kPacked>
 __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
     philox_noise_kernel(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset, float stdv) {
   __shared__ NoiseStage<T> stage_of_warp;
-  const int lane = static_cast<int>(threadIdx.x) % kNoiseLanes;
-  const int warp_in_block = static_cast<int>(threadIdx.x) / kNoiseLanes;
-  const int64_t warps_per_block = blockDim.x / kNoiseLanes;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
-  philox_noise_tiles<T, kAccumulate, kPacked>(buf, n, seed, offset, stdv, warp, warps, lane,
-                                              stage_of_warp[warp_in_block]);
+  const NoiseWarp t = noise_warp();
+  philox_noise_tiles<T, kAccumulate, kPacked>(buf, n, seed, offset, stdv, t.warp, t.warps, t.lane,
+                                              stage_of_warp[t.in_block]);
 }
 
 // philox_noise2_: a layer's weight w (stream offset_w) and bias b (offset_b) in one launch, each
@@ -187,15 +197,12 @@ __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
     philox_noise2_kernel(T* __restrict__ w, int64_t nw, T* __restrict__ b, int64_t nb, uint64_t seed,
                          uint64_t offset_w, uint64_t offset_b, float stdv) {
   __shared__ NoiseStage<T> stage_of_warp;
-  const int lane = static_cast<int>(threadIdx.x) % kNoiseLanes;
-  const int warp_in_block = static_cast<int>(threadIdx.x) / kNoiseLanes;
-  const int64_t warps_per_block = blockDim.x / kNoiseLanes;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
-  philox_noise_tiles<T, kAccW, kPackedW>(w, nw, seed, offset_w, stdv, warp, warps, lane, stage_of_warp[warp_in_block]);
-  const int64_t first_b = (nw / kNoiseTile + 1) % warps;  // after w's full tiles and its tail
-  philox_noise_tiles<T, kAccB, false>(b, nb, seed, offset_b, stdv, (warp + warps - first_b) % warps, warps, lane,
-                                      stage_of_warp[warp_in_block]);
+  const NoiseWarp t = noise_warp();
+  philox_noise_tiles<T, kAccW, kPackedW>(w, nw, seed, offset_w, stdv, t.warp, t.warps, t.lane,
+                                         stage_of_warp[t.in_block]);
+  const int64_t first_b = (nw / kNoiseTile + 1) % t.warps;  // after w's full tiles and its tail
+  philox_noise_tiles<T, kAccB, false>(b, nb, seed, offset_b, stdv, (t.warp + t.warps - first_b) % t.warps, t.warps,
+                                      t.lane, stage_of_warp[t.in_block]);
 }
 
 }  // namespace cuda
