@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, compiled, exact, modes, modules, registry
+from . import autograd, compiled, exact, examples, modes, modules, registry
 from .boundary import LayerStep, StepRefused
 from .modes.base import check_positive as _check_positive
 
@@ -372,7 +372,7 @@ class Conv2d(_Clipped, nn.Conv2d):
 class _ExampleLayer(_Clipped):
     """A layer whose per-example gradients are small enough to instantiate (affine parameters of a
     normalisation, an embedding table's rows, an added parameter), clipped exactly by
-    :func:`bpclip_fast.exact.example_layer`; its bound is :class:`bpclip_fast.exact.DenseExamples`'.
+    :func:`bpclip_fast.exact.example_layer`; its bound is :class:`bpclip_fast.examples.DenseExamples`'.
     Exact modes only: backpropagation clipping has no proved bound for these types."""
 
     def _init_exact(self, clipping, max_grad_norm, clip_fn, gamma):
@@ -428,7 +428,7 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
 
     def _examples(self, saved, g, mask):
         x, mean, rstd = saved
-        return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, 1, True, self.weight.shape,
+        return examples.DenseExamples(*examples.affine_example_grads(g, x, mean, rstd, 1, True, self.weight.shape,
                                                                self.bias is not None), self.weight.dtype)
 
 
@@ -456,14 +456,14 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
 
     def _examples(self, saved, g, mask):
         x, mean, rstd = saved
-        return exact.DenseExamples(*exact.affine_example_grads(g, x, mean, rstd, self.num_groups, False,
+        return examples.DenseExamples(*examples.affine_example_grads(g, x, mean, rstd, self.num_groups, False,
                                                                self.weight.shape, self.bias is not None),
                                    self.weight.dtype)
 
 
 class Embedding(_ExampleLayer, nn.Embedding):
     """``nn.Embedding`` under exact per-example clipping, with per-example norms through index
-    equality (:class:`bpclip_fast.exact.RowExamples`; no per-example copy of the table). Refused:
+    equality (:class:`bpclip_fast.examples.RowExamples`; no per-example copy of the table). Refused:
     ``max_norm`` (the forward rewrites table rows outside the step), ``scale_grad_by_freq`` (a
     token's gradient is divided by its count in the whole batch, so examples move each other) and
     ``sparse`` gradients."""
@@ -506,7 +506,7 @@ class Embedding(_ExampleLayer, nn.Embedding):
         keys, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         summed = rows.new_zeros(keys.shape[0], dim, dtype=acc).index_add_(0, inverse, rows.to(acc))
-        return exact.RowExamples(summed, keys // v, keys % v, b, positions, v, self.weight.dtype)
+        return examples.RowExamples(summed, keys // v, keys % v, b, positions, v, self.weight.dtype)
 
 
 def _embedding_problem(max_norm, scale_grad_by_freq, sparse) -> str | None:
@@ -538,7 +538,7 @@ class PositionalEmbedding(_ExampleLayer, modules.PositionalEmbedding):
         return x + weight, ()
 
     def _examples(self, saved, g, mask):
-        return exact.DenseExamples(g, None, self.weight.dtype)
+        return examples.DenseExamples(g, None, self.weight.dtype)
 
 
 class ClassToken(_ExampleLayer, modules.ClassToken):
@@ -558,7 +558,7 @@ class ClassToken(_ExampleLayer, modules.ClassToken):
         return torch.cat([weight.expand(x.shape[0], -1, -1), x], dim=1), ()
 
     def _examples(self, saved, g, mask):
-        return exact.DenseExamples(g[:, :self.weight.shape[0]].contiguous(), None, self.weight.dtype)
+        return examples.DenseExamples(g[:, :self.weight.shape[0]].contiguous(), None, self.weight.dtype)
 
 
 class TemperedSigmoid(nn.Module):

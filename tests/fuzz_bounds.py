@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from bpclip_fast import _ops, exact, modules, registry
+from bpclip_fast import examples as examples_mod
 from bpclip_fast import nn as bnn
 from bpclip_fast import reference as ref
 
@@ -323,7 +324,7 @@ def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor,
     examples = layer._examples(saved, gl.contiguous(), mask)
     bound = examples.bound(mask)
     factor = exact.factors(bound, case.bound, case.clip_fn, case.gamma, scratch, case.dtype)
-    if isinstance(examples, exact.RowExamples):
+    if isinstance(examples, examples_mod.RowExamples):
         dense = torch.zeros(b, layer.num_embeddings, examples.rows.shape[1], dtype=F64)
         dense.index_put_((examples.example, examples.index), examples.rows.double(), accumulate=True)
         scaled = torch.zeros_like(dense)

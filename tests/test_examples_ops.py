@@ -1,5 +1,5 @@
 """examples_bound and examples_release: the bound and the clipped, noised release of instantiated
-per-example gradients (GroupNorm, LayerNorm, PositionalEmbedding, ClassToken; bpclip_fast/exact.py,
+per-example gradients (GroupNorm, LayerNorm, PositionalEmbedding, ClassToken; bpclip_fast/examples.py,
 DenseExamples; proofs in csrc/include/bpclip_fast/examples.h).
 
 * The bound against the exact norm (fractions): never below it, and within its proved slack above,
@@ -21,7 +21,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from bpclip_fast import _ops, exact
+from bpclip_fast import _ops, examples
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 DT_IDS = ["f32", "f64", "f16", "bf16"]
@@ -92,7 +92,7 @@ def test_fp64_squares_that_underflow_still_give_an_upper_bound():
 def test_fp64_dense_examples_bound_covers_underflowing_squares():
     """Through DenseExamples (what the layers call): fails on the former linalg.vector_norm bound."""
     gw = torch.full((2, 16), 1e-170, dtype=torch.float64)
-    ex = exact.DenseExamples(gw, gw.clone(), torch.float64)
+    ex = examples.DenseExamples(gw, gw.clone(), torch.float64)
     bound = ex.bound([True, True])
     for i in range(2):
         s, _ = _exact_norm(gw[i], gw[i])
