@@ -136,3 +136,71 @@ def test_noise_device_misaligned_view_agrees_with_emulator(sim, dtype):
     torch.ops.bpclip_fast.philox_noise_(dev[1:], 5, 3, 1.0, False)
     assert dev[0].item() == 0
     _close(dev[1:], host[1:], max(TOL[dtype], 1e-6))
+
+
+# ---- the fused ops of issue 25 on the device itself: where they reuse a kernel's element code, the
+# device agrees with its own separate ops bit for bit; where they only move bits, with the CPU.
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("acc_w,acc_b", [(False, True), (True, False)])
+def test_noise2_device_is_two_noise_calls_bit_for_bit(dtype, acc_w, acc_b):
+    gen = torch.Generator().manual_seed(3)
+    w0, b0 = torch.randn(300, 37, generator=gen).to(dtype), torch.randn(300, generator=gen).to(dtype)
+    w, b = w0.cuda(), b0.cuda()
+    torch.ops.bpclip_fast.philox_noise2_(w, b, 5, 40, 0.7, acc_w, acc_b)
+    rw, rb = w0.cuda(), b0.cuda()
+    torch.ops.bpclip_fast.philox_noise_(rw, 5, 40, 0.7, acc_w)
+    torch.ops.bpclip_fast.philox_noise_(rb, 5, 41, 0.7, acc_b)
+    assert torch.equal(harness._bits(w.cpu()), harness._bits(rw.cpu()))
+    assert torch.equal(harness._bits(b.cpu()), harness._bits(rb.cpu()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_rows2_and_clip_rows_rescale_device_agree_with_their_parts(dtype):
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(9, 300, generator=gen) * 10).to(dtype).cuda()
+    y = (torch.randn(9, 4100, generator=gen) * 10).to(dtype).cuda()
+    f = (torch.rand(9, generator=gen, dtype=torch.float64) * 2).to(harness.acc_dtype(dtype)).cuda()
+    f[3] = 0
+    sx, sy = torch.ops.bpclip_fast.scale_rows2(x, f, y, f, True)
+    assert torch.equal(harness._bits(sx.cpu()), harness._bits(torch.ops.bpclip_fast.scale_rows(x, f).cpu()))
+    mask = (f > 0).to(f.dtype)
+    assert torch.equal(harness._bits(sy.cpu()), harness._bits(torch.ops.bpclip_fast.scale_rows(y, mask).cpu()))
+    n1, n2 = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
+    gc, gf, gn, xr = torch.ops.bpclip_fast.clip_rows_rescale(y, n1, 30.0, "l2", "clip", 0.01, x, f)
+    rc, rf, rn = torch.ops.bpclip_fast.clip_rows(y, n2, 30.0, "l2", "clip", 0.01)
+    for a, r in ((gc, rc), (gf, rf), (gn, rn), (xr, torch.ops.bpclip_fast.scale_rows(x, f)), (n1, n2)):
+        assert torch.equal(harness._bits(a.cpu()), harness._bits(r.cpu()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+def test_conv_patches_device_is_the_cpu_op_bit_for_bit(dtype, layout):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 11, 9, generator=gen).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        x = torch.randn(3, 6, 13, 9, generator=gen).to(dtype)[:, 1:5, 1:12]
+    geo = ([3, 2], [2, 1], [1, 2], [1, 2])
+    dev = torch.ops.bpclip_fast.conv_patches(x.cuda(), *geo).cpu()
+    assert torch.equal(harness._bits(dev), harness._bits(torch.ops.bpclip_fast.conv_patches(x, *geo)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_examples_ops_device_agree_with_the_cpu(dtype):
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(10, 3, 50, generator=gen, dtype=dtype)
+    b = torch.randn(10, 3, generator=gen, dtype=dtype)
+    w[4, 0, 7] = float("inf")
+    cpu_n, dev_n = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64, device="cuda")
+    bound = torch.ops.bpclip_fast.examples_bound(w, b, cpu_n)
+    dbound = torch.ops.bpclip_fast.examples_bound(w.cuda(), b.cuda(), dev_n)
+    assert int(dev_n) == int(cpu_n) == 1
+    _close(dbound, bound, 1e-12)
+    factor = torch.where(bound.isfinite(), 1.0 / bound, torch.zeros_like(bound)).to(dtype)
+    args = ([9, 2 << 20], 0.6, 0.25)
+    ow, ob = torch.ops.bpclip_fast.examples_release(w, b, factor, *args)
+    dw, db = torch.ops.bpclip_fast.examples_release(w.cuda(), b.cuda(), factor.cuda(), *args)
+    _close(dw, ow, max(TOL[dtype], 1e-6))
+    _close(db, ob, max(TOL[dtype], 1e-6))
