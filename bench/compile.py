@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m bench.compile [--models digits,mnist] [--modes flat,per_layer,none]
                                               [--batch 64] [--steps 20] [--warmup 3] [--clock wall|cpu]
+                                              [--device cpu|cuda] [--compile-mode default|reduce-overhead]
 
 One step is ``zero_grad; forward; cross-entropy (mean); backward; step()`` of a PrivacyEngine
 private model on fixed-size batches of synthetic data (``poisson_sampling=False``, so every step has
@@ -11,7 +12,10 @@ eager and compiled steps alternate, so a slow phase of a shared machine falls on
 of ``--steps`` steps, milliseconds, on this machine's CPU. Mode ``none`` times the same net without
 privacy (plain SGD), to tell inductor's own cost from the private layers' ops. ``--clock cpu`` times
 the process's CPU time instead of wall time (with ``OMP_NUM_THREADS=1``: the step's own work,
-without the time other processes of a shared machine took the core away).
+without the time other processes of a shared machine took the core away). ``--device cuda`` runs the
+models and data on the GPU and synchronizes the device before each clock read (wall clock only);
+``--compile-mode reduce-overhead`` is ``torch.compile``'s CUDA-graph mode, the route to launch-free
+steps on a GPU (``bench/gpu_check.sh`` runs it).
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ def mlp_net():
 MODELS = {"digits": (digits_net, (1, 8, 8)), "mnist": (mnist_net, (1, 28, 28)), "mlp": (mlp_net, (1, 28, 28))}
 
 
-def _private(base, shape, mode, batch):
-    model = copy.deepcopy(base)
+def _private(base, shape, mode, batch, device="cpu"):
+    model = copy.deepcopy(base).to(device)
     g = torch.Generator().manual_seed(0)
     n = 4 * batch
-    data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+    data = TensorDataset(torch.randn(n, *shape, generator=g).to(device),
+                         torch.randint(0, 10, (n,), generator=g).to(device))
     if mode == "none":  # the same net without privacy: what inductor itself gains or costs
         return model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(data, batch_size=batch)
     with warnings.catch_warnings():
@@ -60,18 +65,21 @@ def _batches(loader):
 
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = time.perf_counter
+_sync = lambda: None  # noqa: E731 -- torch.cuda.synchronize under --device cuda
 
 
 def _step(model, opt, batches):
     x, y = next(batches)
+    _sync()
     t = _clock()
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     opt.step()
+    _sync()
     return _clock() - t
 
 
-def measure(name, mode, batch, steps, warmup):
+def measure(name, mode, batch, steps, warmup, device="cpu", compile_mode="default"):
     factory, shape = MODELS[name]
     # Each configuration gets its own dynamo cache: the models share Sequential.forward's code
     # object, so a second model of another input size would otherwise be compiled with its sizes
@@ -79,9 +87,9 @@ def measure(name, mode, batch, steps, warmup):
     torch._dynamo.reset()
     torch.manual_seed(0)
     base = factory()
-    me, oe, le = _private(base, shape, mode, batch)
-    mc, oc, lc = _private(base, shape, mode, batch)
-    cm = torch.compile(mc)
+    me, oe, le = _private(base, shape, mode, batch, device)
+    mc, oc, lc = _private(base, shape, mode, batch, device)
+    cm = torch.compile(mc, mode=compile_mode)
     be, bc = _batches(le), _batches(lc)
     t = time.perf_counter()
     _step(cm, oc, bc)
@@ -104,15 +112,24 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--clock", choices=sorted(_CLOCKS), default="wall")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune"), default="default")
     args = ap.parse_args(argv)
-    global _clock
+    if args.device == "cuda" and args.clock != "wall":
+        ap.error("--clock cpu measures this process's CPU time, not the GPU's: use --clock wall with --device cuda")
+    global _clock, _sync
     _clock = _CLOCKS[args.clock]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), batch {args.batch}, "
-          f"median of {args.steps} steps, {args.clock} clock")
+    if args.device == "cuda":
+        _sync = torch.cuda.synchronize
+        where = torch.cuda.get_device_name()
+    else:
+        where = f"{torch.get_num_threads()} thread(s)"
+    print(f"torch {torch.__version__}, {where}, batch {args.batch}, median of {args.steps} steps, "
+          f"{args.clock} clock, torch.compile mode {args.compile_mode}")
     print(f"{'model':8} {'mode':10} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} {'compile s':>10}")
     for name in args.models.split(","):
         for mode in args.modes.split(","):
-            e, c, s = measure(name, mode, args.batch, args.steps, args.warmup)
+            e, c, s = measure(name, mode, args.batch, args.steps, args.warmup, args.device, args.compile_mode)
             print(f"{name:8} {mode:10} {e:9.2f} {c:12.2f} {c / e:6.2f} {s:10.1f}", flush=True)
 
 

@@ -10,6 +10,8 @@
 #   bandwidth    bench/test_kernels.py at 32 and 512 MB, then the noise kernel's GB/s as a
 #                percentage of a device copy's (bandwidth_summary.txt)                    ~40 s
 #   norm_cost    bench/norm_cost.py, 3 reps                                               ~20 s
+#   compile      bench.compile --device cuda --compile-mode reduce-overhead (CUDA graphs), mlp and
+#                mnist, non-private and flat, batch 128; at most 100 s                    ~80 s
 #   step_bench   bench.step, batch 128, models mnist, cifar10, vit, resnet20-gn, methods
 #                nonprivate, bpclip_fast, flat, opacus_ghost; one child each (~10 s of CUDA
 #                start-up per child, so this is the step the budget cuts first)          ~140 s
@@ -72,6 +74,9 @@ for b in bench:
 EOF
 cat "$OUT/bandwidth_summary.txt" | tee -a "$OUT/summary.txt"
 step norm_cost "$PY" -m bench.norm_cost --device cuda --reps 3
+step compile timeout 100 "$PY" -m bench.compile --device cuda --compile-mode reduce-overhead --models mlp,mnist \
+  --modes none,flat --batch 128 --steps 20 --warmup 3
+cat "$OUT/compile.log" | grep -v Warning | tail -n 6 | tee -a "$OUT/summary.txt"
 # One child per cell and short timing windows: each child spends ~10 s starting CUDA.
 step step_bench "$PY" -m bench.step --device cuda --models mnist,cifar10,vit,resnet20-gn --batch-sizes 128 --reps 1 \
   --warmup-time 0.5 --min-time 1 --timeout 60 \
