@@ -28,6 +28,10 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 # The system compiler, not the one Python was built with: on the lent H100/H200 image that is a
 # wrapper, /opt/gcc/bin/g++, and the extension it linked segfaulted inside libstdc++ code when an
 # error message formatted a number (seen 2026-11-23; /usr/bin/g++ 13.3 builds one that raises).
+# `gcc` on that image's PATH is the wrapper too (seen 2026-11-26: nvcc's -ccbin and the link both
+# resolved to /opt/gcc/bin, and the CUDA ops' error paths segfaulted), so name /usr/bin's by path.
+if [[ -z "${CC:-}" && -x /usr/bin/gcc ]]; then CC=/usr/bin/gcc; fi
+if [[ -z "${CXX:-}" && -x /usr/bin/g++ ]]; then CXX=/usr/bin/g++; fi
 export CC=${CC:-gcc} CXX=${CXX:-g++}
 export LDSHARED=${LDSHARED:-"$CXX -shared"}
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
