@@ -310,7 +310,8 @@ def test_every_global_kernel_is_launched(sim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("T,ghost,per,conv_layout", [(1, False, 1, False), (1, False, 3, True), (7, True, 1, False),
                                                      (33, True, 2, True), (70, False, 1, False),
-                                                     (40, False, 3, True)])
+                                                     (40, False, 3, True), (300, False, 1, True),
+                                                     (260, True, 1, False)])  # T > kBoundLanes: every warp
 @pytest.mark.parametrize("flags", [3, 1, 2])  # weight and bias, weight only, bias only
 def test_exact_bound_matches_cpu_bit_for_bit(sim, request, dtype, T, ghost, per, conv_layout, flags):
     _schedule(sim, request)
@@ -601,10 +602,14 @@ MUTANTS = {
     "finalize_grid_rounds_down": ("clip_launch.cuh", "launch(finalize_rows_kernel<fac_t>, warp_blocks(r.B),",
                                   "launch(finalize_rows_kernel<fac_t>, r.B / kWarpsPerBlock,"),
     "bound_reduction_skips_upper_lanes": ("bound_kernels.cuh",
-                                          "for (int off = kBoundLanes / 2; off > 0; off >>= 1) add_lane",
-                                          "for (int off = kBoundLanes / 4; off > 0; off >>= 1) add_lane"),
-    "bound_grid_rounds_down": ("bound_launch.cuh", "(s.examples + per_block - 1) / per_block",
-                               "s.examples / per_block"),
+                                          "for (int off = kBoundLanes / 2; off >= 32; off >>= 1) {",
+                                          "for (int off = kBoundLanes / 4; off >= 32; off >>= 1) {"),
+    "bound_reduction_skips_a_barrier": ("bound_kernels.cuh", "    __syncthreads();\n  }\n  if (lane < 32) {",
+                                        "  }\n  if (lane < 32) {"),
+    "bound_reduction_skips_warp_level": ("bound_kernels.cuh", "for (int off = 16; off > 0; off >>= 1) add_lane",
+                                         "for (int off = 8; off > 0; off >>= 1) add_lane"),
+    "bound_grid_skips_last_example": ("bound_launch.cuh", "launch(exact_bound_kernel<T>, s.examples,",
+                                      "launch(exact_bound_kernel<T>, s.examples - 1,"),
     # The kernel's own position sums (every entry of a position, in the layout's strides).
     "bound_positions_skip_last_entry": ("bound_kernels.cuh", "position_sq(x + r * sx0 + t * sx1, dx, sx2)",
                                         "position_sq(x + r * sx0 + t * sx1, dx - 1, sx2)"),

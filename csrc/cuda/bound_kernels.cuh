@@ -1,6 +1,6 @@
-// Device code of exact_bound_: one warp per example, the arithmetic of bpclip_fast/bound.h (shared
-// with the CPU kernel, which runs the warp's lanes as a loop and combines them in the same order).
-// Warp shuffles only, so the test emulator can run this exact kernel.
+// Device code of exact_bound_: one block of kBoundLanes threads per example, the arithmetic of
+// bpclip_fast/bound.h (shared with the CPU kernel, which runs the lanes as a loop and combines them in
+// the same order). Shared memory, barriers and warp shuffles, all of which the test emulator runs.
 #pragma once
 
 #include <stdint.h>
@@ -39,28 +39,59 @@ __device__ inline LaneSums shfl_down_lanes(const LaneSums& v, int off) {
   return o;
 }
 
+// The lanes' partial sums, one array per field (consecutive lanes in consecutive words).
+struct BoundShared {
+  double P[kBoundLanes], X[kBoundLanes], M[kBoundLanes], A[kBoundLanes], B[kBoundLanes], W[kBoundLanes],
+      bias[kBoundLanes];
+  __device__ void put(int l, const LaneSums& v) {
+    P[l] = v.P; X[l] = v.X; M[l] = v.M; A[l] = v.A; B[l] = v.B; W[l] = v.W; bias[l] = v.bias;
+  }
+  __device__ LaneSums get(int l) const { return LaneSums{P[l], X[l], M[l], A[l], B[l], W[l], bias[l]}; }
+};
+
+// combine_lanes on the device: lane 0 returns the tree's total (the other lanes' results are unused).
+// Levels off >= 32 pair lanes of different warps through shared memory; the last five are a warp's
+// shuffle-down, v[l] += v[l + off] exactly as the host loop adds them.
+__device__ inline LaneSums block_combine(LaneSums v, BoundShared& sh, int lane) {
+  sh.put(lane, v);
+  __syncthreads();
+  for (int off = kBoundLanes / 2; off >= 32; off >>= 1) {
+    if (lane < off) {
+      LaneSums a = sh.get(lane);
+      add_lane(a, sh.get(lane + off));
+      sh.put(lane, a);
+    }
+    __syncthreads();
+  }
+  if (lane < 32) {
+    v = sh.get(lane);
+    for (int off = 16; off > 0; off >>= 1) add_lane(v, shfl_down_lanes(v, off));
+  }
+  __syncthreads();  // the next row's put waits for warp 0's reads
+  return v;
+}
+
 // consts: kBoundConsts doubles (bpclip_fast/bound.h), passed by value so no device copy is needed.
 struct BoundConstArray {
   double c[kBoundConsts];
 };
 
-// sq[i], bound[i] for example i of s.examples (one warp each); nonfinite (may be null) += the
-// examples whose bound is not finite.
+// sq[i], bound[i] for example i = blockIdx.x of s.examples (kBoundLanes threads each); nonfinite
+// (may be null) += the examples whose bound is not finite.
 template <typename T>
-__global__ void exact_bound_kernel(const T* __restrict__ x, const T* __restrict__ g, const T* __restrict__ gb,
+__global__ void __launch_bounds__(kBoundLanes) exact_bound_kernel(const T* __restrict__ x, const T* __restrict__ g, const T* __restrict__ gb,
                                    const T* __restrict__ wa,
                                    const T* __restrict__ wb, BoundGeometry s, BoundConstArray consts,
                                    double* __restrict__ sq, double* __restrict__ bound,
                                    unsigned long long* __restrict__ nonfinite) {
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kBoundLanes;
-  const int lane = threadIdx.x % kBoundLanes;
-  if (i >= s.examples) return;  // whole warps leave together: the grid is counted in warps
+  __shared__ BoundShared sh;
+  const int64_t i = blockIdx.x;
+  const int lane = threadIdx.x;
   const double* c = consts.c;
   const StridedPositions<T> pos = strided_positions(x, g, s);
   ExampleSums e{0, 0, 0, 0, 0};
   for (int64_t k = 0; k < s.per; ++k) {
-    LaneSums v = lane_sums(pos, gb, wa, wb, s, c, i * s.per + k, lane);
-    for (int off = kBoundLanes / 2; off > 0; off >>= 1) add_lane(v, shfl_down_lanes(v, off));
+    const LaneSums v = block_combine(lane_sums(pos, gb, wa, wb, s, c, i * s.per + k, lane), sh, lane);
     if (lane == 0) add_row(e, v, s, c);  // complete in lane 0
   }
   if (lane != 0) return;

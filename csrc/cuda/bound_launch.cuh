@@ -9,16 +9,14 @@
 namespace bpclip {
 namespace cuda {
 
-constexpr int kBoundThreads = 128;  // 4 warps, 4 examples per block
+constexpr int kBoundThreads = 128;  // exact_factors_kernel's block; exact_bound_kernel's is kBoundLanes
 
 template <typename T>
 void exact_bound_device(const T* x, const T* g, const T* gb, const T* wa, const T* wb, const BoundGeometry& s,
                         const double* consts, double* sq, double* bound, unsigned long long* nonfinite) {
   BoundConstArray c;
   for (int k = 0; k < kBoundConsts; ++k) c.c[k] = consts[k];
-  const int64_t per_block = kBoundThreads / kBoundLanes;
-  launch(exact_bound_kernel<T>, (s.examples + per_block - 1) / per_block, kBoundThreads, x, g, gb, wa, wb, s, c, sq,
-         bound, nonfinite);
+  launch(exact_bound_kernel<T>, s.examples, kBoundLanes, x, g, gb, wa, wb, s, c, sq, bound, nonfinite);
 }
 
 template <typename fac_t>

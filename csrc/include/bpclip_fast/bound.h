@@ -9,10 +9,12 @@
 // gradient itself, gb[r, t, :] (p channels). The kernel sums each position's squares itself, in
 // double, sequentially over its entries e = 0, 1, ..., dx - 1 (position_sq; fp32 squares are exact
 // in double and neither overflow nor underflow there). The rest of the row's work is split over
-// kLanes lanes (a CUDA warp; a loop on the CPU): lane l takes positions t = l, l + kLanes, ... and
-// entries e = l, l + kLanes, ... of the weight's squared-norm terms and channels j = l, ... of the
-// bias; each lane sums its share sequentially in double, and the lanes' partial sums are combined by
-// the tree of a warp's shuffle-down reduction (combine_lanes). Every one of these sums is of
+// kBoundLanes lanes (a CUDA block, one example each; a loop on the CPU): lane l takes positions
+// t = l, l + kBoundLanes, ... and entries e = l, l + kBoundLanes, ... of the weight's squared-norm
+// terms and channels j = l, ... of the bias; each lane sums its share sequentially in double, and the
+// lanes' partial sums are combined by the tree v[l] += v[l + off], off = kBoundLanes / 2, ..., 1
+// (combine_lanes; on the GPU the levels off >= 32 through shared memory, the rest by a warp's
+// shuffle-down, the same additions). Every one of these sums is of
 // non-negative terms, except the ghost products' (whose bound gamma_n(v) sum |terms| holds in any
 // order), so any order is covered by the file comment's gamma terms; the CPU kernel keeps this
 // order exactly (it may precompute a row's position sums with the positions as its inner loop, each
@@ -28,7 +30,10 @@
 
 namespace bpclip {
 
-constexpr int kBoundLanes = 32;
+// 256, not a warp's 32: a whole block per example, so a batch of B examples keeps B * 8 warps busy
+// (with one warp per example, a flat CIFAR-10 step at B = 128 spent 68% of its H100 time in this
+// kernel with under one warp per multiprocessor; docs/benchmarks.md, 2026-11-26).
+constexpr int kBoundLanes = 256;
 
 // K of csrc/exact.cpp's file comment: a factor below 1/K is set to 0 (bpclip_fast/exact.py,
 // FACTOR_FLOOR), so the bound need cover the release's subnormal rounding only for factors >= 1/K.
@@ -157,7 +162,7 @@ BPCLIP_HD inline LaneSums lane_sums(const Positions& pos, const T* gb, const T* 
   return out;
 }
 
-// Lane 0's result of a warp's shuffle-down reduction of v[0..kBoundLanes), for a host loop.
+// Lane 0's result of the lanes' reduction tree over v[0..kBoundLanes), for a host loop.
 BPCLIP_HD inline LaneSums combine_lanes(LaneSums* v) {
   for (int off = kBoundLanes / 2; off > 0; off >>= 1)
     for (int l = 0; l < off; ++l) add_lane(v[l], v[l + off]);
