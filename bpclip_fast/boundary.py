@@ -212,15 +212,20 @@ class LayerStep:
         # Read through the module's parameter dict: Module.__getattr__ made this property a tenth
         # of the host time of a ViT step (it is asked ~20 times per layer per step). A weight that
         # is no longer a registered parameter is read as an attribute, as before.
-        ps = self.layer._parameters
-        w = ps["weight"] if "weight" in ps else self.layer.weight
-        b = ps["bias"] if "bias" in ps else getattr(self.layer, "bias", None)
+        layer = self.layer
+        if "_bp_slots" in layer.__dict__:  # a generic unit (bpclip_fast.generic): all of its parameters
+            return list(layer._bp_params())
+        ps = layer._parameters
+        w = ps["weight"] if "weight" in ps else layer.weight
+        b = ps["bias"] if "bias" in ps else getattr(layer, "bias", None)
         return [w] if b is None else [w, b]
 
     def _param(self, i):
         """``self.params[i]`` without building the list (asked by every gradient hook): the same
         reads, and the same error for a bias hook of a layer whose bias is gone."""
         layer = self.layer
+        if "_bp_slots" in layer.__dict__:
+            return layer._bp_params()[i]
         ps = layer._parameters
         w = ps["weight"] if "weight" in ps else layer.weight
         if i == 0:
@@ -345,7 +350,8 @@ class LayerStep:
             self._fingerprints.pop(i, None)
 
     def _param_name(self, i) -> str:
-        return f"{self.name}.{'weight' if i == 0 else 'bias'}"
+        names = self.layer.__dict__.get("_bp_names")
+        return f"{self.name}.{names[i] if names is not None else ('weight' if i == 0 else 'bias')}"
 
     # ------------------------------------------------------------------ the gradient's state
     def _grad_states(self, params=None):

@@ -68,6 +68,8 @@ def _weight_bias(layer):
     several times per layer per step): a registered parameter is read from ``_parameters`` unless an
     instance attribute shadows it, where attribute lookup would find that first, as it does here."""
     d = layer.__dict__
+    if "_bp_slots" in d:  # a generic unit (bpclip_fast.generic): all of its parameters
+        return layer._bp_params()
     ps = d["_parameters"]
     w = ps["weight"] if "weight" in ps and "weight" not in d else layer.weight
     b = ps["bias"] if "bias" in ps and "bias" not in d else layer.bias
@@ -75,10 +77,10 @@ def _weight_bias(layer):
 
 
 def _trainable(layer, wb=None):
-    """``[weight, bias]``: which of the layer's parameters train (their gradients are computed).
-    ``wb``: :func:`_weight_bias` of the layer, where the caller has read it already."""
-    w, b = _weight_bias(layer) if wb is None else wb
-    return [w.requires_grad, b is not None and b.requires_grad]
+    """``[weight, bias]`` (a generic unit: each of its parameters): which of the layer's parameters
+    train (their gradients are computed). ``wb``: :func:`_weight_bias` of the layer, where the caller
+    has read it already."""
+    return [p is not None and p.requires_grad for p in (_weight_bias(layer) if wb is None else wb)]
 
 
 class _Entry:
@@ -259,13 +261,13 @@ class FlatClipping:
             dt = wb[0].dtype
             if dt not in by_dtype:
                 by_dtype[dt] = factors(bounds, self.max_grad_norm / d, self.clip_fn, self.gamma / d, scratch, dt)
-            gw, gb = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry, e.kept)
-            for p, g in zip(wb, (gw, gb)):
+            released = _release(e.layer, e.x, e.g, by_dtype[dt], e.step_args, e.geometry, e.kept)
+            for p, g in zip(wb, released):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        for e, (w, b) in zip(entries, wbs):
+        for e, wb in zip(entries, wbs):
             if e.layer._step is not None:
-                e.layer._step.produced((grads.get(id(w)), grads.get(id(b)) if b is not None else None))
+                e.layer._step.produced(tuple(grads.get(id(p)) if p is not None else None for p in wb))
         return grads
 
 
@@ -283,10 +285,11 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
     gradients (or ``None``; then from ``g`` and ``x``). The ops return the noised sum in fp32 (fp64)
     for every data dtype; it is rounded to the parameter dtype here, once, after the noise."""
     seed, offset, std, d, scale = step_args
-    weight, bias = wb = _weight_bias(layer)
+    wb = _weight_bias(layer)
     mask = _trainable(layer, wb)
     if geometry is EXAMPLES:
         return _release_examples(layer, kept, factor, step_args, mask)
+    weight, bias = wb
     kw, kb = kept if kept is not None else (None, None)
     if x is None:
         x = g = weight.new_empty(0)
@@ -392,10 +395,10 @@ def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):
                      data_dtype)
     if layer._step is not None and layer._step.counting:  # adaptive thresholds: the examples within C_l
         layer._step.count((bound <= layer.max_grad_norm / d).sum().reshape(1))
-    gw, gb = _release(layer, *held, factor, step_args, geometry, kept)
+    grads = _release(layer, *held, factor, step_args, geometry, kept)
     if layer._step is not None:
-        layer._step.produced((gw, gb))
-    return gw, gb
+        layer._step.produced(grads)
+    return grads
 
 
 def _step_args(layer, rows, sensitivity):
@@ -444,6 +447,9 @@ def _release_examples(layer, examples, factor, step_args, mask):
     ``offset`` for the weight, ``offset + 1`` for the bias, as every layer), the mean-loss scale,
     rounded once to the stored dtype (a parameter of another dtype is converted after)."""
     seed, offset, std, d, scale = step_args
+    if "_bp_slots" in layer.__dict__:  # a generic unit: one [P] vector of its trainable parameters
+        flat, _ = examples.release(factor, (True, False), (seed, offset, std, scale))
+        return layer._split_release(flat, mask)
     grads = examples.release(factor, mask, (seed, offset, std, scale))
     return tuple(g.to(p.dtype) if m and g is not None else None
                  for p, g, m in zip((layer.weight, layer.bias), grads, mask))

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd, compiled, exact, examples, modes, modules, registry
+from . import autograd, compiled, exact, examples, generic, modes, modules, registry
 from .boundary import LayerStep, StepRefused
 from .modes.base import check_positive as _check_positive
 
@@ -90,7 +90,7 @@ class _Clipped:
         # [inputs, upstream gradients] found non-finite since the last check_finite: how many sampled
         # examples were dropped, a membership oracle. A plain attribute, not a buffer (state_dict,
         # named_buffers, DDP and EMA copies never see it), moved by _apply and zeroed in a copy.
-        self._nonfinite = torch.zeros(2, dtype=torch.int64, device=self.weight.device)
+        self._nonfinite = torch.zeros(2, dtype=torch.int64, device=self._param_device())
         self._bp_name = None
         self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
@@ -109,6 +109,9 @@ class _Clipped:
                 raise AttributeError(f"{self.layer_name}: {name} is fixed by make_private (the noise is scaled to the "
                                      "clipping bounds); make a fresh model private to change it")
         super().__setattr__(name, value)
+
+    def _param_device(self):
+        return self.weight.device
 
     def _set_bounds(self, **bounds) -> None:
         """The engine's adaptive thresholds (``bpclip_fast.adaptive``), between steps: new clipping
@@ -143,7 +146,7 @@ class _Clipped:
         # hooks and weak references. The copy is a bare clipped layer, and its non-finite counter is
         # zero: the live one counts the dropped examples of the data (the engine's
         # nonfinite_counts() still reads it).
-        state = self.__dict__.copy()
+        state = dict(super().__getstate__())  # the base's own (nn.LSTM drops its weak references)
         state["_step"] = None
         state["_nonfinite"] = torch.zeros_like(self._nonfinite)
         return state
@@ -748,7 +751,19 @@ registry.register_layer(nn.Conv2d, Conv2d, convert=_convert_conv2d,
                         taps=lambda layer: layer.weight[0, 0].numel())
 
 
+def _convert_generic(module: nn.Module, **clipping) -> nn.Module:
+    """A generic unit (:mod:`bpclip_fast.generic`): the module itself, its class swapped in place (its
+    attributes, parameters, hooks and state_dict keys stay), or returned as it is if it is one."""
+    if registry.is_generic(module):
+        return module
+    module.__class__ = generic.generic_class(type(module))
+    module._init_generic(**_exact_kwargs(clipping))
+    return module
+
+
 def _convert(layer: nn.Module, **clipping) -> nn.Module:
+    if registry.layer_type(layer) is None:
+        return _convert_generic(layer, **clipping)
     new = registry.layer_type(layer).convert(layer, **clipping)
     # The same Parameter objects: an optimizer built before the conversion keeps working.
     new.weight = layer.weight
@@ -787,19 +802,25 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
                          + "\n  ".join(unbounded))
     kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping,
               **mode.conversion_settings(input_clip=input_clip, grad_clip=grad_clip, norm=norm, norm_method=norm_method))
-    if registry.convertible(model):
+    units = {id(u) for _, u in registry.generic_units(model)} if mode.exact else set()
+    if registry.convertible(model) or id(model) in units:
         new = _convert(model, **kw, max_grad_norm=mode.layer_thresholds(max_grad_norm, 1)[0])
         new._bp_name = type(model).__name__
         if mode.collects:  # a bare layer's noise bound is its own C already; flat's collector it needs
             mode.settle(new, [new], new.max_grad_norm, clip_fn, gamma)
         return new
-    children = [(name, m, child_name, child) for name, m in list(model.named_modules())
+    inside = registry.inside_units(model) if units else set()
+    children = [(name, m, child_name, child) for name, m in list(model.named_modules()) if id(m) not in inside
                 for child_name, child in list(m.named_children())]
-    count = len({id(c) for _, _, _, c in children if registry.convertible(c)})
+
+    def target(child):
+        return id(child) in units or (registry.convertible(child) and id(child) not in inside)
+
+    count = len({id(c) for _, _, _, c in children if target(c)})
     thresholds = iter(mode.layer_thresholds(max_grad_norm, count))
     converted = {}  # a layer under two parents becomes one clipped layer, not two sharing parameters
     for name, m, child_name, child in children:
-        if id(child) not in converted and registry.convertible(child):
+        if id(child) not in converted and target(child):
             converted[id(child)] = _convert(child, **kw, max_grad_norm=next(thresholds))
             converted[id(child)]._bp_name = f"{name}.{child_name}" if name else child_name
         if id(child) in converted:

@@ -32,7 +32,7 @@ from typing import Callable
 
 from torch import nn
 
-from .modes import NAMES as _MODES
+from .modes import EXACT as _EXACT_MODES, NAMES as _MODES
 
 __all__ = ["LayerType", "register_layer", "register_module_check", "layer_type", "is_clipped", "owns_trainable",
            "clipped_by_conversion", "trained_layer", "unbounded", "mode_problems", "mixes_batch", "module_problems", "label"]
@@ -105,8 +105,40 @@ def layer_type(module: nn.Module) -> LayerType | None:
 
 
 def is_clipped(module: nn.Module) -> bool:
-    """Whether ``module`` is one of our clipped layers, of a registered clipped type exactly."""
-    return any(type(module) is e.clipped_type for e in _LAYERS.values())
+    """Whether ``module`` is one of our clipped layers, of a registered clipped type exactly, or a
+    generic unit (:mod:`bpclip_fast.generic`)."""
+    return is_generic(module) or any(type(module) is e.clipped_type for e in _LAYERS.values())
+
+
+def is_generic(module: nn.Module) -> bool:
+    """Whether ``module`` is a generic unit already (:mod:`bpclip_fast.generic`)."""
+    return getattr(type(module), "_bp_generic", False)
+
+
+def generic_candidate(module: nn.Module) -> bool:
+    """A module the generic exact path would train (in ``flat``/``per_layer``): it owns a trainable
+    parameter and no registered clipped layer covers it: not a registered torch type (whose extra
+    parameters stay refused, module_problems), nor one of our clipped layers or a subclass of one
+    (which clips in its own backward), nor a unit already."""
+    return (owns_trainable(module) and type(module) not in _LAYERS and not is_generic(module)
+            and not any(isinstance(module, e.clipped_type) for e in _LAYERS.values()))
+
+
+def generic_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``[(name, module)]`` of the generic units ``convert_model`` makes in exact modes: the top-most
+    generic candidates (and units already made); everything below one belongs to it."""
+    units: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(u + ".") or u == "" for u, _ in units):
+            continue
+        if is_generic(m) or (generic_candidate(m) and not module_reasons(m)):
+            units.append((name, m))
+    return units
+
+
+def inside_units(model: nn.Module) -> set:
+    """ids of the modules strictly below a generic unit (trained by it, never converted)."""
+    return {id(sub) for _, u in generic_units(model) for sub in u.modules() if sub is not u}
 
 
 def owns_trainable(module: nn.Module) -> bool:
@@ -131,9 +163,12 @@ def trained_layer(module: nn.Module) -> bool:
 
 def unbounded(model: nn.Module, clipping: str) -> list[str]:
     """Labels of the modules ``convert_model`` would convert whose type has no proved bound under
-    ``clipping`` (``LayerType.modes``): what that mode must refuse."""
-    return [label(name, m, model) for name, m in model.named_modules()
-            if convertible(m) and clipping not in layer_type(m).modes]
+    ``clipping`` (``LayerType.modes``; the generic units have one in the exact modes only): what that
+    mode must refuse."""
+    generic = [] if clipping in _EXACT_MODES else [label(name, m, model) for name, m in generic_units(model)]
+    inside = inside_units(model)
+    return generic + [label(name, m, model) for name, m in model.named_modules()
+                      if convertible(m) and id(m) not in inside and clipping not in layer_type(m).modes]
 
 
 def mode_problems(model: nn.Module, clipping: str) -> list[str]:
@@ -158,15 +193,26 @@ def module_problems(model: nn.Module) -> list[str]:
     trainable parameters outside the registered layer types (a registered layer clips its ``weight``
     and ``bias`` only)."""
     problems = []
+    units = generic_units(model)
+    inside = {id(sub) for _, u in units for sub in u.modules()}
     for name, m in model.named_modules():
-        reasons = [why for c in _CHECKS if isinstance(m, c.types) and (why := c.check(m)) is not None]
+        reasons = module_reasons(m)
         own = [pname for pname, p in m.named_parameters(recurse=False) if p.requires_grad]
         if layer_type(m) is not None:
             own = [pname for pname in own if pname not in ("weight", "bias")]
-        if not reasons and own:
+        if not reasons and own and id(m) not in inside:
             reasons.append(_untrained_reason(name, m, own))
+        if id(m) in inside and m not in [u for _, u in units] and is_clipped(m):
+            reasons.append("a clipped layer inside a module trained by the generic exact path (which computes the "
+                           "gradients of every parameter below it); convert the model before making this layer, "
+                           "or keep it outside modules that own parameters")
         problems += [f"{label(name, m, model)}: {why}" for why in reasons]
     return problems
+
+
+def module_reasons(m: nn.Module) -> list[str]:
+    """What the registered checks say of ``m`` (empty: nothing)."""
+    return [why for c in _CHECKS if isinstance(m, c.types) and (why := c.check(m)) is not None]
 
 
 def _type_name(kind: type) -> str:

@@ -227,8 +227,12 @@ def _smallest_batch(excluded: set[int]) -> int:
 
 
 def _trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers the engine clips that have a trainable parameter (``registry.trained_layer``)."""
-    return [(name, m) for name, m in model.named_modules() if registry.trained_layer(m)]
+    """The layers the engine clips that have a trainable parameter (``registry.trained_layer``). Not
+    the generic units (:mod:`bpclip_fast.generic`) nor what is below them: their inputs and outputs
+    are of any layout, their parameters reached by the unit's own code; the model-output check of
+    probe 2 and the step's records cover them."""
+    inside = {id(sub) for _, u in registry.generic_units(model) for sub in u.modules()}
+    return [(name, m) for name, m in model.named_modules() if registry.trained_layer(m) and id(m) not in inside]
 
 
 @dataclass
@@ -553,7 +557,7 @@ def _as_torch_layers(model: nn.Module):
     patched = []
     for m in model.modules():
         if registry.is_clipped(m):
-            base = registry.layer_type(m).torch_type
+            base = type(m)._bp_base if registry.is_generic(m) else registry.layer_type(m).torch_type
             patched.append((m, m.__dict__.get("forward", _MISSING)))
             m.forward = types.MethodType(base.forward, m)
     try:

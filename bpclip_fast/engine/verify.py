@@ -108,6 +108,14 @@ def fallback_noise(engine, pending) -> None:
         if st.mean_loss_batch is not None:
             std /= st.mean_loss_batch
         std /= engine.world_size
+        if "_bp_slots" in layer.__dict__:  # a generic unit: the release's one [P] draw, split alike
+            params = [p for p in layer._bp_params() if p.requires_grad]
+            draw = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            _ops.philox_noise_(draw, seed, offset, std, accumulate=True)
+            for p, piece in zip(params, draw.split([p.numel() for p in params])):
+                p.grad = piece.view(p.shape).clone() if p.grad is None else p.grad.add_(piece.view(p.shape))
+            st.noised = True
+            continue
         for p, off in ((layer.weight, offset), (layer.bias, offset + 1)):
             if p is None or not p.requires_grad:
                 continue

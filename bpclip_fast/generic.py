@@ -1,0 +1,308 @@
+"""The generic exact path: any module with trainable parameters and no fused path of ours, trained
+under ``flat`` or ``per_layer`` from the per-example gradients of its parameters.
+
+**What is computed.** A *generic unit* is a module that owns a trainable parameter, whose type has
+no registered clipped layer (:mod:`bpclip_fast.registry`), with every parameter below it (its
+children's too: their forward may never run, as ``nn.MultiheadAttention``'s ``out_proj``). Its
+forward runs the module's own code on *inner leaves*: detached copies of its tensor inputs and
+parameters, so the autograd graph from them to the outputs is private to the unit. One autograd
+node (:class:`_Unit`) stands for the whole unit in the caller's graph. Its backward receives the
+upstream gradients ``g`` of the outputs and computes, on the saved inner graph,
+
+* the input gradients ``∂⟨out, g⟩/∂x`` (unclipped, as for every clipped layer: they carry no
+  parameter gradient), and
+* for each example ``i``, ``G_i = ∂⟨out, g ⊙ e_i⟩/∂θ``, where ``e_i`` keeps the rows of example
+  ``i`` along each output's batch dimension and zeroes the rest: one vectorised backward per chunk
+  of examples (``torch.autograd.grad(..., is_grads_batched=True)``), so memory stays at
+  ``chunk × outputs`` for the masks plus ``B × P`` for the per-example gradients.
+
+**Why ``G_i`` is example ``i``'s gradient.** If each output row ``out_i`` depends on the
+parameters and on example ``i``'s input rows only (batch independence, which ``make_private``'s
+probes check on the whole model), then ``⟨out, g ⊙ e_i⟩ = ⟨out_i(θ, x_i), g_i⟩`` and
+``Σ_i G_i = ∂⟨out, g⟩/∂θ``, the unit's ordinary gradient. ``G_i`` then depends on example ``i``'s
+own input and upstream gradient only; removing example ``j ≠ i`` leaves it unchanged. The same
+saved graph that produced the forward is differentiated, so dropout and other random choices are
+those of the forward (a recomputation would draw new ones).
+
+**The bound and the release** are those of the instantiated layers
+(:class:`bpclip_fast.examples.DenseExamples`, proved there): the per-example gradients of the
+unit's trainable parameters, flattened and concatenated to ``[B, P]`` and rounded to the
+parameters' dtype, are normed in double with a proved upper bound, clipped by the mode's factors
+``c_i`` (``c_i·bound_i ≤ C``), and released as ``Σ_i RZ(c_i G_i)`` plus one draw of ``P`` normals
+from the layer's weight counters, so example ``i`` moves the whole unit's release by at most
+``C``. The released vector is split back into the parameters' gradients.
+
+**Batch dimensions.** Dimension 0 of every tensor input and output, except for modules with a
+``batch_first`` attribute set to ``False`` (the recurrent layers, ``nn.MultiheadAttention``,
+``nn.Transformer*Layer``), whose sequence-major tensors carry the batch in dimension 1; see
+:func:`batch_dims`. Every output that receives a gradient must have the backward's row count ``B``
+there (else the step is refused): a mask along the wrong dimension would mix examples.
+
+It is exact and slower than a fused path (``B`` vectorised backward passes of the unit, chunked),
+announced once per module type by a warning.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from . import exact, examples
+
+# Examples per vectorised backward: the masked upstream gradients of a chunk are CHUNK copies of
+# the outputs' gradients.
+CHUNK = 16
+
+_ANNOUNCED: set = set()
+
+
+def batch_dims(module: nn.Module, outputs) -> list[int]:
+    """The batch dimension of each output tensor of ``module`` (module docstring)."""
+    if getattr(module, "batch_first", True) is not False:
+        return [0] * len(outputs)
+    if isinstance(module, nn.MultiheadAttention):  # (attn_output [T, B, E], attn_weights [B, T, S])
+        return [1, 0][:len(outputs)] + [0] * max(0, len(outputs) - 2)
+    return [1] * len(outputs)  # RNNs: output [T, B, H], h_n (and c_n) [layers, B, H]; Transformer layers
+
+
+def input_batch_dim(module: nn.Module) -> int:
+    return 1 if getattr(module, "batch_first", True) is False else 0
+
+
+class _State:
+    """What a unit's backward needs from its forward: the inner graph's ends (held here, not saved
+    through ``save_for_backward``: they are the private graph, not tensors of the caller's)."""
+
+    __slots__ = ("layer", "in_leaves", "param_leaves", "outs", "dims", "rows", "sensitivity", "book",
+                 "bounds_version", "dtype")
+
+
+class _Unit(torch.autograd.Function):
+    """Identity on the unit's outputs in the caller's graph; its backward takes the input gradients
+    and the clipped parameter gradients from the unit's inner graph (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, state, token, n_inputs, *tensors):
+        ctx.state = state
+        ctx.n_inputs = n_inputs
+        ctx.set_materialize_grads(False)
+        return tuple(o.detach() for o in state.outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        st = ctx.state
+        layer = st.layer
+        layer._check_bounds_version(st.bounds_version)
+        n_params = len(ctx.needs_input_grad) - 3 - ctx.n_inputs
+        nones = (None,) * (3 + ctx.n_inputs + n_params)
+        pairs = [(o, g, d) for o, g, d in zip(st.outs, grads, st.dims) if g is not None]
+        if not pairs:
+            return nones
+        outs = [o for o, _, _ in pairs]
+        gs = [g for _, g, _ in pairs]
+        for o, _, d in pairs:
+            if o.dim() <= d or o.shape[d] != st.rows:
+                raise RuntimeError(
+                    f"{layer.layer_name}: an output of shape {tuple(o.shape)} has no dimension {d} of {st.rows} "
+                    f"rows (the examples'); the generic exact path masks each example's rows along it, and any "
+                    f"other layout would mix examples. Return outputs with the batch in dimension {d}")
+        input_grads = _input_grads(ctx, st, outs, gs)
+        book = st.book
+        mask = exact._trainable(layer) if book is not None else list(ctx.needs_input_grad[3 + ctx.n_inputs:])
+        if not any(mask):
+            _release_graph(ctx)
+            return (None, None, None, *input_grads, *(None,) * n_params)
+        leaves = [leaf for leaf, m in zip(st.param_leaves, mask) if m]
+        per_example = _per_example(outs, gs, st.dims, st.rows, leaves)
+        _release_graph(ctx)
+        step_args = exact._step_args(layer, st.rows, st.sensitivity)
+        kept = examples.DenseExamples(per_example, None, st.dtype)
+        bound = exact.example_bound(layer, kept, (True, False), book)
+        out = exact._clip(layer, book, bound, (None, None), kept, step_args, exact.EXAMPLES, st.dtype)
+        if out is None:  # flat: the collector releases the unit with the others
+            return (None, None, None, *input_grads, *(None,) * n_params)
+        return (None, None, None, *input_grads, *out)
+
+
+def _release_graph(ctx):
+    ctx.state.outs = ctx.state.in_leaves = ctx.state.param_leaves = ()
+
+
+def _input_grads(ctx, st, outs, gs):
+    """``∂⟨out, g⟩/∂x`` for each tensor input the caller's graph wants a gradient of."""
+    wanted = [i for i in range(ctx.n_inputs) if ctx.needs_input_grad[3 + i]]
+    result = [None] * ctx.n_inputs
+    leaves = [st.in_leaves[i] for i in wanted]
+    if leaves:
+        got = torch.autograd.grad(outs, leaves, gs, retain_graph=True, allow_unused=True)
+        for i, g in zip(wanted, got):
+            result[i] = g
+    return result
+
+
+def _per_example(outs, gs, dims, rows, leaves) -> torch.Tensor:
+    """``[rows, P]``: each example's gradient of ``leaves``, flattened and concatenated."""
+    pieces = []
+    for start in range(0, rows, CHUNK):
+        k = min(CHUNK, rows - start)
+        batched = []
+        for g, d in zip(gs, dims):
+            shape = [1] * (g.dim() + 1)
+            shape[0], shape[d + 1] = k, rows
+            sel = torch.zeros(k, rows, dtype=g.dtype, device=g.device)
+            sel[torch.arange(k), torch.arange(start, start + k)] = 1
+            batched.append(g.unsqueeze(0) * sel.view(shape))
+        got = torch.autograd.grad(outs, leaves, batched, retain_graph=True, allow_unused=True, is_grads_batched=True)
+        pieces.append(torch.cat([(t if t is not None else leaf.new_zeros(k, *leaf.shape)).reshape(k, -1)
+                                 for t, leaf in zip(got, leaves)], dim=1))
+    return torch.cat(pieces, dim=0)
+
+
+class GenericLayer:
+    """Mixin of the generic units' classes (:func:`generic_class`): the module's own forward runs on
+    inner leaves and one :class:`_Unit` node clips its parameters' gradients (module docstring)."""
+
+    _bp_generic = True
+
+    def _init_generic(self, clipping, max_grad_norm, clip_fn, gamma):
+        # named_parameters lists a parameter registered twice (tied) once: one parameter of the unit.
+        names = [name for name, _ in self.named_parameters()]
+        slots = []
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            slots.append((self.get_submodule(owner) if owner else self, attr))
+        nn.Module.__setattr__(self, "_bp_slots", tuple(slots))
+        nn.Module.__setattr__(self, "_bp_names", tuple(names))
+        dtypes = {m._parameters[name].dtype for m, name in slots}
+        if len(dtypes) != 1:
+            raise ValueError(f"{type(self).__name__}: the generic exact path releases a module's parameters as one "
+                             f"vector of one dtype, but they have {sorted(map(str, dtypes))}; convert the module to "
+                             "one dtype (module.to(dtype))")
+        self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
+
+    def _param_device(self):
+        m, name = self._bp_slots[0]
+        return m._parameters[name].device
+
+    def _bp_params(self) -> tuple:
+        return tuple(m._parameters[name] for m, name in self._bp_slots)
+
+    def _split_release(self, flat, mask):
+        """The released ``[P]`` vector as the gradients of the unit's parameters (``None`` where
+        ``mask`` is off), each its own tensor (not views of one buffer: each parameter's gradient is
+        recorded and checked on its own)."""
+        out, at = [], 0
+        for p, m in zip(self._bp_params(), mask):
+            if not m:
+                out.append(None)
+                continue
+            out.append(flat[at:at + p.numel()].view(p.shape).to(p.dtype, copy=True))
+            at += p.numel()
+        return tuple(out)
+
+    def sensitivity_for(self, input_shape=None) -> float:
+        return self.noise_bound
+
+    def _shape_dependent(self, input_shape) -> bool:
+        return False
+
+    def forward(self, *args, **kwargs):
+        base = type(self)._bp_base
+        params = self._bp_params()
+        mask = [p.requires_grad for p in params]
+        if not (torch.is_grad_enabled() and any(mask)):
+            return base.forward(self, *args, **kwargs)
+        exact._ops.require_extension()
+        _announce(base)
+        book, token = exact._flat_book(self) if self.clipping == "flat" else (None, None)
+        flat_args, spec = pytree.tree_flatten((args, kwargs))
+        outer = [a for a in flat_args if isinstance(a, torch.Tensor) and a.requires_grad]
+        in_leaves = [a.detach().requires_grad_() for a in outer]
+        swap = iter(in_leaves)
+        inner_args = [next(swap) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in flat_args]
+        param_leaves = [p.detach().requires_grad_(m) for p, m in zip(params, mask)]
+        rows = _rows(self, flat_args)
+        iargs, ikwargs = pytree.tree_unflatten(inner_args, spec)
+        # torch.func's reparametrisation, not a write into _parameters: some modules keep their
+        # own references to their parameters (nn.LSTM's _flat_weights), which it updates too.
+        with torch.enable_grad(), _reparametrize_module(self, dict(zip(self._bp_names, param_leaves)),
+                                                        tie_weights=True):
+            out = base.forward(self, *iargs, **ikwargs)
+        out_flat, out_spec = pytree.tree_flatten(out)
+        tracked = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
+        state = _State()
+        state.layer, state.in_leaves, state.param_leaves = self, in_leaves, param_leaves
+        state.outs = [out_flat[i] for i in tracked]
+        state.dims = batch_dims(self, state.outs)
+        state.rows, state.book, state.dtype = rows, book, params[0].dtype
+        state.sensitivity = self._noise_sensitivity(None)
+        state.bounds_version = self._bounds_version
+        trained = () if book is not None else params
+        aliases = _Unit.apply(state, token, len(outer), *outer, *trained)
+        for i, a in zip(tracked, aliases):
+            out_flat[i] = a
+        return pytree.tree_unflatten(out_flat, out_spec)
+
+
+def _rows(module, flat_args) -> int:
+    d = input_batch_dim(module)
+    for a in flat_args:
+        if isinstance(a, torch.Tensor) and a.dim() > d:
+            return int(a.shape[d])
+    raise ValueError(f"{type(module).__name__}: the generic exact path needs a tensor input with the batch in "
+                     f"dimension {d}")
+
+
+def _announce(base: type) -> None:
+    if base in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(base)
+    warnings.warn(f"bpclip_fast: {base.__module__}.{base.__qualname__} has no fused clipped layer; its parameters are "
+                  "trained by the generic exact path (per-example gradients from one vectorised backward per chunk of "
+                  "examples: exact, slower and larger in memory than a fused layer)", stacklevel=3)
+
+
+# ------------------------------------------------------------------------------ the units' classes
+# One class per module type, made on first use: ``Private<Name>(GenericLayer, _Clipped, Name)``. The
+# conversion swaps a module's class in place (its attributes, parameters, hooks and state_dict keys
+# stay). The classes are reachable as attributes of this module by name, so a model holding one
+# pickles and unpickles (torch.save) like any other.
+
+_CLASSES: dict = {}
+
+
+def _class_name(base: type) -> str:
+    # ':' and '/' occur in no module or class name, and the name holds no '.' (pickle splits on it).
+    return f"Private:{base.__module__.replace('.', '/')}:{base.__qualname__.replace('.', '/')}"
+
+
+def generic_class(base: type) -> type:
+    cls = _CLASSES.get(base)
+    if cls is None:
+        from .nn import _Clipped  # nn imports this module
+
+        name = _class_name(base)
+        cls = type(name, (GenericLayer, _Clipped, base), {"_bp_base": base, "__module__": __name__,
+                                                           "__qualname__": name})
+        _CLASSES[base] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    """Unpickling: the unit class named ``name`` (:func:`_class_name`), made again from its base."""
+    if not name.startswith("Private:"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _, module_name, qualname = name.split(":", 2)
+    module_name, qualname = module_name.replace("/", "."), qualname.replace("/", ".")
+    __import__(module_name)
+    base = sys.modules[module_name]
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return generic_class(base)

@@ -1,0 +1,285 @@
+"""The generic exact path (bpclip_fast/generic.py): modules with no fused clipped layer, trained
+under flat and per_layer from their per-example gradients, against float64 truth from batches of
+one (Opacus' per-sample clipping: each example's whole gradient clipped to C, then summed)."""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import bpclip_fast.nn as bnn
+from bpclip_fast import PrivacyEngine, generic
+from torch.utils.data import DataLoader, TensorDataset
+
+EPS64 = torch.finfo(torch.float64).eps
+
+
+class Custom(nn.Module):
+    """A layer of the user's own: parameters of its own and a child Linear it calls."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+        self.shift = nn.Parameter(torch.randn(d))
+        self.inner = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.inner(torch.tanh(x * self.scale + self.shift))
+
+
+class Net(nn.Module):
+    """``[B, T, 4]`` -> 3 classes through one module of ``kind``."""
+
+    def __init__(self, kind, dropout=0.0):
+        super().__init__()
+        self.kind = kind
+        d = 4
+        self.m = {
+            "lstm": lambda: nn.LSTM(d, 6, num_layers=2, bidirectional=True, batch_first=True),
+            "lstm_seq_first": lambda: nn.LSTM(d, 6),
+            "gru": lambda: nn.GRU(d, 6, batch_first=True),
+            "rnn": lambda: nn.RNN(d, 6, batch_first=True),
+            "mha": lambda: nn.MultiheadAttention(d, 2, batch_first=True, dropout=dropout),
+            "mha_seq_first": lambda: nn.MultiheadAttention(d, 2),
+            "encoder": lambda: nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True),
+            "conv1d": lambda: nn.Conv1d(d, 5, 3, padding=1),
+            "conv3d": lambda: nn.Conv3d(1, 2, 2),
+            "rmsnorm": lambda: nn.RMSNorm(d),
+            "instancenorm": lambda: nn.InstanceNorm1d(d, affine=True),
+            "custom": lambda: Custom(d),
+        }[kind]()
+        width = {"lstm": 12, "lstm_seq_first": 6, "gru": 6, "rnn": 6, "conv1d": 5, "conv3d": 2}.get(kind, d)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        k, m = self.kind, self.m
+        if k in ("lstm", "gru", "rnn"):
+            h = m(x)[0].mean(1)
+        elif k == "lstm_seq_first":
+            h = m(x.transpose(0, 1))[0].mean(0)
+        elif k == "mha":
+            h = m(x, x, x)[0].mean(1)
+        elif k == "mha_seq_first":
+            s = x.transpose(0, 1)
+            h = m(s, s, s)[0].mean(0)
+        elif k in ("conv1d", "instancenorm"):
+            h = m(x.transpose(1, 2)).mean(2)
+        elif k == "conv3d":
+            h = m(x.reshape(x.shape[0], 1, 5, 2, 2)).mean((2, 3, 4))
+        else:
+            h = m(x).mean(1)
+        return self.head(torch.tanh(h))
+
+
+KINDS = ["lstm", "lstm_seq_first", "gru", "rnn", "mha", "mha_seq_first", "encoder", "conv1d", "conv3d", "rmsnorm",
+         "instancenorm", "custom"]
+
+
+def per_example_grads(ref, x, y):
+    """{name: [B, *shape]}: each example's gradient from a batch of one (float64)."""
+    rows = {n: [] for n, p in ref.named_parameters() if p.requires_grad}
+    for i in range(x.shape[0]):
+        ref.zero_grad()
+        nn.functional.cross_entropy(ref(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        for n, p in ref.named_parameters():
+            if p.requires_grad:
+                rows[n].append(p.grad.clone())
+    return {n: torch.stack(v) for n, v in rows.items()}
+
+
+def clipped_truth(grads, groups):
+    """Σ_i min(1, C_g/‖G_i restricted to g‖) G_i for each group g = (names, C_g) (flat: one group of
+    every name), and Σ_i |that term| (the scale of the float64 rounding)."""
+    total, scale = {}, {}
+    for names, C in groups:
+        norm = torch.sqrt(sum((grads[n] ** 2).flatten(1).sum(1) for n in names))
+        c = torch.clamp(C / norm, max=1.0)
+        for n in names:
+            term = c.view(-1, *[1] * (grads[n].dim() - 1)) * grads[n]
+            total[n], scale[n] = term.sum(0), term.abs().sum(0)
+    return total, scale
+
+
+def groups_of(model, C=None):
+    """The converted model's clipping groups: every clipped layer's parameter names with its C_l
+    (``C``: one group of all, flat clipping's)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if C is not None:
+        return [([n for n, p in model.named_parameters() if p.requires_grad], C)]
+    out = []
+    for _, layer in bnn.clipped_layers(model):
+        params = layer._bp_params() if "_bp_slots" in layer.__dict__ else [layer.weight, layer.bias]
+        out.append(([names[id(p)] for p in params if p is not None and p.requires_grad], layer.max_grad_norm))
+    return out
+
+
+def _inputs(seed, B=7, T=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_release_equals_per_example_clipping(kind, mode):
+    torch.manual_seed(3)
+    model = Net(kind).double()
+    x, y = _inputs(5)
+    grads = per_example_grads(copy.deepcopy(model), x, y)
+    C = 0.5  # below most examples' norms: the clipping acts
+    bnn.convert_model(model, clipping=mode, max_grad_norm=C)
+    assert any(generic.GenericLayer in type(m).__mro__ for m in model.modules())
+    truth, scale = clipped_truth(grads, groups_of(model, C if mode == "flat" else None))
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    for n, p in model.named_parameters():
+        # float64 on both sides, in other orders (a batched backward vs batches of one): each entry
+        # is a backward through at most ~10³ roundings (time steps x layers x gates), each within an
+        # ulp of the intermediate magnitudes, which the parameter's largest summed term bounds
+        tol = 1000 * EPS64 * float(scale[n].max())
+        assert p.grad is not None, n
+        assert torch.all((p.grad - truth[n]).abs() <= tol), (n, float((p.grad - truth[n]).abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "mha", "custom"])
+def test_each_example_moves_the_release_by_at_most_C(kind):
+    """Removal in float64: the release with and without example j differs by ≤ C (noise off)."""
+    torch.manual_seed(4)
+    base = Net(kind).double()
+    x, y = _inputs(6, B=6)
+    C = 0.3
+
+    def release(rows):
+        model = copy.deepcopy(base)
+        bnn.convert_model(model, clipping="flat", max_grad_norm=C)
+        nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="sum").backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    full = release(list(range(6)))
+    for j in range(6):
+        diff = float((full - release([i for i in range(6) if i != j])).norm())
+        assert diff <= C * (1 + 1e-9), (j, diff)
+
+
+def test_dropout_inside_a_unit_uses_the_forwards_own_masks():
+    """The per-example gradients come from the forward's saved graph, not a recomputation: with C
+    large enough that nothing is clipped, their sum is the plain gradient of the same forward
+    (same dropout masks, from the same generator state)."""
+    torch.manual_seed(5)
+    base = Net("mha", dropout=0.5).double()
+    ref = copy.deepcopy(base)
+    x, y = _inputs(7)
+    model = copy.deepcopy(base)
+    bnn.convert_model(model, clipping="per_layer", max_grad_norm=[1e6, 1e6])
+    torch.manual_seed(11)
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    torch.manual_seed(11)
+    nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1000 * EPS64 * float(q.grad.abs().max())), n
+
+
+def test_a_unit_keeps_its_state_dict_and_pickles():
+    torch.manual_seed(6)
+    model = Net("lstm").double()
+    keys = list(model.state_dict())
+    bnn.convert_model(model, clipping="flat", max_grad_norm=1.0)
+    assert list(model.state_dict()) == keys
+    assert isinstance(model.m, nn.LSTM)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert type(back.m) is type(model.m)
+    x, _ = _inputs(1)
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
+    assert type(copy.deepcopy(model).m) is type(model.m)
+
+
+def test_backprop_mode_refuses_a_module_without_a_fused_layer():
+    with pytest.raises(ValueError, match=r"m \(LSTM\): clipping='backprop' has no proved bound.*'flat' or 'per_layer'"):
+        bnn.convert_model(Net("lstm"), input_clip=1.0, grad_clip=1.0)
+
+
+def test_mixed_parameter_dtypes_in_one_unit_are_refused():
+    model = Net("custom")
+    model.m.scale.data = model.m.scale.data.double()
+    with pytest.raises(ValueError, match=r"one vector of one dtype"):
+        bnn.convert_model(model, clipping="flat", max_grad_norm=1.0)
+
+
+class BatchLast(nn.Module):
+    """Returns its output with the examples in the last dimension: masking dimension 0 would mix them."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return (x * self.w).mean(1).t()
+
+
+def test_an_output_without_the_examples_in_its_batch_dimension_is_refused():
+    model = nn.Sequential(BatchLast()).double()
+    bnn.convert_model(model, clipping="per_layer", max_grad_norm=[1.0])
+    x, _ = _inputs(2, B=7)
+    out = model(x)  # [4, 7]
+    with pytest.raises(RuntimeError, match=r"no dimension 0 of 7 rows"):
+        out.sum().backward()
+
+
+def test_a_frozen_parameter_of_a_unit_gets_no_gradient_and_the_rest_stay_exact():
+    torch.manual_seed(7)
+    model = Net("custom").double()
+    model.m.shift.requires_grad_(False)
+    x, y = _inputs(8)
+    grads = per_example_grads(copy.deepcopy(model), x, y)
+    bnn.convert_model(model, clipping="flat", max_grad_norm=0.5)
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    truth, scale = clipped_truth(grads, groups_of(model, 0.5))
+    assert model.m.shift.grad is None
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.all((p.grad - truth[n]).abs() <= 1000 * EPS64 * float(scale[n].max())), n
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_make_private_trains_recurrent_and_attention_models(mode):
+    """The whole engine path (probes, arming, records, noise) with generic units, in float32."""
+    torch.manual_seed(8)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.rnn = nn.LSTM(8, 8, batch_first=True)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.norm = nn.RMSNorm(8)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.rnn(torch.tanh(self.inp(x)))[0]
+            h = h + self.attn(h, h, h, need_weights=False)[0]
+            return self.head(self.norm(h).mean(1))
+
+    model = Model()
+    before = [p.detach().clone() for p in model.parameters()]
+    data = TensorDataset(torch.randn(48, 5, 4), torch.randint(0, 3, (48,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt,
+                                                      data_loader=DataLoader(data, batch_size=16),
+                                                      noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
