@@ -12,7 +12,8 @@ release by more than ``Δ`` (``tests/test_coupled_loss.py`` measures 1.2–1.4·
 InfoNCE and top-k under flat clipping).
 
 What the probe checks. ``criterion_problems`` calls the criterion as a training loop would,
-``criterion(model(x), *batch[1:])``, on a probe batch of ``B`` rows shaped like the loader's first
+``criterion(model(*inputs), *targets)`` with the batch split by :func:`bpclip_fast.batches.split_batch`
+(the label last, or ``batch_inputs`` leading model inputs), on a probe batch of ``B`` rows shaped like the loader's first
 batch (the loader's ``batch_size`` rows, at least 3, at most ``MAX_ROWS``): the model runs on a
 copy, without gradients, on seeded random inputs (integer tensors such as token indices kept, as
 in :mod:`bpclip_fast.validate`); floating-point targets are seeded random normals, and integer
@@ -60,7 +61,7 @@ import math
 import torch
 from torch import nn
 
-from . import validate as _v
+from . import batches as _batches, validate as _v
 
 __all__ = ["criterion_problems", "MAX_ROWS"]
 
@@ -243,19 +244,19 @@ def _point_problem(evaluation: _Evaluation, output, targets, batch: int, scale: 
 
 
 def criterion_problems(model: nn.Module, first_batch, criterion, loss_reduction: str,
-                       rows: int = 3) -> list[str]:
+                       rows: int = 3, *, batch_inputs: int | None = None) -> list[str]:
     """Problems of ``criterion`` (rule *coupled loss*, module docstring) on a probe batch shaped like
-    ``first_batch`` (one collated batch of the loader: ``(input, *targets)`` or the input alone) with
-    ``rows`` examples (clamped to ``[3, MAX_ROWS]``). The model, its buffers, modes and gradients and
+    ``first_batch`` (one collated batch of the loader, split into model inputs and targets by
+    :func:`bpclip_fast.batches.split_batch` with ``batch_inputs``) with ``rows`` examples (clamped to ``[3, MAX_ROWS]``). The model, its buffers, modes and gradients and
     the global random number generators are left as they were. A model or criterion that fails on the
     probe batch is reported as a problem."""
     if not callable(criterion):
         return [f"make_private: criterion must be callable as criterion(output, target), got "
                 f"{type(criterion).__name__}"]
-    if isinstance(first_batch, (tuple, list)) and not isinstance(first_batch, torch.Tensor) and first_batch:
-        example_input, targets = first_batch[0], tuple(first_batch[1:])
-    else:
-        example_input, targets = first_batch, ()
+    try:
+        example_input, targets = _batches.split_batch(first_batch, batch_inputs)
+    except ValueError as exc:
+        return [str(exc)]
     batch = min(max(int(rows), 3), MAX_ROWS)
     index = torch.arange(batch)
     with _v._isolated(model) as work, _v._as_torch_layers(work), \
@@ -273,7 +274,8 @@ def criterion_problems(model: nn.Module, first_batch, criterion, loss_reduction:
                                f" (example {row} changed)"))
         except Exception as exc:  # noqa: BLE001
             return [f"criterion: could not build its probe batch of {batch} examples from the loader's first batch "
-                    f"(the model failed on it: {exc!r}); the criterion is checked on the model's outputs"]
+                    f"(the model failed on it: {exc!r}; {_batches.describe(first_batch, batch_inputs)}); the "
+                    "criterion is checked on the model's outputs"]
         scale = 1.0 if loss_reduction == "sum" else 1.0 / batch
         try:
             evaluation = _Evaluation(_float64_criterion(criterion), torch.float64)

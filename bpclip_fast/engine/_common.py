@@ -28,13 +28,6 @@ def positive(value, what):
     return bnn._check_positive(value, what, "PrivacyEngine")
 
 
-def first_input(batch):
-    """The model input of a collated batch: its first element if it is a tuple/list (Opacus' convention)."""
-    if isinstance(batch, (tuple, list)) and batch and not isinstance(batch, torch.Tensor):
-        return batch[0]
-    return batch
-
-
 def to_device(batch, model):
     """``batch`` with its floating tensors on the device (and dtype) of ``model``'s first parameter."""
     p = next(model.parameters(), None)

@@ -5,6 +5,7 @@ them that the set-up composes from."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import warnings
 
 import torch
@@ -46,6 +47,7 @@ class Request:
     probe: bool
     adaptive: object
     criterion: object
+    batch_inputs: object
     sigma_effective: float | None = None
 
     @property
@@ -105,6 +107,17 @@ def check_adaptive(adaptive):
         raise TypeError(f"make_private: adaptive must be None, True or a bpclip_fast.Adaptive(...), got "
                         f"{type(adaptive).__name__}")
     return adaptive
+
+
+def check_batch_inputs(batch_inputs):
+    """``None`` (every element of a tuple batch but the last is a model input) or a positive count
+    (:mod:`bpclip_fast.batches`)."""
+    if batch_inputs is None:
+        return None
+    if isinstance(batch_inputs, bool) or not isinstance(batch_inputs, numbers.Integral) or batch_inputs < 1:
+        raise ValueError(f"make_private: batch_inputs must be a positive integer (how many leading elements of a "
+                         f"tuple batch are model inputs) or None (all but the last), got {batch_inputs!r}")
+    return int(batch_inputs)
 
 
 def check_built_layers(inner, clipping, max_grad_norm) -> None:

@@ -5,41 +5,45 @@ shapes: a Δ taken from each batch would make the noise std depend on the data."
 
 from __future__ import annotations
 
-import torch
-
-from .. import criterion as _criterion, registry, validate as _validate
-from ._common import first_input, to_device
+from .. import batches, criterion as _criterion, registry, validate as _validate
+from ._common import to_device
 
 
 def model_problems(inner, optimizer, data_loader, max_input_shape, probe, clipping, criterion=None,
-                    loss_reduction="mean", rows=3) -> dict:
+                    loss_reduction="mean", rows=3, batch_inputs=None) -> dict:
     """Every problem of the model and the optimizer at once (raised as one ``ValueError``) before
-    anything is changed; returns ``{layer: input shape}`` of the probe forward (Δ is fixed from it)."""
+    anything is changed; returns ``{layer: input shape}`` of the probe forward (Δ is fixed from it).
+    Every probe splits the loader's batches by :func:`bpclip_fast.batches.split_batch`."""
     problems = _validate.static_problems(inner, clipping)
-    shapes, example = {}, None
-    if max_input_shape is not None:
-        p0 = next(inner.parameters(), None)
-        example = torch.zeros((1, *max_input_shape), dtype=p0.dtype if p0 is not None else None,
-                              device=p0.device if p0 is not None else None)
-    else:
-        dataset = data_loader.dataset
-        try:
-            example = to_device(first_input(data_loader.collate_fn([dataset[0]])), inner)
-        except Exception as exc:  # noqa: BLE001
+    shapes, example, first, callable_ = {}, None, None, True
+    try:
+        first = data_loader.collate_fn([data_loader.dataset[0]])
+    except Exception as exc:  # noqa: BLE001
+        if max_input_shape is None:
             problems.append(f"make_private: could not build a probe input from the dataset's first example "
                             f"({exc!r}); pass max_input_shape=(per-example input shape) instead")
+    try:
+        example = batches.probe_input(first, batch_inputs, max_input_shape, next(inner.parameters(), None))
+        if max_input_shape is None and example is not None:
+            example = to_device(example, inner)
+    except ValueError as exc:  # the split or the shapes do not fit the batch: the other probes would fail alike
+        problems.append(str(exc))
+        callable_ = False
     if example is not None:
         try:
             twice, shapes = _validate.probe(inner, example)
             if not probe:
                 problems += twice  # the dynamic probes report reuse themselves
+        except TypeError as exc:  # the model does not take this split: the other probes would fail alike
+            problems.append(batches.call_failed(exc, inner, first, batch_inputs, "the probe forward"))
+            callable_ = False
         except Exception as exc:  # noqa: BLE001
             problems.append(f"make_private: the probe forward failed ({exc!r}); the sensitivity of each layer "
                             "is fixed from it, so the model must run on one example (or on max_input_shape)")
-    if probe:
-        problems += dynamic_problems(inner, data_loader)
-    if criterion is not None:
-        problems += criterion_problems(inner, data_loader, criterion, loss_reduction, rows)
+    if probe and callable_:
+        problems += dynamic_problems(inner, data_loader, batch_inputs)
+    if criterion is not None and callable_:
+        problems += criterion_problems(inner, data_loader, criterion, loss_reduction, rows, batch_inputs)
     problems += optimizer_problems(inner, optimizer)
     if problems:
         raise ValueError("make_private: the model cannot be trained privately as it is:\n  - "
@@ -62,25 +66,33 @@ def optimizer_problems(inner, optimizer) -> list[str]:
                        for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
 
 
-def dynamic_problems(inner, data_loader) -> list[str]:
-    """:func:`bpclip_fast.validate.dynamic_problems` on the first batch of the user's loader (its
-    structure and shapes only: the probes replace floating-point values by random ones)."""
+def dynamic_problems(inner, data_loader, batch_inputs=None) -> list[str]:
+    """:func:`bpclip_fast.validate.dynamic_problems` on the model inputs of the user's loader's first
+    batch (its structure and shapes only: the probes replace floating-point values by random ones)."""
     try:
         batch = next(iter(data_loader))
     except Exception as exc:  # noqa: BLE001
         return [f"make_private: could not draw a first batch for the dynamic probes ({exc!r}); pass "
                 "probe=False to skip them"]
-    return _validate.dynamic_problems(inner, to_device(first_input(batch), inner))
+    try:
+        inputs = batches.split_batch(batch, batch_inputs)[0]
+    except ValueError as exc:
+        return [str(exc)]
+    try:
+        return _validate.dynamic_problems(inner, to_device(inputs, inner))
+    except TypeError as exc:
+        return [batches.call_failed(exc, inner, batch, batch_inputs, "the dynamic probes")]
 
 
-def criterion_problems(inner, data_loader, criterion, loss_reduction, rows) -> list[str]:
+def criterion_problems(inner, data_loader, criterion, loss_reduction, rows, batch_inputs=None) -> list[str]:
     """:func:`bpclip_fast.criterion.criterion_problems` on the structure of the loader's first batch,
     with ``rows`` (the plan's public expected batch size) examples."""
     try:
         batch = next(iter(data_loader))
     except Exception as exc:  # noqa: BLE001
         return [f"make_private: could not draw a first batch to check the criterion ({exc!r})"]
-    return _criterion.criterion_problems(inner, to_device(batch, inner), criterion, loss_reduction, rows)
+    return _criterion.criterion_problems(inner, to_device(batch, inner), criterion, loss_reduction, rows,
+                                         batch_inputs=batch_inputs)
 
 
 def fix_sensitivities(layers, shapes: dict, declared: bool) -> None:

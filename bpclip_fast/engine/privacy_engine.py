@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import data, modes, ranks as _ranks
+from .. import batches, data, modes, ranks as _ranks
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import DistributedRecorder, LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
@@ -63,7 +63,7 @@ class PrivacyEngine:
                      poisson_sampling: bool = True, noise_seed: int | None = None,
                      max_epsilon: float | None = None, delta: float | None = None,
                      max_input_shape=None, nonfinite: str = "drop", probe: bool = True, adaptive=None,
-                     criterion=None):
+                     criterion=None, batch_inputs: int | None = None):
         """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
 
         ``clipping``: ``"backprop"`` (backpropagation clipping: ``input_clip``/``grad_clip``, per-example
@@ -77,13 +77,19 @@ class PrivacyEngine:
         the cost rule; ``"ghost"``; ``"instantiate"``).
         ``max_epsilon`` (with ``delta``): ``step()`` refuses any step after which ε would exceed it.
         ``max_input_shape``: the largest per-example shape of the model's input tensor (no batch dim);
-        every layer's Δ is fixed from a probe forward at that shape. Required when some layer's Δ
+        a tuple of shapes for a model of several inputs (``((T,), (3, 32, 32))`` for ``model(tokens,
+        image)``), a dict ``{key: shape}`` for a dict batch; every layer's Δ is fixed from a probe
+        forward at that shape (zeros; integer inputs such as token indices keep their dtype). Required when some layer's Δ
         depends on its input shape (a biased Linear over ``[B, T, in]``, Conv2d with ``conv_norm="l2"``);
         otherwise Δ is fixed from the shapes of a probe forward of one example.
         ``nonfinite``: ``"drop"`` (an example with a NaN/Inf value gets clip factor 0 and the step goes on;
         ``nonfinite_counts()`` reports them) or ``"raise"`` (such a step is refused, and charged).
         ``probe``: run :func:`bpclip_fast.validate.dynamic_problems` on the loader's first batch.
-        ``criterion``: the loss function the loop will call as ``criterion(model(x), *batch[1:])``
+        ``batch_inputs``: how many leading elements of a tuple batch are model inputs; by default all
+        but the last (Opacus' ``for *inputs, y in loader: criterion(model(*inputs), y)``), so a batch
+        ``(x, y1, y2)`` with ``criterion(model(x), y1, y2)`` needs ``batch_inputs=1``. A dict batch is
+        ``model(**batch)``. Every probe splits the batch so (:mod:`bpclip_fast.batches`).
+        ``criterion``: the loss function the loop will call as ``criterion(model(*batch[:k]), *batch[k:])``
         (Opacus' argument; optional, checked whenever given, also with ``probe=False``): refused if it
         couples the examples of a batch (InfoNCE with in-batch negatives, top-k hard-example mining, a
         class-weighted mean), or is not the sum (``loss_reduction="sum"``) or plain mean (``"mean"``)
@@ -131,16 +137,17 @@ class PrivacyEngine:
                                     loss_reduction=r.loss_reduction, nonfinite=r.nonfinite,
                                     max_epsilon=r.max_epsilon, delta=r.delta, noise_seed=r.noise_seed)
             arguments.check_pairing(self.accountant, self.accountant_name, r.poisson_sampling)
-            r = dataclasses.replace(r, adaptive=arguments.check_adaptive(r.adaptive))
+            r = dataclasses.replace(r, adaptive=arguments.check_adaptive(r.adaptive),
+                                    batch_inputs=arguments.check_batch_inputs(r.batch_inputs))
             self.rank, self.world_size, self.distributed = distributed.world()
             inner = distributed.unwrapped(r.module, self.distributed)
             plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what)
             if r.max_input_shape is not None:
-                r = dataclasses.replace(r, max_input_shape=tuple(int(s) for s in r.max_input_shape))
+                r = dataclasses.replace(r, max_input_shape=batches.normal_shapes(r.max_input_shape))
         if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
             self._check_ranks(r, sigma, inner, plan)
         shapes = model_checks.model_problems(inner, r.optimizer, r.data_loader, r.max_input_shape, r.probe, r.clipping,
-                                             r.criterion, r.loss_reduction, plan.batch_size)
+                                             r.criterion, r.loss_reduction, plan.batch_size, r.batch_inputs)
         arguments.check_built_layers(inner, r.clipping, r.max_grad_norm)
         return r, sigma, inner, plan, shapes
 
