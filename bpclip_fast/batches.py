@@ -28,6 +28,8 @@ responsibility, as is every call the loop makes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import inspect
 import numbers
 
@@ -54,8 +56,8 @@ def split_batch(batch, batch_inputs: int | None = None):
     ``targets`` a tuple. Raises ``ValueError`` where ``batch_inputs`` does not fit the batch."""
     n = _elements(batch)
     if n is None:
-        if batch_inputs is not None and not (batch_inputs == 1 and not isinstance(batch, dict)):
-            what = "a dict, called as model(**batch)" if isinstance(batch, dict) else \
+        if batch_inputs is not None and not (batch_inputs == 1 and not isinstance(batch, Mapping)):
+            what = "a dict, called as model(**batch)" if isinstance(batch, Mapping) else \
                 f"one {type(batch).__name__}, called as model(batch)"
             raise ValueError(f"batch_inputs={batch_inputs} counts the leading elements of a tuple batch, but the "
                              f"loader's batch is {what}; leave batch_inputs unset")
@@ -71,7 +73,7 @@ def describe(batch, batch_inputs: int | None = None) -> str:
     """How ``batch`` is split, in words, for error messages."""
     n = _elements(batch)
     if n is None:
-        return ("the loader's batch is a dict, called as model(**batch)" if isinstance(batch, dict) else
+        return ("the loader's batch is a dict, called as model(**batch)" if isinstance(batch, Mapping) else
                 f"the loader's batch is one {type(batch).__name__}, called as model(batch)")
     k = min(_count(n, batch_inputs), n)
     call = "model(" + ", ".join(f"batch[{i}]" for i in range(k)) + ")"
@@ -130,7 +132,7 @@ def normal_shapes(shapes):
     what = ("make_private: max_input_shape must be the largest per-example shape of the model's input (a tuple "
             "of ints, without the batch dimension), a tuple of such shapes (one per model input: "
             f"((T,), (3, 32, 32)) for model(tokens, image)) or, for a dict batch, a dict {{key: shape}}; got {shapes!r}")
-    if isinstance(shapes, dict):
+    if isinstance(shapes, Mapping):
         return {k: _shape(v, what) for k, v in shapes.items()}
     if isinstance(shapes, torch.Tensor) or isinstance(shapes, (str, bytes)):
         raise ValueError(what)
@@ -163,8 +165,8 @@ def probe_input(first, batch_inputs, shapes, like: torch.Tensor | None):
         return torch.zeros((1, *shape), dtype=dtype, device=like.device if like is not None else None)
 
     where = "" if first is None else f" ({describe(first, batch_inputs)})"
-    if isinstance(shapes, dict):
-        if inputs is not None and not isinstance(inputs, dict):
+    if isinstance(shapes, Mapping):
+        if inputs is not None and not isinstance(inputs, Mapping):
             raise ValueError(f"make_private: max_input_shape is a dict of shapes, for a dict batch{where}")
         if inputs is not None and set(shapes) != set(inputs):
             missing, extra = sorted(set(inputs) - set(shapes), key=str), sorted(set(shapes) - set(inputs), key=str)
@@ -172,7 +174,7 @@ def probe_input(first, batch_inputs, shapes, like: torch.Tensor | None):
                              f"{sorted(inputs, key=str)}" + (f"; missing: {missing}" if missing else "")
                              + (f"; not in the batch: {extra}" if extra else ""))
         return {k: zeros(s, None if inputs is None else inputs[k]) for k, s in shapes.items()}
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):
         raise ValueError(f"make_private: the batch is a dict{where}; max_input_shape must be a dict {{key: shape}}")
     count = None if inputs is None else (len(inputs) if isinstance(inputs, (tuple, list)) else 1)
     if not _several(shapes):

@@ -65,6 +65,8 @@ forward while the step's noise is armed (``bpclip_fast.nn``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import contextlib
 import copy
 import math
@@ -101,7 +103,7 @@ def _call(model: nn.Module, example_input):
     """``model`` called the way a training loop would: tuple/list -> ``model(*x)``, dict -> ``model(**x)``."""
     if isinstance(example_input, (tuple, list)):
         return model(*example_input)
-    if isinstance(example_input, dict):
+    if isinstance(example_input, Mapping):
         return model(**example_input)
     return model(example_input)
 
@@ -165,7 +167,7 @@ def _map_tensors(obj, fn):
     if isinstance(obj, (tuple, list)):
         items = [_map_tensors(o, fn) for o in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples take fields
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
 

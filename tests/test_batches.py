@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import bpclip_fast
-from bpclip_fast import StepRefused
+from bpclip_fast import PrivacyEngine, StepRefused
 from bpclip_fast.engine import InsecureSeedWarning
 
 N, VOCAB, T, K = 6, 11, 5, 3
@@ -359,3 +359,34 @@ def test_every_probe_uses_the_one_split():
     finally:
         batches.split_batch = original
     assert seen.count(1) >= 3, seen  # static probe, dynamic probes, criterion probe
+
+
+def test_a_mapping_batch_that_is_not_a_dict_is_called_with_keywords():
+    """Hugging Face's BatchEncoding is a UserDict, not a dict: it is a dict batch all the same."""
+    from collections import UserDict
+
+    class Encoding(UserDict):
+        pass
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, labels):
+            return nn.functional.cross_entropy(self.lin(x), labels, reduction="sum")
+
+    items = [{"x": torch.randn(4), "labels": torch.tensor(i % 3)} for i in range(16)]
+    loader = DataLoader(items, batch_size=8,
+                        collate_fn=lambda b: Encoding({k: torch.stack([e[k] for e in b]) for k in b[0]}))
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
+                                                      noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat",
+                                                      loss_reduction="sum")
+    before = model.lin.weight.detach().clone()
+    for batch in loader:
+        opt.zero_grad()
+        model(**batch).backward()
+        opt.step()
+    assert not torch.equal(before, model.lin.weight)

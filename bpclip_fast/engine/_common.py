@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .. import nn as bnn
@@ -37,6 +39,6 @@ def to_device(batch, model):
         return batch.to(p.device, p.dtype) if batch.is_floating_point() else batch.to(p.device)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, model) for b in batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: to_device(v, model) for k, v in batch.items()}
     return batch
