@@ -126,14 +126,38 @@ def generic_candidate(module: nn.Module) -> bool:
 
 def generic_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``[(name, module)]`` of the generic units ``convert_model`` makes in exact modes: the top-most
-    generic candidates (and units already made); everything below one belongs to it."""
+    generic candidates, the closest common ancestor of the modules sharing a trainable parameter
+    (tied input and output embeddings: one parameter, one per-example gradient summed over its uses),
+    and units already made; everything below one belongs to it."""
+    shared = _sharing_ancestors(model)
     units: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
         if any(name.startswith(u + ".") or u == "" for u, _ in units):
             continue
-        if is_generic(m) or (generic_candidate(m) and not module_reasons(m)):
+        if is_generic(m) or name in shared or (generic_candidate(m) and not module_reasons(m)):
             units.append((name, m))
     return units
+
+
+def _sharing_ancestors(model: nn.Module) -> set:
+    """Names of the closest common ancestors of the modules that register one trainable parameter
+    under several names (a fused layer clips its own use only, so their sum is one unit's)."""
+    owners: dict[int, set] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad:
+                owners.setdefault(id(p), set()).add(name)
+    roots = set()
+    for names in owners.values():
+        if len(names) > 1:
+            parts = [n.split(".") if n else [] for n in names]
+            common = []
+            for level in zip(*parts):
+                if len(set(level)) > 1:
+                    break
+                common.append(level[0])
+            roots.add(".".join(common))
+    return roots
 
 
 def inside_units(model: nn.Module) -> set:

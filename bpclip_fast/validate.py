@@ -359,8 +359,16 @@ def _example_rows_problems(reference: _Pass, batch: int, labels: dict[str, str])
             f"the {batch} examples of the probe batch (rule: example rows); the layer clips each row of its first "
             "dimension as one example, so an example spread over several rows gets the bound once per row (or one "
             "row holds several examples); keep the examples in the first dimension: a Linear takes [B, *, d] "
-            "directly (no flatten(0, 1) of the batch), and sequences stay batch-first ([B, T, d], not [T, B, d])")
+            "directly (no flatten(0, 1) of the batch), and sequences stay batch-first ([B, T, d], not [T, B, d])"
+            + (_BROADCAST_HINT if first == 1 and c.input.dim() > 1 and not c.input.is_floating_point() else ""))
     return problems
+
+
+# An index tensor of one row in a batch of B: a position index shared by the batch and broadcast after
+# the lookup, whose gradient arrives summed over the examples (nothing per example is left to clip).
+_BROADCAST_HINT = ("; an index of one row broadcast over the batch (Hugging Face's position_ids [1, T]) must be "
+                   "given per example: pass it expanded to the batch, e.g. model(input_ids, "
+                   "position_ids=torch.arange(T).expand(B, T))")
 
 
 # Probe 2 compares the other examples' values between two passes that differ in one example. Both
