@@ -264,9 +264,10 @@ def _announce(base: type) -> None:
     if base in _ANNOUNCED:
         return
     _ANNOUNCED.add(base)
-    warnings.warn(f"bpclip_fast: {base.__module__}.{base.__qualname__} has no fused clipped layer; its parameters are "
-                  "trained by the generic exact path (per-example gradients from one vectorised backward per chunk of "
-                  "examples: exact, slower and larger in memory than a fused layer)", stacklevel=3)
+    warnings.warn(f"bpclip_fast: {base.__module__}.{base.__qualname__} and everything below it are trained by the "
+                  "generic exact path, since it owns parameters that no fused clipped layer covers or modules below it "
+                  "share a trainable parameter (per-example gradients from one vectorised backward per chunk of "
+                  "examples: exact, slower and larger in memory than the fused layers)", stacklevel=3)
 
 
 # ------------------------------------------------------------------------------ the units' classes
