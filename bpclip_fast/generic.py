@@ -264,10 +264,8 @@ def _rows(module, flat_args, call) -> int:
     unbatched ``[T, d]`` input and a ``PackedSequence`` (tokens of every example interleaved along
     one dimension) have no dimension of examples: masking one would clip each feature or token as
     an example."""
-    base = type(module)._bp_base.__name__
-    name = f"{module._bp_name} ({base})" if module._bp_name and module._bp_name != base else base
     if any(isinstance(a, PackedSequence) for a in pytree.tree_leaves(call, is_leaf=lambda a: isinstance(a, PackedSequence))):
-        raise ValueError(f"{name}: the generic exact path clips each example's rows along the batch dimension, "
+        raise ValueError(f"{_label(module)}: the generic exact path clips each example's rows along the batch dimension, "
                          "and a PackedSequence holds the examples' tokens interleaved in one dimension; pad the "
                          "batch instead (a [B, T, d] tensor with batch_first=True, and mask or select the padded "
                          "positions in the model)")
@@ -276,11 +274,18 @@ def _rows(module, flat_args, call) -> int:
     for a in flat_args:
         if isinstance(a, torch.Tensor) and a.dim() > d:
             if sequence and a.dim() != 3:
-                raise ValueError(f"{name}: an input of shape {tuple(a.shape)} is unbatched; the generic exact path "
+                raise ValueError(f"{_label(module)}: an input of shape {tuple(a.shape)} is unbatched; the generic exact path "
                                  f"clips the examples along the batch dimension ({d}) of batched inputs: pass "
                                  f"{'[B, T, d]' if d == 0 else '[T, B, d]'} tensors")
             return int(a.shape[d])
-    raise ValueError(f"{name}: the generic exact path needs a tensor input with the batch in dimension {d}")
+    raise ValueError(f"{_label(module)}: the generic exact path needs a tensor input with the batch in dimension {d}")
+
+
+def _label(module) -> str:
+    """The module's name in messages, a unit or (in make_private's probes) the module it will be."""
+    base = getattr(type(module), "_bp_base", type(module)).__name__
+    name = getattr(module, "_bp_name", None)
+    return f"{name} ({base})" if name and name != base else base
 
 
 def _announce(base: type) -> None:
