@@ -228,6 +228,11 @@ class GenericLayer:
             return base.forward(self, *args, **kwargs)
         exact._ops.require_extension()
         _announce(base)
+        current = self._flat.current() if self.clipping == "flat" and self._flat is not None else None
+        if current is not None and not isinstance(current, exact._Book):  # bpclip_fast.compiled's: no entries
+            raise RuntimeError(f"{_label(self)}: a generic unit under clipping='flat' cannot run in a torch.compile'd "
+                               "model (the compiled collector has no place for its per-example gradients); use "
+                               "clipping='per_layer', or do not compile the model")
         book, token = exact._flat_book(self) if self.clipping == "flat" else (None, None)
         flat_args, spec = pytree.tree_flatten((args, kwargs))
         outer = [a for a in flat_args if isinstance(a, torch.Tensor) and a.requires_grad]

@@ -322,3 +322,31 @@ def test_make_private_still_accepts_units_with_the_batch_where_assumed():
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
+
+
+# ------------------------------------------------------------------ 4. torch.compile
+
+
+def test_a_flat_unit_in_a_compiled_model_is_refused_clearly():
+    """Under flat clipping the compiled model's collector is an opaque op (bpclip_fast.compiled) whose
+    book the unit read as an eager one: ``AttributeError: 'Tensor' object has no attribute 'get'``."""
+    net = bnn.convert_model(nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 3)), clipping="flat",
+                            max_grad_norm=1.0)
+    compiled = torch.compile(net, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"1 \(Scale\): a generic unit under clipping='flat' cannot run in a "
+                                           r"torch.compile'd model.*per_layer"):
+        compiled(torch.randn(6, 4)).sum().backward()
+
+
+def test_a_per_layer_unit_in_a_compiled_model_gives_the_eager_release():
+    torch.manual_seed(8)
+    base = nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 3))
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    grads = []
+    for compile_it in (False, True):
+        net = bnn.convert_model(copy.deepcopy(base), clipping="per_layer", max_grad_norm=[0.05] * 3)
+        run = torch.compile(net, backend="aot_eager") if compile_it else net
+        nn.functional.cross_entropy(run(x), y, reduction="sum").backward()
+        grads.append([p.grad for p in net.parameters()])
+    for a, b in zip(*grads):  # the same ops on the same values in the same order: equal bits
+        assert torch.equal(a, b)
