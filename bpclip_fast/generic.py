@@ -50,6 +50,7 @@ import warnings
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
@@ -63,12 +64,16 @@ _ANNOUNCED: set = set()
 
 
 def batch_dims(module: nn.Module, outputs) -> list[int]:
-    """The batch dimension of each output tensor of ``module`` (module docstring)."""
-    if getattr(module, "batch_first", True) is not False:
+    """The batch dimension of each output of ``module`` (``outputs``: its flattened outputs, every
+    position counted, tensors or not; module docstring)."""
+    first = getattr(module, "batch_first", True) is not False
+    if isinstance(module, nn.RNNBase):  # (output, h_n[, c_n]): the final states are [layers, B, H] either way
+        return [0 if first else 1] + [1] * (len(outputs) - 1)
+    if first:
         return [0] * len(outputs)
     if isinstance(module, nn.MultiheadAttention):  # (attn_output [T, B, E], attn_weights [B, T, S])
         return [1, 0][:len(outputs)] + [0] * max(0, len(outputs) - 2)
-    return [1] * len(outputs)  # RNNs: output [T, B, H], h_n (and c_n) [layers, B, H]; Transformer layers
+    return [1] * len(outputs)  # Transformer layers: [T, B, E]
 
 
 def input_batch_dim(module: nn.Module) -> int:
@@ -107,6 +112,7 @@ class _Unit(torch.autograd.Function):
             return nones
         outs = [o for o, _, _ in pairs]
         gs = [g for _, g, _ in pairs]
+        dims = [d for _, _, d in pairs]  # the dims of these outputs: st.dims holds those without a gradient too
         for o, _, d in pairs:
             if o.dim() <= d or o.shape[d] != st.rows:
                 raise RuntimeError(
@@ -120,7 +126,7 @@ class _Unit(torch.autograd.Function):
             _release_graph(ctx)
             return (None, None, None, *input_grads, *(None,) * n_params)
         leaves = [leaf for leaf, m in zip(st.param_leaves, mask) if m]
-        per_example = _per_example(outs, gs, st.dims, st.rows, leaves)
+        per_example = _per_example(outs, gs, dims, st.rows, leaves)
         _release_graph(ctx)
         step_args = exact._step_args(layer, st.rows, st.sensitivity)
         kept = examples.DenseExamples(per_example, None, st.dtype)
@@ -148,8 +154,9 @@ def _input_grads(ctx, st, outs, gs):
 
 
 def _per_example(outs, gs, dims, rows, leaves) -> torch.Tensor:
-    """``[rows, P]``: each example's gradient of ``leaves``, flattened and concatenated."""
-    pieces = []
+    """``[rows, P]``: each example's gradient of ``leaves``, flattened and concatenated (``[0, P]`` for
+    an empty batch, which Poisson sampling draws: the release is then the draw alone)."""
+    pieces = [torch.zeros(0, sum(leaf.numel() for leaf in leaves), dtype=leaves[0].dtype, device=leaves[0].device)]
     for start in range(0, rows, CHUNK):
         k = min(CHUNK, rows - start)
         batched = []
@@ -221,6 +228,11 @@ class GenericLayer:
             return base.forward(self, *args, **kwargs)
         exact._ops.require_extension()
         _announce(base)
+        current = self._flat.current() if self.clipping == "flat" and self._flat is not None else None
+        if current is not None and not isinstance(current, exact._Book):  # bpclip_fast.compiled's: no entries
+            raise RuntimeError(f"{_label(self)}: a generic unit under clipping='flat' cannot run in a torch.compile'd "
+                               "model (the compiled collector has no place for its per-example gradients); use "
+                               "clipping='per_layer', or do not compile the model")
         book, token = exact._flat_book(self) if self.clipping == "flat" else (None, None)
         flat_args, spec = pytree.tree_flatten((args, kwargs))
         outer = [a for a in flat_args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -228,7 +240,7 @@ class GenericLayer:
         swap = iter(in_leaves)
         inner_args = [next(swap) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in flat_args]
         param_leaves = [p.detach().requires_grad_(m) for p, m in zip(params, mask)]
-        rows = _rows(self, flat_args)
+        rows = _rows(self, flat_args, (args, kwargs))
         iargs, ikwargs = pytree.tree_unflatten(inner_args, spec)
         # torch.func's reparametrisation, not a write into _parameters: some modules keep their
         # own references to their parameters (nn.LSTM's _flat_weights), which it updates too.
@@ -240,7 +252,8 @@ class GenericLayer:
         state = _State()
         state.layer, state.in_leaves, state.param_leaves = self, in_leaves, param_leaves
         state.outs = [out_flat[i] for i in tracked]
-        state.dims = batch_dims(self, state.outs)
+        dims = batch_dims(self, out_flat)  # by position among all outputs: an untracked one shifts none
+        state.dims = [dims[i] for i in tracked]
         state.rows, state.book, state.dtype = rows, book, params[0].dtype
         state.sensitivity = self._noise_sensitivity(None)
         state.bounds_version = self._bounds_version
@@ -251,13 +264,33 @@ class GenericLayer:
         return pytree.tree_unflatten(out_flat, out_spec)
 
 
-def _rows(module, flat_args) -> int:
+def _rows(module, flat_args, call) -> int:
+    """The examples' count: the batch dimension of the first tensor input. A sequence layer's
+    unbatched ``[T, d]`` input and a ``PackedSequence`` (tokens of every example interleaved along
+    one dimension) have no dimension of examples: masking one would clip each feature or token as
+    an example."""
+    if any(isinstance(a, PackedSequence) for a in pytree.tree_leaves(call, is_leaf=lambda a: isinstance(a, PackedSequence))):
+        raise ValueError(f"{_label(module)}: the generic exact path clips each example's rows along the batch dimension, "
+                         "and a PackedSequence holds the examples' tokens interleaved in one dimension; pad the "
+                         "batch instead (a [B, T, d] tensor with batch_first=True, and mask or select the padded "
+                         "positions in the model)")
     d = input_batch_dim(module)
+    sequence = isinstance(module, (nn.RNNBase, nn.MultiheadAttention))
     for a in flat_args:
         if isinstance(a, torch.Tensor) and a.dim() > d:
+            if sequence and a.dim() != 3:
+                raise ValueError(f"{_label(module)}: an input of shape {tuple(a.shape)} is unbatched; the generic exact path "
+                                 f"clips the examples along the batch dimension ({d}) of batched inputs: pass "
+                                 f"{'[B, T, d]' if d == 0 else '[T, B, d]'} tensors")
             return int(a.shape[d])
-    raise ValueError(f"{type(module).__name__}: the generic exact path needs a tensor input with the batch in "
-                     f"dimension {d}")
+    raise ValueError(f"{_label(module)}: the generic exact path needs a tensor input with the batch in dimension {d}")
+
+
+def _label(module) -> str:
+    """The module's name in messages, a unit or (in make_private's probes) the module it will be."""
+    base = getattr(type(module), "_bp_base", type(module)).__name__
+    name = getattr(module, "_bp_name", None)
+    return f"{name} ({base})" if name and name != base else base
 
 
 def _announce(base: type) -> None:

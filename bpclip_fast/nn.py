@@ -804,8 +804,9 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
               **mode.conversion_settings(input_clip=input_clip, grad_clip=grad_clip, norm=norm, norm_method=norm_method))
     units = {id(u) for _, u in registry.generic_units(model)} if mode.exact else set()
     if registry.convertible(model) or id(model) in units:
+        name = type(model).__name__  # before a generic unit's class is swapped in place
         new = _convert(model, **kw, max_grad_norm=mode.layer_thresholds(max_grad_norm, 1)[0])
-        new._bp_name = type(model).__name__
+        new._bp_name = name
         if mode.collects:  # a bare layer's noise bound is its own C already; flat's collector it needs
             mode.settle(new, [new], new.max_grad_norm, clip_fn, gamma)
         return new

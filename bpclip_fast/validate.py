@@ -30,7 +30,10 @@ problem message names the module (qualified name and type) and the rule, and say
     1. *example rows*: every trainable layer's input has first dimension ``B``. ``B >= 3`` is chosen
        to differ from every dimension of the input and, after a first pass, of every layer input,
        so a ``[T, B, d]`` layout cannot pass by coincidence. Catches ``flatten(0, 1)`` and
-       sequence-first layouts inside the model.
+       sequence-first layouts inside the model. A generic unit (:mod:`bpclip_fast.generic`) must hold
+       the ``B`` examples in the batch dimension the path reads, of its first tensor input and of
+       every output that gets a gradient (``B`` avoids their other sizes too): a position table
+       returned on its own, a transposed or sequence-first output without ``batch_first=False``.
     2. *batch independence*: changing the first (then the last) example changes no other example's
        model output, trainable-layer input or trainable-layer output gradient. Catches
        ``h - h.mean(0)``, ``F.batch_norm`` with batch statistics, attention across the batch.
@@ -231,8 +234,8 @@ def _smallest_batch(excluded: set[int]) -> int:
 def _trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers the engine clips that have a trainable parameter (``registry.trained_layer``). Not
     the generic units (:mod:`bpclip_fast.generic`) nor what is below them: their inputs and outputs
-    are of any layout, their parameters reached by the unit's own code; the model-output check of
-    probe 2 and the step's records cover them."""
+    are of any layout, their parameters reached by the unit's own code; probe 1's unit check
+    (:func:`_unit_rows_problems`), the model-output check of probe 2 and the step's records cover them."""
     inside = {id(sub) for _, u in registry.generic_units(model) for sub in u.modules()}
     return [(name, m) for name, m in model.named_modules() if registry.trained_layer(m) and id(m) not in inside]
 
@@ -246,7 +249,20 @@ class _Call:
 
 
 @dataclass
+class _UnitCall:
+    """One call of a generic unit (:mod:`bpclip_fast.generic`): the example rows the path reads from
+    its input (or why it reads none), ``[shape, batch dimension, got a gradient]`` of each output that
+    requires a gradient, and every size of its tensors (the probe batch avoids them)."""
+    name: str
+    rows: int | None
+    error: str | None
+    sizes: set
+    outputs: list = field(default_factory=list)
+
+
+@dataclass
 class _Pass:
+    units: list[_UnitCall] = field(default_factory=list)     # generic-unit calls, in forward order
     calls: list[_Call] = field(default_factory=list)         # trainable-layer calls, in forward order
     counts: dict[str, int] = field(default_factory=dict)     # calls of every module owning trainable parameters
     outputs: list[torch.Tensor] = field(default_factory=list)  # the model output's floating-point tensors
@@ -291,7 +307,42 @@ def _record(model: nn.Module, record: _Pass) -> list:
         handles.append(m.register_forward_pre_hook(before))
         if is_layer:
             handles.append(m.register_forward_hook(after))
+    for name, unit in registry.generic_units(model):
+        handles += _unit_hooks(unit, name, record)
     return handles
+
+
+def _unit_hooks(unit: nn.Module, name: str, record: _Pass) -> list:
+    """Hooks recording a generic unit's calls as the generic path reads them (its ``_rows`` and
+    ``batch_dims``): probe 1 checks them, where the unit's own backward could not see a size that
+    equals the batch by coincidence."""
+    from . import generic  # imports bpclip_fast.nn, as the import at the top does
+    from torch.utils import _pytree as pytree
+
+    def before(mod, args, kwargs):
+        flat = pytree.tree_leaves((args, kwargs))
+        rows, error = None, None
+        try:
+            rows = generic._rows(mod, flat, (args, kwargs))
+        except ValueError as exc:
+            error = str(exc)
+        sizes = {n for t in flat if isinstance(t, torch.Tensor) for n in t.shape}
+        record.units.append(_UnitCall(name, rows, error, sizes))
+
+    def after(mod, args, kwargs, out):
+        call = next(c for c in reversed(record.units) if c.name == name)
+        flat = pytree.tree_leaves(out)
+        for o, d in zip(flat, generic.batch_dims(mod, flat)):
+            if not isinstance(o, torch.Tensor):
+                continue
+            call.sizes |= set(o.shape)
+            if o.requires_grad:
+                entry = [tuple(o.shape), d, False]
+                call.outputs.append(entry)
+                o.register_hook(lambda g, _entry=entry: _entry.__setitem__(2, True))
+
+    return [unit.register_forward_pre_hook(before, with_kwargs=True),
+            unit.register_forward_hook(after, with_kwargs=True)]
 
 
 def _parameter_gradients(model: nn.Module, outputs: list[torch.Tensor], batch: int) -> dict[int, torch.Tensor | None]:
@@ -309,6 +360,10 @@ def _parameter_gradients(model: nn.Module, outputs: list[torch.Tensor], batch: i
             terms.append(((_random_like(t.shape, t, generator) + (0.5 * t if per_example else 0)) * t).sum())
     params = list({id(p): p for _, m in _trainable_layers(model)
                    for p in m.parameters(recurse=False) if p.requires_grad}.values())
+    # The generic units' parameters too: the backward must reach their outputs (probe 1 reads which
+    # of them get a gradient).
+    params += list({id(p): p for _, u in registry.generic_units(model) for p in u.parameters()
+                    if p.requires_grad and id(p) not in {id(q) for q in params}}.values())
     if not terms or not params:
         return {}
     grads = torch.autograd.grad(sum(terms), params, allow_unused=True)
@@ -340,6 +395,7 @@ def _probe_batch(example_input, run) -> int:
     candidate = _smallest_batch(excluded)
     first = run(_probe_input(example_input, candidate), candidate, backward=False)
     excluded |= {d for c in first.calls if c.input is not None for d in c.input.shape}
+    excluded |= {d for u in first.units for d in u.sizes}
     return _smallest_batch(excluded)
 
 
@@ -361,6 +417,36 @@ def _example_rows_problems(reference: _Pass, batch: int, labels: dict[str, str])
             "row holds several examples); keep the examples in the first dimension: a Linear takes [B, *, d] "
             "directly (no flatten(0, 1) of the batch), and sequences stay batch-first ([B, T, d], not [T, B, d])"
             + (_BROADCAST_HINT if first == 1 and c.input.dim() > 1 and not c.input.is_floating_point() else ""))
+    return problems + _unit_rows_problems(reference, batch, labels)
+
+
+def _unit_rows_problems(reference: _Pass, batch: int, labels: dict[str, str]) -> list[str]:
+    """Probe 1 for the generic units: the path clips row ``i`` along each input's and output's batch
+    dimension as example ``i`` (:func:`bpclip_fast.generic.batch_dims`); each must hold the probe's
+    examples there. At training time a unit's backward sees only sizes, and a position or feature
+    dimension equal to the batch size passes it."""
+    problems, reported = [], set()
+    advice = ("the generic exact path clips row i of the batch dimension (dimension 0; 1 for modules with "
+              "batch_first=False and for a recurrent layer's final states) of the module's first tensor input and "
+              "of every output as example i; keep the examples there (return [B, ...] outputs from a batch-first "
+              "module; add a tensor without examples, such as a position table, to the examples' tensor inside "
+              "the module rather than returning it)")
+    for u in reference.units:
+        if u.name in reported:
+            continue
+        if u.error is not None:
+            why = u.error
+        elif u.rows != batch:
+            why = f"its input's batch dimension has {u.rows} rows, not the {batch} examples of the probe batch"
+        else:
+            bad = [(shape, d) for shape, d, got in u.outputs if got and (len(shape) <= d or shape[d] != batch)]
+            if not bad:
+                continue
+            shape, d = bad[0]
+            why = (f"its output of shape {shape} does not hold the {batch} examples of the probe batch in its batch "
+                   f"dimension {d}")
+        reported.add(u.name)
+        problems.append(f"{labels[u.name]}: {why} (rule: example rows); {advice}")
     return problems
 
 
