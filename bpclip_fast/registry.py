@@ -124,12 +124,13 @@ def generic_candidate(module: nn.Module) -> bool:
             and not any(isinstance(module, e.clipped_type) for e in _LAYERS.values()))
 
 
-def generic_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def generic_units(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.Module]]:
     """``[(name, module)]`` of the generic units ``convert_model`` makes in exact modes: the top-most
-    generic candidates, the closest common ancestor of the modules sharing a trainable parameter
-    (tied input and output embeddings: one parameter, one per-example gradient summed over its uses),
+    generic candidates, with ``shared`` the closest common ancestor of the modules sharing a trainable
+    parameter (tied input and output embeddings: one parameter, one per-example gradient summed over
+    its uses; backpropagation clipping has no such unit, and the probes report the sharing there),
     and units already made; everything below one belongs to it."""
-    shared = _sharing_ancestors(model)
+    shared = _sharing_ancestors(model) if shared else set()
     units: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
         if any(name.startswith(u + ".") or u == "" for u, _ in units):
@@ -160,9 +161,9 @@ def _sharing_ancestors(model: nn.Module) -> set:
     return roots
 
 
-def inside_units(model: nn.Module) -> set:
+def inside_units(model: nn.Module, shared: bool = True) -> set:
     """ids of the modules strictly below a generic unit (trained by it, never converted)."""
-    return {id(sub) for _, u in generic_units(model) for sub in u.modules() if sub is not u}
+    return {id(sub) for _, u in generic_units(model, shared) for sub in u.modules() if sub is not u}
 
 
 def owns_trainable(module: nn.Module) -> bool:
@@ -189,8 +190,9 @@ def unbounded(model: nn.Module, clipping: str) -> list[str]:
     """Labels of the modules ``convert_model`` would convert whose type has no proved bound under
     ``clipping`` (``LayerType.modes``; the generic units have one in the exact modes only): what that
     mode must refuse."""
-    generic = [] if clipping in _EXACT_MODES else [label(name, m, model) for name, m in generic_units(model)]
-    inside = inside_units(model)
+    exact = clipping in _EXACT_MODES
+    generic = [] if exact else [label(name, m, model) for name, m in generic_units(model, shared=False)]
+    inside = inside_units(model, shared=exact)
     return generic + [label(name, m, model) for name, m in model.named_modules()
                       if convertible(m) and id(m) not in inside and clipping not in layer_type(m).modes]
 
@@ -217,7 +219,7 @@ def module_problems(model: nn.Module) -> list[str]:
     trainable parameters outside the registered layer types (a registered layer clips its ``weight``
     and ``bias`` only)."""
     problems = []
-    units = generic_units(model)
+    units = generic_units(model, shared=False)
     inside = {id(sub) for _, u in units for sub in u.modules()}
     for name, m in model.named_modules():
         reasons = module_reasons(m)

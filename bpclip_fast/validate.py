@@ -71,6 +71,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import contextlib
+import contextvars
 import copy
 import math
 import types
@@ -236,7 +237,7 @@ def _trainable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     the generic units (:mod:`bpclip_fast.generic`) nor what is below them: their inputs and outputs
     are of any layout, their parameters reached by the unit's own code; probe 1's unit check
     (:func:`_unit_rows_problems`), the model-output check of probe 2 and the step's records cover them."""
-    inside = {id(sub) for _, u in registry.generic_units(model) for sub in u.modules()}
+    inside = {id(sub) for _, u in registry.generic_units(model, _SHARED_UNITS.get()) for sub in u.modules()}
     return [(name, m) for name, m in model.named_modules() if registry.trained_layer(m) and id(m) not in inside]
 
 
@@ -307,7 +308,7 @@ def _record(model: nn.Module, record: _Pass) -> list:
         handles.append(m.register_forward_pre_hook(before))
         if is_layer:
             handles.append(m.register_forward_hook(after))
-    for name, unit in registry.generic_units(model):
+    for name, unit in registry.generic_units(model, _SHARED_UNITS.get()):
         handles += _unit_hooks(unit, name, record)
     return handles
 
@@ -362,7 +363,7 @@ def _parameter_gradients(model: nn.Module, outputs: list[torch.Tensor], batch: i
                    for p in m.parameters(recurse=False) if p.requires_grad}.values())
     # The generic units' parameters too: the backward must reach their outputs (probe 1 reads which
     # of them get a gradient).
-    params += list({id(p): p for _, u in registry.generic_units(model) for p in u.parameters()
+    params += list({id(p): p for _, u in registry.generic_units(model, _SHARED_UNITS.get()) for p in u.parameters()
                     if p.requires_grad and id(p) not in {id(q) for q in params}}.values())
     if not terms or not params:
         return {}
@@ -669,7 +670,12 @@ def _as_torch_layers(model: nn.Module):
 # ------------------------------------------------------------------------------ entry points
 
 
-def dynamic_problems(model: nn.Module, example_input) -> list[str]:
+# Whether the probes treat the closest common ancestor of modules sharing a trainable parameter as one
+# generic unit (the exact modes train it so; registry.generic_units), set by dynamic_problems.
+_SHARED_UNITS: contextvars.ContextVar = contextvars.ContextVar("bpclip_shared_units", default=False)
+
+
+def dynamic_problems(model: nn.Module, example_input, clipping: str | None = None) -> list[str]:
     """Problems found by running the model on a probe batch built from ``example_input`` (a tensor, or a
     tuple/list/dict of tensors as the model takes them; its first dimension is the examples'): rules
     *example rows*, *batch independence* (skipped when the input has no floating-point tensor),
@@ -678,12 +684,20 @@ def dynamic_problems(model: nn.Module, example_input) -> list[str]:
     The model, its parameters, ``.grad``, buffers, training modes and the global random number
     generators are left as they were. Modules reported by :func:`static_problems` for batch
     statistics (BatchNorm, InstanceNorm with running statistics) run in eval mode here, so each
-    problem is reported once. Raises whatever the model raises on the probe batch.
+    problem is reported once. Raises whatever the model raises on the probe batch. ``clipping``: an
+    exact mode trains modules that share a trainable parameter as one generic unit (their common
+    ancestor), which the per-layer rules then skip; otherwise the sharing is reported.
     """
     if example_input is None:
         raise ValueError("dynamic_problems: needs an example input (one batch as the model takes it)")
-    with _isolated(model) as work, _as_torch_layers(work), torch.random.fork_rng(devices=_cuda_devices(work)):
-        return _probe(work, example_input)
+    from .modes import EXACT
+
+    token = _SHARED_UNITS.set(clipping in EXACT)
+    try:
+        with _isolated(model) as work, _as_torch_layers(work), torch.random.fork_rng(devices=_cuda_devices(work)):
+            return _probe(work, example_input)
+    finally:
+        _SHARED_UNITS.reset(token)
 
 
 def _probe(model: nn.Module, example_input) -> list[str]:
@@ -717,7 +731,7 @@ def validate(model: nn.Module, example_input=None, clipping: str | None = None) 
     probes find (module docstring)."""
     problems = static_problems(model, clipping)
     if example_input is not None:
-        problems += dynamic_problems(model, example_input)
+        problems += dynamic_problems(model, example_input, clipping)
     return problems
 
 

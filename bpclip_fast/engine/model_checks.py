@@ -41,7 +41,7 @@ def model_problems(inner, optimizer, data_loader, max_input_shape, probe, clippi
             problems.append(f"make_private: the probe forward failed ({exc!r}); the sensitivity of each layer "
                             "is fixed from it, so the model must run on one example (or on max_input_shape)")
     if probe and callable_:
-        problems += dynamic_problems(inner, data_loader, batch_inputs)
+        problems += dynamic_problems(inner, data_loader, batch_inputs, clipping)
     if criterion is not None and callable_:
         problems += criterion_problems(inner, data_loader, criterion, loss_reduction, rows, batch_inputs)
     problems += optimizer_problems(inner, optimizer)
@@ -66,7 +66,7 @@ def optimizer_problems(inner, optimizer) -> list[str]:
                        for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]
 
 
-def dynamic_problems(inner, data_loader, batch_inputs=None) -> list[str]:
+def dynamic_problems(inner, data_loader, batch_inputs=None, clipping=None) -> list[str]:
     """:func:`bpclip_fast.validate.dynamic_problems` on the model inputs of the user's loader's first
     batch (its structure and shapes only: the probes replace floating-point values by random ones)."""
     try:
@@ -79,7 +79,7 @@ def dynamic_problems(inner, data_loader, batch_inputs=None) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     try:
-        return _validate.dynamic_problems(inner, to_device(inputs, inner))
+        return _validate.dynamic_problems(inner, to_device(inputs, inner), clipping)
     except TypeError as exc:
         return [batches.call_failed(exc, inner, batch, batch_inputs, "the dynamic probes")]
 
