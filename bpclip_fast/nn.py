@@ -61,6 +61,23 @@ class NonFiniteError(RuntimeError):
         self.counts = counts
 
 
+def _in_parameter_dtype(forward):
+    """Under ``torch.autocast`` a fused layer computes in its parameters' dtype: its floating input is
+    cast to it and autocast is off inside (our ops, and the ops inside our autograd functions, would
+    otherwise run in autocast's dtype and hand the backward gradients of another dtype). Its kernels
+    and proved bounds are then those of that dtype; the ops around the layer keep autocast's."""
+    @functools.wraps(forward)
+    def wrapped(self, x):
+        if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+            dtype = self.weight.dtype
+            if x.is_floating_point() and x.dtype != dtype:
+                x = x.to(dtype)
+            with torch.autocast(x.device.type, enabled=False):
+                return forward(self, x)
+        return forward(self, x)
+    return wrapped
+
+
 class _Clipped:
     """Clipping configuration, the non-finite counter and the fixed sensitivity shared by our layers.
 
@@ -157,7 +174,8 @@ class _Clipped:
         self._nonfinite = fn(self._nonfinite)
         return out
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, checked (the subclasses' checks return it too)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.layer_name}: expected a tensor input, got {type(x).__name__}")
         weight = self.weight  # once: each read is a Module.__getattr__ call
@@ -170,6 +188,7 @@ class _Clipped:
         if x.dtype != weight.dtype:
             raise TypeError(f"{self.layer_name}: the input is {x.dtype} but the layer's parameters are {weight.dtype}; "
                             "cast one of them (x.to(dtype) or model.to(dtype))")
+        return x
 
     # ------------------------------------------------------------------ a data-independent Δ
     def set_max_input_shape(self, shape) -> None:
@@ -262,8 +281,9 @@ class Linear(_Clipped, nn.Linear):
         bias = 1 if self.bias is not None else 0
         return self.grad_clip * math.sqrt(self.input_clip ** 2 + tokens * bias)
 
+    @_in_parameter_dtype
     def forward(self, x):
-        self._check_input(x)
+        x = self._check_input(x)
         if x.dim() < 2:
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
@@ -353,8 +373,9 @@ class Conv2d(_Clipped, nn.Conv2d):
         m = _max_patch_multiplicity(h, oh, kh, sh, ph, dh) * _max_patch_multiplicity(w, ow, kw, sw, pw, dw)
         return self.grad_clip * math.sqrt(m * self.input_clip ** 2 + bias * oh * ow)
 
+    @_in_parameter_dtype
     def forward(self, x):
-        self._check_input(x)
+        x = self._check_input(x)
         if x.dim() != 4:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
         if self.exact:
@@ -396,8 +417,9 @@ class _ExampleLayer(_Clipped):
         """The noise bound ``C`` (exact clipping: each example's gradient is clipped to it)."""
         return self.noise_bound
 
+    @_in_parameter_dtype
     def forward(self, x):
-        self._check_input(x)
+        x = self._check_input(x)
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
             return compiled.example_layer(self, x)
         return exact.example_layer(self, x, self._noise_sensitivity(x))
@@ -417,11 +439,12 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        super()._check_input(x)
+        x = super()._check_input(x)
         k = len(self.normalized_shape)
         if x.dim() <= k or tuple(x.shape[-k:]) != tuple(self.normalized_shape):
             raise ValueError(f"{self.layer_name}: the input must be [B, *, {', '.join(map(str, self.normalized_shape))}] "
                              f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
+        return x
 
     def _forward(self, x, weight, bias, keep):
         if not keep:
@@ -445,9 +468,10 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        super()._check_input(x)
+        x = super()._check_input(x)
         if x.dim() < 2 or x.shape[1] != self.num_channels:
             raise ValueError(f"{self.layer_name}: the input must be [B, {self.num_channels}, *]; got {tuple(x.shape)}")
+        return x
 
     def _forward(self, x, weight, bias, keep):
         if not keep:
@@ -492,6 +516,7 @@ class Embedding(_ExampleLayer, nn.Embedding):
                              f"{self.weight.device}; move the input or the model (.to(device)) so they match")
         if x.dim() < 1:
             raise ValueError(f"{name}: the input needs a batch dimension, [B, *]; got a scalar")
+        return x
 
     def _forward(self, x, weight, bias, keep):
         return F.embedding(x, weight, self.padding_idx), ((x,) if keep else ())
@@ -534,8 +559,9 @@ class PositionalEmbedding(_ExampleLayer, modules.PositionalEmbedding):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        super()._check_input(x)
+        x = super()._check_input(x)
         self._check_shape(x)
+        return x
 
     def _forward(self, x, weight, bias, keep):
         return x + weight, ()
@@ -554,8 +580,9 @@ class ClassToken(_ExampleLayer, modules.ClassToken):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        super()._check_input(x)
+        x = super()._check_input(x)
         self._check_shape(x)
+        return x
 
     def _forward(self, x, weight, bias, keep):
         return torch.cat([weight.expand(x.shape[0], -1, -1), x], dim=1), ()

@@ -67,10 +67,23 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         guards.after_zero_grad(self.engine)
 
+    # torch.amp.GradScaler then leaves the gradients alone and hands itself to step(grad_scaler=...),
+    # which refuses it before anything is released (its own unscale_ would edit the noised gradients).
+    _step_supports_amp_scaling = True
+
     # -- the step
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """The step boundary: every check passes before anything is released; a refusal discards
         the step (``StepRefused``, charged unless it cannot depend on the data)."""
+        if grad_scaler is not None:
+            refusal.discard(self.engine, self.original_optimizer)
+            raise RuntimeError(
+                "DPOptimizer.step(): torch.amp.GradScaler is not supported: it multiplies the loss by its scale "
+                "before the backward, so each example's gradient would be clipped at max_grad_norm/scale while "
+                "the noise stays at σ·max_grad_norm, and it skips steps whose gradients overflow, a decision "
+                "that depends on the data. Use torch.autocast(dtype=torch.bfloat16), which needs no scaler "
+                "(non-finite examples are dropped by the clipping, nonfinite='drop'). This step's gradients "
+                "were discarded; nothing was released or charged.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
