@@ -34,8 +34,9 @@ from the layer's weight counters, so example ``i`` moves the whole unit's releas
 
 **Batch dimensions.** Dimension 0 of every tensor input and output, except for modules with a
 ``batch_first`` attribute set to ``False`` (the recurrent layers, ``nn.MultiheadAttention``,
-``nn.Transformer*Layer``), whose sequence-major tensors carry the batch in dimension 1; see
-:func:`batch_dims`. Every output that receives a gradient must have the backward's row count ``B``
+``nn.Transformer*Layer``), whose sequence-major tensors carry the batch in dimension 1, and the
+recurrent layers' hidden states ``h_n``/``c_n``, ``[layers·D, B, H]`` whatever ``batch_first`` says;
+see :func:`batch_dims`. Every output that receives a gradient must have the backward's row count ``B``
 there (else the step is refused): a mask along the wrong dimension would mix examples.
 
 It is exact and slower than a fused path (``B`` vectorised backward passes of the unit, chunked),
@@ -64,11 +65,15 @@ _ANNOUNCED: set = set()
 
 def batch_dims(module: nn.Module, outputs) -> list[int]:
     """The batch dimension of each output tensor of ``module`` (module docstring)."""
+    if isinstance(module, nn.RNNBase):
+        # (output, h_n[, c_n]): batch_first applies to the output only; the hidden states are
+        # [layers·D, B, H] either way (masking their dimension 0 mixed the examples when B = layers·D)
+        return [0 if module.batch_first else 1] + [1] * max(0, len(outputs) - 1)
     if getattr(module, "batch_first", True) is not False:
         return [0] * len(outputs)
     if isinstance(module, nn.MultiheadAttention):  # (attn_output [T, B, E], attn_weights [B, T, S])
         return [1, 0][:len(outputs)] + [0] * max(0, len(outputs) - 2)
-    return [1] * len(outputs)  # RNNs: output [T, B, H], h_n (and c_n) [layers, B, H]; Transformer layers
+    return [1] * len(outputs)  # Transformer layers
 
 
 def input_batch_dim(module: nn.Module) -> int:
@@ -149,6 +154,8 @@ def _input_grads(ctx, st, outs, gs):
 
 def _per_example(outs, gs, dims, rows, leaves) -> torch.Tensor:
     """``[rows, P]``: each example's gradient of ``leaves``, flattened and concatenated."""
+    if rows == 0:  # an empty (Poisson) batch: no example, and no chunk to concatenate
+        return torch.cat([leaf.new_zeros(0, leaf.numel()) for leaf in leaves], 1)
     pieces = []
     for start in range(0, rows, CHUNK):
         k = min(CHUNK, rows - start)
