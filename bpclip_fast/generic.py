@@ -34,8 +34,9 @@ from the layer's weight counters, so example ``i`` moves the whole unit's releas
 
 **Batch dimensions.** Dimension 0 of every tensor input and output, except for modules with a
 ``batch_first`` attribute set to ``False`` (the recurrent layers, ``nn.MultiheadAttention``,
-``nn.Transformer*Layer``), whose sequence-major tensors carry the batch in dimension 1; see
-:func:`batch_dims`. Every output that receives a gradient must have the backward's row count ``B``
+``nn.Transformer*Layer``), whose sequence-major tensors carry the batch in dimension 1, and the
+recurrent layers' hidden states ``h_n``/``c_n``, ``[layers·D, B, H]`` whatever ``batch_first`` says;
+see :func:`batch_dims`. Every output that receives a gradient must have the backward's row count ``B``
 there (else the step is refused): a mask along the wrong dimension would mix examples.
 
 It is exact and slower than a fused path (``B`` vectorised backward passes of the unit, chunked),

@@ -28,12 +28,13 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, find, given, seed, settings
 from hypothesis import strategies as st
 
 from bpclip_fast import registry
 
 import fuzz_bounds as fb
+import fuzz_generic as fg
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -46,7 +47,15 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED == 0, dat
 # (name, predicate on a Case, reason). Cases they match are not drawn, so the properties stay free of
 # xfail; the named regression test in tests/test_fuzz_regressions.py carries the xfail. Empty this
 # once the fix is merged.
-KNOWN_BROKEN: list = []
+KNOWN_BROKEN: list = [
+    ("generic-nonfinite-contaminates-batch",
+     lambda c: c.kind in fg.KINDS and c.dtype == torch.float16 and any(v in ("huge", "scaled", "spike")
+                                                                       for v in c.values_x),
+     "a generic unit's masked backward spreads one example's non-finite forward values (0·inf) into every "
+     "example's gradient, so all are dropped and that example moves the release by up to (B − 1)·C "
+     "(tests/test_fuzz_regressions.py::test_one_examples_overflowing_forward_nulls_every_examples_gradient); "
+     "drawn where fp16 activations may overflow"),
+]
 
 # Cases that crash PyTorch itself, not this library: the same F.conv2d call on plain tensors dies the
 # same way, so they are kept out of the draws (a crash would end the whole test run). Each entry as
@@ -174,3 +183,80 @@ def test_every_registered_layer_type_and_mode_is_drawn():
     for kind, t in fb.TORCH_TYPE.items():
         assert fb.modes_of(kind) == registered[t]
         assert set(registered[t]) <= {"backprop", "flat", "per_layer"}
+
+
+# ------------------------------------------------------------------------------ the generic exact path
+# Modules with no fused layer (bpclip_fast/generic.py, issue 26), drawn small (B <= 5, tiny
+# modules): a case costs B + 1 vectorised backward passes of the unit and B batches of one. Budget:
+# a fifth of BPCLIP_FUZZ_EXAMPLES.
+GENERIC = settings(FUZZ, max_examples=max(1, EXAMPLES // 5))
+
+
+@st.composite
+def generic_geometries(draw, kind):
+    """(geometry, per-example input shape) of a generic unit of ``kind`` (tests/fuzz_generic.py)."""
+    ints = st.integers
+    if kind == "custom":
+        d = draw(ints(1, 4))
+        return {}, (*draw(st.sampled_from(((), (1,), (3,), (2, 2)))), d)
+    if kind == "conv1d":
+        groups = draw(ints(1, 2))
+        cin, cout = groups * draw(ints(1, 2)), groups * draw(ints(1, 2))
+        kernel, stride, padding, dilation = draw(ints(1, 3)), draw(ints(1, 2)), draw(ints(0, 1)), draw(ints(1, 2))
+        length = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + draw(ints(0, 3))
+        return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+                    groups=groups), (cin, length)
+    if kind == "rmsnorm":
+        normalized = draw(st.sampled_from(((1,), (3,), (2, 2))))
+        return (dict(normalized=normalized, eps=draw(st.sampled_from((1e-6, 1e-5, 1e-2)))),
+                (*draw(st.sampled_from(((), (2,)))), *normalized))
+    outputs = draw(st.sampled_from(("first", "all")))
+    t = draw(ints(1, 3))
+    if kind == "lstm":
+        return (dict(hidden=draw(ints(1, 3)), layers=draw(ints(1, 2)), bidirectional=draw(st.booleans()),
+                     batch_first=draw(st.booleans()), outputs=outputs), (t, draw(ints(1, 3))))
+    heads = draw(ints(1, 2))
+    return (dict(heads=heads, batch_first=draw(st.booleans()), need_weights=draw(st.booleans()), outputs=outputs),
+            (t, heads * draw(ints(1, 2))))
+
+
+@st.composite
+def generic_cases(draw, kinds=fg.KINDS):
+    kind = draw(st.sampled_from(kinds))
+    geometry, shape = draw(generic_geometries(kind))
+    batch = draw(st.integers(1, 5))
+    values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
+    return fb.Case(
+        kind=kind, mode=draw(st.sampled_from(fg.modes_of(kind))), dtype=draw(st.sampled_from(fb.DTYPES)),
+        clip_fn=draw(st.sampled_from(("clip", "global", "normalize"))),
+        bias=draw(st.booleans()) if kind in ("conv1d", "lstm", "mha") else False,
+        geometry=geometry, shape=shape, batch=batch,
+        layout=draw(st.sampled_from(fb.LAYOUTS)), layout_g=draw(st.sampled_from(fb.LAYOUTS)),
+        values_x=draw(values), values_g=draw(values), seed=draw(st.integers(0, 2 ** 16)),
+        bound=draw(st.sampled_from(BOUNDS)), gamma=draw(st.sampled_from(GAMMAS)))
+
+
+@GENERIC
+@_with_seed
+@given(generic_cases().filter(lambda c: not known_broken(c)))
+@pytest.mark.filterwarnings("ignore:bpclip_fast.*generic exact path")
+def test_generic_units(case):
+    fg.check(case)
+
+
+def test_every_generic_kind_mode_and_dtype_is_drawn():
+    """Each generic kind is a module the registry has no fused layer for (so conversion makes it a
+    generic unit), and the strategy draws it in both exact modes, every dtype, and (recurrent and
+    attention units) sequence-first with every output fed."""
+    instances = {"custom": fg.Affine(2), "conv1d": torch.nn.Conv1d(1, 1, 1), "rmsnorm": torch.nn.RMSNorm(2),
+                 "lstm": torch.nn.LSTM(1, 1), "mha": torch.nn.MultiheadAttention(2, 1)}
+    assert set(instances) == set(fg.KINDS) and {type(m) for m in instances.values()} == set(fg.TORCH_TYPE.values())
+    for kind, m in instances.items():
+        assert registry.generic_candidate(m), kind
+        for mode in ("flat", "per_layer"):
+            for dtype in fb.DTYPES:
+                find(generic_cases((kind,)), lambda c, mode=mode, dtype=dtype: (c.mode, c.dtype) == (mode, dtype),
+                     settings=settings(database=None, max_examples=2000))
+        if kind in ("lstm", "mha"):
+            find(generic_cases((kind,)), lambda c: not c.geometry["batch_first"] and c.geometry["outputs"] == "all",
+                 settings=settings(database=None, max_examples=2000))

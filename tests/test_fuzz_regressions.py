@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fuzz_bounds as fb
+import fuzz_generic as fg
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -154,3 +155,64 @@ def test_conv_with_one_output_position_takes_its_norm_in_double(mode):
                    shape=(1, 1, 1), batch=2, values_x=("normal", "scaled"), values_g=("normal", "huge"), seed=0,
                    bound=0.001, gamma=1e-6)
     fb.check(case)  # asserts first that no finite example was counted as non-finite
+
+
+# ------------------------------------------------------------------------------ the generic exact path
+# Found by the fuzzer's generic kinds (tests/fuzz_generic.py); each failed on e01e365 as its
+# docstring says.
+
+
+def _lstm(batch, layers, bidirectional, values_g, dtype=torch.float64, mode="per_layer"):
+    return fb.Case(kind="lstm", mode=mode, dtype=dtype, clip_fn="clip", bias=True,
+                   geometry=dict(hidden=2, layers=layers, bidirectional=bidirectional, batch_first=True,
+                                 outputs="all"),
+                   shape=(3, 2), batch=batch, values_x=("normal",) * batch, values_g=values_g, seed=5, bound=0.1)
+
+
+@pytest.mark.filterwarnings("ignore:bpclip_fast.*generic exact path")
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("layers, bidirectional", [(2, False), (1, True)])
+def test_batch_first_rnn_hidden_state_masks_the_examples_not_the_layers(layers, bidirectional, mode):
+    """A ``batch_first`` LSTM whose ``h_n``/``c_n`` receive a gradient (``head(h_n[-1])``, the usual
+    classifier): torch never applies ``batch_first`` to the hidden states, ``[layers·D, B, H]``, but
+    ``generic.batch_dims`` masked dimension 0 of every output of a batch_first module. With
+    ``B = layers·D`` (here 2) nothing refused it and example ``i``'s "gradient" was the gradient of
+    layer/direction ``i``'s final state over *every* example: the zero-gradient example 1 got a
+    stored gradient of norm > 0 (example 0's data, clipped and released as example 1's), and its
+    removal crashed on the refusal below. Fixed by taking ``h_n``/``c_n``'s batch from dimension 1."""
+    fg.check(_lstm(2, layers, bidirectional, ("normal", "zero"), mode=mode))
+
+
+@pytest.mark.filterwarnings("ignore:bpclip_fast.*generic exact path")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_batch_first_rnn_hidden_state_is_not_refused(dtype):
+    """The same defect where ``B ≠ layers·D``: the step was refused ("an output of shape (1, 3, 2)
+    has no dimension 0 of 3 rows") for an ordinary use of ``h_n``."""
+    fg.check(_lstm(3, 1, False, ("normal", "scaled", "spike"), dtype=dtype))
+
+
+@pytest.mark.filterwarnings("ignore:bpclip_fast.*generic exact path")
+@pytest.mark.parametrize("kind", ["custom", "mha"])
+def test_generic_unit_on_an_empty_batch_releases_zeros(kind):
+    """The removal of a batch's only example: the unit's backward on zero rows crashed
+    (``torch.cat(): expected a non-empty list of Tensors`` in ``generic._per_example``) where every
+    fused layer releases zeros (plus the noise): an empty Poisson batch is a legal step."""
+    geometry = {} if kind == "custom" else dict(heads=1, batch_first=True, need_weights=False, outputs="first")
+    fg.check(fb.Case(kind=kind, mode="flat", dtype=torch.float32, clip_fn="clip", bias=True, geometry=geometry,
+                     shape=(2, 2), batch=1, values_x=("normal",), values_g=("normal",), bound=1e-3))
+
+
+@pytest.mark.filterwarnings("ignore:bpclip_fast.*generic exact path")
+@pytest.mark.xfail(strict=True, raises=fb.BoundExceeded, reason="generic-nonfinite-contaminates-batch: not fixed")
+def test_one_examples_overflowing_forward_nulls_every_examples_gradient():
+    """Found by the fuzzer (seed 3; kept out of its draws by KNOWN_BROKEN
+    'generic-nonfinite-contaminates-batch'): an fp16 MultiheadAttention unit where one example's
+    inputs (1023, fp16's "huge") overflow the attention logits to inf. The unit's masked backward
+    multiplies that example's non-finite forward values by the zeros of every other example's mask
+    (0·inf = NaN) and the weight gradients sum over all rows, so *every* example's stored gradient is
+    NaN and every example is dropped (factor 0). The presence of the one example then moves the
+    release by the others' whole clipped sum: 4.0 × C here (B − 1 examples), where the accountant
+    assumes ≤ C. Fused layers form per-example gradients row by row and drop the bad example alone."""
+    fg.check(fb.Case(kind="mha", mode="flat", dtype=torch.float16, clip_fn="clip", bias=False,
+                     geometry=dict(heads=1, batch_first=False, need_weights=True, outputs="first"), shape=(1, 1),
+                     batch=5, values_x=("normal",) * 4 + ("huge",), values_g=("normal",) * 5, bound=1e-3, gamma=1e-6))
