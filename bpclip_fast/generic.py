@@ -86,7 +86,7 @@ class _State:
     through ``save_for_backward``: they are the private graph, not tensors of the caller's)."""
 
     __slots__ = ("layer", "in_leaves", "param_leaves", "outs", "dims", "rows", "sensitivity", "book",
-                 "bounds_version", "dtype")
+                 "bounds_version", "dtype", "inner_args", "spec", "tracked")
 
 
 class _Unit(torch.autograd.Function):
@@ -128,6 +128,7 @@ class _Unit(torch.autograd.Function):
             return (None, None, None, *input_grads, *(None,) * n_params)
         leaves = [leaf for leaf, m in zip(st.param_leaves, mask) if m]
         per_example = _per_example(outs, gs, dims, st.rows, leaves)
+        _isolate_nonfinite(st, per_example, grads, mask)
         _release_graph(ctx)
         step_args = exact._step_args(layer, st.rows, st.sensitivity)
         kept = examples.DenseExamples(per_example, None, st.dtype)
@@ -139,7 +140,60 @@ class _Unit(torch.autograd.Function):
 
 
 def _release_graph(ctx):
-    ctx.state.outs = ctx.state.in_leaves = ctx.state.param_leaves = ()
+    st = ctx.state
+    st.outs = st.in_leaves = st.param_leaves = st.inner_args = ()
+
+
+def _isolate_nonfinite(st, per_example, grads, mask) -> None:
+    """Recomputes, alone, each example whose gradient came out non-finite (in place in
+    ``per_example``).
+
+    One example's non-finite forward values (an fp16 attention logit that overflows) reach every
+    other example's masked backward as ``0·inf = NaN`` wherever the backward multiplies the zero
+    upstream rows by the forward's values, and the weight gradients sum over all rows: every
+    example's gradient would be NaN and every example dropped, so that one example would move the
+    release by the others' whole clipped sum. Here example ``i`` is recomputed by a forward and
+    backward of the unit in which every other example's floating-point inputs are zero (rows along
+    the input batch dimension), so nothing of theirs enters its values. Under batch independence
+    that leaves example ``i``'s own computation unchanged; its gradient is then finite unless its
+    own values are not (then its bound is not finite and its factor 0, as the fused layers drop a
+    non-finite example). Either way ``G_i`` is a function of example ``i`` alone. Costs one read of
+    a flag on the host, and a forward and backward per such example (random layers draw anew)."""
+    bad = ~torch.isfinite(per_example).all(1)
+    if not bool(bad.any()):
+        return
+    layer = st.layer
+    base = type(layer)._bp_base
+    d = input_batch_dim(layer)
+    leaves = [leaf for leaf, m in zip(st.param_leaves, mask) if m]
+    for i in bad.nonzero().flatten().tolist():
+        def alone(t):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > d and t.shape[d] == st.rows):
+                return t
+            keep = torch.zeros(st.rows, dtype=t.dtype, device=t.device)
+            keep[i] = 1
+            shape = [1] * t.dim()
+            shape[d] = st.rows
+            return t.detach() * keep.view(shape)
+
+        iargs, ikwargs = pytree.tree_unflatten([alone(a) for a in st.inner_args], st.spec)
+        with torch.enable_grad(), _reparametrize_module(layer, dict(zip(layer._bp_names, st.param_leaves)),
+                                                        tie_weights=True):
+            out = base.forward(layer, *iargs, **ikwargs)
+        out_flat = pytree.tree_flatten(out)[0]
+        outs, gs = [], []
+        for j, g, dim in zip(st.tracked, grads, st.dims):
+            if g is None:
+                continue
+            sel = torch.zeros(st.rows, dtype=g.dtype, device=g.device)
+            sel[i] = 1
+            shape = [1] * g.dim()
+            shape[dim] = st.rows
+            outs.append(out_flat[j])
+            gs.append(g * sel.view(shape))
+        got = torch.autograd.grad(outs, leaves, gs, allow_unused=True)
+        per_example[i] = torch.cat([(t if t is not None else torch.zeros_like(leaf)).reshape(-1)
+                                    for t, leaf in zip(got, leaves)])
 
 
 def _input_grads(ctx, st, outs, gs):
@@ -258,6 +312,7 @@ class GenericLayer:
         state.rows, state.book, state.dtype = rows, book, params[0].dtype
         state.sensitivity = self._noise_sensitivity(None)
         state.bounds_version = self._bounds_version
+        state.inner_args, state.spec, state.tracked = inner_args, spec, tracked
         trained = () if book is not None else params
         aliases = _Unit.apply(state, token, len(outer), *outer, *trained)
         for i, a in zip(tracked, aliases):

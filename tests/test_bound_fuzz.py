@@ -47,15 +47,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED == 0, dat
 # (name, predicate on a Case, reason). Cases they match are not drawn, so the properties stay free of
 # xfail; the named regression test in tests/test_fuzz_regressions.py carries the xfail. Empty this
 # once the fix is merged.
-KNOWN_BROKEN: list = [
-    ("generic-nonfinite-contaminates-batch",
-     lambda c: c.kind in fg.KINDS and c.dtype == torch.float16 and any(v in ("huge", "scaled", "spike")
-                                                                       for v in c.values_x),
-     "a generic unit's masked backward spreads one example's non-finite forward values (0·inf) into every "
-     "example's gradient, so all are dropped and that example moves the release by up to (B − 1)·C "
-     "(tests/test_fuzz_regressions.py::test_one_examples_overflowing_forward_nulls_every_examples_gradient); "
-     "drawn where fp16 activations may overflow"),
-]
+KNOWN_BROKEN: list = []
 
 # Cases that crash PyTorch itself, not this library: the same F.conv2d call on plain tensors dies the
 # same way, so they are kept out of the draws (a crash would end the whole test run). Each entry as

@@ -203,16 +203,15 @@ def test_generic_unit_on_an_empty_batch_releases_zeros(kind):
 
 
 @pytest.mark.filterwarnings("ignore:bpclip_fast.*generic exact path")
-@pytest.mark.xfail(strict=True, raises=fb.BoundExceeded, reason="generic-nonfinite-contaminates-batch: not fixed")
 def test_one_examples_overflowing_forward_nulls_every_examples_gradient():
-    """Found by the fuzzer (seed 3; kept out of its draws by KNOWN_BROKEN
-    'generic-nonfinite-contaminates-batch'): an fp16 MultiheadAttention unit where one example's
+    """Found by the fuzzer (seed 3), fixed by generic._isolate_nonfinite: an fp16 MultiheadAttention unit where one example's
     inputs (1023, fp16's "huge") overflow the attention logits to inf. The unit's masked backward
     multiplies that example's non-finite forward values by the zeros of every other example's mask
     (0·inf = NaN) and the weight gradients sum over all rows, so *every* example's stored gradient is
     NaN and every example is dropped (factor 0). The presence of the one example then moves the
     release by the others' whole clipped sum: 4.0 × C here (B − 1 examples), where the accountant
-    assumes ≤ C. Fused layers form per-example gradients row by row and drop the bad example alone."""
+    assumes ≤ C. Fused layers form per-example gradients row by row and drop the bad example alone;
+    the unit now recomputes each non-finite example with the others' inputs zeroed."""
     fg.check(fb.Case(kind="mha", mode="flat", dtype=torch.float16, clip_fn="clip", bias=False,
                      geometry=dict(heads=1, batch_first=False, need_weights=True, outputs="first"), shape=(1, 1),
                      batch=5, values_x=("normal",) * 4 + ("huge",), values_g=("normal",) * 5, bound=1e-3, gamma=1e-6))
