@@ -70,3 +70,67 @@ def test_bash_blocks_name_what_exists():
             cli.build_parser().parse_args(argv[1:])  # an unknown subcommand or flag exits 2
         else:
             pytest.fail(f"README runs `{' '.join(argv)}`, which this test does not know how to check")
+
+
+def test_accountant_comparison_numbers():
+    """The numbers of "The default accountant, "rdp", is not Opacus' default": ours through our RDP
+    and PLD accountants, Opacus' through its own RDP and (default) PRV accountants."""
+    opacus = pytest.importorskip("opacus.accountants")
+    import warnings
+
+    from bpclip_fast.accounting import PLDAccountant, RDPAccountant, get_noise_multiplier
+    from opacus.accountants.utils import get_noise_multiplier as opacus_noise_multiplier
+
+    text = " ".join(README.read_text().split())
+    start = text.index('**The default accountant, `"rdp"`, is not Opacus\' default**')
+    claim = text[start:start + 1500]  # the paragraph (whitespace collapsed)
+
+    def ours(cls, sigma, q, n):
+        acc = cls()
+        acc._append(sigma, q, n)
+        return acc.get_epsilon(1e-5)
+
+    def theirs(cls, sigma, q, n):
+        acc = cls()
+        acc.history = [(sigma, q, n)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return acc.get_epsilon(1e-5)
+
+    digits, mnist = (2.0, 128 / 1437, 220), (1.1, 256 / 60000, 14063)
+    rdp, pld = ours(RDPAccountant, *digits), ours(PLDAccountant, *digits)
+    assert f"{rdp:.2f}" == f"{theirs(opacus.RDPAccountant, *digits):.2f}"
+    prv = theirs(opacus.PRVAccountant, *digits)
+    assert f"ε = {rdp:.2f} with RDP (ours and Opacus'), {pld:.2f} with `PrivacyEngine(accountant=\"pld\")` " \
+           f"and {prv:.2f} with Opacus' PRV" in claim, claim
+    m = [ours(RDPAccountant, *mnist), ours(PLDAccountant, *mnist), theirs(opacus.PRVAccountant, *mnist)]
+    assert f"{m[0]:.2f}, {m[1]:.2f} and {m[2]:.2f}" in claim, claim
+    kw = dict(target_epsilon=3.0, target_delta=1e-5, sample_rate=128 / 1437, steps=220)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prv_sigma = opacus_noise_multiplier(**kw, accountant="prv")
+    pld_sigma, rdp_sigma = get_noise_multiplier(**kw, accountant="pld"), get_noise_multiplier(**kw, accountant="rdp")
+    assert f"{pld_sigma:.2f}" == f"{prv_sigma:.2f}"
+    assert f"σ = {pld_sigma:.2f} with PLD and with Opacus' PRV, {rdp_sigma:.2f} with RDP" in claim, claim
+
+
+def test_readme_opens_with_the_two_commands_then_says_what_the_library_is():
+    text = README.read_text()
+    first = FENCE.search(text)
+    assert text[:first.start()].strip() == "# bpclip_fast"  # the two commands come first (project rule)
+    assert first.group(1) == "bash"
+    assert [line.split()[:2] for line in first.group(2).splitlines()] == [["make", "demo"], ["make", "test"]]
+    intro = " ".join(text[first.end():text.index("```python")].split())
+    assert intro.count(". ") <= 3  # two or three sentences, before any code
+    for term in ("differentially private training for PyTorch", "Opacus", "make_private", "DP-SGD",
+                 "backpropagation clipping", "fused C++/CUDA kernels"):
+        assert term in intro, f"the README's opening does not say {term!r}"
+
+
+def test_readme_points_only_to_what_a_user_has():
+    text = README.read_text()
+    assert "../" not in text, "the README points outside the repository (a user has only the repository)"
+    assert not re.search(r"issue \d+", text), "the README speaks of the project's issues; say what is true now"
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not target.startswith(("http://", "https://")):
+            assert (README.parent / target).exists(), f"README links to {target}, which does not exist"

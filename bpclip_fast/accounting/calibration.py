@@ -87,14 +87,25 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
     cls = type(template)
 
     cache: dict = {}
+    # An accountant's warnings about a σ the search only tries say nothing about the answer: keep
+    # them per σ and repeat those of the σ returned (see _answer).
+    notes: dict = {}
 
     def eps(sigma: float) -> float:
         if sigma not in cache:
             acc = cls(**accountant_kw)
             acc._append(sigma, sample_rate, steps)
-            e = acc.get_epsilon(target_delta)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                e = acc.get_epsilon(target_delta)
+            notes[sigma] = caught
             cache[sigma] = e if e == e else math.inf  # NaN -> inf (no guarantee)
         return cache[sigma]
+
+    def _answer(sigma: float) -> float:
+        for w in notes.get(sigma, ()):
+            warnings.warn(w.message, w.category, stacklevel=3)
+        return sigma
 
     sigma_min = template.search_sigma_min
     start, factor = 1.0, 2.0
@@ -119,7 +130,7 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
                 warnings.warn(f"target_epsilon={target_epsilon} is met even at noise_multiplier="
                               f"{sigma_min} (the smallest the search tries for {accountant!r}); "
                               "returning it", stacklevel=2)
-                return sigma_min
+                return _answer(sigma_min)
             else:
                 hi = s
             factor = min(2.0, factor * factor)
@@ -166,4 +177,4 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
             lo = s
         # bisect next time if the secant step removed less than half of the bracket
         bisect_next = (math.log(hi) - math.log(lo)) > 0.5 * old_width
-    return hi
+    return _answer(hi)

@@ -10,9 +10,19 @@ import argparse
 import sys
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with ``(default: value)``; a help that already says its default in
+    words (``(default: fresh entropy)``, for a ``None`` default) is left as it is."""
+
+    def _get_help_string(self, action):
+        if "(default: " in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bpclip-audit", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_Formatter)
     sub = p.add_subparsers(dest="command", required=True)
     _sensitivity_parser(sub)
     _one_run_parser(sub)
@@ -31,23 +41,24 @@ def _sensitivity_parser(sub) -> None:
                        "is scaled to; and the std of the noise the layers draw against sigma times that bound. Exit "
                        "code 0 if every bound holds and no layer is under-noised, 1 otherwise, 2 if the model cannot "
                        "be made private in that mode. The report holds data-dependent values: do not publish it for "
-                       "private data.")
+                       "private data.", formatter_class=_Formatter)
     p.add_argument("--model", default="mlp", help="mlp (Flatten, Linear(784, 32), act, Linear(32, 10)) or a "
                    "bpclip-train model: mnist, papernot-mnist, resnet20-gn, vit (the last two: flat/per_layer only, and "
-                   "slower: 10-80 s with the default search) (default: mlp)")
-    p.add_argument("--mode", default="backprop", choices=("backprop", "flat", "per_layer"))
-    p.add_argument("--activation", default="tanh", help="relu, tanh, tempered, gelu (default: tanh)")
+                   "slower: 10-80 s with the default search)")
+    p.add_argument("--mode", default="backprop", choices=("backprop", "flat", "per_layer"), help="clipping mode")
+    p.add_argument("--activation", default="tanh", help="relu, tanh, tempered, gelu")
     p.add_argument("--sigma", type=float, default=1.0,
                    help="noise multiplier (the audit measures the noise the layers draw, on a copy of the model)")
-    p.add_argument("--input-clip", type=float, default=2.0, help="backprop: C_x (default 2)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="backprop: C_g (default 1)")
+    p.add_argument("--input-clip", type=float, default=2.0, help="backprop: C_x")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="backprop: C_g")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="flat/per_layer: C (per_layer: split C/sqrt(L))")
-    p.add_argument("--loss-reduction", default="mean", choices=("mean", "sum"))
-    p.add_argument("--batch-size", type=int, default=32, help="the audited batch and the loader's B̄ (default 32)")
+    p.add_argument("--loss-reduction", default="mean", choices=("mean", "sum"),
+                   help="the loss of the audited batch: its mean or its sum over the examples")
+    p.add_argument("--batch-size", type=int, default=32, help="the audited batch and the loader's B̄")
     p.add_argument("--adversarial-steps", type=int, default=10, help="gradient-ascent steps per start (0: none)")
-    p.add_argument("--starts", type=int, default=2, help="examples the adversarial search starts from (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="model initialisation and the batch drawn (default 0)")
-    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    p.add_argument("--starts", type=int, default=2, help="examples the adversarial search starts from")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and the batch drawn")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON (default: none written)")
     p.set_defaults(run=_run_sensitivity)
 
 
@@ -111,34 +122,35 @@ def _settings_arguments(p, d) -> None:
     from .empirical import ACCOUNTANTS, LAYERS, LOOPS, MODES
 
     g = p.add_argument_group("the audited configuration")
-    g.add_argument("--mode", choices=MODES, default=d.mode, help=f"clipping mode (default {d.mode})")
+    g.add_argument("--mode", choices=MODES, default=d.mode, help="clipping mode")
     g.add_argument("--accountant", choices=ACCOUNTANTS, default=d.accountant,
-                   help=f"rdp/pld: Poisson sampling; zcdp: shuffled disjoint batches (default {d.accountant})")
+                   help="rdp/pld: Poisson sampling; zcdp: shuffled disjoint batches")
     g.add_argument("--sigma", type=float, default=d.noise_multiplier,
-                   help=f"noise multiplier (default {d.noise_multiplier:g})")
-    g.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps per run (default {d.steps})")
+                   help="noise multiplier")
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run")
     g.add_argument("--batch-size", type=int, default=None,
                    help="expected batch size (default: the whole dataset, sample rate 1)")
     g.add_argument("--heads", type=int, default=d.heads,
-                   help=f"parallel layers of the audited model (default {d.heads})")
+                   help="parallel layers of the audited model")
     g.add_argument("--layer", choices=LAYERS, default="linear",
-                   help="the audited layers: linear, or conv (1x1 Conv2d on a 1x1 image) (default linear)")
+                   help="the audited layers: linear, or conv (1x1 Conv2d on a 1x1 image)")
     g.add_argument("--bias", action="store_true", help="give the audited layers a bias")
     g.add_argument("--clip", type=float, default=d.clip,
-                   help=f"flat/per_layer max_grad_norm, or backprop input_clip = grad_clip (default {d.clip:g})")
-    g.add_argument("--loss-reduction", choices=("mean", "sum"), default=d.loss_reduction)
+                   help="flat/per_layer max_grad_norm, or backprop input_clip = grad_clip")
+    g.add_argument("--loss-reduction", choices=("mean", "sum"), default=d.loss_reduction,
+                   help="the training loss: the mean or the sum over the batch")
     g.add_argument("--loop", choices=LOOPS, default="plain",
                    help="training loop: plain; inplace-zero (a first backward thrown away by "
                         "zero_grad(set_to_none=False)); micro-batches (two accumulated passes)")
     g.add_argument("--fillers", type=int, default=d.fillers,
-                   help=f"ordinary examples beside the canaries (default {d.fillers})")
+                   help="ordinary examples beside the canaries")
     a = p.add_argument_group("the statistics")
-    a.add_argument("--delta", type=float, default=d.delta, help=f"δ of the tested (ε, δ) claim (default {d.delta:g})")
+    a.add_argument("--delta", type=float, default=d.delta, help="δ of the tested (ε, δ) claim")
     a.add_argument("--confidence", type=float, default=d.confidence,
-                   help=f"confidence of the lower bound (default {d.confidence:g})")
+                   help="confidence of the lower bound")
     a.add_argument("--seed", type=int, default=None,
-                   help="reproducible run (inclusion, fillers and noise); default: fresh entropy")
-    a.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+                   help="reproducible run (inclusion, fillers and noise) (default: fresh entropy)")
+    a.add_argument("--json", metavar="PATH", help="write the full report as JSON (default: none written)")
 
 
 def _settings(args, defaults):
@@ -170,8 +182,9 @@ def _one_run_parser(sub) -> None:
     p = sub.add_parser("one-run", help="ε lower bound from one training run with m canaries (Steinke et al. 2023)",
                        description="One training run of the real engine with --canaries white-box gradient "
                                    "canaries, each included with probability 1/2; guesses on the highest and "
-                                   "lowest scores give an ε lower bound (Steinke, Nasr, Jagielski, NeurIPS 2023).")
-    p.add_argument("--canaries", type=int, default=1000, help="number of canaries m (default 1000)")
+                                   "lowest scores give an ε lower bound (Steinke, Nasr, Jagielski, NeurIPS 2023).",
+                       formatter_class=_Formatter)
+    p.add_argument("--canaries", type=int, default=1000, help="number of canaries m")
     from .empirical import ONE_RUN_DEFAULTS
 
     _settings_arguments(p, ONE_RUN_DEFAULTS)
@@ -194,10 +207,11 @@ def _many_run_parser(sub) -> None:
     p = sub.add_parser("many-run", help="ε lower bound from many short runs with and without one canary",
                        description="--runs independent runs of the real engine, half with one white-box "
                                    "canary and half without; a threshold chosen on a quarter of the runs (--split) "
-                                   "and Clopper-Pearson bounds on the rest. The tight check of a single step.")
-    p.add_argument("--runs", type=int, default=4000, help="number of runs, half with the canary (default 4000)")
+                                   "and Clopper-Pearson bounds on the rest. The tight check of a single step.",
+                       formatter_class=_Formatter)
+    p.add_argument("--runs", type=int, default=4000, help="number of runs, half with the canary")
     p.add_argument("--split", type=float, default=0.25,
-                   help="fraction of the runs that chooses the threshold; the rest bound ε (default 0.25)")
+                   help="fraction of the runs that chooses the threshold; the rest bound ε")
     from .empirical import MANY_RUN_DEFAULTS
 
     _settings_arguments(p, MANY_RUN_DEFAULTS)
