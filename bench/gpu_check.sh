@@ -12,6 +12,7 @@
 #   norm_cost    bench/norm_cost.py, 3 reps                                               ~20 s
 #   compile      bench.compile --device cuda --compile-mode reduce-overhead (CUDA graphs), mlp and
 #                mnist, non-private and flat, batch 128; at most 100 s                    ~80 s
+#   profile      bench.profile: flat's device time by kernel (cifar10, resnet20-gn, vit, b128) ~40 s
 #   step_bench   bench.step, batch 128, models mnist, cifar10, vit, resnet20-gn, methods
 #                nonprivate, bpclip_fast, flat, opacus_ghost; one child each (~10 s of CUDA
 #                start-up per child, so this is the step the budget cuts first)          ~140 s
@@ -86,6 +87,9 @@ step step_bench "$PY" -m bench.step --device cuda --models mnist,cifar10,vit,res
   --warmup-time 0.5 --min-time 1 --timeout 60 \
   --methods nonprivate,bpclip_fast,flat,opacus_ghost --json "$OUT/step.json" --md "$OUT/step.md"
 [[ -f "$OUT/step.md" ]] && cat "$OUT/step.md"
+# Where flat's device time goes (2026-11-26: exact_bound_kernel was 68% of CIFAR-10's; rewritten since).
+step profile "$PY" -m bench.profile --device cuda --batch 128 cifar10:nonprivate cifar10:flat resnet20-gn:flat vit:flat
+grep -E "^###" "$OUT/profile.log" | tee -a "$OUT/summary.txt"
 tail -n 3 "$OUT"/pytest_*.log >>"$OUT/summary.txt" 2>/dev/null
 echo "total $((SECONDS - START)) s of a ${BUDGET} s budget" | tee -a "$OUT/summary.txt"
 echo "results in $OUT (summary.txt)"
