@@ -68,7 +68,8 @@ def _in_parameter_dtype(forward):
     and proved bounds are then those of that dtype; the ops around the layer keep autocast's."""
     @functools.wraps(forward)
     def wrapped(self, x):
-        if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+        if (isinstance(x, torch.Tensor) and torch.amp.is_autocast_available(x.device.type)
+                and torch.is_autocast_enabled(x.device.type)):
             dtype = self.weight.dtype
             if x.is_floating_point() and x.dtype != dtype:
                 x = x.to(dtype)
