@@ -178,3 +178,51 @@ def test_a_per_example_attention_mask_of_minus_infinity_drops_only_its_own_examp
     a, b = _removal(base, "attn", (x, bias), y, 0, C=0.05)
     assert float(b.norm()) > 0.05
     assert torch.all((a - b).abs() <= 1000 * EPS64 * 0.05 * B)
+
+
+# ------------------------------------------------ 4. the GradScaler refusal after a backward pass
+
+
+def _private_linear(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3))
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+                                             noise_multiplier=1.0, clipping="flat", max_grad_norm=1.0)
+    return engine, model, opt, loader
+
+
+def _steps(engine):
+    return sum(n for _, _, n in engine.accountant.history)
+
+
+def test_a_grad_scaler_refusal_after_a_backward_pass_is_charged():
+    """ddc02f3 refused GradScaler uncharged, but the noise is added in the backward: the batch's noised
+    gradient was in .grad before scaler.step(), and a loop that read it and caught the refusal got a
+    release of every batch for free (ε stayed 0 over any number of batches)."""
+    engine, model, opt, loader = _private_linear()
+    scaler = torch.amp.GradScaler("cpu")
+    it = iter(loader)
+    seen = []
+    for k in range(3):
+        xb, yb = next(it)
+        scaler.scale(nn.functional.cross_entropy(model(xb), yb)).backward()
+        seen.append(model[0].weight.grad.clone())  # the release, readable before the step
+        with pytest.raises(bpclip_fast.StepRefused, match=r"GradScaler is not supported.*bfloat16") as info:
+            scaler.step(opt)
+        assert info.value.charged and _steps(engine) == k + 1
+        assert all(p.grad is None for p in model.parameters())
+    xb, yb = next(it)  # a normal step still works after the refusals, with a fresh draw
+    nn.functional.cross_entropy(model(xb), yb).backward()
+    assert not any(torch.equal(model[0].weight.grad, s) for s in seen)
+    opt.step()
+    assert _steps(engine) == 4
+
+
+def test_a_grad_scaler_refusal_with_no_batch_drawn_is_not_charged():
+    engine, model, opt, loader = _private_linear()
+    with pytest.raises(bpclip_fast.StepRefused, match="GradScaler") as info:
+        opt.step(grad_scaler=torch.amp.GradScaler("cpu"))
+    assert not info.value.charged and _steps(engine) == 0
