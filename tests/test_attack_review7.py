@@ -226,3 +226,32 @@ def test_a_grad_scaler_refusal_with_no_batch_drawn_is_not_charged():
     with pytest.raises(bpclip_fast.StepRefused, match="GradScaler") as info:
         opt.step(grad_scaler=torch.amp.GradScaler("cpu"))
     assert not info.value.charged and _steps(engine) == 0
+
+
+# ------------------------------------------------ the charging of a backward with no batch drawn
+
+
+def test_backward_passes_on_the_last_batch_after_its_step_release_nothing_uncharged():
+    """ddc02f3: after a step, the loop ran the previous batch's backward again (no new batch drawn),
+    read .grad, zero_grad, and repeated: each pass held the same clipped sum under a fresh draw (a
+    cleared gradient is redrawn), none was charged (ε of one step), so averaging them recovered the
+    clean sum. Now refused before anything of the pass is computed."""
+    engine, model, opt, loader = _private_linear()
+    xb, yb = next(iter(loader))
+    nn.functional.cross_entropy(model(xb), yb).backward()
+    opt.step()
+    opt.zero_grad()
+    released = []
+    for _ in range(3):
+        try:
+            nn.functional.cross_entropy(model(xb), yb).backward()
+        except RuntimeError as exc:
+            assert "no batch was drawn" in str(exc) and all(p.grad is None for p in model.parameters())
+            break
+        released.append(model[0].weight.grad.clone())
+        opt.zero_grad()
+    assert released == [] and _steps(engine) == 1
+    xb, yb = next(iter(loader))  # the next batch trains as usual
+    nn.functional.cross_entropy(model(xb), yb).backward()
+    opt.step()
+    assert _steps(engine) == 2
