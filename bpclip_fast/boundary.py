@@ -84,6 +84,10 @@ RULES = {
     "bounds": ("the clipping bounds are the ones the noise is scaled to (fixed at make_private)",
                "do not change the clipping after make_private (attach_flat, thresholds); make a fresh model "
                "private with the bounds you want"),
+    "grad-scaler": ("each example's gradient is clipped at max_grad_norm under noise σ·max_grad_norm, and no step is "
+                    "skipped because of the data",
+                    "use torch.autocast(dtype=torch.bfloat16), which needs no scaler (non-finite examples get clip "
+                    "factor 0 with nonfinite='drop'), and call optimizer.step() without a GradScaler"),
     "nonfinite": ("strict non-finite mode: no example may be non-finite",
                   "clean the data, or use nonfinite='drop' (the default), which gives such examples clip factor 0"),
 }

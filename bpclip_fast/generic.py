@@ -45,6 +45,7 @@ announced once per module type by a warning.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 
@@ -148,52 +149,94 @@ def _isolate_nonfinite(st, per_example, grads, mask) -> None:
     """Recomputes, alone, each example whose gradient came out non-finite (in place in
     ``per_example``).
 
-    One example's non-finite forward values (an fp16 attention logit that overflows) reach every
-    other example's masked backward as ``0·inf = NaN`` wherever the backward multiplies the zero
-    upstream rows by the forward's values, and the weight gradients sum over all rows: every
-    example's gradient would be NaN and every example dropped, so that one example would move the
-    release by the others' whole clipped sum. Here example ``i`` is recomputed by a forward and
-    backward of the unit in which every other example's floating-point inputs are zero (rows along
-    the input batch dimension), so nothing of theirs enters its values. Under batch independence
-    that leaves example ``i``'s own computation unchanged; its gradient is then finite unless its
-    own values are not (then its bound is not finite and its factor 0, as the fused layers drop a
-    non-finite example). Either way ``G_i`` is a function of example ``i`` alone. Costs one read of
-    a flag on the host, and a forward and backward per such example (random layers draw anew)."""
+    One example's non-finite forward values (an fp16 attention logit that overflows, an infinite
+    cell state, an all-padding row) reach every other example's masked backward as ``0·inf = NaN``
+    wherever the backward multiplies the zero upstream rows by the forward's values, and the weight
+    gradients sum over all rows: every example's gradient would be NaN and every example dropped, so
+    that one example would move the release by the others' whole clipped sum. Here example ``i`` is
+    recomputed by a forward and backward of the unit in which every example row of every input
+    (:func:`_example_rows`, any dtype: boolean padding masks and token ids too) is a copy of example
+    ``i``'s, so the whole computation is example ``i``'s: under batch independence its own rows are
+    unchanged, and any other row is non-finite only where example ``i``'s own values are. ``G_i`` is
+    then a function of example ``i`` alone, finite unless its own values are not (then its bound is
+    not finite and its factor 0, as the fused layers drop a non-finite example). A tensor input
+    without the examples where :func:`_example_rows` looks (a position table, a 2-D attention mask) is
+    shared by the examples and kept. The random generators are forked: whether a recomputation runs
+    depends on the data, and it must not move the state later steps' dropout draws from. Costs one
+    read of a flag on the host, and a forward and backward per such example."""
     bad = ~torch.isfinite(per_example).all(1)
     if not bool(bad.any()):
         return
     layer = st.layer
     base = type(layer)._bp_base
-    d = input_batch_dim(layer)
     leaves = [leaf for leaf, m in zip(st.param_leaves, mask) if m]
+    args, kwargs = pytree.tree_unflatten(list(st.inner_args), st.spec)
+    device = leaves[0].device
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     for i in bad.nonzero().flatten().tolist():
-        def alone(t):
-            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > d and t.shape[d] == st.rows):
-                return t
-            keep = torch.zeros(st.rows, dtype=t.dtype, device=t.device)
-            keep[i] = 1
-            shape = [1] * t.dim()
-            shape[d] = st.rows
-            return t.detach() * keep.view(shape)
-
-        iargs, ikwargs = pytree.tree_unflatten([alone(a) for a in st.inner_args], st.spec)
-        with torch.enable_grad(), _reparametrize_module(layer, dict(zip(layer._bp_names, st.param_leaves)),
-                                                        tie_weights=True):
+        iargs, ikwargs = _example_rows(layer, args, kwargs, i, st.rows)
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                _reparametrize_module(layer, dict(zip(layer._bp_names, st.param_leaves)), tie_weights=True):
             out = base.forward(layer, *iargs, **ikwargs)
         out_flat = pytree.tree_flatten(out)[0]
         outs, gs = [], []
         for j, g, dim in zip(st.tracked, grads, st.dims):
             if g is None:
                 continue
-            sel = torch.zeros(st.rows, dtype=g.dtype, device=g.device)
-            sel[i] = 1
-            shape = [1] * g.dim()
-            shape[dim] = st.rows
             outs.append(out_flat[j])
-            gs.append(g * sel.view(shape))
+            gs.append(_only_rows(g, dim, torch.arange(st.rows, device=g.device) == i))
         got = torch.autograd.grad(outs, leaves, gs, allow_unused=True)
         per_example[i] = torch.cat([(t if t is not None else torch.zeros_like(leaf)).reshape(-1)
                                     for t, leaf in zip(got, leaves)])
+
+
+def _only_rows(g, dim, keep):
+    """``g`` with the rows along ``dim`` outside ``keep`` (boolean, ``[rows]``) set to 0, not
+    multiplied by 0: another example's non-finite upstream row (its loss overflowed after the unit)
+    times 0 is NaN."""
+    shape = [1] * g.dim()
+    shape[dim] = keep.shape[0]
+    return torch.where(keep.view(shape), g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def _example_rows(module, args, kwargs, i, rows):
+    """``(args, kwargs)`` with every example row replaced by example ``i``'s, along each input's own
+    batch dimension: a recurrent layer's ``hx`` is ``[layers·D, B, H]`` whatever ``batch_first`` says;
+    attention's ``*key_padding_mask`` is ``[B, S]`` and a 3-D ``*mask`` ``[B·heads, T, S]``; any other
+    tensor carries the examples in :func:`input_batch_dim` when it has ``rows`` there, else it is shared
+    and kept."""
+    d = input_batch_dim(module)
+    heads = getattr(module, "num_heads", None) or getattr(getattr(module, "self_attn", None), "num_heads", None)
+    try:
+        bound = inspect.signature(type(module)._bp_base.forward).bind(module, *args, **kwargs)
+    except TypeError:
+        bound = None
+
+    def rule(name):
+        if isinstance(module, nn.RNNBase) and name == "hx":
+            return lambda t: _repeat_row(t, 1, i, rows)
+        if name.endswith("key_padding_mask"):
+            return lambda t: _repeat_row(t, 0, i, rows)
+        if name.endswith("mask") and heads:
+            return lambda t: (_repeat_row(t.view(rows, heads, *t.shape[1:]), 0, i, rows).view(t.shape)
+                              if t.dim() == 3 and t.shape[0] == rows * heads else t)
+        return lambda t: _repeat_row(t, d, i, rows)
+
+    def apply(f, value):
+        return pytree.tree_map(lambda t: f(t) if isinstance(t, torch.Tensor) else t, value)
+
+    if bound is None:
+        f = rule("")
+        return apply(f, args), apply(f, kwargs)
+    for name, value in list(bound.arguments.items())[1:]:
+        bound.arguments[name] = apply(rule(name), value)
+    return bound.args[1:], bound.kwargs
+
+
+def _repeat_row(t, dim, i, rows):
+    if t.dim() <= dim or t.shape[dim] != rows:
+        return t
+    return t.detach().index_select(dim, torch.full((rows,), i, dtype=torch.long, device=t.device))
 
 
 def _input_grads(ctx, st, outs, gs):
@@ -218,9 +261,10 @@ def _per_example(outs, gs, dims, rows, leaves) -> torch.Tensor:
         for g, d in zip(gs, dims):
             shape = [1] * (g.dim() + 1)
             shape[0], shape[d + 1] = k, rows
-            sel = torch.zeros(k, rows, dtype=g.dtype, device=g.device)
-            sel[torch.arange(k), torch.arange(start, start + k)] = 1
-            batched.append(g.unsqueeze(0) * sel.view(shape))
+            sel = torch.zeros(k, rows, dtype=torch.bool, device=g.device)
+            sel[torch.arange(k), torch.arange(start, start + k)] = True
+            # where, not a product: another example's non-finite upstream row times 0 is NaN
+            batched.append(torch.where(sel.view(shape), g.unsqueeze(0), torch.zeros((), dtype=g.dtype, device=g.device)))
         got = torch.autograd.grad(outs, leaves, batched, retain_graph=True, allow_unused=True, is_grads_batched=True)
         pieces.append(torch.cat([(t if t is not None else leaf.new_zeros(k, *leaf.shape)).reshape(k, -1)
                                  for t, leaf in zip(got, leaves)], dim=1))

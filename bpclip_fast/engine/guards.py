@@ -117,6 +117,17 @@ def check_new_pass(engine) -> None:
             f"δ={engine.delta:g}; the budget is spent, so no gradient of private data is computed any more")
     check_outside(engine, in_backward=True)
     drawn = budget.drawn(engine)
+    if drawn == 0:
+        # Before anything of the pass is computed: its noised gradient would be readable in .grad,
+        # and with no batch drawn no step() could charge it (a step refuses it uncharged), so passes
+        # over data already used (the last step's batch) would be free releases, each with a fresh
+        # draw. Not charged: whether a batch was drawn depends on the loop only.
+        refusal.discard(engine, engine.optimizer.original_optimizer)
+        raise RuntimeError(
+            "backward refused: no batch was drawn from the private data loader since the last step (or refused "
+            "step); every backward pass of private parameters must belong to the step of a batch drawn for it "
+            "(its noised gradient is released to .grad and charged at that step). Draw the next batch from the "
+            "private loader first; evaluate without gradients (torch.no_grad()). Not charged.")
     if drawn > 1:
         refusal.refuse(engine, [("batches", f"{drawn} batches were drawn from the private loader since the last step "
                                  "and a backward pass was run", [])])

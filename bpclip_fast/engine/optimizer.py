@@ -76,14 +76,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """The step boundary: every check passes before anything is released; a refusal discards
         the step (``StepRefused``, charged unless it cannot depend on the data)."""
         if grad_scaler is not None:
-            refusal.discard(self.engine, self.original_optimizer)
-            raise RuntimeError(
-                "DPOptimizer.step(): torch.amp.GradScaler is not supported: it multiplies the loss by its scale "
-                "before the backward, so each example's gradient would be clipped at max_grad_norm/scale while "
-                "the noise stays at σ·max_grad_norm, and it skips steps whose gradients overflow, a decision "
-                "that depends on the data. Use torch.autocast(dtype=torch.bfloat16), which needs no scaler "
-                "(non-finite examples are dropped by the clipping, nonfinite='drop'). This step's gradients "
-                "were discarded; nothing was released or charged.")
+            self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -98,6 +91,21 @@ class DPOptimizer(torch.optim.Optimizer):
         self._adapt_thresholds(new_thresholds)
         self._rearm()
         return loss
+
+    def _refuse_grad_scaler(self):
+        """GradScaler: refused, before anything is released by the step. Charged when a batch was
+        drawn: the noise is added in the backward, so the batch's noised gradient was in ``.grad``
+        (readable by the loop) before the scaler called ``step()``; uncharged, a loop that reads it and
+        catches the refusal would get every batch's release for free."""
+        self._check_budget()  # first: the refusal below may be charged
+        drawn = budget.drawn(self.engine)
+        refusal.refuse(self.engine, [(
+            "grad-scaler",
+            "torch.amp.GradScaler is not supported: it multiplies the loss by its scale before the backward, so "
+            "each example's gradient would be clipped at max_grad_norm/scale while the noise stays at "
+            "σ·max_grad_norm, and it skips steps whose gradients overflow, a decision that depends on the data"
+            + ("; the backward passes of the batch drawn already ran (their noised gradients were in .grad), so "
+               "the step is charged" if drawn else ""), [])], charged=drawn > 0)
 
     def _check_budget(self):
         """Before anything charged: a step the budget cannot hold is refused, uncharged (the loader's
