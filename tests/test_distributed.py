@@ -38,6 +38,9 @@ def dataset():
 
 def model_fn(mode="backprop"):
     torch.manual_seed(1)
+    if mode.endswith("_generic"):  # a module without a fused layer: the generic exact path (issue 26)
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.RMSNorm(64), nn.Linear(4 * 4 * 4, 10))
     if mode.endswith("_norms"):  # the layer types of issue 15 (exact modes only)
         return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.MaxPool2d(2),
                              nn.Flatten(), PositionalEmbedding(64), nn.LayerNorm(64), nn.Linear(4 * 4 * 4, 10))
@@ -52,7 +55,9 @@ CLIPPING = {"backprop": dict(input_clip=2.0, grad_clip=0.5),
 # every rank moves the thresholds as the single process does.
 CLIPPING.update({f"{mode}_adaptive": dict(kw, adaptive=Adaptive(learning_rate=0.5)) for mode, kw in list(CLIPPING.items())})
 CLIPPING.update({"flat_norms": dict(clipping="flat", max_grad_norm=0.7),
-                 "per_layer_norms": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.3, 0.2, 0.6])})
+                 "per_layer_norms": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.3, 0.2, 0.6]),
+                 "flat_generic": dict(clipping="flat", max_grad_norm=0.7),
+                 "per_layer_generic": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.6])})
 MODES = tuple(CLIPPING)
 
 
