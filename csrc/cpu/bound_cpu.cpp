@@ -47,17 +47,17 @@ struct RowPositions {
 // the same sequence of additions, 0 + the products e = l, l + kBoundLanes, ... in that order (at
 // T > 1 the positions leave W at 0), but the row is read once in order rather than once per lane.
 template <typename T>
-void weight_terms(LaneSums* lanes, const T* wa, const T* wb, const BoundGeometry& s, int64_t r) {
+void weight_terms(LaneSums* lanes, int active, const T* wa, const T* wb, const BoundGeometry& s, int64_t r) {
   if (!(s.flags & kBoundWeight) || s.L == 0) return;
   const T* ar = wa + r * s.L;
   const T* br = wb + r * s.L;
-  double acc[kBoundLanes];
-  for (int l = 0; l < kBoundLanes; ++l) acc[l] = lanes[l].W;
+  double acc[kBoundLanes];  // lanes from `active` (>= L, or all of them once L >= kBoundLanes) get no term
+  for (int l = 0; l < active; ++l) acc[l] = lanes[l].W;
   int64_t e = 0;
   for (; e + kBoundLanes <= s.L; e += kBoundLanes)
     for (int l = 0; l < kBoundLanes; ++l) acc[l] += static_cast<double>(ar[e + l]) * static_cast<double>(br[e + l]);
   for (int l = 0; e + l < s.L; ++l) acc[l] += static_cast<double>(ar[e + l]) * static_cast<double>(br[e + l]);
-  for (int l = 0; l < kBoundLanes; ++l) lanes[l].W = acc[l];
+  for (int l = 0; l < active; ++l) lanes[l].W = acc[l];
 }
 
 template <typename T>
@@ -67,6 +67,7 @@ int64_t bound_rows(const T* x, const T* g, const T* gb, const T* wa, const T* wb
   at::parallel_for(0, s.examples, 1, [&](int64_t begin, int64_t end) {
     int64_t local = 0;
     LaneSums lanes[kBoundLanes];
+    const int active = active_lanes(s);  // the lanes past it stay zero: combine_lanes skips them
     std::vector<double> xs(static_cast<size_t>(s.T)), gs(static_cast<size_t>(s.T));
     const RowPositions pos{xs.data(), gs.data()};
     for (int64_t i = begin; i < end; ++i) {
@@ -75,13 +76,13 @@ int64_t bound_rows(const T* x, const T* g, const T* gb, const T* wa, const T* wb
         const int64_t r = i * s.per + k;
         row_sums(x + r * s.sx0, s.T, s.dx, s.sx1, s.sx2, xs.data());
         row_sums(g + r * s.sg0, s.T, s.dg, s.sg1, s.sg2, gs.data());
-        for (int l = 0; l < kBoundLanes; ++l) {
+        for (int l = 0; l < active; ++l) {
           lanes[l] = LaneSums{0, 0, 0, 0, 0, 0, 0};
           lane_positions(lanes[l], pos, s, c, r, l);
           lane_bias(lanes[l], gb, s, r, l);
         }
-        weight_terms(lanes, wa, wb, s, r);
-        add_row(e, combine_lanes(lanes), s, c);
+        weight_terms(lanes, active, wa, wb, s, r);
+        add_row(e, combine_lanes(lanes, active), s, c);
       }
       sq[i] = e.sq;
       bound[i] = example_bound(e, c);

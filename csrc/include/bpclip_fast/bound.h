@@ -162,11 +162,24 @@ BPCLIP_HD inline LaneSums lane_sums(const Positions& pos, const T* gb, const T* 
   return out;
 }
 
-// Lane 0's result of the lanes' reduction tree over v[0..kBoundLanes), for a host loop.
-BPCLIP_HD inline LaneSums combine_lanes(LaneSums* v) {
+// Lane 0's result of the lanes' reduction tree over v[0..kBoundLanes), for a host loop, where the
+// lanes from n on had no share of the row: theirs are exactly +0.0 (every partial sum starts at +0.0
+// and is never -0.0: a sum is -0.0 only if both operands are), and adding +0.0 leaves the other
+// operand as it is, NaN and infinities included. So the tree's additions with such a lane are
+// skipped, and the result is the full tree's bit for bit (the CUDA kernel runs the full tree).
+BPCLIP_HD inline LaneSums combine_lanes(LaneSums* v, int n) {
   for (int off = kBoundLanes / 2; off > 0; off >>= 1)
-    for (int l = 0; l < off; ++l) add_lane(v[l], v[l + off]);
+    for (int l = 0; l < off && l + off < n; ++l) add_lane(v[l], v[l + off]);
   return v[0];
+}
+
+// How many lanes get a share of a row: positions, bias channels or weight terms (lane l takes those
+// numbered l, l + kBoundLanes, ...); the others keep their zeros.
+BPCLIP_HD inline int active_lanes(const BoundGeometry& s) {
+  int64_t n = s.T;
+  if ((s.flags & kBoundBias) && s.p > n) n = s.p;
+  if ((s.flags & kBoundWeight) && s.L > n) n = s.L;
+  return n < kBoundLanes ? static_cast<int>(n < 1 ? 1 : n) : kBoundLanes;
 }
 
 // The per-example quantities summed over its rows (channel groups).
