@@ -335,6 +335,30 @@ def test_exact_bound_with_the_bias_summed_matches_cpu_bit_for_bit(sim, request, 
     assert harness.compare_exact_bound(sim, xs, gs, gb, wa, wb, per, 1 | 2 | 8, harness.bound_consts(gen)) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T,d,p,conv_layout,ghost", [(1, 4100, 700, False, False),  # x in 256 parts, g in 32
+                                                     (1, 47, 33, True, False),  # 2 parts each, odd tails
+                                                     (3, 300, 40, True, False),  # capped by T: 16, 2
+                                                     (5, 1000, 20, False, True),  # 32 (cap 256 / 8), 1
+                                                     (100, 90, 17, True, False)])  # cap 2: 2, 1
+def test_exact_bound_with_positions_in_parts_matches_cpu_bit_for_bit(sim, request, dtype, T, d, p, conv_layout, ghost):
+    # bound.h's position_split: the CPU's row_sums and the CUDA position_sums_kernel sum the parts
+    # in different loop orders, each part's additions and the parts' tree alike.
+    _schedule(sim, request)
+    gen = torch.Generator().manual_seed(T * 7 + d)
+    xs, gs, gb, wa, wb = harness.bound_inputs(dtype, 3, T, d, p, 1, ghost, gen, conv_layout=conv_layout)
+    xs[1].mul_(1e3)  # parts of very different sizes: the order shows in the bits
+    assert harness.compare_exact_bound(sim, xs, gs, gb, wa, wb, 1, 3 | (4 if ghost else 0), harness.bound_consts(gen)) == []
+
+
+def test_position_split_follows_the_geometry(sim):
+    # The split is a function of (n, T) alone; CPU and CUDA both call bound.h's position_split, so
+    # this checks the rule the docs state: parts of >= 16 entries, at most 256 / T' of them.
+    split = sim.position_split
+    assert [split(n, 1) for n in (1, 31, 32, 63, 64, 4095, 4096, 10 ** 6)] == [1, 1, 2, 2, 4, 128, 256, 256]
+    assert [split(10 ** 6, T) for T in (2, 3, 4, 5, 128, 129, 256, 10 ** 4)] == [128, 64, 64, 32, 2, 1, 1, 1]
+
+
 def test_exact_bound_counts_nonfinite_as_cpu(sim):
     gen = torch.Generator().manual_seed(4)
     xs, gs, gb, wa, wb = harness.bound_inputs(torch.float32, 6, 1, 5, 4, 1, False, gen)
@@ -610,9 +634,18 @@ MUTANTS = {
                                          "for (int off = 8; off > 0; off >>= 1) add_lane"),
     "bound_grid_skips_last_example": ("bound_launch.cuh", "launch(exact_bound_kernel<T>, s.examples,",
                                       "launch(exact_bound_kernel<T>, s.examples - 1,"),
-    # The kernel's own position sums (every entry of a position, in the layout's strides).
-    "bound_positions_skip_last_entry": ("bound_kernels.cuh", "position_sq(x + r * sx0 + t * sx1, dx, sx2)",
-                                        "position_sq(x + r * sx0 + t * sx1, dx - 1, sx2)"),
+    # The kernels' own position sums (every entry of a position, in the layout's strides; their parts'
+    # tree; every block of them launched).
+    "bound_positions_skip_last_entry": ("bound_kernels.cuh", "position_part(x + r * s.sx0 + t * s.sx1, s.dx, s.sx2, S, q)",
+                                        "position_part(x + r * s.sx0 + t * s.sx1, s.dx - 1, s.sx2, S, q)"),
+    "bound_position_parts_skip_a_level": ("bound_kernels.cuh", "for (int off = S / 2; off > 0; off >>= 1) {",
+                                          "for (int off = S / 4; off > 0; off >>= 1) {"),
+    "bound_position_tree_skips_a_barrier": ("bound_kernels.cuh",
+                                            "if (q < off) parts[lane] += parts[lane + off];\n      __syncthreads();",
+                                            "if (q < off) parts[lane] += parts[lane + off];"),
+    "bound_position_grid_rounds_down": ("bound_launch.cuh",
+                                        "(positions * split_g + kBoundLanes - 1) / kBoundLanes",
+                                        "positions * split_g / kBoundLanes"),
     "patches_first_pixel_read_as_padding": ("patches_kernels.cuh", "out[e] = src < 0 ?", "out[e] = src <= 0 ?"),
     "patches_grid_rounds_down": ("patches_launch.cuh", "(total + kPatchTile - 1) / kPatchTile",
                                  "total / kPatchTile"),

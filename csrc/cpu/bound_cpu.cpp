@@ -6,6 +6,7 @@
 
 #include <math.h>
 
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -15,24 +16,39 @@
 namespace bpclip {
 namespace {
 
-// One row's position sums of squares, as position_sq takes them (each sequential over its n
-// entries, so the same bits), but with the positions as the inner loop where they are the closer
-// stride: a Conv2d's patches are [n, T] per row, and a lane's strided walk over them re-read each
-// cache line up to 16 times; this loop reads the row once, contiguously, and vectorises.
+// One row's position sums of squares, as position_sq takes them (S interleaved parts, each
+// sequential over its entries, then the parts' tree: the same bits), with the loop order that reads
+// the row in its own layout: a Conv2d's patches are [n, T] per row (positions the inner loop; a
+// lane's strided walk over them re-read each cache line up to 16 times), a Linear's rows [T, n]
+// (entries the inner loop). parts: S * T_ doubles of scratch.
 template <typename T>
-void row_sums(const T* v, int64_t T_, int64_t n, int64_t s1, int64_t s2, double* out) {
+void row_sums(const T* v, int64_t T_, int64_t n, int64_t s1, int64_t s2, int S, double* out, double* parts) {
+  double* acc = S == 1 ? out : parts;
+  for (int64_t k = 0; k < S * T_; ++k) acc[k] = 0.0;
+  const int64_t mask = S - 1;  // S is a power of two: part q of entry j is j & mask
   if (s1 == 1 && s2 != 1) {
-    for (int64_t t = 0; t < T_; ++t) out[t] = 0.0;
     for (int64_t j = 0; j < n; ++j) {
       const T* vj = v + j * s2;
+      double* aj = acc + (j & mask) * T_;
       for (int64_t t = 0; t < T_; ++t) {
         const double e = static_cast<double>(vj[t]);
-        out[t] += e * e;
+        aj[t] += e * e;
       }
     }
   } else {
-    for (int64_t t = 0; t < T_; ++t) out[t] = position_sq(v + t * s1, n, s2);
+    for (int64_t t = 0; t < T_; ++t) {
+      const T* vt = v + t * s1;
+      for (int64_t j = 0; j < n; ++j) {
+        const double e = static_cast<double>(vt[j * s2]);
+        acc[(j & mask) * T_ + t] += e * e;
+      }
+    }
   }
+  if (S == 1) return;
+  for (int off = S / 2; off > 0; off >>= 1)
+    for (int q = 0; q < off; ++q)
+      for (int64_t t = 0; t < T_; ++t) acc[q * T_ + t] += acc[(q + off) * T_ + t];
+  for (int64_t t = 0; t < T_; ++t) out[t] = acc[t];
 }
 
 // The position sums of one row, precomputed (row_sums).
@@ -69,13 +85,15 @@ int64_t bound_rows(const T* x, const T* g, const T* gb, const T* wa, const T* wb
     LaneSums lanes[kBoundLanes];
     const int active = active_lanes(s);  // the lanes past it stay zero: combine_lanes skips them
     std::vector<double> xs(static_cast<size_t>(s.T)), gs(static_cast<size_t>(s.T));
+    const int split_x = position_split(s.dx, s.T), split_g = position_split(s.dg, s.T);
+    std::vector<double> parts(static_cast<size_t>(std::max(split_x, split_g) > 1 ? std::max(split_x, split_g) * s.T : 0));
     const RowPositions pos{xs.data(), gs.data()};
     for (int64_t i = begin; i < end; ++i) {
       ExampleSums e{0, 0, 0, 0, 0};
       for (int64_t k = 0; k < s.per; ++k) {
         const int64_t r = i * s.per + k;
-        row_sums(x + r * s.sx0, s.T, s.dx, s.sx1, s.sx2, xs.data());
-        row_sums(g + r * s.sg0, s.T, s.dg, s.sg1, s.sg2, gs.data());
+        row_sums(x + r * s.sx0, s.T, s.dx, s.sx1, s.sx2, split_x, xs.data(), parts.data());
+        row_sums(g + r * s.sg0, s.T, s.dg, s.sg1, s.sg2, split_g, gs.data(), parts.data());
         for (int l = 0; l < active; ++l) {
           lanes[l] = LaneSums{0, 0, 0, 0, 0, 0, 0};
           lane_positions(lanes[l], pos, s, c, r, l);

@@ -22,13 +22,14 @@ void exact_bound_cuda(at::Tensor& sq, at::Tensor& bound, const at::Tensor& x, co
   unsigned long long* counter = nullptr;
   if (nonfinite.has_value() && nonfinite->defined())
     counter = reinterpret_cast<unsigned long long*>(nonfinite->mutable_data_ptr<int64_t>());
+  const at::Tensor scratch = at::empty({bound_scratch(s)}, x.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "exact_bound_cuda", [&] {
     exact_bound_device<scalar_t>(x.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(),
                                  (flags & kBoundBias) ? gb.const_data_ptr<scalar_t>() : nullptr,
                                  s.L ? wa.const_data_ptr<scalar_t>() : nullptr,
                                  s.L ? wb.const_data_ptr<scalar_t>() : nullptr, s, consts.data(),
                                  sq.mutable_data_ptr<double>() + offset, bound.mutable_data_ptr<double>() + offset,
-                                 counter);
+                                 counter, scratch.mutable_data_ptr<double>());
   });
 }
 

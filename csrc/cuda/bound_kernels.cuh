@@ -10,21 +10,49 @@
 namespace bpclip {
 namespace cuda {
 
-// The position sums of squares as the CUDA kernel takes them: each one read through the strides and
-// summed where the lane needs it (position_sq; a Conv2d's patches [rows, d, T] are read transposed,
-// sx1 = 1 and sx2 = T, so a warp's lanes read consecutive positions of one entry: coalesced).
-template <typename T>
-struct StridedPositions {
-  const T* x;
-  const T* g;
-  int64_t dx, sx0, sx1, sx2, dg, sg0, sg1, sg2;
-  BPCLIP_HD double x_sq(int64_t r, int64_t t) const { return position_sq(x + r * sx0 + t * sx1, dx, sx2); }
-  BPCLIP_HD double g_sq(int64_t r, int64_t t) const { return position_sq(g + r * sg0 + t * sg1, dg, sg2); }
+// The position sums of squares, precomputed by position_sums_kernel into xs and gs [rows, T].
+struct BufferPositions {
+  const double* xs;
+  const double* gs;
+  int64_t T;
+  BPCLIP_HD double x_sq(int64_t r, int64_t t) const { return xs[r * T + t]; }
+  BPCLIP_HD double g_sq(int64_t r, int64_t t) const { return gs[r * T + t]; }
 };
 
+// Every position sum of one call (position_sq: S parts, then their tree), x's into xs and g's into
+// gs, [rows, T] each: blocks [0, x_blocks) take x, the rest g. A block's kBoundLanes threads take
+// kBoundLanes / S positions, S consecutive threads (its parts) each; consecutive positions of a
+// Conv2d's transposed patches (sx1 = 1) and consecutive entries of a Linear's rows (sx2 = 1) are
+// read by consecutive threads. A separate launch because the bound kernel has one block per example:
+// a batch's few blocks, each summing its rows alone, left most of an H100 idle (docs/benchmarks.md).
 template <typename T>
-BPCLIP_HD inline StridedPositions<T> strided_positions(const T* x, const T* g, const BoundGeometry& s) {
-  return StridedPositions<T>{x, g, s.dx, s.sx0, s.sx1, s.sx2, s.dg, s.sg0, s.sg1, s.sg2};
+__global__ void __launch_bounds__(kBoundLanes) position_sums_kernel(const T* __restrict__ x, const T* __restrict__ g,
+                                                                      BoundGeometry s, int64_t x_blocks, int split_x,
+                                                                      int split_g, double* __restrict__ xs,
+                                                                      double* __restrict__ gs) {
+  __shared__ double parts[kBoundLanes];
+  const bool is_x = blockIdx.x < x_blocks;
+  const int S = is_x ? split_x : split_g;
+  const int lane = threadIdx.x;
+  const int q = lane & (S - 1);
+  const int64_t task = (is_x ? blockIdx.x : blockIdx.x - x_blocks) * static_cast<int64_t>(kBoundLanes / S) + lane / S;
+  const bool live = task < s.examples * s.per * s.T;
+  double v = 0.0;
+  if (live) {
+    const int64_t r = task / s.T, t = task % s.T;
+    v = is_x ? position_part(x + r * s.sx0 + t * s.sx1, s.dx, s.sx2, S, q)
+             : position_part(g + r * s.sg0 + t * s.sg1, s.dg, s.sg2, S, q);
+  }
+  if (S > 1) {  // S is the same for the whole block: every thread reaches every barrier
+    parts[lane] = v;
+    __syncthreads();
+    for (int off = S / 2; off > 0; off >>= 1) {
+      if (q < off) parts[lane] += parts[lane + off];
+      __syncthreads();
+    }
+    v = parts[lane];
+  }
+  if (live && q == 0) (is_x ? xs : gs)[task] = v;
 }
 
 __device__ inline LaneSums shfl_down_lanes(const LaneSums& v, int off) {
@@ -76,10 +104,11 @@ struct BoundConstArray {
   double c[kBoundConsts];
 };
 
-// sq[i], bound[i] for example i = blockIdx.x of s.examples (kBoundLanes threads each); nonfinite
-// (may be null) += the examples whose bound is not finite.
+// sq[i], bound[i] for example i = blockIdx.x of s.examples (kBoundLanes threads each) from the
+// position sums xs, gs (position_sums_kernel); nonfinite (may be null) += the examples whose bound is
+// not finite.
 template <typename T>
-__global__ void __launch_bounds__(kBoundLanes) exact_bound_kernel(const T* __restrict__ x, const T* __restrict__ g, const T* __restrict__ gb,
+__global__ void __launch_bounds__(kBoundLanes) exact_bound_kernel(const double* __restrict__ xs, const double* __restrict__ gs, const T* __restrict__ gb,
                                    const T* __restrict__ wa,
                                    const T* __restrict__ wb, BoundGeometry s, BoundConstArray consts,
                                    double* __restrict__ sq, double* __restrict__ bound,
@@ -88,7 +117,7 @@ __global__ void __launch_bounds__(kBoundLanes) exact_bound_kernel(const T* __res
   const int64_t i = blockIdx.x;
   const int lane = threadIdx.x;
   const double* c = consts.c;
-  const StridedPositions<T> pos = strided_positions(x, g, s);
+  const BufferPositions pos{xs, gs, s.T};
   ExampleSums e{0, 0, 0, 0, 0};
   for (int64_t k = 0; k < s.per; ++k) {
     const LaneSums v = block_combine(lane_sums(pos, gb, wa, wb, s, c, i * s.per + k, lane), sh, lane);

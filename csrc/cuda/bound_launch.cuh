@@ -11,12 +11,23 @@ namespace cuda {
 
 constexpr int kBoundThreads = 128;  // exact_factors_kernel's block; exact_bound_kernel's is kBoundLanes
 
+// scratch: bound_scratch(s) doubles of device memory (the position sums).
+inline int64_t bound_scratch(const BoundGeometry& s) { return 2 * s.examples * s.per * s.T; }
+
 template <typename T>
 void exact_bound_device(const T* x, const T* g, const T* gb, const T* wa, const T* wb, const BoundGeometry& s,
-                        const double* consts, double* sq, double* bound, unsigned long long* nonfinite) {
+                        const double* consts, double* sq, double* bound, unsigned long long* nonfinite,
+                        double* scratch) {
   BoundConstArray c;
   for (int k = 0; k < kBoundConsts; ++k) c.c[k] = consts[k];
-  launch(exact_bound_kernel<T>, s.examples, kBoundLanes, x, g, gb, wa, wb, s, c, sq, bound, nonfinite);
+  const int64_t positions = s.examples * s.per * s.T;
+  const int split_x = position_split(s.dx, s.T), split_g = position_split(s.dg, s.T);
+  const int64_t x_blocks = (positions * split_x + kBoundLanes - 1) / kBoundLanes;
+  const int64_t g_blocks = (positions * split_g + kBoundLanes - 1) / kBoundLanes;
+  double* xs = scratch;
+  double* gs = scratch + positions;
+  launch(position_sums_kernel<T>, x_blocks + g_blocks, kBoundLanes, x, g, s, x_blocks, split_x, split_g, xs, gs);
+  launch(exact_bound_kernel<T>, s.examples, kBoundLanes, xs, gs, gb, wa, wb, s, c, sq, bound, nonfinite);
 }
 
 template <typename fac_t>

@@ -197,15 +197,19 @@ int simt_examples_release(int dtype, const void* w, const void* bias, const void
 // exact_bound_ over contiguous-or-strided fp32/fp64 buffers (dtype kF32 or kF64); geometry as
 // bpclip_fast/bound.h's BoundGeometry, given as 16 int64 (examples, per, T, dx, dg, p, L, 9 strides)
 // and flags; consts: kBoundConsts doubles.
+// bound.h's position_split, for the rule's own test.
+int simt_position_split(int64_t n, int64_t T) { return position_split(n, T); }
+
 int simt_exact_bound(int dtype, const void* x, const void* g, const void* gb, const void* wa, const void* wb,
                      const int64_t* geo, int flags, const double* consts, double* sq, double* bound,
                      int64_t* nonfinite) {
   const BoundGeometry s{geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7],
                         geo[8], geo[9], geo[10], geo[11], geo[12], geo[13], geo[14], geo[15], flags};
+  std::vector<double> scratch(static_cast<size_t>(bound_scratch(s)));
   auto run = [&]<typename T>() {
     exact_bound_device<T>(static_cast<const T*>(x), static_cast<const T*>(g), static_cast<const T*>(gb),
                           static_cast<const T*>(wa), static_cast<const T*>(wb), s, consts, sq, bound,
-                          reinterpret_cast<unsigned long long*>(nonfinite));
+                          reinterpret_cast<unsigned long long*>(nonfinite), scratch.data());
   };
   if (dtype == kF32) run.template operator()<float>();
   else if (dtype == kF64) run.template operator()<double>();

@@ -161,6 +161,7 @@ class Simt:
                                                i64, vp]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
+        lib.simt_position_split.argtypes = [i64, i64]
         lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
         lib.simt_examples_bound.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp]
         lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, ctypes.c_float, dbl, vp, vp]
@@ -232,6 +233,9 @@ class Simt:
         """mean/rstd flat in the accumulation dtype; gw, gb [B, D] buffers of that dtype."""
         self.call("simt_norm_affine", DTYPES[x.dtype], _ptr(g), _ptr(x), _ptr(mean), _ptr(rstd), int(layer_norm), B,
                   R, D, G, _ptr(gw), _ptr(gb))
+
+    def position_split(self, n: int, T: int) -> int:
+        return int(self.lib.simt_position_split(n, T))
 
     def exact_bound(self, x, g, gb, wa, wb, per, flags, consts, sq, bound, nonfinite):
         """x, g, gb: 3-D views (any strides) of fp32/fp64 storage; wa, wb: contiguous [rows, L] or empty."""
@@ -732,6 +736,12 @@ def sweep(sim: Simt) -> list[str]:
                 problems += [f"exact_bound {dtype} T={T} bias summed: {p}"
                              for p in compare_exact_bound(sim, xs, gs, gs.sum(1, keepdim=True), wa, wb, per,
                                                           flags | 8, bound_consts(gen))]
+        # Positions summed in parts (bound.h's position_split): a Linear's long rows (T = 1: x in 32
+        # parts, g in 2), and a few positions of a conv's patches (T = 3: x in 8, g in 2).
+        for T, d, p, conv in ((1, 600, 40, False), (3, 150, 40, True)):
+            xs, gs, gb, wa, wb = bound_inputs(dtype, 5, T, d, p, 1, False, gen, conv_layout=conv)
+            problems += [f"exact_bound {dtype} T={T} d={d}: {p}"
+                         for p in compare_exact_bound(sim, xs, gs, gb, wa, wb, 1, 3, bound_consts(gen))]
         # conv_patches: padding, stride, dilation, a channels_last and a sliced (offset) input.
         x = torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64).to(dtype)
         for xv, geo in ((x, ([3, 3], [1, 1], [1, 1], [1, 1])),

@@ -7,8 +7,12 @@
 // patch, read from the patches [rows, dx, T] transposed) and upstream gradients g_t = g[r, t, :]
 // (dg entries), all through strides, in the accumulation dtype; the bias reads the upstream
 // gradient itself, gb[r, t, :] (p channels). The kernel sums each position's squares itself, in
-// double, sequentially over its entries e = 0, 1, ..., dx - 1 (position_sq; fp32 squares are exact
-// in double and neither overflow nor underflow there). The rest of the row's work is split over
+// double (fp32 squares are exact in double and neither overflow nor underflow there), as S =
+// position_split(n, T) interleaved partial sums, part q sequential over the entries e = q, q + S,
+// ... < n, then the parts combined by the tree v[q] += v[q + off], off = S / 2, ..., 1
+// (position_sq; S = 1 is the plain sequential sum). The split depends on the geometry alone, so
+// CPU and CUDA split alike; it exists for the GPU, where a Linear's few long rows (T = 1, n up to
+// 10^5) summed by one thread each left the device idle. The rest of the row's work is split over
 // kBoundLanes lanes (a CUDA block, one example each; a loop on the CPU): lane l takes positions
 // t = l, l + kBoundLanes, ... and entries e = l, l + kBoundLanes, ... of the weight's squared-norm
 // terms and channels j = l, ... of the bias; each lane sums its share sequentially in double, and the
@@ -94,15 +98,45 @@ BPCLIP_HD inline void add_lane(LaneSums& a, const LaneSums& b) {
   a.bias += b.bias;
 }
 
-// A position's sum of squares, in double, sequentially over its n entries.
+// Entries per part at least (a part's loop should hide a load's latency, and a short position is
+// not worth splitting).
+constexpr int64_t kSplitMinEntries = 16;
+
+// How many parts (a power of two) a position's n squares are summed in: the most with at least
+// kSplitMinEntries entries each, at most kBoundLanes / T' (T' = T rounded up to a power of two), so
+// that a row's T positions and their parts fit one block of kBoundLanes threads; 1 at T >= 256.
+BPCLIP_HD inline int position_split(int64_t n, int64_t T) {
+  int cap = kBoundLanes;
+  for (int64_t t = 1; t < T && cap > 1; t <<= 1) cap >>= 1;
+  int S = 1;
+  while (S < cap && static_cast<int64_t>(2 * S) * kSplitMinEntries <= n) S <<= 1;
+  return S;
+}
+
+// Part q of S of a position's sum of squares: entries e = q, q + S, ... < n, sequentially, in double.
 template <typename T>
-BPCLIP_HD inline double position_sq(const T* v, int64_t n, int64_t stride) {
+BPCLIP_HD inline double position_part(const T* v, int64_t n, int64_t stride, int S, int q) {
   double s = 0.0;
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = q; j < n; j += S) {
     const double e = static_cast<double>(v[j * stride]);
     s += e * e;
   }
   return s;
+}
+
+// The parts' tree, v[q] += v[q + off] for off = S / 2, ..., 1; the total is v[0].
+BPCLIP_HD inline double combine_parts(double* v, int S) {
+  for (int off = S / 2; off > 0; off >>= 1)
+    for (int q = 0; q < off; ++q) v[q] += v[q + off];
+  return v[0];
+}
+
+// A position's sum of squares as the kernels take it (the file comment): S = position_split's parts.
+template <typename T>
+BPCLIP_HD inline double position_sq(const T* v, int64_t n, int64_t stride, int S) {
+  double parts[kBoundLanes];
+  for (int q = 0; q < S; ++q) parts[q] = position_part(v, n, stride, S, q);
+  return combine_parts(parts, S);
 }
 
 // Lane `lane`'s share of row r's positions; pos gives the position sums of squares (x_sq(r, t),
