@@ -31,10 +31,15 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 # error message formatted a number (seen 2026-11-23; /usr/bin/g++ 13.3 builds one that raises).
 # `gcc` on that image's PATH is the wrapper too (seen 2026-11-26: nvcc's -ccbin and the link both
 # resolved to /opt/gcc/bin, and the CUDA ops' error paths segfaulted), so name /usr/bin's by path.
-if [[ -z "${CC:-}" && -x /usr/bin/gcc ]]; then CC=/usr/bin/gcc; fi
-if [[ -z "${CXX:-}" && -x /usr/bin/g++ ]]; then CXX=/usr/bin/g++; fi
+# The image also exports CC/CXX naming the wrapper (seen 2026-11-26 evening: the build still ran
+# /opt/gcc/bin/g++ and the same three tests crashed), so /usr/bin's wins over the environment unless
+# GPU_CHECK_CC/GPU_CHECK_CXX name another.
+echo "environment CC=${CC:-} CXX=${CXX:-}; gcc on PATH: $(command -v gcc)" >"$OUT/compiler.txt"
+if [[ -x /usr/bin/gcc ]]; then CC=/usr/bin/gcc; fi
+if [[ -x /usr/bin/g++ ]]; then CXX=/usr/bin/g++; fi
+CC=${GPU_CHECK_CC:-${CC:-gcc}} CXX=${GPU_CHECK_CXX:-${CXX:-g++}}
 export CC=${CC:-gcc} CXX=${CXX:-g++}
-export LDSHARED=${LDSHARED:-"$CXX -shared"}
+export LDSHARED="$CXX -shared"
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 START=$SECONDS
 status=0
