@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections import UserDict
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 import bpclip_fast.nn as bnn
+from bpclip_fast import PrivacyEngine, examples
+from bpclip_fast.data import EmptyBatchCollate, _empty_like_batch
 
 EPS64 = torch.finfo(torch.float64).eps
 U32 = 2.0 ** -24
@@ -143,3 +147,69 @@ def test_the_recomputation_leaves_the_generators_where_the_backward_found_them()
     before = torch.get_rng_state()
     nn.functional.cross_entropy(out, torch.zeros(4, dtype=torch.long), reduction="sum").backward()
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# ------------------------------------------------ 2. an empty Poisson draw of a structured batch
+
+
+class Encoding(UserDict):
+    """Hugging Face's BatchEncoding is a UserDict: a Mapping that is not a dict."""
+
+
+def test_an_empty_draw_of_a_mapping_batch_that_is_not_a_dict_has_no_rows():
+    """c0013f7 cut only dicts, tuples, lists and tensors to 0 rows: a BatchEncoding-like batch came
+    back whole, so every empty Poisson draw handed the loop the dataset's first example (its rows and
+    labels), a record nobody sampled, and the step was refused (rows)."""
+    template = Encoding({"x": torch.randn(1, 4), "labels": torch.tensor([1])})
+    empty = _empty_like_batch(template)
+    assert isinstance(empty, Encoding)
+    assert {k: tuple(v.shape) for k, v in empty.items()} == {"x": (0, 4), "labels": (0,)}
+
+
+def test_an_empty_draw_carries_no_example_value_of_any_field():
+    """A list of strings (default_collate's batch of a text field) kept the first example's text,
+    and a 0-dimensional tensor (a custom collate's per-batch count) raised IndexError at the first
+    empty draw: an empty batch holds nothing of any example."""
+    template = {"x": torch.randn(1, 4), "text": ["the first record's text"], "count": torch.tensor(7.0),
+                "ids": (torch.tensor([3]), ["a"])}
+    empty = _empty_like_batch(template)
+    assert empty["x"].shape == (0, 4) and empty["text"] == []
+    assert empty["count"].dim() == 0 and float(empty["count"]) == 0.0
+    assert empty["ids"][0].shape == (0,) and empty["ids"][1] == []
+
+
+class KeywordModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.lin(x), labels, reduction="sum")
+
+
+def test_a_mapping_batch_trains_through_empty_poisson_draws():
+    """With the empty draw a BatchEncoding of 0 rows, an empty step releases the draw alone and is
+    not refused (c0013f7: StepRefused rows, 1 row seen where 0 were drawn)."""
+    torch.manual_seed(0)
+    items = [{"x": torch.randn(4), "labels": torch.tensor(i % 3)} for i in range(8)]
+    loader = DataLoader(items, batch_size=1,
+                        collate_fn=lambda b: Encoding({k: torch.stack([e[k] for e in b]) for k in b[0]}))
+    model = KeywordModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
+                                                      noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat",
+                                                      loss_reduction="sum", noise_seed=1234)
+    empty = 0
+    for _ in range(3):
+        for batch in loader:
+            assert batch["x"].shape[0] == loader.counter.last_rows
+            empty += loader.counter.last_rows == 0
+            opt.zero_grad()
+            model(**batch).backward()
+            opt.step()
+    assert empty > 0, "no empty draw: pick another seed"
+
+
+def test_the_empty_collate_wraps_mappings_from_the_first_example():
+    collate = EmptyBatchCollate(lambda b: Encoding({"x": torch.stack([e for e in b])}), [torch.ones(3)])
+    assert collate([])["x"].shape == (0, 3)
