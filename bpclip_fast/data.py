@@ -36,7 +36,8 @@ last one delivered.
 
 Poisson (``PoissonBatchSampler``): every example joins batch ``t`` independently with probability
 ``q``; its coin is ``u_t[i] < q`` with ``u_t`` a vector of ``N`` uniforms drawn from a generator
-seeded by (seed, t). Batches may be empty; the loader then yields tensors of shape ``[0, ...]``.
+seeded by (seed, t). Batches may be empty; the loader then yields the collated structure with tensors
+of shape ``[0, ...]`` and nothing of any example (:func:`_empty_like_batch`).
 
 Shuffle (``ShuffleBatchSampler``, the zCDP setting): epoch ``e`` is a random permutation of the
 ``N`` indices (seeded by (seed, e)) cut into ``N // B`` disjoint batches of ``B``; the remainder is
