@@ -11,6 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _ops
+from .amp import autocast_off
 
 
 class _ClippedLinear(torch.autograd.Function):
@@ -48,6 +49,7 @@ class _ClippedConv2d(torch.autograd.Function):
         return (*_backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry), None, None, None)
 
 
+@autocast_off
 def _backward(ctx, grad_out, op, *geometry):
     """``(grad_x, grad_weight, grad_bias)`` from a layer's backward op: the forward's saved tensors,
     the layer's own arguments (``geometry``: Conv2d's) and the arguments both ops end with."""

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import exact
+from .amp import autocast_off
 
 # Every op below does its work in Python (the step's draw and rows, the flat book, the budget and
 # bounds checks), which the replay of a CUDA graph (mode="reduce-overhead") never runs: a replayed step
@@ -149,6 +150,7 @@ def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
 
 
 @torch.library.custom_op("bpclip_fast_compiled::exact_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
+@autocast_off  # as the eager backward (bpclip_fast.amp)
 def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, token: torch.Tensor | None,
                    version: torch.Tensor, layer: int, mask: list[bool], stride: list[int] | None,
                    padding: list[int] | None, dilation: list[int] | None,
@@ -258,6 +260,7 @@ def _(params, group):
 
 
 @torch.library.custom_op("bpclip_fast_compiled::flat_release", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
+@autocast_off  # as the eager backward (bpclip_fast.amp)
 def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[torch.Tensor],
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
@@ -445,6 +448,7 @@ def _(out, weight, bias, token, saved, layer):
 
 
 @torch.library.custom_op("bpclip_fast_compiled::example_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
+@autocast_off  # as the eager backward (bpclip_fast.amp)
 def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[torch.Tensor],
                      token: torch.Tensor | None, version: torch.Tensor, layer: int,
                      mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

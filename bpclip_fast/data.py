@@ -36,7 +36,8 @@ last one delivered.
 
 Poisson (``PoissonBatchSampler``): every example joins batch ``t`` independently with probability
 ``q``; its coin is ``u_t[i] < q`` with ``u_t`` a vector of ``N`` uniforms drawn from a generator
-seeded by (seed, t). Batches may be empty; the loader then yields tensors of shape ``[0, ...]``.
+seeded by (seed, t). Batches may be empty; the loader then yields the collated structure with tensors
+of shape ``[0, ...]`` and nothing of any example (:func:`_empty_like_batch`).
 
 Shuffle (``ShuffleBatchSampler``, the zCDP setting): epoch ``e`` is a random permutation of the
 ``N`` indices (seeded by (seed, e)) cut into ``N // B`` disjoint batches of ``B``; the remainder is
@@ -54,6 +55,7 @@ import collections
 import hashlib
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -271,15 +273,26 @@ class SamplingPlan:
 
 
 def _empty_like_batch(batch):
-    """The structure of a collated batch with every tensor cut to 0 rows."""
+    """The structure of a collated batch (the first example's) with every tensor cut to 0 rows: an
+    empty draw must hold nothing of any example. Any Mapping keeps its type (Hugging Face's
+    ``BatchEncoding`` is a ``UserDict``: returned whole, every empty draw handed the loop the first
+    example); a list of non-tensor leaves (``default_collate``'s batch of strings) is the examples'
+    and becomes empty; a 0-dimensional tensor (a custom collate's count over the batch) is 0 over no
+    example."""
     if isinstance(batch, torch.Tensor):
-        return batch[:0]
+        return batch[:0] if batch.dim() else torch.zeros_like(batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_empty_like_batch(b) for b in batch))
     if isinstance(batch, (list, tuple)):
+        if batch and not any(isinstance(b, (torch.Tensor, list, tuple, Mapping)) for b in batch):
+            return type(batch)()
         return type(batch)(_empty_like_batch(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _empty_like_batch(v) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        empty = {k: _empty_like_batch(v) for k, v in batch.items()}
+        try:
+            return type(batch)(empty)
+        except Exception:  # noqa: BLE001  a Mapping type that is not built from a dict: model(**batch) takes a dict
+            return empty
     return batch
 
 

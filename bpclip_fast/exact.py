@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _ops
+from .amp import autocast_off
 from .modes import EXACT as EXACT_MODES, NAMES as MODES  # noqa: F401  (the modes' names live in bpclip_fast.modes)
 
 NORM_METHODS = ("auto", "ghost", "instantiate")
@@ -125,6 +126,7 @@ class _Collector(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off
     def backward(ctx, *token_grads):
         grads = ctx.group.release(ctx.holder["book"])
         return (None, None, *(grads.get(id(p)) for p in ctx.holder["params"]))
@@ -351,6 +353,7 @@ class _ExactLayer(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off
     def backward(ctx, grad_out):
         ctx.layer._check_bounds_version(ctx.bounds_version)  # before the saved tensors: their own check is less clear
         x, weight = ctx.saved_tensors
@@ -482,6 +485,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off
     def backward(ctx, grad_out):
         ctx.layer._check_bounds_version(ctx.bounds_version)
         saved = ctx.saved_tensors

@@ -45,6 +45,7 @@ announced once per module type by a warning.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import warnings
@@ -87,7 +88,7 @@ class _State:
     through ``save_for_backward``: they are the private graph, not tensors of the caller's)."""
 
     __slots__ = ("layer", "in_leaves", "param_leaves", "outs", "dims", "rows", "sensitivity", "book",
-                 "bounds_version", "dtype", "inner_args", "spec", "tracked")
+                 "bounds_version", "dtype", "inner_args", "spec", "tracked", "replay")
 
 
 class _Unit(torch.autograd.Function):
@@ -143,6 +144,7 @@ class _Unit(torch.autograd.Function):
 def _release_graph(ctx):
     st = ctx.state
     st.outs = st.in_leaves = st.param_leaves = st.inner_args = ()
+    st.replay = None
 
 
 def _isolate_nonfinite(st, per_example, grads, mask) -> None:
@@ -161,9 +163,14 @@ def _isolate_nonfinite(st, per_example, grads, mask) -> None:
     then a function of example ``i`` alone, finite unless its own values are not (then its bound is
     not finite and its factor 0, as the fused layers drop a non-finite example). A tensor input
     without the examples where :func:`_example_rows` looks (a position table, a 2-D attention mask) is
-    shared by the examples and kept. The random generators are forked: whether a recomputation runs
-    depends on the data, and it must not move the state later steps' dropout draws from. Costs one
-    read of a flag on the host, and a forward and backward per such example."""
+    shared by the examples and kept. The recomputation runs under what the forward ran under
+    (:class:`_Replay`): its autocast state, since a backward outside the autocast region (PyTorch's
+    recommended pattern) would recompute in fp32 what the forward computed in bf16, so that the other
+    examples' gradients were their fp32 values when a non-finite example was present and their bf16
+    values when it was not (2.1·C moved by an example whose own factor was 0), and its generators'
+    states, since fresh dropout masks gave the same (2.8·C). The generators are forked around it:
+    whether a recomputation runs depends on the data, and it must not move the state later draws
+    start from. Costs one read of a flag on the host, and a forward and backward per such example."""
     bad = ~torch.isfinite(per_example).all(1)
     if not bool(bad.any()):
         return
@@ -171,11 +178,9 @@ def _isolate_nonfinite(st, per_example, grads, mask) -> None:
     base = type(layer)._bp_base
     leaves = [leaf for leaf, m in zip(st.param_leaves, mask) if m]
     args, kwargs = pytree.tree_unflatten(list(st.inner_args), st.spec)
-    device = leaves[0].device
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     for i in bad.nonzero().flatten().tolist():
         iargs, ikwargs = _example_rows(layer, args, kwargs, i, st.rows)
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+        with st.replay.entered(), torch.enable_grad(), \
                 _reparametrize_module(layer, dict(zip(layer._bp_names, st.param_leaves)), tie_weights=True):
             out = base.forward(layer, *iargs, **ikwargs)
         out_flat = pytree.tree_flatten(out)[0]
@@ -188,6 +193,39 @@ def _isolate_nonfinite(st, per_example, grads, mask) -> None:
         got = torch.autograd.grad(outs, leaves, gs, allow_unused=True)
         per_example[i] = torch.cat([(t if t is not None else torch.zeros_like(leaf)).reshape(-1)
                                     for t, leaf in zip(got, leaves)])
+
+
+class _Replay:
+    """The thread-local state that decided the values of a unit's forward besides its inputs and
+    parameters: autocast (for the CPU and the parameters' device type) and the default generators'
+    states at the forward's start (dropout's masks). :func:`_isolate_nonfinite` recomputes under it,
+    so that example ``i``'s recomputed rows are the forward's own (same kernels, dtypes and masks),
+    with the generators forked around it. Costs a copy of the generators' states per forward of a
+    unit (the CPU's 5 KB; a CUDA device's seed and offset), as ``torch.utils.checkpoint``'s."""
+
+    __slots__ = ("autocast", "cache", "cpu", "cuda", "index")
+
+    def __init__(self, device: torch.device):
+        self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+                         for t in dict.fromkeys(("cpu", device.type)) if torch.amp.is_autocast_available(t)]
+        self.cache = torch.is_autocast_cache_enabled()
+        self.cpu = torch.get_rng_state()
+        self.index = self.cuda = None
+        if device.type == "cuda":
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+            self.cuda = torch.cuda.get_rng_state(self.index)
+
+    @contextlib.contextmanager
+    def entered(self):
+        with torch.random.fork_rng(devices=[] if self.cuda is None else [self.index]), \
+                contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.index)
+            for device_type, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.cache))
+            yield
 
 
 def _only_rows(g, dim, keep):
@@ -341,6 +379,7 @@ class GenericLayer:
         param_leaves = [p.detach().requires_grad_(m) for p, m in zip(params, mask)]
         rows = _rows(self, flat_args, (args, kwargs))
         iargs, ikwargs = pytree.tree_unflatten(inner_args, spec)
+        replay = _Replay(params[0].device)  # before the forward draws anything
         # torch.func's reparametrisation, not a write into _parameters: some modules keep their
         # own references to their parameters (nn.LSTM's _flat_weights), which it updates too.
         with torch.enable_grad(), _reparametrize_module(self, dict(zip(self._bp_names, param_leaves)),
@@ -356,7 +395,7 @@ class GenericLayer:
         state.rows, state.book, state.dtype = rows, book, params[0].dtype
         state.sensitivity = self._noise_sensitivity(None)
         state.bounds_version = self._bounds_version
-        state.inner_args, state.spec, state.tracked = inner_args, spec, tracked
+        state.inner_args, state.spec, state.tracked, state.replay = inner_args, spec, tracked, replay
         trained = () if book is not None else params
         aliases = _Unit.apply(state, token, len(outer), *outer, *trained)
         for i, a in zip(tracked, aliases):
