@@ -123,11 +123,10 @@ def inner(out, g):
     return (out * g).sum()
 
 
-def upstream(out, spread=True, seed=1):
-    """An upstream gradient in out's dtype, example i scaled by 2^(i - 1.5) so that norms differ."""
+def upstream(out, seed=1):
+    """An upstream gradient in out's dtype, example i of 4 scaled by 2^(i - 1.5) so that norms differ."""
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    if spread:
-        g = g * torch.logspace(-1.5, 1.5, len(g), base=2, dtype=torch.float64).reshape(-1, *[1] * (g.dim() - 1))
+    g = g * torch.logspace(-1.5, 1.5, len(g), base=2, dtype=torch.float64).reshape(-1, *[1] * (g.dim() - 1))
     return g.to(out.dtype)
 
 
@@ -170,17 +169,17 @@ def terms(layer, x, out_shape, batch):
 
 
 def scales(entry, layers, x, g):
-    """``s_i`` per example, summed over the layers (g: [B, len(layers), *out])."""
-    s = torch.zeros(len(x), dtype=torch.float64)
+    """``s_il`` per example and layer, ``[B, L]`` (g: ``[B, L, *out]``)."""
+    s = torch.zeros(len(x), len(layers), dtype=torch.float64)
     for i in range(len(x)):
         xi = x[i:i + 1]
         for l, layer in enumerate(layers):
             gn = float(g[i, l].double().norm())
             mult = (entry.multiplier_norm(layer, xi) if entry.multiplier_norm is not None
                     else float(xi.double().norm()))
-            s[i] += math.sqrt(entry.taps(layer)) * gn * mult
+            s[i, l] += math.sqrt(entry.taps(layer)) * gn * mult
             if getattr(layer, "bias", None) is not None:
-                s[i] += math.sqrt(g[i, l].numel() // layer.weight.shape[0]) * gn
+                s[i, l] += math.sqrt(g[i, l].numel() // layer.weight.shape[0]) * gn
     return s
 
 
@@ -242,17 +241,20 @@ def test_removing_an_example_far_above_c_changes_the_release_by_c(entry, mode, d
 
     model = convert_model(copy.deepcopy(twin), clipping=mode, max_grad_norm=c)
     full = release(model, x, g)
-    # Two releases of ≤ B·C each (rounding as in the test above), and the removed example's factor
-    # from its bound: C·n_i/b_i ≥ C(1 − (b_i − n_i)/n_i).
+    # Example j's released contribution c_j·Ĝ_j is within C_u·ρ_j of C_u·G_j/n_j (as in the test above:
+    # c_j ≤ C_u/n_j scales the gradient's error, and the factor's is ≤ b_j − n_j), ρ_j from the scale
+    # s_j of the unit's layers over n_j; each release also rounds once to the dtype (≤ u·B·C_u).
     u = unit(dtype)
     k = terms(twin.a, x, g.shape[1:], n) + terms(twin.b, x, g.shape[1:], 0)
     s = scales(entry, [twin.a, twin.b], x, g)
-    n_i = sum(v.flatten(1).pow(2).sum(1) for v in per_ex.values()).sqrt()
+    layers = {"all": [0, 1], "a": [0], "b": [1]}
     for i in range(n):
         keep = [j for j in range(n) if j != i]
         part = release(model, x[keep], g[keep])
-        rel = 2 * n * (k * U32 + R * u + u) + (2 * k * U32 + R * u) * float(s[i] / n_i[i])
         for unit_name, params in units:
+            n_j = sum(per_ex[p].flatten(1).pow(2).sum(1) for p in params).sqrt()
+            rho = (2 * k * U32 + R * u) * s[:, layers[unit_name]].sum(1) / n_j
+            rel = 2 * float(rho.sum()) + 2 * n * u
             change = norm(full[p] - part[p] for p in params)
             cu = c_unit[unit_name]
             assert abs(change - cu) <= cu * rel, f"example {i}, {unit_name}: {change:.6g} vs C = {cu:.6g} (±{rel:.2g})"
