@@ -34,7 +34,8 @@ from torch import nn
 
 from .modes import EXACT as _EXACT_MODES, NAMES as _MODES
 
-__all__ = ["LayerType", "register_layer", "register_module_check", "layer_type", "is_clipped", "owns_trainable",
+__all__ = ["LayerType", "register_layer", "register_module_check", "layer_type", "layer_types", "is_clipped",
+           "owns_trainable",
            "clipped_by_conversion", "trained_layer", "unbounded", "mode_problems", "mixes_batch", "module_problems", "label"]
 
 
@@ -91,6 +92,12 @@ def register_module_check(*types: type, mixes_batch: bool = False):
 
 
 # ------------------------------------------------------------------------------ queries
+
+
+def layer_types() -> tuple[LayerType, ...]:
+    """Every registered layer type, in registration order (tests/test_registry_harness.py runs the
+    same tests on each, so a type registered later is tested without being named there)."""
+    return tuple(_LAYERS.values())
 
 
 def layer_type(module: nn.Module) -> LayerType | None:
