@@ -14,7 +14,7 @@ runs it and asserts, for every example ``i``:
      values as the kernels store them (``clip_rows``/``scale_rows`` output, the kept per-example
      gradients, the rounded per-example gradients of the instantiating layers) and the factors
      the layer takes (from its own norm bound), multiplied out in float64. This is the quantity
-     the proofs in csrc/exact.cpp, bpclip_fast/exact.py and bpclip_fast/nn.py bound, so it is held
+     the proofs in csrc/exact.cpp, bpclip_fast/exact.py and bpclip_fast/layers/ bound, so it is held
      to the bound with only float64's own evaluation error as slack;
    * *removal*: ``R(D) − R(D∖{i})``, the layer run (noise off) on the batch and on the batch
      without ``i``, both releases read in float64: the quantity the accountant assumes. It is held
