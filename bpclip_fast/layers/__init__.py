@@ -13,8 +13,9 @@ from .base import CLIP_FNS, SUPPORTED_DTYPES
 from .conv2d import CONV_NORMS, Conv2d
 from .embedding import Embedding
 from .linear import Linear
-from .norms import GroupNorm, LayerNorm
+from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from .tokens import ClassToken, PositionalEmbedding
 
 __all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv2d", "Embedding", "GroupNorm",
-           "LayerNorm", "Linear", "PositionalEmbedding"]
+           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear", "PositionalEmbedding",
+           "RMSNorm"]
