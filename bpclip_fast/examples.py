@@ -1,5 +1,5 @@
 """Instantiated per-example gradients: what the layers whose per-example gradients are formed
-(LayerNorm, GroupNorm, Embedding, PositionalEmbedding, ClassToken; bpclip_fast/nn.py) hand to the
+(LayerNorm, GroupNorm, Embedding, PositionalEmbedding, ClassToken; bpclip_fast/layers/) hand to the
 exact modes — their storage, their norm bound and their clipped, noised release, each proved in its
 docstring. The layers' autograd around them is in :mod:`bpclip_fast.exact`."""
 

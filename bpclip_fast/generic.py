@@ -459,7 +459,7 @@ def _class_name(base: type) -> str:
 def generic_class(base: type) -> type:
     cls = _CLASSES.get(base)
     if cls is None:
-        from .nn import _Clipped  # nn imports this module
+        from .layers.base import _Clipped  # here, where a unit is made: bpclip_fast.nn imports this module
 
         name = _class_name(base)
         cls = type(name, (GenericLayer, _Clipped, base), {"_bp_base": base, "__module__": __name__,

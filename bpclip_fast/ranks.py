@@ -147,7 +147,7 @@ _LAYER_SETTINGS = ("clipping", "input_clip", "grad_clip", "norm", "max_grad_norm
 def built_layers(model) -> list:
     """``[(name, type, settings)]`` of the clipped layers already in ``model`` (the engine's field
     "clipped layers built by hand")."""
-    from .nn import _Clipped
+    from .layers.base import _Clipped
 
     return [(name, type(m).__name__, tuple((a, getattr(m, a, None)) for a in _LAYER_SETTINGS))
             for name, m in model.named_modules() if isinstance(m, _Clipped)]

@@ -293,11 +293,3 @@ def _instance_norm_running_stats(module):
         return None
     return (f"InstanceNorm with track_running_stats=True {_mode(module)} averages running statistics over the "
             "batch, released without noise; use track_running_stats=False")
-
-
-@register_module_check(nn.Conv2d)
-def _conv_padding_mode(module):
-    if module.padding_mode == "zeros":
-        return None
-    return (f"padding_mode={module.padding_mode!r}; only 'zeros' keeps the sensitivity bound (pad explicitly "
-            "with torch.nn.functional.pad before the layer instead)")

@@ -14,7 +14,7 @@ runs it and asserts, for every example ``i``:
      values as the kernels store them (``clip_rows``/``scale_rows`` output, the kept per-example
      gradients, the rounded per-example gradients of the instantiating layers) and the factors
      the layer takes (from its own norm bound), multiplied out in float64. This is the quantity
-     the proofs in csrc/exact.cpp, bpclip_fast/exact.py and bpclip_fast/nn.py bound, so it is held
+     the proofs in csrc/exact.cpp, bpclip_fast/exact.py and bpclip_fast/layers/ bound, so it is held
      to the bound with only float64's own evaluation error as slack;
    * *removal*: ``R(D) − R(D∖{i})``, the layer run (noise off) on the batch and on the batch
      without ``i``, both releases read in float64: the quantity the accountant assumes. It is held
@@ -52,8 +52,11 @@ from test_exact import per_example, position_norms64, spread
 from fuzz_tolerances import (BF16, DTYPES, F16, F32, F64, RZ, UNIT, V, acc_unit, dense_margin, example_error,
                              bounded_terms, factor_change, gamma, norm_margin, positions, release_error, subnormal_step)
 
-KINDS = ("linear", "conv", "layer_norm", "group_norm", "embedding", "positional", "class_token")
+KINDS = ("linear", "conv", "layer_norm", "group_norm", "rms_norm", "instance_norm1d", "instance_norm2d",
+         "instance_norm3d", "embedding", "positional", "class_token")
 TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm,
+              "rms_norm": nn.RMSNorm, "instance_norm1d": nn.InstanceNorm1d, "instance_norm2d": nn.InstanceNorm2d,
+              "instance_norm3d": nn.InstanceNorm3d,
               "embedding": nn.Embedding, "positional": modules.PositionalEmbedding,
               "class_token": modules.ClassToken}
 LAYOUTS = ("contiguous", "channels_last", "nhwc_view", "permuted", "transposed", "expanded", "broadcast", "strided")
@@ -101,6 +104,10 @@ def plain_layer(case: Case) -> nn.Module:
         layer = nn.LayerNorm(g["normalized"], bias=case.bias, dtype=F64)
     elif k == "group_norm":
         layer = nn.GroupNorm(g["groups"], g["channels"], dtype=F64)
+    elif k == "rms_norm":  # an explicit eps: the float64 truth computes the same function
+        layer = nn.RMSNorm(g["normalized"], eps=g["eps"], dtype=F64)
+    elif k.startswith("instance_norm"):
+        layer = TORCH_TYPE[k](g["channels"], affine=True, bias=case.bias, dtype=F64)
     elif k == "embedding":
         layer = nn.Embedding(g["vocab"], g["dim"], padding_idx=g["padding_idx"], dtype=F64)
     elif k == "positional":
@@ -524,6 +531,9 @@ def _dims(case: Case):
 def _instance(t):
     return {nn.Linear: lambda: nn.Linear(1, 1), nn.Conv2d: lambda: nn.Conv2d(1, 1, 1),
             nn.LayerNorm: lambda: nn.LayerNorm(1), nn.GroupNorm: lambda: nn.GroupNorm(1, 1),
+            nn.RMSNorm: lambda: nn.RMSNorm(1), nn.InstanceNorm1d: lambda: nn.InstanceNorm1d(1, affine=True),
+            nn.InstanceNorm2d: lambda: nn.InstanceNorm2d(1, affine=True),
+            nn.InstanceNorm3d: lambda: nn.InstanceNorm3d(1, affine=True),
             nn.Embedding: lambda: nn.Embedding(1, 1),
             modules.PositionalEmbedding: lambda: modules.PositionalEmbedding(1),
             modules.ClassToken: lambda: modules.ClassToken(1)}[t]()

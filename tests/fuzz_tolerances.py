@@ -44,9 +44,9 @@ def positions(case: Case, plain: nn.Module, x: torch.Tensor) -> int:
         with torch.no_grad():
             out = copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64))
         return out.shape[-1] * out.shape[-2]
-    if case.kind == "layer_norm":
+    if case.kind in ("layer_norm", "rms_norm"):
         return max(1, math.prod(case.shape[:len(case.shape) - len(case.geometry["normalized"])]))
-    if case.kind == "group_norm":
+    if case.kind == "group_norm" or case.kind.startswith("instance_norm"):
         return max(1, math.prod(case.shape[1:]))
     if case.kind == "embedding":
         return max(1, math.prod(case.shape))
@@ -182,34 +182,39 @@ def normalisation_error(case: Case, x: torch.Tensor, g: torch.Tensor) -> torch.T
     rstd·|μ̂ − μ| + |x̂|·(rstd's error) + 2u|x̂|, and Σ_t g_t x̂_t by Σ|g_t|·err_t + γ_T(u)Σ|g_t||x̂_t|."""
     u = acc_unit(case.dtype)
     b = x.shape[0]
-    if case.kind == "layer_norm":
+    rms = case.kind == "rms_norm"  # μ = 0 exactly (the kernel reads a zero mean), var is m2
+    acc = F64 if case.dtype == F64 else F32
+    if case.kind in ("layer_norm", "rms_norm"):
         k = math.prod(case.geometry["normalized"])
         sets = x.reshape(b, -1, k)
     else:
-        groups = case.geometry["groups"]
+        groups = case.geometry["groups"] if case.kind == "group_norm" else case.geometry["channels"]
         sets = x.reshape(b, groups, -1)
         k = sets.shape[-1]
-    eps = 1e-5
-    mu = sets.mean(-1, keepdim=True)
-    var = sets.var(-1, unbiased=False, keepdim=True)
+    eps = case.geometry["eps"] if rms else 1e-5
     m2 = sets.square().mean(-1, keepdim=True)
+    mu = torch.zeros_like(m2) if rms else sets.mean(-1, keepdim=True)
+    var = m2 if rms else sets.var(-1, unbiased=False, keepdim=True)
     rstd = (var + eps).rsqrt()
-    q = gamma(2 * k + 4, u) * m2 / (var + eps)
+    # RMSNorm: m2 is a sum of k squares (γ_{k+2}), whose underflowing squares lose k subnormal steps
+    q = ((gamma(k + 2, u) * m2 + k * subnormal_step(acc)) if rms else gamma(2 * k + 4, u) * m2) / (var + eps)
     rel = torch.where(q < 0.5, (1 - q.clamp(max=0.5)).rsqrt() - 1 + 3 * u, torch.full_like(q, math.inf))
     xhat = (sets - mu) * rstd
     # torch's CPU native_layer_norm/native_group_norm return the statistics in the data's dtype: the
     # mean and rstd the per-example gradients read are rounded once more, by the dtype's u
+    # (RMSNorm's rstd stays in the accumulation dtype: the extra rounding is a valid, loose bound)
     ud = UNIT[case.dtype]
     rel = (1 + rel) * (1 + ud) - 1
-    acc = F64 if case.dtype == F64 else F32
     dmu = (gamma(k, u) * m2.sqrt() * (1 + ud) + ud * mu.abs()
            + (k + 2) * subnormal_step(acc) / 2 + subnormal_step(case.dtype) / 2)  # subnormal x: absolute
+    if rms:
+        dmu = torch.zeros_like(dmu)
     finite = rel.nan_to_num(posinf=0.0)
     err = rstd * (1 + finite) * dmu + xhat.abs() * finite + 2 * u * xhat.abs()
     err = torch.where(rel.isinf().expand_as(err), torch.full_like(err, math.inf), err)
     err, xhat = err.reshape(x.shape), xhat.reshape(x.shape)
     ga = g.abs()
-    if case.kind == "layer_norm":  # sums over the leading positions
+    if case.kind in ("layer_norm", "rms_norm"):  # sums over the leading positions
         dims = tuple(range(1, x.dim() - len(case.geometry["normalized"])))
     else:  # sums over the spatial positions
         dims = tuple(range(2, x.dim()))
@@ -222,7 +227,7 @@ def normalisation_error(case: Case, x: torch.Tensor, g: torch.Tensor) -> torch.T
     acc_w, acc_b = over(ga * xhat.abs()), over(ga)
     ew = ew.reshape(b, -1).norm(dim=1) + gamma(T + 2, u) * acc_w.reshape(b, -1).norm(dim=1)
     eb = gamma(T + 2, u) * acc_b.reshape(b, -1).norm(dim=1)
-    return ew + (eb if case.bias or case.kind == "group_norm" else 0)
+    return ew + (eb if (case.bias or case.kind == "group_norm") and not rms else 0)
 
 
 def example_error(case: Case, x: torch.Tensor, g: torch.Tensor, gtrue: torch.Tensor) -> torch.Tensor:
@@ -235,7 +240,7 @@ def example_error(case: Case, x: torch.Tensor, g: torch.Tensor, gtrue: torch.Ten
     T = positions(case, None, x) + 2
     out_round = UNIT[case.dtype] * gtrue.norm(dim=1) + math.sqrt(gtrue.shape[1]) * (
         subnormal_step(case.dtype) / 2 + T * subnormal_step(F64 if case.dtype == F64 else F32))
-    if case.kind in ("layer_norm", "group_norm"):
+    if case.kind in ("layer_norm", "group_norm", "rms_norm") or case.kind.startswith("instance_norm"):
         return normalisation_error(case, x, g) * (1 + UNIT[case.dtype]) + out_round
     if case.kind == "embedding":
         T = max(1, math.prod(case.shape))

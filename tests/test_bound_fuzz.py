@@ -107,6 +107,16 @@ def geometries(draw, kind):
         if channels // groups * max(1, math.prod(spatial)) == 1:
             spatial = (4,)  # torch refuses a training GroupNorm over sets of one value
         return dict(groups=groups, channels=channels), (channels, *spatial)
+    if kind == "rms_norm":
+        normalized = draw(st.sampled_from(((1,), (2,), (5,), (2, 3))))
+        lead = draw(st.sampled_from(((), (1,), (3,), (2, 2))))
+        return dict(normalized=normalized, eps=draw(st.sampled_from((1e-6, 1e-5, 1e-2)))), (*lead, *normalized)
+    if kind.startswith("instance_norm"):
+        channels = draw(ints(1, 3))
+        dims = int(kind[-2])
+        spatial = draw(st.sampled_from({1: ((2,), (4,), (9,)), 2: ((1, 2), (2, 3), (5, 5)),
+                                        3: ((1, 1, 2), (2, 2, 3))}[dims]))
+        return dict(channels=channels), (channels, *spatial)
     if kind == "embedding":
         vocab, dim = draw(ints(2, 8)), draw(ints(1, 5))
         padding_idx = draw(st.one_of(st.none(), ints(0, vocab - 1)))
@@ -126,9 +136,10 @@ def cases(draw, kinds, modes):
     batch = draw(st.integers(1, 5))
     values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
     exact_conv_linear = kind in ("linear", "conv") and mode != "backprop"
-    bias = draw(st.booleans()) if kind in ("linear", "conv", "layer_norm") else kind == "group_norm"
+    bias = (draw(st.booleans()) if kind in ("linear", "conv", "layer_norm") or kind.startswith("instance_norm")
+            else kind == "group_norm")
     dtype = draw(st.sampled_from(fb.DTYPES))
-    if kind == "group_norm" and dtype == torch.float16:
+    if (kind == "group_norm" or kind.startswith("instance_norm")) and dtype == torch.float16:
         dtype = torch.bfloat16  # torch has no fp16 GroupNorm on the CPU
     case = fb.Case(
         kind=kind, mode=mode, dtype=dtype, clip_fn=draw(st.sampled_from(("clip", "global", "normalize"))),
@@ -162,7 +173,8 @@ def test_backprop_linear_and_conv2d(case):
 
 @FUZZ
 @_with_seed
-@given(cases(("layer_norm", "group_norm", "embedding", "positional", "class_token"), ("flat", "per_layer"))
+@given(cases(("layer_norm", "group_norm", "rms_norm", "instance_norm1d", "instance_norm2d", "instance_norm3d",
+              "embedding", "positional", "class_token"), ("flat", "per_layer"))
        .filter(lambda c: not known_broken(c)))
 def test_instantiating_layers(case):
     fb.check(case)
@@ -240,7 +252,7 @@ def test_every_generic_kind_mode_and_dtype_is_drawn():
     """Each generic kind is a module the registry has no fused layer for (so conversion makes it a
     generic unit), and the strategy draws it in both exact modes, every dtype, and (recurrent and
     attention units) sequence-first with every output fed."""
-    instances = {"custom": fg.Affine(2), "conv1d": torch.nn.Conv1d(1, 1, 1), "rmsnorm": torch.nn.RMSNorm(2),
+    instances = {"custom": fg.Affine(2), "conv1d": torch.nn.Conv1d(1, 1, 1), "rmsnorm": fg.UserRMSNorm(2),
                  "lstm": torch.nn.LSTM(1, 1), "mha": torch.nn.MultiheadAttention(2, 1)}
     assert set(instances) == set(fg.KINDS) and {type(m) for m in instances.values()} == set(fg.TORCH_TYPE.values())
     for kind, m in instances.items():

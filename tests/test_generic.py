@@ -30,6 +30,16 @@ class Custom(nn.Module):
         return self.inner(torch.tanh(x * self.scale + self.shift))
 
 
+class UserRMSNorm(nn.RMSNorm):
+    """Subclasses of registered types are not converted to the fused layers (bpclip_fast/layers/
+    norms.py registers the exact torch types): torch's RMSNorm/InstanceNorm computations, trained
+    by the generic path."""
+
+
+class UserInstanceNorm1d(nn.InstanceNorm1d):
+    __doc__ = UserRMSNorm.__doc__
+
+
 class Net(nn.Module):
     """``[B, T, 4]`` -> 3 classes through one module of ``kind``."""
 
@@ -47,8 +57,8 @@ class Net(nn.Module):
             "encoder": lambda: nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True),
             "conv1d": lambda: nn.Conv1d(d, 5, 3, padding=1),
             "conv3d": lambda: nn.Conv3d(1, 2, 2),
-            "rmsnorm": lambda: nn.RMSNorm(d),
-            "instancenorm": lambda: nn.InstanceNorm1d(d, affine=True),
+            "rmsnorm": lambda: UserRMSNorm(d),
+            "instancenorm": lambda: UserInstanceNorm1d(d, affine=True),
             "custom": lambda: Custom(d),
         }[kind]()
         width = {"lstm": 12, "lstm_seq_first": 6, "gru": 6, "rnn": 6, "conv1d": 5, "conv3d": 2}.get(kind, d)
@@ -263,7 +273,7 @@ def test_make_private_trains_recurrent_and_attention_models(mode):
             self.inp = nn.Linear(4, 8)
             self.rnn = nn.LSTM(8, 8, batch_first=True)
             self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-            self.norm = nn.RMSNorm(8)
+            self.norm = UserRMSNorm(8)
             self.head = nn.Linear(8, 3)
 
         def forward(self, x):

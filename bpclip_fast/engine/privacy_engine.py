@@ -179,8 +179,8 @@ class PrivacyEngine:
         layers = bnn.clipped_layers(inner)
         if not layers:
             raise ValueError("make_private: the model has no trainable layer of a registered type to clip "
-                             "(bpclip_fast.registry: Linear, Conv2d; LayerNorm, GroupNorm, Embedding, "
-                             "bpclip_fast.modules under exact clipping)")
+                             "(bpclip_fast.registry: Linear, Conv2d; LayerNorm, GroupNorm, RMSNorm, InstanceNorm, "
+                             "Embedding, bpclip_fast.modules under exact clipping)")
         model_checks.fix_sensitivities(layers, shapes, r.max_input_shape is not None)
         self._mode = modes.strategy(r.clipping)
         # What the mode sets over all the layers, those built by the user included: flat's one collector,
