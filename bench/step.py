@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench.launcher import FAILED, child_main, launch
-from bench.methods import METHODS, import_for
+from bench.methods import DEFAULT_METHODS, METHODS, import_for
 from bench.probes import mem_available_mb, wait_quiet
 from bench.report import aggregate, fmt, markdown_table, plot
 
@@ -49,7 +49,7 @@ def parse_args(argv=None):
                    help=f"the fixed grid {QUICK_GRID} with {QUICK} (finishes in < 10 min on 2 CPU cores); "
                         "--models/--batch-sizes then filter that grid, other options still override")
     p.add_argument("--models", default=None, help=f"comma-separated, of {MODEL_NAMES + MORE_MODELS} (default: the first {len(MODEL_NAMES)})")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {METHODS}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, of {METHODS}")
     p.add_argument("--batch-sizes", default=None,
                    help="comma-separated; every model runs every size (default 32,128)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")

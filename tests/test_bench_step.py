@@ -144,3 +144,24 @@ def test_norm_cost_runs_and_reports_every_case(monkeypatch, capsys):
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert float(cells[5]) >= 0 and float(cells[6]) >= 0 and cells[7] in ("ghost", "instantiate")
+
+
+def test_flat_generic_trains_every_layer_by_the_generic_path():
+    # bench's flat_generic measures the fused paths against the generic one on the same model: every
+    # layer of a registered type must become a generic unit, and its step must change the weights.
+    import torch
+
+    from bench.methods import build_step
+    from bench.models import MODELS
+    from bpclip_fast import registry
+
+    factory, shape, classes = MODELS["mnist"]
+    torch.manual_seed(0)
+    model = factory()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(3, *shape), torch.randint(0, classes, (3,))
+    step, wrapped = build_step("flat_generic", model, x, y, seed=1)
+    step()
+    trained = [m for m in wrapped.modules() if registry.owns_trainable(m)]
+    assert trained and all(registry.is_generic(m) and registry.layer_type(m) is None for m in trained)
+    assert all(not torch.equal(a, p) for a, p in zip(before, wrapped.parameters()))
