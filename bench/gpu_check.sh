@@ -16,6 +16,9 @@
 #   step_bench   bench.step, batch 128, models mnist, cifar10, vit, resnet20-gn, methods
 #                nonprivate, bpclip_fast, flat, opacus_ghost; one child each (~10 s of CUDA
 #                start-up per child, so this is the step the budget cuts first)          ~140 s
+# GPU_CHECK_ONLY="build pytest_cuda step_bench" runs only the steps named (a re-check inside what is
+# left of a lease after a full run); GPU_CHECK_MODELS / GPU_CHECK_METHODS replace step_bench's grid and
+# GPU_CHECK_PROFILE the profile's model:method specs.
 # The emulator tests are CPU-only and run in CI; they are not repeated here. Each step is given at
 # most the budget left (it is stopped, exit 124, past that; later steps are skipped). Writes every
 # log and result into OUT_DIR (default gpu_check_<date>). Exit status: non-zero if the build or
@@ -45,6 +48,7 @@ START=$SECONDS
 status=0
 step() {  # step NAME CMD...: run within the budget left, log to OUT/NAME.log, remember failure
   local name=$1; shift
+  if [[ -n "${GPU_CHECK_ONLY:-}" && " $GPU_CHECK_ONLY " != *" $name "* ]]; then return 0; fi
   local left=$((BUDGET - (SECONDS - START)))
   if ((left < 15)); then
     echo "== $name: skipped (budget of ${BUDGET} s spent)" | tee -a "$OUT/summary.txt"
@@ -68,7 +72,7 @@ step pytest_cuda "$PY" -m pytest -q -rfEs "${XDIST[@]}" -m cuda tests --junitxml
 step bandwidth "$PY" -m pytest bench/test_kernels.py --benchmark-only -q -p no:cacheprovider --bench-device cuda \
   --bench-sizes-mb 32,512 --benchmark-json="$OUT/bandwidth.json"
 # The noise kernel against a device copy of the same bytes (issue 25's target: 70% at 512 MB).
-"$PY" - "$OUT/bandwidth.json" >"$OUT/bandwidth_summary.txt" 2>&1 <<'EOF'
+[[ -f "$OUT/bandwidth.json" ]] && "$PY" - "$OUT/bandwidth.json" >"$OUT/bandwidth_summary.txt" 2>&1 <<'EOF'
 import json, sys
 bench = json.load(open(sys.argv[1]))["benchmarks"]
 gbps = lambda b: b["extra_info"]["GB/s"]
@@ -82,18 +86,19 @@ for b in bench:
         print(f"noise {p['impl']:5} {'accumulate' if p['accumulate'] else 'write':10} {p['size_mb']:>4} MB "
               f"{gbps(b):7.0f} GB/s   copy_ {c or 0:7.0f} GB/s   {pct}")
 EOF
-cat "$OUT/bandwidth_summary.txt" | tee -a "$OUT/summary.txt"
+[[ -f "$OUT/bandwidth_summary.txt" ]] && tee -a "$OUT/summary.txt" <"$OUT/bandwidth_summary.txt"
 step norm_cost "$PY" -m bench.norm_cost --device cuda --reps 3
 step compile timeout 100 "$PY" -m bench.compile --device cuda --compile-mode reduce-overhead --models mlp,mnist \
   --modes none,flat --batch 128 --steps 20 --warmup 3
-cat "$OUT/compile.log" | grep -v Warning | tail -n 6 | tee -a "$OUT/summary.txt"
+[[ -f "$OUT/compile.log" ]] && grep -v Warning "$OUT/compile.log" | tail -n 6 | tee -a "$OUT/summary.txt"
 # One child per cell and short timing windows: each child spends ~10 s starting CUDA.
-step step_bench "$PY" -m bench.step --device cuda --models mnist,cifar10,vit,resnet20-gn --batch-sizes 128 --reps 1 \
-  --warmup-time 0.5 --min-time 1 --timeout 60 \
-  --methods nonprivate,bpclip_fast,flat,opacus_ghost --json "$OUT/step.json" --md "$OUT/step.md"
+step step_bench "$PY" -m bench.step --device cuda --models "${GPU_CHECK_MODELS:-mnist,cifar10,vit,resnet20-gn}" \
+  --batch-sizes 128 --reps 1 --warmup-time 0.5 --min-time 1 --timeout 60 \
+  --methods "${GPU_CHECK_METHODS:-nonprivate,bpclip_fast,flat,opacus_ghost}" --json "$OUT/step.json" --md "$OUT/step.md"
 [[ -f "$OUT/step.md" ]] && cat "$OUT/step.md"
 # Where flat's device time goes (2026-11-26: exact_bound_kernel was 68% of CIFAR-10's; rewritten since).
-step profile "$PY" -m bench.profile --device cuda --batch 128 cifar10:nonprivate cifar10:flat resnet20-gn:flat vit:flat
+# shellcheck disable=SC2086  # the specs are words
+step profile "$PY" -m bench.profile --device cuda --batch 128 ${GPU_CHECK_PROFILE:-cifar10:nonprivate cifar10:flat resnet20-gn:flat vit:flat}
 grep -E "^###" "$OUT/profile.log" | tee -a "$OUT/summary.txt"
 tail -n 3 "$OUT"/pytest_*.log >>"$OUT/summary.txt" 2>/dev/null
 echo "total $((SECONDS - START)) s of a ${BUDGET} s budget" | tee -a "$OUT/summary.txt"
