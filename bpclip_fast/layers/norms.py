@@ -20,6 +20,15 @@ from .. import examples, modes, registry
 from .base import _ExampleLayer, _exact_kwargs, _sqrt_numel
 
 
+def _normalized_input(layer, x):
+    """``x`` if it is ``[B, *, *normalized_shape]`` (LayerNorm, RMSNorm), else a clear error."""
+    k = len(layer.normalized_shape)
+    if x.dim() <= k or tuple(x.shape[-k:]) != tuple(layer.normalized_shape):
+        raise ValueError(f"{layer.layer_name}: the input must be [B, *, {', '.join(map(str, layer.normalized_shape))}] "
+                         f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
+    return x
+
+
 class LayerNorm(_ExampleLayer, nn.LayerNorm):
     """``nn.LayerNorm`` (affine) under exact per-example clipping (``flat``/``per_layer``). Example
     ``i``'s gradients are ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t`` over its positions ``t``."""
@@ -31,12 +40,7 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        x = super()._check_input(x)
-        k = len(self.normalized_shape)
-        if x.dim() <= k or tuple(x.shape[-k:]) != tuple(self.normalized_shape):
-            raise ValueError(f"{self.layer_name}: the input must be [B, *, {', '.join(map(str, self.normalized_shape))}] "
-                             f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
-        return x
+        return _normalized_input(self, super()._check_input(x))
 
     def _forward(self, x, weight, bias, keep):
         if not keep:
@@ -93,12 +97,7 @@ class RMSNorm(_ExampleLayer, nn.RMSNorm):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        x = super()._check_input(x)
-        k = len(self.normalized_shape)
-        if x.dim() <= k or tuple(x.shape[-k:]) != tuple(self.normalized_shape):
-            raise ValueError(f"{self.layer_name}: the input must be [B, *, {', '.join(map(str, self.normalized_shape))}] "
-                             f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
-        return x
+        return _normalized_input(self, super()._check_input(x))
 
     def _forward(self, x, weight, bias, keep):
         if not keep:
