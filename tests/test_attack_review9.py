@@ -346,13 +346,14 @@ def _adversarial(n, S, pattern, dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n,T", [(4096, 1), (65549, 1), (100000, 1), (4096, 2), (40000, 3)])
 @pytest.mark.parametrize("pattern", ["heads", "span"])
-def test_position_sums_in_parts_stay_above_the_exact_norm(dtype, n, T, pattern):
+def test_position_sums_in_parts_stay_above_the_exact_norm(dtype, n, T, pattern, device):
     """A Linear with long input rows (T = 1 and small T): the position sums are now S = position_split
     parts, each sequential, then a tree; any summation order of n non-negative terms errs by at most
     gamma_{n-1}(2^-53) (every term meets at most n - 1 additions: here (n/S - 1) + log2 S), which the
     d in the bound's slack covers. Checked: the input loses to rounding in the kernel's own order
     (the plain double sum is below the exact one, so a bound without that slack would fail), and
-    the op's bound is >= the exact norm (integer arithmetic)."""
+    the op's bound is >= the exact norm (integer arithmetic). On CUDA the parts are position_sums_kernel's
+    (a block's threads and its shared-memory tree)."""
     gen = torch.Generator().manual_seed(n + T)
     S = _position_split(n, T)
     x = torch.stack([_adversarial(n, S, pattern, dtype, gen) for _ in range(T)]).unsqueeze(0)  # [1, T, n]
@@ -369,5 +370,6 @@ def test_position_sums_in_parts_stay_above_the_exact_norm(dtype, n, T, pattern):
     exact_x0 = sum(v * v for v in xi[0])
     assert nn_ << (2 * e) < exact_x0 * nd, "the input does not lose to rounding: the test could not fail"
     for method in (["ghost"] if T == 1 else ["ghost", "instantiate"]):
-        _, bound, _, _ = torch.ops.bpclip_fast.linear_grad_norms(g, x, [True, False], method, WS, False, None)
+        _, bound, _, _ = torch.ops.bpclip_fast.linear_grad_norms(g.to(device), x.to(device), [True, False], method,
+                                                                 WS, False, None)
         assert _covers(bound.item(), exact), (method, bound.item())
