@@ -368,7 +368,9 @@ def _parameter_gradients(model: nn.Module, outputs: list[torch.Tensor], batch: i
     if not terms or not params:
         return {}
     grads = torch.autograd.grad(sum(terms), params, allow_unused=True)
-    return {id(p): g for p, g in zip(params, grads)}
+    # Dense: a refused Embedding(sparse=True) gives a sparse gradient, which the probes' arithmetic
+    # (add(sparse, dense)) would raise on before its static refusal is reported.
+    return {id(p): (g.to_dense() if g is not None and g.is_sparse else g) for p, g in zip(params, grads)}
 
 
 def _run(model: nn.Module, probe_input, batch: int, devices: list[int], backward: bool = True) -> _Pass:

@@ -87,8 +87,9 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
 class RMSNorm(_ExampleLayer, nn.RMSNorm):
     """``nn.RMSNorm`` (affine) under exact per-example clipping. Example ``i``'s weight gradient is
     ``Σ_t g_t ⊙ x̂_t``, ``x̂ = x·rstd``, ``rstd = 1/√(mean(x²) + eps)`` over the normalized shape of
-    each position ``t`` (``eps=None``: ``torch.finfo(x.dtype).eps``, as torch): LayerNorm's kernel
-    with mean 0, on the ``rstd`` the forward's ``_fused_rms_norm`` returned."""
+    each position ``t`` (``eps=None``: as torch, the eps of the dtype it computes in, float32's for
+    fp16/bf16 ``x``, not ``finfo(x.dtype).eps``): LayerNorm's kernel with mean 0, on the ``rstd`` the
+    forward's ``_fused_rms_norm`` returned."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, *, clipping="backprop",
                  max_grad_norm=None, clip_fn="clip", gamma=0.01, device=None, dtype=None):
