@@ -192,6 +192,9 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
     if unbounded:
         raise ValueError("convert_model: these layers cannot be trained with clipping=" f"{clipping!r}:\n  "
                          + "\n  ".join(unbounded))
+    if mode.exact:  # registry.Composite (nn.MultiheadAttention): in place, its parameters into registered layers
+        for _, m, entry in registry.composites(model):
+            entry.unpack(m)
     kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping,
               **mode.conversion_settings(input_clip=input_clip, grad_clip=grad_clip, norm=norm, norm_method=norm_method))
     units = {id(u) for _, u in registry.generic_units(model)} if mode.exact else set()

@@ -91,6 +91,47 @@ def register_module_check(*types: type, mixes_batch: bool = False):
     return decorator
 
 
+@dataclass(frozen=True)
+class Composite:
+    """A torch module type whose parameters registered layers train once ``unpack(module)`` (in
+    place, same ``Parameter`` objects) has made them children of those types (``nn.MultiheadAttention``:
+    two Linears, :mod:`bpclip_fast.layers.attention`). ``not_fused(module)``: why an instance stays a
+    generic unit instead (``None``: it is unpacked). ``pack`` undoes ``unpack``. Exact modes only."""
+
+    torch_type: type
+    not_fused: Callable
+    unpack: Callable
+    pack: Callable
+    modes: tuple = _EXACT_MODES
+
+
+_COMPOSITES: dict[type, Composite] = {}
+
+
+def register_composite(torch_type: type, *, not_fused: Callable, unpack: Callable, pack: Callable,
+                       modes: tuple = _EXACT_MODES) -> Composite:
+    entry = Composite(torch_type, not_fused, unpack, pack, tuple(modes))
+    _COMPOSITES[torch_type] = entry
+    return entry
+
+
+def composite(module: nn.Module) -> Composite | None:
+    """The composite entry of ``module`` if it is one to unpack: its exact registered type, accepted by
+    ``not_fused``, with a trainable parameter (below it too)."""
+    entry = _COMPOSITES.get(type(module))
+    if entry is None or entry.not_fused(module) is not None:
+        return None
+    return entry if any(p.requires_grad for p in module.parameters()) else None
+
+
+def composites(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.Module, Composite]]:
+    """``[(name, module, entry)]`` of the composites of ``model`` to unpack: not inside a generic unit
+    (with ``shared`` as :func:`generic_units`: a unit trains everything below it)."""
+    units = generic_units(model, shared)
+    inside = {id(sub) for _, u in units for sub in u.modules()}
+    return [(name, m, e) for name, m in model.named_modules() if id(m) not in inside and (e := composite(m)) is not None]
+
+
 # ------------------------------------------------------------------------------ queries
 
 
@@ -128,6 +169,7 @@ def generic_candidate(module: nn.Module) -> bool:
     parameters stay refused, module_problems), nor one of our clipped layers or a subclass of one
     (which clips in its own backward), nor a unit already."""
     return (owns_trainable(module) and type(module) not in _LAYERS and not is_generic(module)
+            and composite(module) is None
             and not any(isinstance(module, e.clipped_type) for e in _LAYERS.values()))
 
 
@@ -139,11 +181,14 @@ def generic_units(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.M
     and units already made; everything below one belongs to it."""
     shared = _sharing_ancestors(model) if shared else set()
     units: list[tuple[str, nn.Module]] = []
+    whole = []  # composites: what is below one is unpacked into registered layers, never a unit
     for name, m in model.named_modules():
-        if any(name.startswith(u + ".") or u == "" for u, _ in units):
+        if any(name.startswith(u + ".") or u == "" for u in [u for u, _ in units] + whole):
             continue
         if is_generic(m) or name in shared or (generic_candidate(m) and not module_reasons(m)):
             units.append((name, m))
+        elif composite(m) is not None:
+            whole.append(name)
     return units
 
 
@@ -200,8 +245,11 @@ def unbounded(model: nn.Module, clipping: str) -> list[str]:
     exact = clipping in _EXACT_MODES
     generic = [] if exact else [label(name, m, model) for name, m in generic_units(model, shared=False)]
     inside = inside_units(model, shared=exact)
-    return generic + [label(name, m, model) for name, m in model.named_modules()
-                      if convertible(m) and id(m) not in inside and clipping not in layer_type(m).modes]
+    whole = [label(name, m, model) for name, m, e in composites(model, shared=exact) if clipping not in e.modes]
+    covered = {id(sub) for _, c, _ in composites(model, shared=exact) for sub in c.modules()}
+    return generic + whole + [label(name, m, model) for name, m in model.named_modules()
+                              if convertible(m) and id(m) not in inside | covered
+                              and clipping not in layer_type(m).modes]
 
 
 def mode_problems(model: nn.Module, clipping: str) -> list[str]:
@@ -228,12 +276,13 @@ def module_problems(model: nn.Module) -> list[str]:
     problems = []
     units = generic_units(model, shared=False)
     inside = {id(sub) for _, u in units for sub in u.modules()}
+    unpacked = {id(sub) for _, c, _ in composites(model, shared=False) for sub in c.modules()}
     for name, m in model.named_modules():
         reasons = module_reasons(m)
         own = [pname for pname, p in m.named_parameters(recurse=False) if p.requires_grad]
         if layer_type(m) is not None:
             own = [pname for pname in own if pname not in ("weight", "bias")]
-        if not reasons and own and id(m) not in inside:
+        if not reasons and own and id(m) not in inside and id(m) not in unpacked:
             reasons.append(_untrained_reason(name, m, own))
         if id(m) in inside and m not in [u for _, u in units] and is_clipped(m):
             reasons.append("a clipped layer inside a module trained by the generic exact path (which computes the "

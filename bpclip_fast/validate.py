@@ -650,6 +650,22 @@ def _isolated(model: nn.Module):
 
 
 @contextlib.contextmanager
+def _unpacked(work: nn.Module, model: nn.Module):
+    """The probes see what training runs: every composite (``registry.Composite``, an
+    ``nn.MultiheadAttention``) unpacked into the registered layers that train it, as ``convert_model``
+    does; packed back after where ``work`` is the model itself (it could not be copied)."""
+    done = [(m, e) for _, m, e in registry.composites(work, _SHARED_UNITS.get())]
+    for m, e in done:
+        e.unpack(m)
+    try:
+        yield
+    finally:
+        if work is model:
+            for m, e in reversed(done):
+                e.pack(m)
+
+
+@contextlib.contextmanager
 def _as_torch_layers(model: nn.Module):
     """Our layers clip in their backward (and may draw a step's noise), so their parameter gradient is
     not the plain one probe 4 recomputes: the probes run their torch base class's forward instead."""
@@ -696,7 +712,8 @@ def dynamic_problems(model: nn.Module, example_input, clipping: str | None = Non
 
     token = _SHARED_UNITS.set(clipping in EXACT)
     try:
-        with _isolated(model) as work, _as_torch_layers(work), torch.random.fork_rng(devices=_cuda_devices(work)):
+        with _isolated(model) as work, _unpacked(work, model), _as_torch_layers(work), \
+                torch.random.fork_rng(devices=_cuda_devices(work)):
             return _probe(work, example_input)
     finally:
         _SHARED_UNITS.reset(token)

@@ -68,8 +68,13 @@ class UserRMSNorm(nn.RMSNorm):
     computation keeps exercising the generic path (and the error derived for it below)."""
 
 
+class UserMHA(nn.MultiheadAttention):
+    """The user's own attention: a subclass, which the registry leaves to the generic path (a plain
+    ``nn.MultiheadAttention`` is unpacked into fused Linears, bpclip_fast/layers/attention.py)."""
+
+
 TORCH_TYPE = {"custom": Affine, "conv1d": nn.Conv1d, "rmsnorm": UserRMSNorm, "lstm": nn.LSTM,
-              "mha": nn.MultiheadAttention}
+              "mha": UserMHA}
 
 
 def plain_unit(case: fb.Case) -> nn.Module:
@@ -86,8 +91,7 @@ def plain_unit(case: fb.Case) -> nn.Module:
         unit = nn.LSTM(case.shape[-1], g["hidden"], num_layers=g["layers"], bias=case.bias,
                        batch_first=g["batch_first"], bidirectional=g["bidirectional"], dtype=F64)
     else:
-        unit = nn.MultiheadAttention(case.shape[-1], g["heads"], bias=case.bias, batch_first=g["batch_first"],
-                                     dtype=F64)
+        unit = UserMHA(case.shape[-1], g["heads"], bias=case.bias, batch_first=g["batch_first"], dtype=F64)
     gen = torch.Generator().manual_seed(case.seed + 1)
     with torch.no_grad():
         for p in unit.parameters():

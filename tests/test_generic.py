@@ -40,6 +40,18 @@ class UserInstanceNorm1d(nn.InstanceNorm1d):
     __doc__ = UserRMSNorm.__doc__
 
 
+class UserMHA(nn.MultiheadAttention):
+    """A user subclass: left to the generic path (a plain nn.MultiheadAttention is fused, layers/attention.py)."""
+
+
+def _generic_encoder(d):
+    """An encoder layer whose attention is a UserMHA, so the generic path trains it (with torch's
+    attention the layer is fused: tests/test_fused_attention.py)."""
+    layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True)
+    layer.self_attn = UserMHA(d, 2, batch_first=True)
+    return layer
+
+
 class Net(nn.Module):
     """``[B, T, 4]`` -> 3 classes through one module of ``kind``."""
 
@@ -52,9 +64,9 @@ class Net(nn.Module):
             "lstm_seq_first": lambda: nn.LSTM(d, 6),
             "gru": lambda: nn.GRU(d, 6, batch_first=True),
             "rnn": lambda: nn.RNN(d, 6, batch_first=True),
-            "mha": lambda: nn.MultiheadAttention(d, 2, batch_first=True, dropout=dropout),
-            "mha_seq_first": lambda: nn.MultiheadAttention(d, 2),
-            "encoder": lambda: nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True),
+            "mha": lambda: UserMHA(d, 2, batch_first=True, dropout=dropout),
+            "mha_seq_first": lambda: UserMHA(d, 2),
+            "encoder": lambda: _generic_encoder(d),
             "conv1d": lambda: nn.Conv1d(d, 5, 3, padding=1),
             "conv3d": lambda: nn.Conv3d(1, 2, 2),
             "rmsnorm": lambda: UserRMSNorm(d),
@@ -272,7 +284,7 @@ def test_make_private_trains_recurrent_and_attention_models(mode):
             super().__init__()
             self.inp = nn.Linear(4, 8)
             self.rnn = nn.LSTM(8, 8, batch_first=True)
-            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.attn = UserMHA(8, 2, batch_first=True)
             self.norm = UserRMSNorm(8)
             self.head = nn.Linear(8, 3)
 

@@ -8,8 +8,9 @@ The import order is the registration order, which is the order in which the regi
 list the types: keep it.
 """
 
-from . import base, norms, embedding, tokens, linear, conv2d  # noqa: F401  (registration order)
+from . import base, norms, embedding, tokens, linear, conv2d, attention  # noqa: F401  (registration order)
 from .base import CLIP_FNS, SUPPORTED_DTYPES
+from .attention import MultiheadAttention
 from .conv2d import CONV_NORMS, Conv2d
 from .embedding import Embedding
 from .linear import Linear
@@ -17,5 +18,5 @@ from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, La
 from .tokens import ClassToken, PositionalEmbedding
 
 __all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv2d", "Embedding", "GroupNorm",
-           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear", "PositionalEmbedding",
+           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear", "MultiheadAttention", "PositionalEmbedding",
            "RMSNorm"]
