@@ -337,3 +337,31 @@ def test_make_private_trains_a_bag_model_on_2d_input(mode, clipping):
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="1-D input with offsets is not supported under make_private.*2-D"):
         bags[0](torch.tensor([1, 2, 3]), torch.tensor([0, 1]))
+
+
+def test_make_private_with_per_sample_weights():
+    """The gradient-ownership probe recomputes the layer's gradient with the call's per_sample_weights
+    (before, it dropped them and refused the model as if its table were used elsewhere)."""
+    torch.manual_seed(5)
+
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(V, 8, mode="sum", padding_idx=PAD)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x, w):
+            return self.head(self.bag(x, per_sample_weights=w))
+
+    model = Weighted()
+    data = TensorDataset(torch.randint(0, V, (48, 5)), torch.rand(48, 5), torch.randint(0, 3, (48,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt,
+                                                      data_loader=DataLoader(data, batch_size=16),
+                                                      noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat")
+    before = model.bag.weight.detach().clone()
+    for x, w, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x, w), y).backward()
+        opt.step()
+    assert not torch.equal(before, model.bag.weight)

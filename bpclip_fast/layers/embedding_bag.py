@@ -176,13 +176,17 @@ def _convert_embedding_bag(layer: nn.EmbeddingBag, **clipping) -> EmbeddingBag:
                         dtype=layer.weight.dtype, **_exact_kwargs(clipping))
 
 
-def _plain(layer, x, p):
-    return F.embedding_bag(x, p["weight"], mode=layer.mode, padding_idx=layer.padding_idx)
+def _plain(layer, x, p, offsets=None, per_sample_weights=None):
+    return F.embedding_bag(x, p["weight"], offsets, mode=layer.mode, per_sample_weights=per_sample_weights,
+                           include_last_offset=layer.include_last_offset, padding_idx=layer.padding_idx)
 
 
-def _multiplier_norm(layer, x) -> float:
-    """Each entry of a bag's gradient sums at most ``T`` copies of ``|g_i|`` (sum mode, weight 1;
-    mean and max add less): the norm of the batch's terms is at most ``T·Σ_i ‖g_i‖ ≤ T·√B·‖g‖``."""
+def _multiplier_norm(layer, x, offsets=None, per_sample_weights=None) -> float:
+    """Bag ``i``'s gradient sums the terms ``|w_t|·|g_i|`` of its entries (``w`` the per-sample weights,
+    1 without them; mean and max add less): their norm over the batch is at most
+    ``Σ_i ‖g_i‖·Σ_t |w_{i,t}| ≤ ‖g‖·(Σ_i (Σ_t |w_{i,t}|)²)^½`` (Cauchy–Schwarz), ``T·√B·‖g‖`` for ``w = 1``."""
+    if per_sample_weights is not None and x.dim() == 2:
+        return float(per_sample_weights.double().abs().sum(1).norm())
     return float(x.shape[-1]) * float(x.shape[0]) ** 0.5 if x.dim() == 2 else float(x.numel())
 
 
