@@ -44,13 +44,14 @@ class LayerType:
     """A torch layer type that a clipped layer of ours trains.
 
     ``convert(layer, **clipping)``: the clipped layer holding ``layer``'s ``Parameter`` objects.
-    ``plain(layer, x, params)``: the layer's output for input ``x`` with parameters ``params`` (a
-    dict by parameter name), as the torch type computes it (no clipping).
+    ``plain(layer, x, params, *args, **kwargs)``: the layer's output for input ``x`` with parameters
+    ``params`` (a dict by parameter name), as the torch type computes it (no clipping); ``args`` and
+    ``kwargs`` are the call's other arguments, if any (an EmbeddingBag's per_sample_weights).
     ``taps(layer)``: how many products of one input entry with one upstream gradient entry one
     parameter entry sums per output position (a convolution's kernel positions; 1 for Linear),
     which scales the probes' rounding tolerance.
     ``modes``: the clipping modes with a proved bound for the type (``convert_model`` refuses others).
-    ``multiplier_norm(layer, x)``: the norm of what the weight gradient multiplies the upstream
+    ``multiplier_norm(layer, x, *args, **kwargs)``: the norm of what the weight gradient multiplies the upstream
     gradient by, for the probes' tolerance (``None``: the input ``x`` itself, as Linear).
     """
 

@@ -247,6 +247,9 @@ class _Call:
     name: str
     input: torch.Tensor | None
     grad: torch.Tensor | None = None
+    # The call's other arguments (an EmbeddingBag's per_sample_weights), for probe 4's recomputation.
+    extra: tuple = ()
+    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -291,12 +294,13 @@ def _record(model: nn.Module, record: _Pass) -> list:
             continue
         is_layer = id(m) in layers
 
-        def before(mod, args, _name=name, _is_layer=is_layer):
+        def before(mod, args, kwargs, _name=name, _is_layer=is_layer):
             record.counts[_name] = record.counts.get(_name, 0) + 1
             if _is_layer:
                 x = args[0] if args and isinstance(args[0], torch.Tensor) else None
                 # A copy: later in-place operations must not change what probe 4 recomputes from.
-                record.calls.append(_Call(_name, None if x is None else x.detach().clone()))
+                copied = _map_tensors((tuple(args[1:]), dict(kwargs)), lambda t: t.detach().clone())
+                record.calls.append(_Call(_name, None if x is None else x.detach().clone(), None, *copied))
 
         def after(mod, args, out, _name=name):
             call = next(c for c in reversed(record.calls) if c.name == _name)
@@ -305,7 +309,7 @@ def _record(model: nn.Module, record: _Pass) -> list:
                 # operation (ReLU(inplace=True)) rewrites it; a module backward hook would refuse those.
                 out.register_hook(lambda g, _call=call: setattr(_call, "grad", g.detach().clone()))
 
-        handles.append(m.register_forward_pre_hook(before))
+        handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
         if is_layer:
             handles.append(m.register_forward_hook(after))
     for name, unit in registry.generic_units(model, _SHARED_UNITS.get()):
@@ -562,14 +566,14 @@ def _own_gradients(layer: nn.Module, calls: list[_Call]):
             continue  # the output did not reach the loss: no gradient from this call
         with torch.enable_grad():
             leaves = {n: getattr(layer, n).detach().requires_grad_() for n in names}
-            out = kind.plain(layer, c.input, leaves)
+            out = kind.plain(layer, c.input, leaves, *c.extra, **c.kwargs)
             grads = torch.autograd.grad((out * c.grad).sum(), list(leaves.values()), allow_unused=True)
         for n, gr in zip(names, grads):
             if gr is not None:
                 own[n] += gr
         rows = c.grad.numel() // max(layer.weight.shape[0], 1)
         g_norm = float(c.grad.double().norm())
-        x_norm = (kind.multiplier_norm(layer, c.input) if kind.multiplier_norm is not None
+        x_norm = (kind.multiplier_norm(layer, c.input, *c.extra, **c.kwargs) if kind.multiplier_norm is not None
                   else float(c.input.double().norm()))
         scale["weight"] += math.sqrt(taps) * g_norm * x_norm
         if "bias" in scale:

@@ -53,12 +53,15 @@ from fuzz_tolerances import (BF16, DTYPES, F16, F32, F64, RZ, UNIT, V, acc_unit,
                              bounded_terms, factor_change, gamma, norm_margin, positions, release_error, subnormal_step)
 
 KINDS = ("linear", "conv", "layer_norm", "group_norm", "rms_norm", "instance_norm1d", "instance_norm2d",
-         "instance_norm3d", "embedding", "positional", "class_token")
+         "instance_norm3d", "embedding", "positional", "class_token",
+         "embedding_bag")
 TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm,
               "rms_norm": nn.RMSNorm, "instance_norm1d": nn.InstanceNorm1d, "instance_norm2d": nn.InstanceNorm2d,
               "instance_norm3d": nn.InstanceNorm3d,
               "embedding": nn.Embedding, "positional": modules.PositionalEmbedding,
-              "class_token": modules.ClassToken}
+              "class_token": modules.ClassToken,
+              "embedding_bag": nn.EmbeddingBag}
+INDEXED = ("embedding", "embedding_bag")  # inputs are table indices
 LAYOUTS = ("contiguous", "channels_last", "nhwc_view", "permuted", "transposed", "expanded", "broadcast", "strided")
 VALUES = ("normal", "scaled", "huge", "tiny", "subnormal", "spike", "zero", "cancel", "offset")
 
@@ -110,6 +113,8 @@ def plain_layer(case: Case) -> nn.Module:
         layer = TORCH_TYPE[k](g["channels"], affine=True, bias=case.bias, dtype=F64)
     elif k == "embedding":
         layer = nn.Embedding(g["vocab"], g["dim"], padding_idx=g["padding_idx"], dtype=F64)
+    elif k == "embedding_bag":
+        layer = nn.EmbeddingBag(g["vocab"], g["dim"], mode=g["mode"], padding_idx=g["padding_idx"], dtype=F64)
     elif k == "positional":
         layer = modules.PositionalEmbedding(*case.shape, dtype=F64)
     else:
@@ -225,7 +230,7 @@ def inputs(case: Case, layer: nn.Module):
     embedding), before any layout."""
     gen = torch.Generator().manual_seed(case.seed)
     b = case.batch
-    if case.kind == "embedding":
+    if case.kind in INDEXED:
         x = torch.randint(0, case.geometry["vocab"], (b, *case.shape), generator=gen)
         for i, kind in enumerate(case.values_x):
             if kind == "cancel":  # one token throughout: all positions' gradients add in one row
@@ -245,7 +250,7 @@ def inputs(case: Case, layer: nn.Module):
 
 def laid_out(case: Case, x: torch.Tensor, g: torch.Tensor):
     """x and g in the case's dtype and layouts (x: the input the layer gets)."""
-    xd = x if case.kind == "embedding" else x.to(case.dtype)
+    xd = x if case.kind in INDEXED else x.to(case.dtype)
     return lay_out(xd, case.layout, case.seed), lay_out(g.to(case.dtype), case.layout_g, case.seed + 7)
 
 
@@ -327,7 +332,7 @@ def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor,
         return Stored(contrib, spread(plain64, xs.double(), gs.double()), factor.double(), bound)
     # The instantiating layers: their per-example gradients as the backward builds them.
     w, bias = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
-    _, saved = layer._forward(xl, w, bias, True)
+    _, saved = layer._forward(layer._bags(xl, None, None) if case.kind == "embedding_bag" else xl, w, bias, True)
     examples = layer._examples(saved, gl.contiguous(), mask)
     bound = examples.bound(mask)
     factor = exact.factors(bound, case.bound, case.clip_fn, case.gamma, scratch, case.dtype)
@@ -480,7 +485,7 @@ def check(case: Case, removal: bool = True) -> dict:
             assert (gap <= delta + 4 * V * ns).all(), \
                 f"stored per-example gradients off the truth by {gap.tolist()} > {delta.tolist()}\n{case}"
             # the squares the bound sums: an embedding's rows are summed over its positions
-            terms = case.geometry["dim"] * math.prod(case.shape) if case.kind == "embedding" else st.gs.shape[1]
+            terms = case.geometry["dim"] * math.prod(case.shape) if case.kind in INDEXED else st.gs.shape[1]
             # (float64 squares of float64 data below ~1e-154 underflow: up to terms·tiny lost in ŝ)
             under = math.sqrt(terms * torch.finfo(F64).tiny)
             within = (st.bound >= ns * (1 - 4 * V) - under) & (st.bound <= ns + dense_margin(terms, ns) + under)
@@ -536,7 +541,8 @@ def _instance(t):
             nn.InstanceNorm3d: lambda: nn.InstanceNorm3d(1, affine=True),
             nn.Embedding: lambda: nn.Embedding(1, 1),
             modules.PositionalEmbedding: lambda: modules.PositionalEmbedding(1),
-            modules.ClassToken: lambda: modules.ClassToken(1)}[t]()
+            modules.ClassToken: lambda: modules.ClassToken(1),
+            nn.EmbeddingBag: lambda: nn.EmbeddingBag(1, 1)}[t]()
 
 
 def modes_of(kind: str) -> tuple:

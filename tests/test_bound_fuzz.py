@@ -122,6 +122,11 @@ def geometries(draw, kind):
         padding_idx = draw(st.one_of(st.none(), ints(0, vocab - 1)))
         pos = draw(st.sampled_from(((1,), (3,), (2, 3), (16,))))
         return dict(vocab=vocab, dim=dim, padding_idx=padding_idx), pos
+    if kind == "embedding_bag":  # 2-D [B, T] input: one bag of T entries per example
+        vocab, dim = draw(ints(2, 8)), draw(ints(1, 5))
+        padding_idx = draw(st.one_of(st.none(), ints(0, vocab - 1)))
+        mode = draw(st.sampled_from(("sum", "mean", "max")))
+        return dict(vocab=vocab, dim=dim, padding_idx=padding_idx, mode=mode), draw(st.sampled_from(((1,), (3,), (16,))))
     if kind == "positional":
         return {}, draw(st.sampled_from(((1,), (4,), (3, 2), (2, 2, 3))))
     dim, tokens, t = draw(ints(1, 5)), draw(ints(1, 3)), draw(ints(1, 4))
@@ -174,7 +179,8 @@ def test_backprop_linear_and_conv2d(case):
 @FUZZ
 @_with_seed
 @given(cases(("layer_norm", "group_norm", "rms_norm", "instance_norm1d", "instance_norm2d", "instance_norm3d",
-              "embedding", "positional", "class_token"), ("flat", "per_layer"))
+              "embedding", "positional", "class_token",
+              "embedding_bag"), ("flat", "per_layer"))
        .filter(lambda c: not known_broken(c)))
 def test_instantiating_layers(case):
     fb.check(case)

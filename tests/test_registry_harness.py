@@ -59,6 +59,7 @@ EXAMPLES = {
     nn.LayerNorm: lambda n, g: (nn.LayerNorm(6), torch.randn(n, 3, 6, generator=g)),
     nn.GroupNorm: lambda n, g: (nn.GroupNorm(2, 4), torch.randn(n, 4, 3, 3, generator=g)),
     nn.Embedding: lambda n, g: (nn.Embedding(7, 5, padding_idx=0), _tokens(n, g)),
+    nn.EmbeddingBag: lambda n, g: (nn.EmbeddingBag(7, 5, mode="mean", padding_idx=0), _tokens(n, g)),
     modules.PositionalEmbedding: lambda n, g: (modules.PositionalEmbedding(3, 5), torch.randn(n, 3, 5, generator=g)),
     modules.ClassToken: lambda n, g: (modules.ClassToken(5, 2), torch.randn(n, 3, 5, generator=g)),
     # Not registered yet (used once they are):

@@ -8,15 +8,17 @@ The import order is the registration order, which is the order in which the regi
 list the types: keep it.
 """
 
-from . import base, norms, embedding, tokens, linear, conv2d, attention  # noqa: F401  (registration order)
+from . import base, norms, embedding, tokens, linear, conv2d, attention, embedding_bag  # noqa: F401  (registration order)
 from .base import CLIP_FNS, SUPPORTED_DTYPES
 from .attention import MultiheadAttention
 from .conv2d import CONV_NORMS, Conv2d
 from .embedding import Embedding
+from .embedding_bag import EmbeddingBag
 from .linear import Linear
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from .tokens import ClassToken, PositionalEmbedding
 
-__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv2d", "Embedding", "GroupNorm",
-           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear", "MultiheadAttention", "PositionalEmbedding",
+__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv2d", "Embedding", "EmbeddingBag", "GroupNorm",
+           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear", "MultiheadAttention",
+           "PositionalEmbedding",
            "RMSNorm"]
