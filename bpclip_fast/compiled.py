@@ -134,7 +134,9 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   layer: int, stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None,
                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: the layer's output and the bounds' version of this forward (CPU int64)."""
-    version = torch.tensor([_lookup(_LAYERS, layer, "layer")._bounds_version], dtype=torch.int64)
+    lay = _lookup(_LAYERS, layer, "layer")
+    version = torch.tensor([lay._bounds_version], dtype=torch.int64)
+    weight = exact.kernel_weight(lay, weight)
     if stride is None:
         return F.linear(x, weight, bias), version
     return F.conv2d(x, weight, bias, stride, padding, dilation, groups), version
@@ -142,6 +144,7 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @exact_forward.register_fake
 def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
+    weight = exact.kernel_weight(_lookup(_LAYERS, layer, "layer"), weight)
     if stride is None:
         out = F.linear(x, weight, bias)
     else:
