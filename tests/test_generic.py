@@ -40,6 +40,10 @@ class UserInstanceNorm1d(nn.InstanceNorm1d):
     __doc__ = UserRMSNorm.__doc__
 
 
+class UserConv1d(nn.Conv1d):
+    """nn.Conv1d has a fused layer (bpclip_fast/layers/conv1d.py); a subclass stays generic."""
+
+
 class Net(nn.Module):
     """``[B, T, 4]`` -> 3 classes through one module of ``kind``."""
 
@@ -55,7 +59,7 @@ class Net(nn.Module):
             "mha": lambda: nn.MultiheadAttention(d, 2, batch_first=True, dropout=dropout),
             "mha_seq_first": lambda: nn.MultiheadAttention(d, 2),
             "encoder": lambda: nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True),
-            "conv1d": lambda: nn.Conv1d(d, 5, 3, padding=1),
+            "conv1d": lambda: UserConv1d(d, 5, 3, padding=1),
             "conv3d": lambda: nn.Conv3d(1, 2, 2),
             "rmsnorm": lambda: UserRMSNorm(d),
             "instancenorm": lambda: UserInstanceNorm1d(d, affine=True),
