@@ -78,6 +78,7 @@ _CHECKS: list[_Check] = []
 # load_optional once the library's module is (a model holding such a layer has imported it), so
 # bpclip_fast neither needs nor imports the library.
 _OPTIONAL = {"transformers.pytorch_utils": "bpclip_fast.layers.hf_conv1d"}
+_OPTIONAL_LOADED: list[str] = []  # the libraries' modules whose types are registered now
 
 
 def load_optional() -> None:
@@ -85,6 +86,7 @@ def load_optional() -> None:
     if _OPTIONAL and any(name in sys.modules for name in _OPTIONAL):
         for name in [n for n in _OPTIONAL if n in sys.modules]:
             importlib.import_module(_OPTIONAL.pop(name))
+            _OPTIONAL_LOADED.append(name)
 
 
 def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
