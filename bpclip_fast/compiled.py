@@ -187,8 +187,9 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 def _(grad_out, x, weight, token, version, layer, mask, stride, padding, dilation, groups):
     gx = torch.empty_like(x) if mask[0] else x.new_empty(0)
     flat = token is not None
-    gw = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)
-    gb = weight.new_empty(weight.shape[0]) if mask[2] and not flat else weight.new_empty(0)
+    gw = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)  # the parameter's layout
+    out_features = exact.kernel_weight(_lookup(_LAYERS, layer, "layer"), weight).shape[0]  # HF Conv1D: [in, out]
+    gb = weight.new_empty(out_features) if mask[2] and not flat else weight.new_empty(0)
     gtoken = token.new_empty(()) if flat else weight.new_empty(0)
     return gx, gw, gb, gtoken
 

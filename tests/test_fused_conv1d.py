@@ -290,3 +290,35 @@ def test_padding_modes_other_than_zeros_are_refused(mode):
                           max_grad_norm=1.0)
     with pytest.raises(ValueError, match=f"padding_mode='{mode}' is not supported"):
         bnn.Conv1d(2, 2, 3, padding=1, padding_mode=mode, clipping="flat", max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_compiled_release_is_per_example_clipping(mode):
+    """Under torch.compile (aot_eager: the custom ops' fake kernels and autograd, no codegen) the fused
+    layers' weights are mapped too: float64 model, release against float64 per-example clipping
+    (a few dozen roundings of float64 per entry, relative to the clipped gradients' scale)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 6, 3, padding=1, groups=2), nn.Flatten(1), Conv1D(5, 6 * 8)).double()
+    x = torch.randn(3, 4, 8, dtype=F64, generator=torch.Generator().manual_seed(6))
+    grads = {}
+    for i in range(3):
+        ref = copy.deepcopy(model)
+        ref(x[i:i + 1]).square().sum().backward()
+        for n, p in ref.named_parameters():
+            grads.setdefault(n, []).append(p.grad)
+    grads = {n: torch.stack(v) for n, v in grads.items()}
+    norm = torch.sqrt(sum(v.flatten(1).square().sum(1) for v in grads.values()))
+    C = float(norm.median())
+    ours = bnn.convert_model(copy.deepcopy(model), clipping=mode, max_grad_norm=C if mode == "flat" else [C, C])
+    assert type(ours[2]) is hf_conv1d.Conv1D
+    torch.compile(ours, backend="aot_eager")(x).square().sum().backward()
+    if mode == "flat":
+        factors = {n: torch.clamp(C / norm, max=1.0) for n in grads}
+    else:
+        per = {k: torch.sqrt(sum(grads[n].flatten(1).square().sum(1) for n in grads if n.startswith(k)))
+               for k in ("0.", "2.")}
+        factors = {n: torch.clamp(C / per[n[:2]], max=1.0) for n in grads}
+    for n, p in ours.named_parameters():
+        want = (grads[n] * factors[n].reshape(-1, *[1] * (grads[n].dim() - 1))).sum(0)
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=1e-12 * C)
