@@ -16,12 +16,20 @@ from torch import nn
 
 from . import generic, modes, registry
 from .boundary import LayerStep
-from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv2d, Embedding,  # noqa: F401
+from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv1d, Conv2d, Embedding,  # noqa: F401
                      EmbeddingBag,
                      GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, Linear,
                      PositionalEmbedding, RMSNorm)
 from .layers.base import _Clipped, _ExampleLayer, _check_positive, _exact_kwargs, _in_parameter_dtype  # noqa: F401
 from .layers.embedding import _embedding_problem  # noqa: F401
+
+def __getattr__(name):
+    """``Conv1D``: the clipped Hugging Face Conv1D, imported on first use (it needs transformers)."""
+    if name == "Conv1D":
+        from .layers.hf_conv1d import Conv1D
+        return Conv1D
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _LAYER_BITS = 19  # offset = step << 20 | layer << 1 | (0: weight, 1: bias)
 _MAX_LAYERS = 1 << _LAYER_BITS

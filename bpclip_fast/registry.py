@@ -27,6 +27,8 @@ the conversion, not over a count taken before it.)
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -73,6 +75,19 @@ class _Check:
 
 _LAYERS: dict[type, LayerType] = {}
 _CHECKS: list[_Check] = []
+# Layer types of optional libraries: {the library's module: ours that registers them}, imported by
+# load_optional once the library's module is (a model holding such a layer has imported it), so
+# bpclip_fast neither needs nor imports the library.
+_OPTIONAL = {"transformers.pytorch_utils": "bpclip_fast.layers.hf_conv1d"}
+_OPTIONAL_LOADED: list[str] = []  # the libraries' modules whose types are registered now
+
+
+def load_optional() -> None:
+    """Registers the layer types of the optional libraries imported so far (:data:`_OPTIONAL`)."""
+    if _OPTIONAL and any(name in sys.modules for name in _OPTIONAL):
+        for name in [n for n in _OPTIONAL if n in sys.modules]:
+            importlib.import_module(_OPTIONAL.pop(name))
+            _OPTIONAL_LOADED.append(name)
 
 
 def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
@@ -139,6 +154,7 @@ def composites(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.Modu
 def layer_types() -> tuple[LayerType, ...]:
     """Every registered layer type, in registration order (tests/test_registry_harness.py runs the
     same tests on each, so a type registered later is tested without being named there)."""
+    load_optional()
     return tuple(_LAYERS.values())
 
 
@@ -146,6 +162,7 @@ def layer_type(module: nn.Module) -> LayerType | None:
     """The registry entry of ``module``'s exact type, a torch type or its clipped type. Never a
     subclass's: a subclass may override ``forward`` or the sensitivity with code the bound does not
     cover (and the probes run a clipped layer as its torch type, so they would not see it)."""
+    load_optional()
     kind = type(module)
     entry = _LAYERS.get(kind)
     if entry is not None:
@@ -156,6 +173,7 @@ def layer_type(module: nn.Module) -> LayerType | None:
 def is_clipped(module: nn.Module) -> bool:
     """Whether ``module`` is one of our clipped layers, of a registered clipped type exactly, or a
     generic unit (:mod:`bpclip_fast.generic`)."""
+    load_optional()
     return is_generic(module) or any(type(module) is e.clipped_type for e in _LAYERS.values())
 
 
@@ -169,6 +187,7 @@ def generic_candidate(module: nn.Module) -> bool:
     parameter and no registered clipped layer covers it: not a registered torch type (whose extra
     parameters stay refused, module_problems), nor one of our clipped layers or a subclass of one
     (which clips in its own backward), nor a unit already."""
+    load_optional()
     return (owns_trainable(module) and type(module) not in _LAYERS and not is_generic(module)
             and composite(module) is None
             and not any(isinstance(module, e.clipped_type) for e in _LAYERS.values()))
@@ -226,6 +245,7 @@ def owns_trainable(module: nn.Module) -> bool:
 def convertible(module: nn.Module) -> bool:
     """A module ``convert_model`` swaps for a clipped layer: a registered torch type (exact) owning a
     trainable parameter."""
+    load_optional()
     return type(module) in _LAYERS and owns_trainable(module)
 
 

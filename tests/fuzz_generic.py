@@ -73,7 +73,13 @@ class UserMHA(nn.MultiheadAttention):
     ``nn.MultiheadAttention`` is unpacked into fused Linears, bpclip_fast/layers/attention.py)."""
 
 
-TORCH_TYPE = {"custom": Affine, "conv1d": nn.Conv1d, "rmsnorm": UserRMSNorm, "lstm": nn.LSTM,
+class UserConv1d(nn.Conv1d):
+    """The user's own Conv1d: a subclass, which the registry leaves to the generic path (nn.Conv1d
+    itself has a fused layer, bpclip_fast/layers/conv1d.py), so torch's Conv1d computation keeps
+    exercising the generic path."""
+
+
+TORCH_TYPE = {"custom": Affine, "conv1d": UserConv1d, "rmsnorm": UserRMSNorm, "lstm": nn.LSTM,
               "mha": UserMHA}
 
 
@@ -83,7 +89,7 @@ def plain_unit(case: fb.Case) -> nn.Module:
     if k == "custom":
         unit = Affine(case.shape[-1], dtype=F64)
     elif k == "conv1d":
-        unit = nn.Conv1d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
+        unit = UserConv1d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
                          dilation=g["dilation"], groups=g["groups"], bias=case.bias, dtype=F64)
     elif k == "rmsnorm":
         unit = UserRMSNorm(g["normalized"], eps=g["eps"], dtype=F64)

@@ -38,8 +38,11 @@ def gamma(k: float, u: float) -> float:
 
 def positions(case: Case, plain: nn.Module, x: torch.Tensor) -> int:
     """T, the most products one parameter entry sums per example (its positions)."""
-    if case.kind == "linear":
+    if case.kind in ("linear", "hf_conv1d"):
         return max(1, math.prod(case.shape[:-1]))
+    if case.kind == "conv1d":
+        with torch.no_grad():
+            return copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64)).shape[-1]
     if case.kind == "conv":
         with torch.no_grad():
             out = copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64))
@@ -62,7 +65,7 @@ def release_error(case: Case, st: Stored, rows, T: int) -> float:
         return 0.0
     n = len(rows)
     ua = acc_unit(case.dtype)
-    if st.kept or case.kind not in ("linear", "conv") and case.mode != "backprop":
+    if st.kept or case.kind not in ("linear", "conv", "conv1d", "hf_conv1d") and case.mode != "backprop":
         count = n + 2  # a GEMV / index_add over the examples of already-formed per-example values
     else:
         count = n * T + 2

@@ -96,6 +96,16 @@ def geometries(draw, kind):
         hw = tuple(max(1, d * (k - 1) + 1 - 2 * p) + draw(ints(0, 5)) for k, p, d in zip(kernel, padding, dilation))
         return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
                     groups=groups), (cin, *hw)
+    if kind == "conv1d":
+        groups = draw(ints(1, 3))
+        cin, cout = groups * draw(ints(1, 3)), groups * draw(ints(1, 3))
+        kernel, stride, padding, dilation = draw(ints(1, 4)), draw(ints(1, 3)), draw(ints(0, 2)), draw(ints(1, 2))
+        length = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + draw(ints(0, 9))
+        return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+                    groups=groups), (cin, length)
+    if kind == "hf_conv1d":
+        fin, fout = draw(ints(1, 6)), draw(ints(1, 5))
+        return dict(fin=fin, fout=fout), (*draw(st.sampled_from(LINEAR_POSITIONS)), fin)
     if kind == "layer_norm":
         normalized = draw(st.sampled_from(((1,), (2,), (5,), (8,), (2, 3))))
         lead = draw(st.sampled_from(((), (1,), (3,), (2, 2), (16,))))
@@ -140,9 +150,9 @@ def cases(draw, kinds, modes):
     geometry, shape = draw(geometries(kind))
     batch = draw(st.integers(1, 5))
     values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
-    exact_conv_linear = kind in ("linear", "conv") and mode != "backprop"
-    bias = (draw(st.booleans()) if kind in ("linear", "conv", "layer_norm") or kind.startswith("instance_norm")
-            else kind == "group_norm")
+    exact_conv_linear = kind in fb.GEMM_KINDS and mode != "backprop"
+    bias = (draw(st.booleans()) if kind in ("linear", "conv", "conv1d", "layer_norm") or kind.startswith("instance_norm")
+            else kind in ("group_norm", "hf_conv1d"))
     dtype = draw(st.sampled_from(fb.DTYPES))
     if (kind == "group_norm" or kind.startswith("instance_norm")) and dtype == torch.float16:
         dtype = torch.bfloat16  # torch has no fp16 GroupNorm on the CPU
@@ -166,6 +176,15 @@ def _with_seed(test):
 @_with_seed
 @given(cases(("linear", "conv"), ("flat", "per_layer")).filter(lambda c: not known_broken(c)))
 def test_exact_linear_and_conv2d(case):
+    fb.check(case)
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
+@_with_seed
+@given(cases(tuple(k for k in ("conv1d", "hf_conv1d") if k in fb.KINDS), ("flat", "per_layer"))
+       .filter(lambda c: not known_broken(c)))
+def test_exact_conv1d_and_hf_conv1d(case):
+    """nn.Conv1d through the Conv2d kernels (height 1), HF's Conv1D through the Linear ones (issue 26)."""
     fb.check(case)
 
 
@@ -258,7 +277,7 @@ def test_every_generic_kind_mode_and_dtype_is_drawn():
     """Each generic kind is a module the registry has no fused layer for (so conversion makes it a
     generic unit), and the strategy draws it in both exact modes, every dtype, and (recurrent and
     attention units) sequence-first with every output fed."""
-    instances = {"custom": fg.Affine(2), "conv1d": torch.nn.Conv1d(1, 1, 1), "rmsnorm": fg.UserRMSNorm(2),
+    instances = {"custom": fg.Affine(2), "conv1d": fg.UserConv1d(1, 1, 1), "rmsnorm": fg.UserRMSNorm(2),
                  "lstm": torch.nn.LSTM(1, 1), "mha": fg.UserMHA(2, 1)}
     assert set(instances) == set(fg.KINDS) and {type(m) for m in instances.values()} == set(fg.TORCH_TYPE.values())
     for kind, m in instances.items():

@@ -67,7 +67,13 @@ EXAMPLES = {
     nn.InstanceNorm1d: lambda n, g: (nn.InstanceNorm1d(4, affine=True), torch.randn(n, 4, 5, generator=g)),
     nn.InstanceNorm2d: lambda n, g: (nn.InstanceNorm2d(4, affine=True), torch.randn(n, 4, 3, 3, generator=g)),
     nn.InstanceNorm3d: lambda n, g: (nn.InstanceNorm3d(3, affine=True), torch.randn(n, 3, 2, 2, 2, generator=g)),
+    nn.Conv1d: lambda n, g: (nn.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), torch.randn(n, 4, 7, generator=g)),
 }
+try:  # Hugging Face's Conv1D is registered once transformers is imported (registry.load_optional)
+    from transformers.pytorch_utils import Conv1D as _HFConv1D
+    EXAMPLES[_HFConv1D] = lambda n, g: (_HFConv1D(5, 6), torch.randn(n, 3, 6, generator=g))
+except ImportError:
+    pass
 # Types whose clipped layer refuses bfloat16 (type: why); every other type is tested in it too.
 NO_BF16: dict = {}
 ENTRIES = registry.layer_types()
