@@ -141,7 +141,7 @@ def release(model, x, g):
     """The parameters' gradients after one backward with upstream g (noise off), in float64."""
     model.zero_grad(set_to_none=True)
     inner(model(x), g).backward()
-    return {k: p.grad.double() for k, p in model.named_parameters()}
+    return {k: p.grad.double().cpu() for k, p in model.named_parameters()}
 
 
 def norm(tensors):
@@ -213,6 +213,22 @@ def twin_case(entry, mode, dtype, n, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 @pytest.mark.parametrize("entry,mode", EXACT_CASES, ids=_id)
 def test_release_equals_the_clipped_sum_of_float64_example_gradients(entry, mode, dtype, n, layout):
+    check_release(entry, mode, dtype, n, layout, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [4, 1])
+@pytest.mark.parametrize("entry,mode", EXACT_CASES, ids=_id)
+def test_release_on_cuda_equals_the_clipped_sum_of_float64_example_gradients(entry, mode, n, monkeypatch):
+    """Every registered type's CUDA path against the same float64 truth, fp32, with TF32 off: the
+    tolerance's u32 is fp32 arithmetic's (the bound itself covers TF32, csrc/exact.cpp; this
+    tolerance is derived without it)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    check_release(entry, mode, torch.float32, n, "contiguous", "cuda")
+
+
+def check_release(entry, mode, dtype, n, layout, device):
     twin, x, g, per_ex = twin_case(entry, mode, dtype, n)
     groups = eo.layer_groups(twin)
     norms = {u: sum(per_ex[p].flatten(1).pow(2).sum(1) for p in ps).sqrt() for u, ps in eo.clipping_units(groups, mode)}
@@ -223,9 +239,9 @@ def test_release_equals_the_clipped_sum_of_float64_example_gradients(entry, mode
     factors = torch.cat(list(want.factors.values()))
     assert (factors < 1).any() and ((factors == 1).any() or n == 1)
 
-    model = convert_model(copy.deepcopy(twin), clipping=mode, max_grad_norm=c)
+    model = convert_model(copy.deepcopy(twin), clipping=mode, max_grad_norm=c).to(device)
     assert all(getattr(m, "noise_multiplier", 0.0) == 0 for m in model.modules())
-    got = release(model, strided(x) if layout == "strided" else x, g)
+    got = release(model, (strided(x) if layout == "strided" else x).to(device), g.to(device))
     err = norm(got[k] - want.sums[k] for k in want.sums)
     u = unit(dtype)
     k = terms(twin.a, x, g.shape[1:], n) + terms(twin.b, x, g.shape[1:], 0)
