@@ -132,8 +132,10 @@ class _InstanceNorm(_ExampleLayer):
         reason = _running_stats_problem(track_running_stats)
         if reason:
             raise ValueError(f"{type(self).__name__}: {reason}")
+        # `bias` only when it differs from the default: torch's InstanceNorm gained the option after 2.11
+        # (an H100 image's torch rejected the keyword), and a bias-free one exists only where it has it.
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine, track_running_stats=False,
-                         bias=bias, device=device, dtype=dtype)
+                         device=device, dtype=dtype, **({} if bias else {"bias": False}))
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
