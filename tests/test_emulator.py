@@ -338,9 +338,10 @@ def test_exact_bound_with_the_bias_summed_matches_cpu_bit_for_bit(sim, request, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("T,d,p,conv_layout,ghost", [(1, 4100, 700, False, False),  # x in 256 parts, g in 32
                                                      (1, 47, 33, True, False),  # 2 parts each, odd tails
-                                                     (3, 300, 40, True, False),  # capped by T: 16, 2
-                                                     (5, 1000, 20, False, True),  # 32 (cap 256 / 8), 1
-                                                     (100, 90, 17, True, False)])  # cap 2: 2, 1
+                                                     (3, 300, 40, True, False),  # 16, 2
+                                                     (5, 1000, 20, False, True),  # 32, 1
+                                                     (100, 90, 17, True, False),  # 4, 1; positions on adjacent lanes
+                                                     (300, 5000, 3, True, False)])  # 256 (one position a block), 1
 def test_exact_bound_with_positions_in_parts_matches_cpu_bit_for_bit(sim, request, dtype, T, d, p, conv_layout, ghost):
     # bound.h's position_split: the CPU's row_sums and the CUDA position_sums_kernel sum the parts
     # in different loop orders, each part's additions and the parts' tree alike.
@@ -351,12 +352,11 @@ def test_exact_bound_with_positions_in_parts_matches_cpu_bit_for_bit(sim, reques
     assert harness.compare_exact_bound(sim, xs, gs, gb, wa, wb, 1, 3 | (4 if ghost else 0), harness.bound_consts(gen)) == []
 
 
-def test_position_split_follows_the_geometry(sim):
-    # The split is a function of (n, T) alone; CPU and CUDA both call bound.h's position_split, so
-    # this checks the rule the docs state: parts of >= 16 entries, at most 256 / T' of them.
-    split = sim.position_split
-    assert [split(n, 1) for n in (1, 31, 32, 63, 64, 4095, 4096, 10 ** 6)] == [1, 1, 2, 2, 4, 128, 256, 256]
-    assert [split(10 ** 6, T) for T in (2, 3, 4, 5, 128, 129, 256, 10 ** 4)] == [128, 64, 64, 32, 2, 1, 1, 1]
+def test_position_split_follows_the_entry_count(sim):
+    # The split is a function of the entry count alone; CPU and CUDA both call bound.h's
+    # position_split, so this checks the rule the docs state: parts of >= 16 entries, at most 256.
+    assert [sim.position_split(n) for n in (1, 31, 32, 63, 64, 288, 4095, 4096, 10 ** 6)] == \
+        [1, 1, 2, 2, 4, 16, 128, 256, 256]
 
 
 def test_exact_bound_counts_nonfinite_as_cpu(sim):
@@ -641,8 +641,11 @@ MUTANTS = {
     "bound_position_parts_skip_a_level": ("bound_kernels.cuh", "for (int off = S / 2; off > 0; off >>= 1) {",
                                           "for (int off = S / 4; off > 0; off >>= 1) {"),
     "bound_position_tree_skips_a_barrier": ("bound_kernels.cuh",
-                                            "if (q < off) parts[lane] += parts[lane + off];\n      __syncthreads();",
-                                            "if (q < off) parts[lane] += parts[lane + off];"),
+                                            "if (q < off) parts[lane] += parts[lane + off * stride];\n      __syncthreads();",
+                                            "if (q < off) parts[lane] += parts[lane + off * stride];"),
+    "bound_position_parts_on_the_wrong_lanes": ("bound_kernels.cuh",
+                                                "const int stride = by_position ? P : 1;",
+                                                "const int stride = 1;"),
     "bound_position_grid_rounds_down": ("bound_launch.cuh",
                                         "(positions * split_g + kBoundLanes - 1) / kBoundLanes",
                                         "positions * split_g / kBoundLanes"),

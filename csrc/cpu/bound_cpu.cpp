@@ -16,39 +16,44 @@
 namespace bpclip {
 namespace {
 
+// Positions per tile of row_sums' patch loop: its S * kRowTile partial sums stay in L1/L2 whatever T
+// is (a 224 x 224 image's T = 50176 at S = 256 would be 100 MB untiled).
+constexpr int64_t kRowTile = 64;
+
 // One row's position sums of squares, as position_sq takes them (S interleaved parts, each
 // sequential over its entries, then the parts' tree: the same bits), with the loop order that reads
-// the row in its own layout: a Conv2d's patches are [n, T] per row (positions the inner loop; a
-// lane's strided walk over them re-read each cache line up to 16 times), a Linear's rows [T, n]
-// (entries the inner loop). parts: S * T_ doubles of scratch.
+// the row in its own layout: a Conv2d's patches are [n, T] per row (positions the inner loop, in
+// tiles of kRowTile; a lane's strided walk over them re-read each cache line up to 16 times), a
+// Linear's rows [T, n] (entries the inner loop). parts: S * kRowTile doubles of scratch.
 template <typename T>
 void row_sums(const T* v, int64_t T_, int64_t n, int64_t s1, int64_t s2, int S, double* out, double* parts) {
-  double* acc = S == 1 ? out : parts;
-  for (int64_t k = 0; k < S * T_; ++k) acc[k] = 0.0;
   const int64_t mask = S - 1;  // S is a power of two: part q of entry j is j & mask
-  if (s1 == 1 && s2 != 1) {
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vj = v + j * s2;
-      double* aj = acc + (j & mask) * T_;
-      for (int64_t t = 0; t < T_; ++t) {
-        const double e = static_cast<double>(vj[t]);
-        aj[t] += e * e;
-      }
-    }
-  } else {
-    for (int64_t t = 0; t < T_; ++t) {
-      const T* vt = v + t * s1;
+  for (int64_t t0 = 0; t0 < T_; t0 += kRowTile) {
+    const int64_t w = T_ - t0 < kRowTile ? T_ - t0 : kRowTile;
+    for (int64_t k = 0; k < S * w; ++k) parts[k] = 0.0;
+    if (s1 == 1 && s2 != 1) {
       for (int64_t j = 0; j < n; ++j) {
-        const double e = static_cast<double>(vt[j * s2]);
-        acc[(j & mask) * T_ + t] += e * e;
+        const T* vj = v + j * s2 + t0;
+        double* aj = parts + (j & mask) * w;
+        for (int64_t t = 0; t < w; ++t) {
+          const double e = static_cast<double>(vj[t]);
+          aj[t] += e * e;
+        }
+      }
+    } else {
+      for (int64_t t = 0; t < w; ++t) {
+        const T* vt = v + (t0 + t) * s1;
+        for (int64_t j = 0; j < n; ++j) {
+          const double e = static_cast<double>(vt[j * s2]);
+          parts[(j & mask) * w + t] += e * e;
+        }
       }
     }
+    for (int off = S / 2; off > 0; off >>= 1)
+      for (int q = 0; q < off; ++q)
+        for (int64_t t = 0; t < w; ++t) parts[q * w + t] += parts[(q + off) * w + t];
+    for (int64_t t = 0; t < w; ++t) out[t0 + t] = parts[t];
   }
-  if (S == 1) return;
-  for (int off = S / 2; off > 0; off >>= 1)
-    for (int q = 0; q < off; ++q)
-      for (int64_t t = 0; t < T_; ++t) acc[q * T_ + t] += acc[(q + off) * T_ + t];
-  for (int64_t t = 0; t < T_; ++t) out[t] = acc[t];
 }
 
 // The position sums of one row, precomputed (row_sums).
@@ -85,8 +90,8 @@ int64_t bound_rows(const T* x, const T* g, const T* gb, const T* wa, const T* wb
     LaneSums lanes[kBoundLanes];
     const int active = active_lanes(s);  // the lanes past it stay zero: combine_lanes skips them
     std::vector<double> xs(static_cast<size_t>(s.T)), gs(static_cast<size_t>(s.T));
-    const int split_x = position_split(s.dx, s.T), split_g = position_split(s.dg, s.T);
-    std::vector<double> parts(static_cast<size_t>(std::max(split_x, split_g) > 1 ? std::max(split_x, split_g) * s.T : 0));
+    const int split_x = position_split(s.dx), split_g = position_split(s.dg);
+    std::vector<double> parts(static_cast<size_t>(std::max(split_x, split_g) * kRowTile));
     const RowPositions pos{xs.data(), gs.data()};
     for (int64_t i = begin; i < end; ++i) {
       ExampleSums e{0, 0, 0, 0, 0};

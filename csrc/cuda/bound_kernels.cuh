@@ -21,21 +21,28 @@ struct BufferPositions {
 
 // Every position sum of one call (position_sq: S parts, then their tree), x's into xs and g's into
 // gs, [rows, T] each: blocks [0, x_blocks) take x, the rest g. A block's kBoundLanes threads take
-// kBoundLanes / S positions, S consecutive threads (its parts) each; consecutive positions of a
-// Conv2d's transposed patches (sx1 = 1) and consecutive entries of a Linear's rows (sx2 = 1) are
-// read by consecutive threads. A separate launch because the bound kernel has one block per example:
-// a batch's few blocks, each summing its rows alone, left most of an H100 idle (docs/benchmarks.md).
+// P = kBoundLanes / S positions, S threads (its parts) each. Which thread holds which part changes
+// no sum: by_position (positions adjacent in memory: a Conv2d's transposed patches) puts a block's P
+// positions on adjacent threads, part q of all of them on threads [qP, qP + P), so each load of a
+// warp reads consecutive positions; otherwise (a Linear's rows, entries adjacent) a position's S
+// parts are adjacent threads, reading adjacent entries. A separate launch from the bound kernel,
+// whose one block per example left most of an H100 idle (docs/benchmarks.md).
 template <typename T>
 __global__ void __launch_bounds__(kBoundLanes) position_sums_kernel(const T* __restrict__ x, const T* __restrict__ g,
                                                                       BoundGeometry s, int64_t x_blocks, int split_x,
-                                                                      int split_g, double* __restrict__ xs,
+                                                                      int split_g, bool x_by_position,
+                                                                      bool g_by_position, double* __restrict__ xs,
                                                                       double* __restrict__ gs) {
   __shared__ double parts[kBoundLanes];
   const bool is_x = blockIdx.x < x_blocks;
   const int S = is_x ? split_x : split_g;
+  const int P = kBoundLanes / S;
+  const bool by_position = is_x ? x_by_position : g_by_position;
   const int lane = threadIdx.x;
-  const int q = lane & (S - 1);
-  const int64_t task = (is_x ? blockIdx.x : blockIdx.x - x_blocks) * static_cast<int64_t>(kBoundLanes / S) + lane / S;
+  const int q = by_position ? lane / P : lane & (S - 1);
+  const int local = by_position ? lane % P : lane / S;
+  const int stride = by_position ? P : 1;  // between the lanes of one position's parts q and q + 1
+  const int64_t task = (is_x ? blockIdx.x : blockIdx.x - x_blocks) * static_cast<int64_t>(P) + local;
   const bool live = task < s.examples * s.per * s.T;
   double v = 0.0;
   if (live) {
@@ -47,7 +54,7 @@ __global__ void __launch_bounds__(kBoundLanes) position_sums_kernel(const T* __r
     parts[lane] = v;
     __syncthreads();
     for (int off = S / 2; off > 0; off >>= 1) {
-      if (q < off) parts[lane] += parts[lane + off];
+      if (q < off) parts[lane] += parts[lane + off * stride];
       __syncthreads();
     }
     v = parts[lane];

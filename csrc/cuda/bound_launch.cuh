@@ -21,12 +21,15 @@ void exact_bound_device(const T* x, const T* g, const T* gb, const T* wa, const 
   BoundConstArray c;
   for (int k = 0; k < kBoundConsts; ++k) c.c[k] = consts[k];
   const int64_t positions = s.examples * s.per * s.T;
-  const int split_x = position_split(s.dx, s.T), split_g = position_split(s.dg, s.T);
+  const int split_x = position_split(s.dx), split_g = position_split(s.dg);
   const int64_t x_blocks = (positions * split_x + kBoundLanes - 1) / kBoundLanes;
   const int64_t g_blocks = (positions * split_g + kBoundLanes - 1) / kBoundLanes;
   double* xs = scratch;
   double* gs = scratch + positions;
-  launch(position_sums_kernel<T>, x_blocks + g_blocks, kBoundLanes, x, g, s, x_blocks, split_x, split_g, xs, gs);
+  // Positions adjacent in memory (a Conv2d's transposed patches, or T = 1 rows) are read by adjacent threads.
+  const bool x_by_position = s.sx1 == 1 && s.sx2 != 1, g_by_position = s.sg1 == 1 && s.sg2 != 1;
+  launch(position_sums_kernel<T>, x_blocks + g_blocks, kBoundLanes, x, g, s, x_blocks, split_x, split_g,
+         x_by_position, g_by_position, xs, gs);
   launch(exact_bound_kernel<T>, s.examples, kBoundLanes, xs, gs, gb, wa, wb, s, c, sq, bound, nonfinite);
 }
 

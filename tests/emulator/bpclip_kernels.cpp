@@ -198,7 +198,7 @@ int simt_examples_release(int dtype, const void* w, const void* bias, const void
 // bpclip_fast/bound.h's BoundGeometry, given as 16 int64 (examples, per, T, dx, dg, p, L, 9 strides)
 // and flags; consts: kBoundConsts doubles.
 // bound.h's position_split, for the rule's own test.
-int simt_position_split(int64_t n, int64_t T) { return position_split(n, T); }
+int simt_position_split(int64_t n) { return position_split(n); }
 
 int simt_exact_bound(int dtype, const void* x, const void* g, const void* gb, const void* wa, const void* wb,
                      const int64_t* geo, int flags, const double* consts, double* sq, double* bound,

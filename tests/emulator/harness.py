@@ -161,7 +161,7 @@ class Simt:
                                                i64, vp]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
-        lib.simt_position_split.argtypes = [i64, i64]
+        lib.simt_position_split.argtypes = [i64]
         lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
         lib.simt_examples_bound.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp]
         lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, ctypes.c_float, dbl, vp, vp]
@@ -234,8 +234,8 @@ class Simt:
         self.call("simt_norm_affine", DTYPES[x.dtype], _ptr(g), _ptr(x), _ptr(mean), _ptr(rstd), int(layer_norm), B,
                   R, D, G, _ptr(gw), _ptr(gb))
 
-    def position_split(self, n: int, T: int) -> int:
-        return int(self.lib.simt_position_split(n, T))
+    def position_split(self, n: int) -> int:
+        return int(self.lib.simt_position_split(n))
 
     def exact_bound(self, x, g, gb, wa, wb, per, flags, consts, sq, bound, nonfinite):
         """x, g, gb: 3-D views (any strides) of fp32/fp64 storage; wa, wb: contiguous [rows, L] or empty."""

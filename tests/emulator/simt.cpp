@@ -332,9 +332,14 @@ void run(const Launch& l) {
   st[1] += blocks;
   st[2] += blocks * threads;
 
-  if (r.fibers.size() < kMaxThreads) {
-    r.fibers.resize(kMaxThreads);
-    for (Fiber& f : r.fibers) {
+  // Fibers as the launches need them, not kMaxThreads at once: each costs two mappings (stack, guard
+  // page), and every library the mutant tests load keeps its own (kMaxThreads of them, 26 libraries
+  // went past vm.max_map_count = 65530 and the process's next mmap failed).
+  if (r.fibers.size() < static_cast<size_t>(threads)) {
+    const size_t had = r.fibers.size();
+    r.fibers.resize(static_cast<size_t>(threads));
+    for (size_t i = had; i < r.fibers.size(); ++i) {
+      Fiber& f = r.fibers[i];
       // A guard page below each stack turns an overflow into a crash rather than corruption.
       void* mem = mmap(nullptr, kStackBytes + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                        -1, 0);

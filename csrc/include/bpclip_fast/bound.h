@@ -8,11 +8,11 @@
 // (dg entries), all through strides, in the accumulation dtype; the bias reads the upstream
 // gradient itself, gb[r, t, :] (p channels). The kernel sums each position's squares itself, in
 // double (fp32 squares are exact in double and neither overflow nor underflow there), as S =
-// position_split(n, T) interleaved partial sums, part q sequential over the entries e = q, q + S,
+// position_split(n) interleaved partial sums, part q sequential over the entries e = q, q + S,
 // ... < n, then the parts combined by the tree v[q] += v[q + off], off = S / 2, ..., 1
-// (position_sq; S = 1 is the plain sequential sum). The split depends on the geometry alone, so
-// CPU and CUDA split alike; it exists for the GPU, where a Linear's few long rows (T = 1, n up to
-// 10^5) summed by one thread each left the device idle. The rest of the row's work is split over
+// (position_sq; S = 1 is the plain sequential sum). The split depends on the entry count alone, so
+// CPU and CUDA split alike; it exists for the GPU, where a position summed by one thread kept too
+// few loads in flight (a Linear's row of 32768 entries; a 288-entry patch, 2026-11-26 profiles). The rest of the row's work is split over
 // kBoundLanes lanes (a CUDA block, one example each; a loop on the CPU): lane l takes positions
 // t = l, l + kBoundLanes, ... and entries e = l, l + kBoundLanes, ... of the weight's squared-norm
 // terms and channels j = l, ... of the bias; each lane sums its share sequentially in double, and the
@@ -102,14 +102,12 @@ BPCLIP_HD inline void add_lane(LaneSums& a, const LaneSums& b) {
 // not worth splitting).
 constexpr int64_t kSplitMinEntries = 16;
 
-// How many parts (a power of two) a position's n squares are summed in: the most with at least
-// kSplitMinEntries entries each, at most kBoundLanes / T' (T' = T rounded up to a power of two), so
-// that a row's T positions and their parts fit one block of kBoundLanes threads; 1 at T >= 256.
-BPCLIP_HD inline int position_split(int64_t n, int64_t T) {
-  int cap = kBoundLanes;
-  for (int64_t t = 1; t < T && cap > 1; t <<= 1) cap >>= 1;
+// How many parts (a power of two) a position's n squares are summed in: the most, up to kBoundLanes,
+// with at least kSplitMinEntries entries each (one block of kBoundLanes threads holds a position's
+// parts on the GPU).
+BPCLIP_HD inline int position_split(int64_t n) {
   int S = 1;
-  while (S < cap && static_cast<int64_t>(2 * S) * kSplitMinEntries <= n) S <<= 1;
+  while (S < kBoundLanes && static_cast<int64_t>(2 * S) * kSplitMinEntries <= n) S <<= 1;
   return S;
 }
 
