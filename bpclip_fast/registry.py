@@ -52,6 +52,11 @@ class LayerType:
     ``modes``: the clipping modes with a proved bound for the type (``convert_model`` refuses others).
     ``multiplier_norm(layer, x)``: the norm of what the weight gradient multiplies the upstream
     gradient by, for the probes' tolerance (``None``: the input ``x`` itself, as Linear).
+    ``params(layer)``: the names of the parameters the clipped type trains (``weight``, ``bias``).
+    ``fuses(layer)``: whether this instance's configuration is converted (others are left to the
+    generic exact path, as an unregistered type: :func:`layer_type` is ``None`` for them).
+    ``composite``: the clipped type is a container of clipped layers that own the parameters (the
+    recurrent layers' Linears); ``units(layer)`` of them: its share of per_layer's thresholds.
     """
 
     torch_type: type
@@ -61,6 +66,10 @@ class LayerType:
     taps: Callable
     modes: tuple = _MODES
     multiplier_norm: Callable | None = None
+    params: Callable = lambda layer: ("weight", "bias")
+    fuses: Callable = lambda layer: True
+    units: Callable = lambda layer: 1
+    composite: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,10 @@ _CHECKS: list[_Check] = []
 
 def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
                    taps: Callable = lambda layer: 1, modes: tuple = _MODES,
-                   multiplier_norm: Callable | None = None) -> LayerType:
-    """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring)."""
-    entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm)
+                   multiplier_norm: Callable | None = None, **more) -> LayerType:
+    """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring; ``more``:
+    :class:`LayerType`'s ``params``, ``fuses``, ``units``, ``composite``)."""
+    entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm, **more)
     _LAYERS[torch_type] = entry
     return entry
 
@@ -107,8 +117,14 @@ def layer_type(module: nn.Module) -> LayerType | None:
     kind = type(module)
     entry = _LAYERS.get(kind)
     if entry is not None:
-        return entry
+        return entry if entry.fuses(module) else None
     return next((e for e in _LAYERS.values() if e.clipped_type is kind), None)
+
+
+def _torch_entry(module: nn.Module) -> LayerType | None:
+    """The entry of ``module`` as a registered torch type in a configuration it fuses (not a clipped layer)."""
+    entry = _LAYERS.get(type(module))
+    return entry if entry is not None and entry.fuses(module) else None
 
 
 def is_clipped(module: nn.Module) -> bool:
@@ -127,7 +143,7 @@ def generic_candidate(module: nn.Module) -> bool:
     parameter and no registered clipped layer covers it: not a registered torch type (whose extra
     parameters stay refused, module_problems), nor one of our clipped layers or a subclass of one
     (which clips in its own backward), nor a unit already."""
-    return (owns_trainable(module) and type(module) not in _LAYERS and not is_generic(module)
+    return (owns_trainable(module) and _torch_entry(module) is None and not is_generic(module)
             and not any(isinstance(module, e.clipped_type) for e in _LAYERS.values()))
 
 
@@ -180,7 +196,7 @@ def owns_trainable(module: nn.Module) -> bool:
 def convertible(module: nn.Module) -> bool:
     """A module ``convert_model`` swaps for a clipped layer: a registered torch type (exact) owning a
     trainable parameter."""
-    return type(module) in _LAYERS and owns_trainable(module)
+    return _torch_entry(module) is not None and owns_trainable(module)
 
 
 def clipped_by_conversion(module: nn.Module) -> bool:
@@ -232,7 +248,7 @@ def module_problems(model: nn.Module) -> list[str]:
         reasons = module_reasons(m)
         own = [pname for pname, p in m.named_parameters(recurse=False) if p.requires_grad]
         if layer_type(m) is not None:
-            own = [pname for pname in own if pname not in ("weight", "bias")]
+            own = [pname for pname in own if pname not in layer_type(m).params(m)]
         if not reasons and own and id(m) not in inside:
             reasons.append(_untrained_reason(name, m, own))
         if id(m) in inside and m not in [u for _, u in units] and is_clipped(m):

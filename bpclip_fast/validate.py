@@ -295,6 +295,9 @@ def _record(model: nn.Module, record: _Pass) -> list:
             record.counts[_name] = record.counts.get(_name, 0) + 1
             if _is_layer:
                 x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                if x is not None and x.dim() == 3 and getattr(registry.layer_type(mod), "composite", False) \
+                        and not mod.batch_first:  # a sequence-first recurrent layer takes the examples in dim 1
+                    x = x.transpose(0, 1)
                 # A copy: later in-place operations must not change what probe 4 recomputes from.
                 record.calls.append(_Call(_name, None if x is None else x.detach().clone()))
 
@@ -549,7 +552,9 @@ def _own_gradients(layer: nn.Module, calls: list[_Call]):
     and output gradients; for each, a bound on the Frobenius norm of ``Σ|gradient|·|input|``
     (``√taps·‖g‖·‖x‖`` for the weight, taps the kernel positions; ``√rows·‖g‖`` for the bias); and
     the number of terms each entry sums (rows, or batch·positions, per call, plus one per call)."""
-    names = [n for n in ("weight", "bias") if getattr(layer, n, None) is not None]
+    # A recurrent layer before conversion has no weight (its `bias` is a flag) and a tuple output: its
+    # parameters are checked as its clipped Linears' once converted, and by the step's records.
+    names = [n for n in ("weight", "bias") if isinstance(getattr(layer, n, None), torch.Tensor)]
     own = {n: torch.zeros_like(getattr(layer, n)) for n in names}
     scale = dict.fromkeys(names, 0.0)
     kind = registry.layer_type(layer)
@@ -653,7 +658,8 @@ def _as_torch_layers(model: nn.Module):
     not the plain one probe 4 recomputes: the probes run their torch base class's forward instead."""
     patched = []
     for m in model.modules():
-        if registry.is_clipped(m):
+        if registry.is_clipped(m) and not getattr(registry.layer_type(m), "composite", False):
+            # (a composite's own forward is plain once its clipped children run as their torch type)
             base = type(m)._bp_base if registry.is_generic(m) else registry.layer_type(m).torch_type
             patched.append((m, m.__dict__.get("forward", _MISSING)))
             m.forward = types.MethodType(base.forward, m)

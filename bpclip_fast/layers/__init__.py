@@ -8,14 +8,15 @@ The import order is the registration order, which is the order in which the regi
 list the types: keep it.
 """
 
-from . import base, norms, embedding, tokens, linear, conv2d  # noqa: F401  (registration order)
+from . import base, norms, embedding, tokens, linear, conv2d, recurrent  # noqa: F401  (registration order)
 from .base import CLIP_FNS, SUPPORTED_DTYPES
 from .conv2d import CONV_NORMS, Conv2d
 from .embedding import Embedding
 from .linear import Linear
+from .recurrent import GRU, LSTM, RNN
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from .tokens import ClassToken, PositionalEmbedding
 
-__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv2d", "Embedding", "GroupNorm",
+__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv2d", "Embedding", "GRU", "GroupNorm", "LSTM", "RNN",
            "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear", "PositionalEmbedding",
            "RMSNorm"]
