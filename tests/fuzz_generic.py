@@ -68,7 +68,13 @@ class UserRMSNorm(nn.RMSNorm):
     computation keeps exercising the generic path (and the error derived for it below)."""
 
 
-TORCH_TYPE = {"custom": Affine, "conv1d": nn.Conv1d, "rmsnorm": UserRMSNorm, "lstm": nn.LSTM,
+class UserLSTM(nn.LSTM):
+    """The user's own LSTM: a subclass, which the registry does not convert to the fused
+    ``bpclip_fast.nn.LSTM`` (bpclip_fast/layers/recurrent.py registers the exact torch type), so
+    torch's LSTM keeps exercising the generic path."""
+
+
+TORCH_TYPE = {"custom": Affine, "conv1d": nn.Conv1d, "rmsnorm": UserRMSNorm, "lstm": UserLSTM,
               "mha": nn.MultiheadAttention}
 
 
@@ -83,7 +89,7 @@ def plain_unit(case: fb.Case) -> nn.Module:
     elif k == "rmsnorm":
         unit = UserRMSNorm(g["normalized"], eps=g["eps"], dtype=F64)
     elif k == "lstm":
-        unit = nn.LSTM(case.shape[-1], g["hidden"], num_layers=g["layers"], bias=case.bias,
+        unit = UserLSTM(case.shape[-1], g["hidden"], num_layers=g["layers"], bias=case.bias,
                        batch_first=g["batch_first"], bidirectional=g["bidirectional"], dtype=F64)
     else:
         unit = nn.MultiheadAttention(case.shape[-1], g["heads"], bias=case.bias, batch_first=g["batch_first"],

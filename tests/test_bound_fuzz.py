@@ -253,7 +253,7 @@ def test_every_generic_kind_mode_and_dtype_is_drawn():
     generic unit), and the strategy draws it in both exact modes, every dtype, and (recurrent and
     attention units) sequence-first with every output fed."""
     instances = {"custom": fg.Affine(2), "conv1d": torch.nn.Conv1d(1, 1, 1), "rmsnorm": fg.UserRMSNorm(2),
-                 "lstm": torch.nn.LSTM(1, 1), "mha": torch.nn.MultiheadAttention(2, 1)}
+                 "lstm": fg.UserLSTM(1, 1), "mha": torch.nn.MultiheadAttention(2, 1)}
     assert set(instances) == set(fg.KINDS) and {type(m) for m in instances.values()} == set(fg.TORCH_TYPE.values())
     for kind, m in instances.items():
         assert registry.generic_candidate(m), kind

@@ -338,3 +338,42 @@ def test_make_private_trains_fused_recurrent_layers(mode):
         opt.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("config", CONFIGS[1:3], ids=_id)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_removing_an_example_far_above_c_changes_the_release_by_c(kind, config, mode, dtype):
+    """Every example clipped (C_u a thousandth of the smallest nonzero norm): removing one changes each
+    unit's release by its C_u (0 where the example's gradient of the unit is exactly 0). Example j's released contribution c_j·Ĝ_j is off C_u·G_j/‖G_j‖ by at most
+    C_u times Ĝ_j's relative error (the stages above), and each of the two releases rounds the
+    others' contributions (each of norm C_u) as much, so the allowance is (2B + 2)·stages·C_u."""
+    n = 3
+    module = make(kind, config, dtype, seed=3)
+    x, hx, g_out, g_state = data(module, n, dtype, config[3], seed=4)
+    per_ex = per_example(module, x, hx, g_out, g_state)
+    groups = [list(per_ex)] if mode == "flat" else units(module)
+    norms = [sum(per_ex[k].flatten(1).pow(2).sum(1) for k in ks).sqrt() for ks in groups]
+    smallest = min(float(v[v > 0].min()) for v in norms if (v > 0).any())
+    c_unit = 1e-3 * smallest
+    c = c_unit if mode == "flat" else c_unit * math.sqrt(len(groups))
+    model = bnn.convert_model(copy.deepcopy(module), clipping=mode, max_grad_norm=c)
+    assert all(layer.max_grad_norm == pytest.approx(c_unit) for _, layer in bnn.clipped_layers(model))
+
+    def release(keep):
+        model.zero_grad(set_to_none=True)
+        sf = not module.batch_first
+        pick = (lambda t: t[:, keep]) if sf else (lambda t: t[keep])  # noqa: E731
+        h = None if hx is None else [t[:, keep] for t in hx]
+        _loss(_call(model, pick(x), h), pick(g_out), [t[:, keep] for t in g_state]).backward()
+        return {k: p.grad.double() for k, p in model.state_dict(keep_vars=True).items()}
+
+    full = release(list(range(n)))
+    tol = (2 * n + 2) * tolerance_stages(kind, module, dtype)
+    for i in range(n):
+        part = release([j for j in range(n) if j != i])
+        for ks, v in zip(groups, norms):
+            change = math.sqrt(sum(float((full[k] - part[k]).pow(2).sum()) for k in ks))
+            want = c_unit if v[i] > 0 else 0.0  # a relu RNN's unit may get no gradient from an example
+            assert abs(change - want) <= c_unit * tol, f"example {i}, {ks}: {change:.9g} vs {want:.9g}"

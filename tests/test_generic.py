@@ -40,6 +40,18 @@ class UserInstanceNorm1d(nn.InstanceNorm1d):
     __doc__ = UserRMSNorm.__doc__
 
 
+class UserLSTM(nn.LSTM):
+    """As UserRMSNorm: bpclip_fast/layers/recurrent.py fuses the exact torch recurrent types."""
+
+
+class UserGRU(nn.GRU):
+    __doc__ = UserLSTM.__doc__
+
+
+class UserRNN(nn.RNN):
+    __doc__ = UserLSTM.__doc__
+
+
 class Net(nn.Module):
     """``[B, T, 4]`` -> 3 classes through one module of ``kind``."""
 
@@ -48,10 +60,10 @@ class Net(nn.Module):
         self.kind = kind
         d = 4
         self.m = {
-            "lstm": lambda: nn.LSTM(d, 6, num_layers=2, bidirectional=True, batch_first=True),
-            "lstm_seq_first": lambda: nn.LSTM(d, 6),
-            "gru": lambda: nn.GRU(d, 6, batch_first=True),
-            "rnn": lambda: nn.RNN(d, 6, batch_first=True),
+            "lstm": lambda: UserLSTM(d, 6, num_layers=2, bidirectional=True, batch_first=True),
+            "lstm_seq_first": lambda: UserLSTM(d, 6),
+            "gru": lambda: UserGRU(d, 6, batch_first=True),
+            "rnn": lambda: UserRNN(d, 6, batch_first=True),
             "mha": lambda: nn.MultiheadAttention(d, 2, batch_first=True, dropout=dropout),
             "mha_seq_first": lambda: nn.MultiheadAttention(d, 2),
             "encoder": lambda: nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True),
@@ -216,7 +228,7 @@ def test_a_unit_keeps_its_state_dict_and_pickles():
 
 
 def test_backprop_mode_refuses_a_module_without_a_fused_layer():
-    with pytest.raises(ValueError, match=r"m \(LSTM\): clipping='backprop' has no proved bound.*'flat' or 'per_layer'"):
+    with pytest.raises(ValueError, match=r"m \(UserLSTM\): clipping='backprop' has no proved bound.*'flat' or 'per_layer'"):
         bnn.convert_model(Net("lstm"), input_clip=1.0, grad_clip=1.0)
 
 
@@ -271,7 +283,7 @@ def test_make_private_trains_recurrent_and_attention_models(mode):
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(4, 8)
-            self.rnn = nn.LSTM(8, 8, batch_first=True)
+            self.rnn = UserLSTM(8, 8, batch_first=True)
             self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
             self.norm = UserRMSNorm(8)
             self.head = nn.Linear(8, 3)

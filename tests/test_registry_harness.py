@@ -66,9 +66,17 @@ EXAMPLES = {
     nn.InstanceNorm1d: lambda n, g: (nn.InstanceNorm1d(4, affine=True), torch.randn(n, 4, 5, generator=g)),
     nn.InstanceNorm2d: lambda n, g: (nn.InstanceNorm2d(4, affine=True), torch.randn(n, 4, 3, 3, generator=g)),
     nn.InstanceNorm3d: lambda n, g: (nn.InstanceNorm3d(3, affine=True), torch.randn(n, 3, 2, 2, 2, generator=g)),
+    nn.LSTM: lambda n, g: (nn.LSTM(4, 3, batch_first=True, bidirectional=True), torch.randn(n, 3, 4, generator=g)),
+    nn.GRU: lambda n, g: (nn.GRU(4, 3, batch_first=True), torch.randn(n, 3, 4, generator=g)),
+    nn.RNN: lambda n, g: (nn.RNN(4, 3, num_layers=2, batch_first=True), torch.randn(n, 3, 4, generator=g)),
 }
 # Types whose clipped layer refuses bfloat16 (type: why); every other type is tested in it too.
 NO_BF16: dict = {}
+# Types whose exactness and removal are tested in their own file (type: why): the rounding model
+# below (one bilinear stage, scales from taps and multiplier_norm) does not cover them.
+OWN_EXACTNESS = {t: "a recurrence of T steps: tests/test_fused_recurrent.py derives its tolerance and runs "
+                    "exactness and removal against float64 (flat, per_layer, every configuration)"
+                 for t in (nn.LSTM, nn.GRU, nn.RNN)}
 ENTRIES = registry.layer_types()
 EXACT_CASES = [(e, m) for e in ENTRIES for m in e.modes if m in EXACT]
 BACKPROP = [e for e in ENTRIES if "backprop" in e.modes]
@@ -98,6 +106,11 @@ def example(entry, n, dtype, seed=0):
     return module.to(dtype), (x.to(dtype) if x.is_floating_point() else x)
 
 
+def first(out):
+    """A layer's output tensor (a recurrent layer's first output: its tuple holds the final states too)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def strided(x):
     """The same values in a non-contiguous view (every other element of a twice-wide tensor)."""
     wide = x.new_zeros(*x.shape, 2)
@@ -115,7 +128,7 @@ class Twin(nn.Module):
         self.a, self.b = layer, perturbed(copy.deepcopy(layer), seed + 100)
 
     def forward(self, x):
-        return torch.stack([self.a(x), self.b(x)], dim=1)
+        return torch.stack([first(self.a(x)), first(self.b(x))], dim=1)
 
 
 def inner(out, g):
@@ -193,6 +206,8 @@ def test_every_registered_type_has_an_example(entry):
 
 
 def twin_case(entry, mode, dtype, n, seed=0):
+    if entry.torch_type in OWN_EXACTNESS:
+        pytest.skip(f"{_name(entry.torch_type)}: {OWN_EXACTNESS[entry.torch_type]}")
     layer, x = example(entry, n, dtype, seed)
     twin = Twin(layer, seed)
     with torch.no_grad():
@@ -269,7 +284,7 @@ def test_plain_and_the_clipped_layer_compute_the_torch_forward(entry, n, layout)
     if layout == "strided":
         x = strided(x)
     with torch.no_grad():
-        want = layer(x)
+        want = first(layer(x))
         params = dict(layer.named_parameters())
         scale = float(want.abs().max())
         torch.testing.assert_close(entry.plain(layer, x, params), want, rtol=1e-12, atol=1e-12 * scale)
@@ -281,8 +296,9 @@ def test_plain_and_the_clipped_layer_compute_the_torch_forward(entry, n, layout)
             assert type(clipped) is entry.clipped_type
             # backprop clipping computes the layer on the clipped input x̃ (as the torch type would)
             own = layer(reference.clip_input(x, 1.0)) if mode == "backprop" else want
-            torch.testing.assert_close(clipped(x), own, rtol=1e-12, atol=1e-12 * scale, msg=mode)
-            torch.testing.assert_close(entry.plain(clipped, x, dict(clipped.named_parameters())), want,
+            torch.testing.assert_close(first(clipped(x)), own, rtol=1e-12, atol=1e-12 * scale, msg=mode)
+            params = dict(clipped.state_dict(keep_vars=True))  # by the torch type's names
+            torch.testing.assert_close(entry.plain(clipped, x, params), want,
                                        rtol=1e-12, atol=1e-12 * scale, msg=mode)
 
 
@@ -345,7 +361,7 @@ def test_opcheck_the_ops_the_layer_calls(entry, mode):
     if hasattr(clipped, "set_max_input_shape"):
         clipped.set_max_input_shape(x.shape[1:])
     with _Recorder() as rec:
-        out = clipped(x)
+        out = first(clipped(x))
         inner(out, upstream(out.detach())).backward()
     assert rec.calls, f"{entry.clipped_type.__name__} ({mode}) called no op of the extension"
     for op, (args, kwargs) in rec.calls.items():

@@ -402,6 +402,13 @@ def _convert(layer, **clipping):
 
 
 def _plain(layer, x, params):
+    """The torch type's output for ``params`` by torch's names (a clipped layer: its torch twin's)."""
+    if isinstance(layer, _Recurrent):
+        torch_type = next(t for t, c in _CLIPPED.items() if c is type(layer))
+        extra = dict(nonlinearity=layer.nonlinearity) if isinstance(layer, RNN) else {}
+        layer = torch_type(layer.input_size, layer.hidden_size, num_layers=layer.num_layers, bias=layer.bias,
+                           batch_first=layer.batch_first, dropout=layer.dropout, bidirectional=layer.bidirectional,
+                           device="meta", **extra).train(layer.training)
     return torch.func.functional_call(layer, params, (x,))[0]
 
 
