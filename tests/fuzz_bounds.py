@@ -59,6 +59,8 @@ TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm
               "instance_norm3d": nn.InstanceNorm3d,
               "embedding": nn.Embedding, "positional": modules.PositionalEmbedding,
               "class_token": modules.ClassToken}
+# The fused recurrent layers: drawn and checked by tests/fuzz_recurrent.py (test_bound_fuzz.test_recurrent_layers).
+TORCH_TYPE.update({"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN})
 LAYOUTS = ("contiguous", "channels_last", "nhwc_view", "permuted", "transposed", "expanded", "broadcast", "strided")
 VALUES = ("normal", "scaled", "huge", "tiny", "subnormal", "spike", "zero", "cancel", "offset")
 
@@ -536,7 +538,8 @@ def _instance(t):
             nn.InstanceNorm3d: lambda: nn.InstanceNorm3d(1, affine=True),
             nn.Embedding: lambda: nn.Embedding(1, 1),
             modules.PositionalEmbedding: lambda: modules.PositionalEmbedding(1),
-            modules.ClassToken: lambda: modules.ClassToken(1)}[t]()
+            modules.ClassToken: lambda: modules.ClassToken(1),
+            nn.LSTM: lambda: nn.LSTM(1, 1), nn.GRU: lambda: nn.GRU(1, 1), nn.RNN: lambda: nn.RNN(1, 1)}[t]()
 
 
 def modes_of(kind: str) -> tuple:

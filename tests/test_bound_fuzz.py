@@ -35,6 +35,7 @@ from bpclip_fast import registry
 
 import fuzz_bounds as fb
 import fuzz_generic as fg
+import fuzz_recurrent as fr
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -178,6 +179,33 @@ def test_backprop_linear_and_conv2d(case):
        .filter(lambda c: not known_broken(c)))
 def test_instantiating_layers(case):
     fb.check(case)
+
+
+# The fused recurrent layers (tests/fuzz_recurrent.py): a case runs B + 1 forward/backward passes of
+# small recurrences; budget as the generic units'.
+@st.composite
+def recurrent_cases(draw, kinds=fr.KINDS):
+    kind = draw(st.sampled_from(kinds))
+    ints = st.integers
+    geometry = dict(hidden=draw(ints(1, 3)), layers=draw(ints(1, 2)), bidirectional=draw(st.booleans()),
+                    batch_first=draw(st.booleans()), h0=draw(st.booleans()),
+                    outputs=draw(st.sampled_from(("first", "all"))),
+                    nonlinearity=draw(st.sampled_from(("tanh", "relu"))) if kind == "rnn" else None)
+    batch = draw(ints(1, 5))
+    values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
+    return fb.Case(
+        kind=kind, mode=draw(st.sampled_from(fb.modes_of(kind))), dtype=draw(st.sampled_from(fb.DTYPES)),
+        clip_fn=draw(st.sampled_from(("clip", "global", "normalize"))), bias=draw(st.booleans()),
+        geometry=geometry, shape=(draw(ints(1, 4)), draw(ints(1, 3))), batch=batch,
+        values_x=draw(values), values_g=draw(values), seed=draw(st.integers(0, 2 ** 16)),
+        bound=draw(st.sampled_from(BOUNDS)), gamma=draw(st.sampled_from(GAMMAS)))
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 5))
+@_with_seed
+@given(recurrent_cases().filter(lambda c: not known_broken(c)))
+def test_recurrent_layers(case):
+    fr.check(case)
 
 
 def test_every_registered_layer_type_and_mode_is_drawn():
