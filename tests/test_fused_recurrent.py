@@ -43,6 +43,7 @@ from bpclip_fast import PrivacyEngine, registry
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 F64 = torch.float64
+EPS64 = torch.finfo(F64).eps
 D_IN, HID, T = 4, 3, 4
 KINDS = {
     "lstm": lambda **kw: nn.LSTM(D_IN, HID, **kw),
@@ -377,3 +378,44 @@ def test_removing_an_example_far_above_c_changes_the_release_by_c(kind, config, 
             change = math.sqrt(sum(float((full[k] - part[k]).pow(2).sum()) for k in ks))
             want = c_unit if v[i] > 0 else 0.0  # a relu RNN's unit may get no gradient from an example
             assert abs(change - want) <= c_unit * tol, f"example {i}, {ks}: {change:.9g} vs {want:.9g}"
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_an_overflowing_cell_state_drops_only_its_own_example(mode):
+    """An LSTM started from a per-example cell state that overflows (exp of a large feature): that
+    example's rows in the clipped Linears are non-finite and get factor 0; the others are released as
+    without it (float64, the same per-row computations: equal to rounding of a few dozen terms)."""
+    torch.manual_seed(0)
+
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(3, 4, batch_first=True, dtype=F64)
+            self.head = nn.Linear(4, 2, dtype=F64)
+
+        def forward(self, x, z):
+            c0 = torch.exp(z).unsqueeze(0)
+            out, _ = self.rnn(x, (torch.zeros_like(c0), c0))
+            return self.head(out[:, -1])
+
+    base = Stateful()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 5, 3, generator=g, dtype=F64)
+    z = torch.randn(4, 4, generator=g, dtype=F64)
+    z[0] = 1000.0
+    y = torch.randint(0, 2, (4,), generator=g)
+    C = 0.05
+
+    def run(keep):
+        m = copy.deepcopy(base)
+        bnn.convert_model(m, clipping=mode, max_grad_norm=C)
+        assert isinstance(m.rnn, bnn.LSTM)
+        nn.functional.cross_entropy(m(x[keep], z[keep]), y[keep], reduction="sum").backward()
+        counts = sum(int(layer._nonfinite.sum()) for _, layer in bnn.clipped_layers(m))
+        return torch.cat([p.grad.flatten() for p in m.rnn.parameters()]), counts
+
+    (a, dropped), (b, none) = run([0, 1, 2, 3]), run([1, 2, 3])
+    assert dropped > 0 and none == 0
+    assert bool(torch.isfinite(a).all()) and float(b.norm()) > 0
+    assert torch.all((a - b).abs() <= 64 * T * EPS64 * C * 4)
+
