@@ -295,6 +295,8 @@ def test_refusals_and_the_configurations_left_generic():
         model(packed)
     with pytest.raises(ValueError, match=r"must be batched.*add a batch dimension"):
         model(x[0])
+    with pytest.raises(TypeError, match=r"LSTM: the input is torch.float64.*parameters are torch.float32"):
+        model(x.double())
     # proj_size: not fused, the generic path trains it as before
     proj = nn.LSTM(2, 3, proj_size=2)
     assert registry.layer_type(proj) is None and registry.generic_candidate(proj)

@@ -211,6 +211,10 @@ class _Recurrent(nn.Module):
         return self._forward(input, hx, kind)
 
     def _forward(self, input, hx, kind):
+        weight = self.ih_l0.weight
+        if input.device != weight.device or input.dtype != weight.dtype:  # before torch's kernels raise less clearly
+            raise TypeError(f"{kind}: the input is {input.dtype} on {input.device} but the layer's parameters are "
+                            f"{weight.dtype} on {weight.device}; move or cast one of them (x.to(...), model.to(...))")
         x = input if self.batch_first else input.transpose(0, 1)
         if x.shape[-1] != self.input_size:
             raise ValueError(f"{kind}: expected input size {self.input_size}, got {x.shape[-1]}")
@@ -323,18 +327,12 @@ def _internal(name: str) -> str | None:
 def _torch_state_dict(module, state_dict, prefix, local_metadata):
     """``ih_l0.weight`` -> ``weight_ih_l0`` ..., in torch's order: a checkpoint of the converted model
     loads into the plain one and back."""
-    moved = {}
+    # This module's entries are the last ones written when the hook runs: re-adding them at the end
+    # under torch's names keeps the whole dict in named_modules order.
     for name in module.torch_names():
         key = prefix + _internal(name)
         if key in state_dict:
-            moved[prefix + name] = state_dict.pop(key)
-    # keep the other entries' order: put the parameters where the first internal key was
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        state_dict.move_to_end(key)
-    rest = [k for k in list(state_dict) if k.startswith(prefix)]
-    tail = {k: state_dict.pop(k) for k in rest}
-    state_dict.update(moved)
-    state_dict.update(tail)
+            state_dict[prefix + name] = state_dict.pop(key)
     return state_dict
 
 
