@@ -67,7 +67,20 @@ MODELS = {  # name -> (factory, input shape, classes)
     "mnist": (lambda: bmodels.mnist_net(nn.Tanh), (1, 28, 28), 10),
     "cifar10": (lambda: bmodels.cifar10_net(nn.Tanh), (3, 32, 32), 10),
 }
-METHODS = ("nonprivate", "backprop", "flat", "per_layer", "opacus_ghost", "opacus_hooks")
+
+
+def _bench_models():
+    """bench.step's models not named above (issue 26's: lstm, transformer, conv1d, gpt2, ...), on
+    request: ``--models transformer,conv1d``."""
+    from bench import models as step_models
+
+    return {name: (lambda f=f: f(nn.Tanh), shape, classes)
+            for name, (f, shape, classes) in step_models.MODELS.items() if name not in MODELS}
+
+
+MODELS.update(_bench_models())
+DEFAULT_MODELS = ("vit", "resnet20-gn", "digits", "mnist", "cifar10")
+METHODS = ("nonprivate", "backprop", "flat", "per_layer", "opacus_ghost", "opacus_hooks", "flat_generic")
 
 _ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
           "lift_fresh", "detach", "detach_", "result_type", "is_same_size", "sym_size", "sym_stride",
@@ -214,10 +227,14 @@ def build(method: str, name: str, seed: int = 0):
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
     if method == "nonprivate":
         opt, crit = torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss()
-    elif method in ("backprop", "flat", "per_layer"):
+    elif method in ("backprop", "flat", "per_layer", "flat_generic"):
         from bpclip_fast import PrivacyEngine
+        if method == "flat_generic":  # the same model, every layer by the generic path (bench.methods)
+            from bench.methods import _generic_everywhere
+
+            _generic_everywhere(model)
         clip = (dict(input_clip=CLIP, grad_clip=CLIP) if method == "backprop"
-                else dict(clipping=method, max_grad_norm=CLIP))
+                else dict(clipping=method.removesuffix("_generic"), max_grad_norm=CLIP))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, opt, loader = PrivacyEngine().make_private(
@@ -294,8 +311,8 @@ def table(rows: list) -> str:
 
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="vit,resnet20-gn,digits,mnist,cifar10")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    p.add_argument("--methods", default=",".join(METHODS[:-1]))  # flat_generic on request
     p.add_argument("--reps", type=int, default=30, help="timed steps per cell (median reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="print each cell's op histogram")

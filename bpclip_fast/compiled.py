@@ -134,7 +134,9 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   layer: int, stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None,
                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: the layer's output and the bounds' version of this forward (CPU int64)."""
-    version = torch.tensor([_lookup(_LAYERS, layer, "layer")._bounds_version], dtype=torch.int64)
+    lay = _lookup(_LAYERS, layer, "layer")
+    version = torch.tensor([lay._bounds_version], dtype=torch.int64)
+    weight = exact.kernel_weight(lay, weight)
     if stride is None:
         return F.linear(x, weight, bias), version
     return F.conv2d(x, weight, bias, stride, padding, dilation, groups), version
@@ -142,6 +144,7 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @exact_forward.register_fake
 def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
+    weight = exact.kernel_weight(_lookup(_LAYERS, layer, "layer"), weight)
     if stride is None:
         out = F.linear(x, weight, bias)
     else:
@@ -184,8 +187,9 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 def _(grad_out, x, weight, token, version, layer, mask, stride, padding, dilation, groups):
     gx = torch.empty_like(x) if mask[0] else x.new_empty(0)
     flat = token is not None
-    gw = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)
-    gb = weight.new_empty(weight.shape[0]) if mask[2] and not flat else weight.new_empty(0)
+    gw = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)  # the parameter's layout
+    out_features = exact.kernel_weight(_lookup(_LAYERS, layer, "layer"), weight).shape[0]  # HF Conv1D: [in, out]
+    gb = weight.new_empty(out_features) if mask[2] and not flat else weight.new_empty(0)
     gtoken = token.new_empty(()) if flat else weight.new_empty(0)
     return gx, gw, gb, gtoken
 

@@ -77,6 +77,33 @@ def _weight_bias(layer):
     return w, b
 
 
+# Weights stored in another layout than the one the Linear/Conv2d ops take (``layer._weight_layout``,
+# issue 26): HF's ``Conv1D`` holds a Linear's weight transposed (``[in, out]``), ``nn.Conv1d`` a
+# Conv2d's without its kernel height of 1 (``[O, C/G, k]``). The ops run on the kernel layout (a view
+# of the parameter); the release is mapped back by the inverse bijection of entries (a transpose, or
+# dropping the dimension of size 1), so each entry of the parameter gets exactly one entry of the
+# ops' release, noise included, and the parameter's gradient is the very tensor the layer records.
+TRANSPOSED, HEIGHT_ONE = "transposed", "height_one"
+
+
+def kernel_weight(layer, weight):
+    """``weight`` (the layer's parameter, or its detached alias) in the ops' layout: itself for
+    Linear/Conv2d."""
+    layout = layer._weight_layout
+    if layout is None:
+        return weight
+    return weight.t() if layout == TRANSPOSED else weight.unsqueeze(2)
+
+
+def _param_layout(layer, grad, weight):
+    """A release ``grad`` of :func:`kernel_weight`'s layout in the parameter ``weight``'s (contiguous:
+    the compiled ops' outputs are declared so, and AccumulateGrad would copy a transposed one anyway)."""
+    layout = layer._weight_layout
+    if layout is None or grad is None:
+        return grad
+    return grad.t().contiguous() if layout == TRANSPOSED else grad.view(weight.shape)
+
+
 def _trainable(layer, wb=None):
     """``[weight, bias]`` (a generic unit: each of its parameters): which of the layer's parameters
     train (their gradients are computed). ``wb``: :func:`_weight_bias` of the layer, where the caller
@@ -292,18 +319,19 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
     if geometry is EXAMPLES:
         return _release_examples(layer, kept, factor, step_args, mask)
     weight, bias = wb
+    kernel = kernel_weight(layer, weight)
     kw, kb = kept if kept is not None else (None, None)
     if x is None:
         x = g = weight.new_empty(0)
     if geometry is None:
-        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, weight, mask, [seed, offset], std, kw, kb)
+        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, kernel, mask, [seed, offset], std, kw, kb)
     else:
         stride, padding, dilation, groups = geometry
-        gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, weight, stride, padding, dilation,
+        gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, kernel, stride, padding, dilation,
                                                             groups, mask, [seed, offset], std, kw, kb)
     gw = _as_dtype(gw.mul_(scale) if scale != 1.0 else gw, weight.dtype) if mask[0] else None
     gb = _as_dtype(gb.mul_(scale) if scale != 1.0 else gb, bias.dtype) if mask[1] else None
-    return gw, gb
+    return _param_layout(layer, gw, weight), gb
 
 
 def _as_dtype(t, dtype):
@@ -321,12 +349,16 @@ def _norms(layer, x, g, geometry, mask, counter=None):
         _, bound, kw, kb = torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws, True, counter)
     else:
         stride, padding, dilation, groups = geometry
-        _, bound, kw, kb = torch.ops.bpclip_fast.conv2d_grad_norms(g, x, list(layer.kernel_size), stride, padding,
+        kernel = list(layer.kernel_size)
+        if len(kernel) == 1:  # nn.Conv1d as a Conv2d of kernel height 1 (HEIGHT_ONE)
+            kernel = [1, *kernel]
+        _, bound, kw, kb = torch.ops.bpclip_fast.conv2d_grad_norms(g, x, kernel, stride, padding,
                                                                    dilation, groups, mask, method, ws, True, counter)
     return bound, ((kw, kb) if kw.numel() else None)
 
 
 def _input_grad(layer, x, g, weight, geometry):
+    weight = kernel_weight(layer, weight)
     if geometry is None:
         return torch.matmul(g, weight)
     stride, padding, dilation, groups = geometry
@@ -341,11 +373,12 @@ class _ExactLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, token, layer, sensitivity, geometry, book):
+        kernel = kernel_weight(layer, weight)
         if geometry is None:
-            out = F.linear(x, weight, bias)
+            out = F.linear(x, kernel, bias)
         else:
             stride, padding, dilation, groups = geometry
-            out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+            out = F.conv2d(x, kernel, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.sensitivity, ctx.geometry, ctx.book = layer, sensitivity, geometry, book
         ctx.bounds_version = layer._bounds_version

@@ -72,22 +72,25 @@ class RowExamples:
     index equality: no ``[B, V, D]`` tensor). ``‖G_i‖² = Σ_{k of i} ‖row_k‖²``; the release is
     ``Σ_k RZ(c_{example[k]}·row_k)`` into table row ``index[k]``, which holds example ``i``'s rows and
     nothing else of it. The bound: the rows are rounded to the table's dtype first (fp32/fp16/bf16:
-    squares exact in double; fp64: see below), a double sum of ``n = D·(positions of i)`` squares
-    (``γ_{n-1}``), then ``√(ŝ·grow(n))``, whose product and root round twice: ``grow(n) ≥
+    squares exact in double; fp64: see below), a double sum of ``n_i = D·(rows of i)`` squares
+    (``γ_{n_i-1}``), then ``√(ŝ·grow(n_i))``, whose product and root round twice: ``grow(n) ≥
     1/((1 − γ_{n-1})(1 − v)^4)`` leaves room for them and for the fp64 squares' own rounding; an fp64
-    square that underflows is covered by adding ``nτ`` (``τ = 2^-1074``), one more rounding."""
+    square that underflows is covered by adding ``n_i·τ`` (``τ = 2^-1074``), one more rounding.
+    ``n_i`` counts example ``i``'s own rows (not the batch's padded length, nor an EmbeddingBag's
+    longest bag), so that no example's factor depends on another example; ``grow(n_i + 1)`` is exact
+    in double (``n_i < 2^40``). ``positions`` is the callers' record only."""
 
     def __init__(self, rows, example, index, batch, positions, num_embeddings, dtype):
         self.rows, self.example, self.index = rows.to(dtype), example, index
         self.batch, self.positions, self.num_embeddings = batch, positions, num_embeddings
 
     def bound(self, mask, nonfinite=None) -> torch.Tensor:
-        n = self.rows.shape[1] * self.positions
+        n = torch.bincount(self.example, minlength=self.batch).double() * self.rows.shape[1]
         sq = torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device)
         sq.index_add_(0, self.example, self.rows.double().square().sum(1))
         if self.rows.dtype == torch.float64:  # squares that underflow (see the docstring)
             sq.add_(n * 2.0 ** -1074)
-        bound = (sq * _grow(n + 1)).sqrt()
+        bound = (sq * (1.0 + (n + 5) * 2.0 ** -52)).sqrt()  # grow(n_i + 1), as _grow
         if nonfinite is not None:
             _count_nonfinite(nonfinite, bound)
         return bound

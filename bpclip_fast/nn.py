@@ -16,11 +16,20 @@ from torch import nn
 
 from . import generic, modes, registry
 from .boundary import LayerStep
-from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv2d, Embedding,  # noqa: F401
-                     GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, Linear, LSTM, GRU, RNN,
+from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv1d, Conv2d, Embedding,  # noqa: F401
+                     EmbeddingBag,
+                     GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, Linear,
                      PositionalEmbedding, RMSNorm)
 from .layers.base import _Clipped, _ExampleLayer, _check_positive, _exact_kwargs, _in_parameter_dtype  # noqa: F401
 from .layers.embedding import _embedding_problem  # noqa: F401
+
+def __getattr__(name):
+    """``Conv1D``: the clipped Hugging Face Conv1D, imported on first use (it needs transformers)."""
+    if name == "Conv1D":
+        from .layers.hf_conv1d import Conv1D
+        return Conv1D
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _LAYER_BITS = 19  # offset = step << 20 | layer << 1 | (0: weight, 1: bias)
 _MAX_LAYERS = 1 << _LAYER_BITS
@@ -157,8 +166,6 @@ def _convert(layer: nn.Module, **clipping) -> nn.Module:
     if registry.layer_type(layer) is None:
         return _convert_generic(layer, **clipping)
     new = registry.layer_type(layer).convert(layer, **clipping)
-    if registry.layer_type(layer).composite:  # its clipped layers took the Parameter objects themselves
-        return new
     # The same Parameter objects: an optimizer built before the conversion keeps working.
     new.weight = layer.weight
     if getattr(layer, "bias", None) is not None:
@@ -194,16 +201,18 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
     if unbounded:
         raise ValueError("convert_model: these layers cannot be trained with clipping=" f"{clipping!r}:\n  "
                          + "\n  ".join(unbounded))
+    if mode.exact:  # registry.Composite (nn.MultiheadAttention): in place, its parameters into registered layers
+        for _, m, entry in registry.composites(model):
+            entry.unpack(m)
     kw = dict(clip_fn=clip_fn, gamma=gamma, clipping=clipping,
               **mode.conversion_settings(input_clip=input_clip, grad_clip=grad_clip, norm=norm, norm_method=norm_method))
     units = {id(u) for _, u in registry.generic_units(model)} if mode.exact else set()
     if registry.convertible(model) or id(model) in units:
         name = type(model).__name__  # before a generic unit's class is swapped in place
-        new = _convert(model, **kw, max_grad_norm=_share(model, iter(mode.layer_thresholds(max_grad_norm,
-                                                                                            _units(model)))))
-        layers = _name_layers(new, name)
-        if mode.collects or len(layers) > 1:  # a bare layer's noise bound is its own C already
-            mode.settle(new, layers, layers[0].max_grad_norm, clip_fn, gamma)
+        new = _convert(model, **kw, max_grad_norm=mode.layer_thresholds(max_grad_norm, 1)[0])
+        new._bp_name = name
+        if mode.collects:  # a bare layer's noise bound is its own C already; flat's collector it needs
+            mode.settle(new, [new], new.max_grad_norm, clip_fn, gamma)
         return new
     inside = registry.inside_units(model) if units else set()
     children = [(name, m, child_name, child) for name, m in list(model.named_modules()) if id(m) not in inside
@@ -212,41 +221,16 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
     def target(child):
         return id(child) in units or (registry.convertible(child) and id(child) not in inside)
 
-    count = sum(_units(c) for c in {id(c): c for _, _, _, c in children if target(c)}.values())
+    count = len({id(c) for _, _, _, c in children if target(c)})
     thresholds = iter(mode.layer_thresholds(max_grad_norm, count))
     converted = {}  # a layer under two parents becomes one clipped layer, not two sharing parameters
-    new_layers = []
     for name, m, child_name, child in children:
         if id(child) not in converted and target(child):
-            converted[id(child)] = _convert(child, **kw, max_grad_norm=_share(child, thresholds))
-            new_layers += _name_layers(converted[id(child)], f"{name}.{child_name}" if name else child_name)
+            converted[id(child)] = _convert(child, **kw, max_grad_norm=next(thresholds))
+            converted[id(child)]._bp_name = f"{name}.{child_name}" if name else child_name
         if id(child) in converted:
             setattr(m, child_name, converted[id(child)])
+    new_layers = list(converted.values())
     if new_layers:
         mode.settle(model, new_layers, new_layers[0].max_grad_norm, clip_fn, gamma)
     return model
-
-
-def _units(module: nn.Module) -> int:
-    """How many clipped layers converting ``module`` makes (a recurrent layer: one per trainable ih/hh
-    Linear), i.e. its share of per_layer's thresholds."""
-    kind = registry.layer_type(module)
-    return kind.units(module) if kind is not None else 1
-
-
-def _share(module: nn.Module, thresholds):
-    """``module``'s thresholds from the iterator: one, or a list of its units' for a composite type."""
-    kind = registry.layer_type(module)
-    if kind is not None and kind.composite:
-        return [next(thresholds) for _ in range(kind.units(module))]
-    return next(thresholds)
-
-
-def _name_layers(new: nn.Module, name: str) -> list:
-    """Names the clipped layers of a converted module (itself, or a composite's children) and returns them."""
-    layers = []
-    for sub_name, sub in new.named_modules():
-        if isinstance(sub, _Clipped) and (sub is new or not registry.is_generic(new)):
-            sub._bp_name = f"{name}.{sub_name}" if sub_name else name
-            layers.append(sub)
-    return layers

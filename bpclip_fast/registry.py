@@ -27,6 +27,8 @@ the conversion, not over a count taken before it.)
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,19 +46,15 @@ class LayerType:
     """A torch layer type that a clipped layer of ours trains.
 
     ``convert(layer, **clipping)``: the clipped layer holding ``layer``'s ``Parameter`` objects.
-    ``plain(layer, x, params)``: the layer's output for input ``x`` with parameters ``params`` (a
-    dict by parameter name), as the torch type computes it (no clipping).
+    ``plain(layer, x, params, *args, **kwargs)``: the layer's output for input ``x`` with parameters
+    ``params`` (a dict by parameter name), as the torch type computes it (no clipping); ``args`` and
+    ``kwargs`` are the call's other arguments, if any (an EmbeddingBag's per_sample_weights).
     ``taps(layer)``: how many products of one input entry with one upstream gradient entry one
     parameter entry sums per output position (a convolution's kernel positions; 1 for Linear),
     which scales the probes' rounding tolerance.
     ``modes``: the clipping modes with a proved bound for the type (``convert_model`` refuses others).
-    ``multiplier_norm(layer, x)``: the norm of what the weight gradient multiplies the upstream
+    ``multiplier_norm(layer, x, *args, **kwargs)``: the norm of what the weight gradient multiplies the upstream
     gradient by, for the probes' tolerance (``None``: the input ``x`` itself, as Linear).
-    ``params(layer)``: the names of the parameters the clipped type trains (``weight``, ``bias``).
-    ``fuses(layer)``: whether this instance's configuration is converted (others are left to the
-    generic exact path, as an unregistered type: :func:`layer_type` is ``None`` for them).
-    ``composite``: the clipped type is a container of clipped layers that own the parameters (the
-    recurrent layers' Linears); ``units(layer)`` of them: its share of per_layer's thresholds.
     """
 
     torch_type: type
@@ -66,10 +64,6 @@ class LayerType:
     taps: Callable
     modes: tuple = _MODES
     multiplier_norm: Callable | None = None
-    params: Callable = lambda layer: ("weight", "bias")
-    fuses: Callable = lambda layer: True
-    units: Callable = lambda layer: 1
-    composite: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,14 +75,26 @@ class _Check:
 
 _LAYERS: dict[type, LayerType] = {}
 _CHECKS: list[_Check] = []
+# Layer types of optional libraries: {the library's module: ours that registers them}, imported by
+# load_optional once the library's module is (a model holding such a layer has imported it), so
+# bpclip_fast neither needs nor imports the library.
+_OPTIONAL = {"transformers.pytorch_utils": "bpclip_fast.layers.hf_conv1d"}
+_OPTIONAL_LOADED: list[str] = []  # the libraries' modules whose types are registered now
+
+
+def load_optional() -> None:
+    """Registers the layer types of the optional libraries imported so far (:data:`_OPTIONAL`)."""
+    if _OPTIONAL and any(name in sys.modules for name in _OPTIONAL):
+        for name in [n for n in _OPTIONAL if n in sys.modules]:
+            importlib.import_module(_OPTIONAL.pop(name))
+            _OPTIONAL_LOADED.append(name)
 
 
 def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
                    taps: Callable = lambda layer: 1, modes: tuple = _MODES,
-                   multiplier_norm: Callable | None = None, **more) -> LayerType:
-    """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring; ``more``:
-    :class:`LayerType`'s ``params``, ``fuses``, ``units``, ``composite``)."""
-    entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm, **more)
+                   multiplier_norm: Callable | None = None) -> LayerType:
+    """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring)."""
+    entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm)
     _LAYERS[torch_type] = entry
     return entry
 
@@ -101,12 +107,54 @@ def register_module_check(*types: type, mixes_batch: bool = False):
     return decorator
 
 
+@dataclass(frozen=True)
+class Composite:
+    """A torch module type whose parameters registered layers train once ``unpack(module)`` (in
+    place, same ``Parameter`` objects) has made them children of those types (``nn.MultiheadAttention``:
+    two Linears, :mod:`bpclip_fast.layers.attention`). ``not_fused(module)``: why an instance stays a
+    generic unit instead (``None``: it is unpacked). ``pack`` undoes ``unpack``. Exact modes only."""
+
+    torch_type: type
+    not_fused: Callable
+    unpack: Callable
+    pack: Callable
+    modes: tuple = _EXACT_MODES
+
+
+_COMPOSITES: dict[type, Composite] = {}
+
+
+def register_composite(torch_type: type, *, not_fused: Callable, unpack: Callable, pack: Callable,
+                       modes: tuple = _EXACT_MODES) -> Composite:
+    entry = Composite(torch_type, not_fused, unpack, pack, tuple(modes))
+    _COMPOSITES[torch_type] = entry
+    return entry
+
+
+def composite(module: nn.Module) -> Composite | None:
+    """The composite entry of ``module`` if it is one to unpack: its exact registered type, accepted by
+    ``not_fused``, with a trainable parameter (below it too)."""
+    entry = _COMPOSITES.get(type(module))
+    if entry is None or entry.not_fused(module) is not None:
+        return None
+    return entry if any(p.requires_grad for p in module.parameters()) else None
+
+
+def composites(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.Module, Composite]]:
+    """``[(name, module, entry)]`` of the composites of ``model`` to unpack: not inside a generic unit
+    (with ``shared`` as :func:`generic_units`: a unit trains everything below it)."""
+    units = generic_units(model, shared)
+    inside = {id(sub) for _, u in units for sub in u.modules()}
+    return [(name, m, e) for name, m in model.named_modules() if id(m) not in inside and (e := composite(m)) is not None]
+
+
 # ------------------------------------------------------------------------------ queries
 
 
 def layer_types() -> tuple[LayerType, ...]:
     """Every registered layer type, in registration order (tests/test_registry_harness.py runs the
     same tests on each, so a type registered later is tested without being named there)."""
+    load_optional()
     return tuple(_LAYERS.values())
 
 
@@ -114,22 +162,18 @@ def layer_type(module: nn.Module) -> LayerType | None:
     """The registry entry of ``module``'s exact type, a torch type or its clipped type. Never a
     subclass's: a subclass may override ``forward`` or the sensitivity with code the bound does not
     cover (and the probes run a clipped layer as its torch type, so they would not see it)."""
+    load_optional()
     kind = type(module)
     entry = _LAYERS.get(kind)
     if entry is not None:
-        return entry if entry.fuses(module) else None
+        return entry
     return next((e for e in _LAYERS.values() if e.clipped_type is kind), None)
-
-
-def _torch_entry(module: nn.Module) -> LayerType | None:
-    """The entry of ``module`` as a registered torch type in a configuration it fuses (not a clipped layer)."""
-    entry = _LAYERS.get(type(module))
-    return entry if entry is not None and entry.fuses(module) else None
 
 
 def is_clipped(module: nn.Module) -> bool:
     """Whether ``module`` is one of our clipped layers, of a registered clipped type exactly, or a
     generic unit (:mod:`bpclip_fast.generic`)."""
+    load_optional()
     return is_generic(module) or any(type(module) is e.clipped_type for e in _LAYERS.values())
 
 
@@ -143,7 +187,9 @@ def generic_candidate(module: nn.Module) -> bool:
     parameter and no registered clipped layer covers it: not a registered torch type (whose extra
     parameters stay refused, module_problems), nor one of our clipped layers or a subclass of one
     (which clips in its own backward), nor a unit already."""
-    return (owns_trainable(module) and _torch_entry(module) is None and not is_generic(module)
+    load_optional()
+    return (owns_trainable(module) and type(module) not in _LAYERS and not is_generic(module)
+            and composite(module) is None
             and not any(isinstance(module, e.clipped_type) for e in _LAYERS.values()))
 
 
@@ -155,11 +201,14 @@ def generic_units(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.M
     and units already made; everything below one belongs to it."""
     shared = _sharing_ancestors(model) if shared else set()
     units: list[tuple[str, nn.Module]] = []
+    whole = []  # composites: what is below one is unpacked into registered layers, never a unit
     for name, m in model.named_modules():
-        if any(name.startswith(u + ".") or u == "" for u, _ in units):
+        if any(name.startswith(u + ".") or u == "" for u in [u for u, _ in units] + whole):
             continue
         if is_generic(m) or name in shared or (generic_candidate(m) and not module_reasons(m)):
             units.append((name, m))
+        elif composite(m) is not None:
+            whole.append(name)
     return units
 
 
@@ -196,7 +245,8 @@ def owns_trainable(module: nn.Module) -> bool:
 def convertible(module: nn.Module) -> bool:
     """A module ``convert_model`` swaps for a clipped layer: a registered torch type (exact) owning a
     trainable parameter."""
-    return _torch_entry(module) is not None and owns_trainable(module)
+    load_optional()
+    return type(module) in _LAYERS and owns_trainable(module)
 
 
 def clipped_by_conversion(module: nn.Module) -> bool:
@@ -216,8 +266,11 @@ def unbounded(model: nn.Module, clipping: str) -> list[str]:
     exact = clipping in _EXACT_MODES
     generic = [] if exact else [label(name, m, model) for name, m in generic_units(model, shared=False)]
     inside = inside_units(model, shared=exact)
-    return generic + [label(name, m, model) for name, m in model.named_modules()
-                      if convertible(m) and id(m) not in inside and clipping not in layer_type(m).modes]
+    whole = [label(name, m, model) for name, m, e in composites(model, shared=exact) if clipping not in e.modes]
+    covered = {id(sub) for _, c, _ in composites(model, shared=exact) for sub in c.modules()}
+    return generic + whole + [label(name, m, model) for name, m in model.named_modules()
+                              if convertible(m) and id(m) not in inside | covered
+                              and clipping not in layer_type(m).modes]
 
 
 def mode_problems(model: nn.Module, clipping: str) -> list[str]:
@@ -244,12 +297,13 @@ def module_problems(model: nn.Module) -> list[str]:
     problems = []
     units = generic_units(model, shared=False)
     inside = {id(sub) for _, u in units for sub in u.modules()}
+    unpacked = {id(sub) for _, c, _ in composites(model, shared=False) for sub in c.modules()}
     for name, m in model.named_modules():
         reasons = module_reasons(m)
         own = [pname for pname, p in m.named_parameters(recurse=False) if p.requires_grad]
         if layer_type(m) is not None:
-            own = [pname for pname in own if pname not in layer_type(m).params(m)]
-        if not reasons and own and id(m) not in inside:
+            own = [pname for pname in own if pname not in ("weight", "bias")]
+        if not reasons and own and id(m) not in inside and id(m) not in unpacked:
             reasons.append(_untrained_reason(name, m, own))
         if id(m) in inside and m not in [u for _, u in units] and is_clipped(m):
             reasons.append("a clipped layer inside a module trained by the generic exact path (which computes the "

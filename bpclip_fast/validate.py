@@ -247,6 +247,9 @@ class _Call:
     name: str
     input: torch.Tensor | None
     grad: torch.Tensor | None = None
+    # The call's other arguments (an EmbeddingBag's per_sample_weights), for probe 4's recomputation.
+    extra: tuple = ()
+    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -291,15 +294,13 @@ def _record(model: nn.Module, record: _Pass) -> list:
             continue
         is_layer = id(m) in layers
 
-        def before(mod, args, _name=name, _is_layer=is_layer):
+        def before(mod, args, kwargs, _name=name, _is_layer=is_layer):
             record.counts[_name] = record.counts.get(_name, 0) + 1
             if _is_layer:
                 x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-                if x is not None and x.dim() == 3 and getattr(registry.layer_type(mod), "composite", False) \
-                        and not mod.batch_first:  # a sequence-first recurrent layer takes the examples in dim 1
-                    x = x.transpose(0, 1)
                 # A copy: later in-place operations must not change what probe 4 recomputes from.
-                record.calls.append(_Call(_name, None if x is None else x.detach().clone()))
+                copied = _map_tensors((tuple(args[1:]), dict(kwargs)), lambda t: t.detach().clone())
+                record.calls.append(_Call(_name, None if x is None else x.detach().clone(), None, *copied))
 
         def after(mod, args, out, _name=name):
             call = next(c for c in reversed(record.calls) if c.name == _name)
@@ -308,7 +309,7 @@ def _record(model: nn.Module, record: _Pass) -> list:
                 # operation (ReLU(inplace=True)) rewrites it; a module backward hook would refuse those.
                 out.register_hook(lambda g, _call=call: setattr(_call, "grad", g.detach().clone()))
 
-        handles.append(m.register_forward_pre_hook(before))
+        handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
         if is_layer:
             handles.append(m.register_forward_hook(after))
     for name, unit in registry.generic_units(model, _SHARED_UNITS.get()):
@@ -371,7 +372,9 @@ def _parameter_gradients(model: nn.Module, outputs: list[torch.Tensor], batch: i
     if not terms or not params:
         return {}
     grads = torch.autograd.grad(sum(terms), params, allow_unused=True)
-    return {id(p): g for p, g in zip(params, grads)}
+    # Dense: a refused Embedding(sparse=True) gives a sparse gradient, which the probes' arithmetic
+    # (add(sparse, dense)) would raise on before its static refusal is reported.
+    return {id(p): (g.to_dense() if g is not None and g.is_sparse else g) for p, g in zip(params, grads)}
 
 
 def _run(model: nn.Module, probe_input, batch: int, devices: list[int], backward: bool = True) -> _Pass:
@@ -552,9 +555,7 @@ def _own_gradients(layer: nn.Module, calls: list[_Call]):
     and output gradients; for each, a bound on the Frobenius norm of ``Σ|gradient|·|input|``
     (``√taps·‖g‖·‖x‖`` for the weight, taps the kernel positions; ``√rows·‖g‖`` for the bias); and
     the number of terms each entry sums (rows, or batch·positions, per call, plus one per call)."""
-    # A recurrent layer before conversion has no weight (its `bias` is a flag) and a tuple output: its
-    # parameters are checked as its clipped Linears' once converted, and by the step's records.
-    names = [n for n in ("weight", "bias") if isinstance(getattr(layer, n, None), torch.Tensor)]
+    names = [n for n in ("weight", "bias") if getattr(layer, n, None) is not None]
     own = {n: torch.zeros_like(getattr(layer, n)) for n in names}
     scale = dict.fromkeys(names, 0.0)
     kind = registry.layer_type(layer)
@@ -565,14 +566,14 @@ def _own_gradients(layer: nn.Module, calls: list[_Call]):
             continue  # the output did not reach the loss: no gradient from this call
         with torch.enable_grad():
             leaves = {n: getattr(layer, n).detach().requires_grad_() for n in names}
-            out = kind.plain(layer, c.input, leaves)
+            out = kind.plain(layer, c.input, leaves, *c.extra, **c.kwargs)
             grads = torch.autograd.grad((out * c.grad).sum(), list(leaves.values()), allow_unused=True)
         for n, gr in zip(names, grads):
             if gr is not None:
                 own[n] += gr
         rows = c.grad.numel() // max(layer.weight.shape[0], 1)
         g_norm = float(c.grad.double().norm())
-        x_norm = (kind.multiplier_norm(layer, c.input) if kind.multiplier_norm is not None
+        x_norm = (kind.multiplier_norm(layer, c.input, *c.extra, **c.kwargs) if kind.multiplier_norm is not None
                   else float(c.input.double().norm()))
         scale["weight"] += math.sqrt(taps) * g_norm * x_norm
         if "bias" in scale:
@@ -653,13 +654,28 @@ def _isolated(model: nn.Module):
 
 
 @contextlib.contextmanager
+def _unpacked(work: nn.Module, model: nn.Module):
+    """The probes see what training runs: every composite (``registry.Composite``, an
+    ``nn.MultiheadAttention``) unpacked into the registered layers that train it, as ``convert_model``
+    does; packed back after where ``work`` is the model itself (it could not be copied)."""
+    done = [(m, e) for _, m, e in registry.composites(work, _SHARED_UNITS.get())]
+    for m, e in done:
+        e.unpack(m)
+    try:
+        yield
+    finally:
+        if work is model:
+            for m, e in reversed(done):
+                e.pack(m)
+
+
+@contextlib.contextmanager
 def _as_torch_layers(model: nn.Module):
     """Our layers clip in their backward (and may draw a step's noise), so their parameter gradient is
     not the plain one probe 4 recomputes: the probes run their torch base class's forward instead."""
     patched = []
     for m in model.modules():
-        if registry.is_clipped(m) and not getattr(registry.layer_type(m), "composite", False):
-            # (a composite's own forward is plain once its clipped children run as their torch type)
+        if registry.is_clipped(m):
             base = type(m)._bp_base if registry.is_generic(m) else registry.layer_type(m).torch_type
             patched.append((m, m.__dict__.get("forward", _MISSING)))
             m.forward = types.MethodType(base.forward, m)
@@ -700,7 +716,8 @@ def dynamic_problems(model: nn.Module, example_input, clipping: str | None = Non
 
     token = _SHARED_UNITS.set(clipping in EXACT)
     try:
-        with _isolated(model) as work, _as_torch_layers(work), torch.random.fork_rng(devices=_cuda_devices(work)):
+        with _isolated(model) as work, _unpacked(work, model), _as_torch_layers(work), \
+                torch.random.fork_rng(devices=_cuda_devices(work)):
             return _probe(work, example_input)
     finally:
         _SHARED_UNITS.reset(token)

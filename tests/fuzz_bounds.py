@@ -53,14 +53,25 @@ from fuzz_tolerances import (BF16, DTYPES, F16, F32, F64, RZ, UNIT, V, acc_unit,
                              bounded_terms, factor_change, gamma, norm_margin, positions, release_error, subnormal_step)
 
 KINDS = ("linear", "conv", "layer_norm", "group_norm", "rms_norm", "instance_norm1d", "instance_norm2d",
-         "instance_norm3d", "embedding", "positional", "class_token")
+         "instance_norm3d", "embedding", "positional", "class_token",
+         "embedding_bag", "conv1d")
 TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm,
               "rms_norm": nn.RMSNorm, "instance_norm1d": nn.InstanceNorm1d, "instance_norm2d": nn.InstanceNorm2d,
               "instance_norm3d": nn.InstanceNorm3d,
               "embedding": nn.Embedding, "positional": modules.PositionalEmbedding,
-              "class_token": modules.ClassToken}
-# The fused recurrent layers: drawn and checked by tests/fuzz_recurrent.py (test_bound_fuzz.test_recurrent_layers).
-TORCH_TYPE.update({"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN})
+              "class_token": modules.ClassToken,
+              "embedding_bag": nn.EmbeddingBag, "conv1d": nn.Conv1d}
+INDEXED = ("embedding", "embedding_bag")  # inputs are table indices
+try:  # Hugging Face's Conv1D: registered once transformers is imported (registry.load_optional)
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+    KINDS += ("hf_conv1d",)
+    TORCH_TYPE["hf_conv1d"] = HFConv1D
+    registry.layer_types()  # registers it now, before any test reads the registry's table
+except ImportError:
+    HFConv1D = None
+# The kinds whose norms and release are the fused Linear/Conv2d ops' (exact._norms, _release): Conv1d
+# as a Conv2d of height 1, HF's Conv1D as a Linear on the transposed weight.
+GEMM_KINDS = ("linear", "conv", "conv1d", "hf_conv1d")
 LAYOUTS = ("contiguous", "channels_last", "nhwc_view", "permuted", "transposed", "expanded", "broadcast", "strided")
 VALUES = ("normal", "scaled", "huge", "tiny", "subnormal", "spike", "zero", "cancel", "offset")
 
@@ -102,6 +113,11 @@ def plain_layer(case: Case) -> nn.Module:
     elif k == "conv":
         layer = nn.Conv2d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
                           dilation=g["dilation"], groups=g["groups"], bias=case.bias, dtype=F64)
+    elif k == "conv1d":
+        layer = nn.Conv1d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
+                          dilation=g["dilation"], groups=g["groups"], bias=case.bias, dtype=F64)
+    elif k == "hf_conv1d":  # always biased (its forward is addmm(bias, ...))
+        layer = HFConv1D(g["fout"], g["fin"]).to(F64)
     elif k == "layer_norm":
         layer = nn.LayerNorm(g["normalized"], bias=case.bias, dtype=F64)
     elif k == "group_norm":
@@ -112,6 +128,8 @@ def plain_layer(case: Case) -> nn.Module:
         layer = TORCH_TYPE[k](g["channels"], affine=True, bias=case.bias, dtype=F64)
     elif k == "embedding":
         layer = nn.Embedding(g["vocab"], g["dim"], padding_idx=g["padding_idx"], dtype=F64)
+    elif k == "embedding_bag":
+        layer = nn.EmbeddingBag(g["vocab"], g["dim"], mode=g["mode"], padding_idx=g["padding_idx"], dtype=F64)
     elif k == "positional":
         layer = modules.PositionalEmbedding(*case.shape, dtype=F64)
     else:
@@ -227,7 +245,7 @@ def inputs(case: Case, layer: nn.Module):
     embedding), before any layout."""
     gen = torch.Generator().manual_seed(case.seed)
     b = case.batch
-    if case.kind == "embedding":
+    if case.kind in INDEXED:
         x = torch.randint(0, case.geometry["vocab"], (b, *case.shape), generator=gen)
         for i, kind in enumerate(case.values_x):
             if kind == "cancel":  # one token throughout: all positions' gradients add in one row
@@ -247,7 +265,7 @@ def inputs(case: Case, layer: nn.Module):
 
 def laid_out(case: Case, x: torch.Tensor, g: torch.Tensor):
     """x and g in the case's dtype and layouts (x: the input the layer gets)."""
-    xd = x if case.kind == "embedding" else x.to(case.dtype)
+    xd = x if case.kind in INDEXED else x.to(case.dtype)
     return lay_out(xd, case.layout, case.seed), lay_out(g.to(case.dtype), case.layout_g, case.seed + 7)
 
 
@@ -294,6 +312,8 @@ class Stored:
 
 
 def _geometry(layer):
+    if isinstance(layer, nn.Conv1d):  # the clipped Conv1d's own Conv2d geometry (height 1)
+        return layer._geometry
     if isinstance(layer, nn.Conv2d):
         return [list(layer.stride), list(layer._explicit_padding), list(layer.dilation), layer.groups]
     return None
@@ -313,11 +333,14 @@ def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor,
         contrib = truth_grads(case, plain, xs.double(), gs.double())
         return Stored(contrib, spread(plain64, xs.double(), gs.double()), torch.stack([fx, fg], 1).double())
     mask = [True, layer.bias is not None]
-    if case.kind in ("linear", "conv"):
-        bound, kept = exact._norms(layer, xl, gl.contiguous(), _geometry(layer), mask)
+    if case.kind in GEMM_KINDS:
+        xk, gk = (xl.unsqueeze(2), gl.unsqueeze(2)) if case.kind == "conv1d" else (xl, gl)  # the kernels' view
+        bound, kept = exact._norms(layer, xk, gk.contiguous(), _geometry(layer), mask)
         factor = exact.factors(bound, case.bound, case.clip_fn, case.gamma, scratch, case.dtype)
         if kept is not None:
             kw, kb = kept
+            if case.kind == "hf_conv1d":  # kept in the Linear's [out, in] layout; the release is [in, out]
+                kw = kw.reshape(b, *layer.weight.shape[::-1]).transpose(1, 2)
             parts = [kw.double()] + ([kb.double()] if mask[1] else [])
             c = factor.double().unsqueeze(1)
             contrib = torch.cat([c * t.reshape(b, -1) for t in parts], 1)
@@ -329,7 +352,7 @@ def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor,
         return Stored(contrib, spread(plain64, xs.double(), gs.double()), factor.double(), bound)
     # The instantiating layers: their per-example gradients as the backward builds them.
     w, bias = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
-    _, saved = layer._forward(xl, w, bias, True)
+    _, saved = layer._forward(layer._bags(xl, None, None) if case.kind == "embedding_bag" else xl, w, bias, True)
     examples = layer._examples(saved, gl.contiguous(), mask)
     bound = examples.bound(mask)
     factor = exact.factors(bound, case.bound, case.clip_fn, case.gamma, scratch, case.dtype)
@@ -456,7 +479,7 @@ def check(case: Case, removal: bool = True) -> dict:
         n = gtrue.norm(dim=1)
         c = eo.clip_factor(n, case.bound, case.clip_fn, case.gamma)
         want = (c.unsqueeze(1) * gtrue).sum(0)
-        if case.kind in ("linear", "conv"):
+        if case.kind in GEMM_KINDS:
             P = spread(copy.deepcopy(layer).double(), x, g)
             d, p = _dims(case)
             pX = spread(copy.deepcopy(layer).double(), x, torch.ones_like(g))  # √p·Σ_t ‖[x_t; 1]‖
@@ -482,7 +505,7 @@ def check(case: Case, removal: bool = True) -> dict:
             assert (gap <= delta + 4 * V * ns).all(), \
                 f"stored per-example gradients off the truth by {gap.tolist()} > {delta.tolist()}\n{case}"
             # the squares the bound sums: an embedding's rows are summed over its positions
-            terms = case.geometry["dim"] * math.prod(case.shape) if case.kind == "embedding" else st.gs.shape[1]
+            terms = case.geometry["dim"] * math.prod(case.shape) if case.kind in INDEXED else st.gs.shape[1]
             # (float64 squares of float64 data below ~1e-154 underflow: up to terms·tiny lost in ŝ)
             under = math.sqrt(terms * torch.finfo(F64).tiny)
             within = (st.bound >= ns * (1 - 4 * V) - under) & (st.bound <= ns + dense_margin(terms, ns) + under)
@@ -524,8 +547,10 @@ def _overflowed(case: Case, st: Stored, rows, T: int, rel: torch.Tensor) -> bool
 def _dims(case: Case):
     """(d, p): the input and output widths of one channel group's weight block."""
     g = case.geometry
-    if case.kind == "linear":
+    if case.kind in ("linear", "hf_conv1d"):
         return g["fin"], g["fout"]
+    if case.kind == "conv1d":
+        return g["cin"] // g["groups"] * g["kernel"], g["cout"] // g["groups"]
     kh, kw = g["kernel"]
     return g["cin"] // g["groups"] * kh * kw, g["cout"] // g["groups"]
 
@@ -539,7 +564,8 @@ def _instance(t):
             nn.Embedding: lambda: nn.Embedding(1, 1),
             modules.PositionalEmbedding: lambda: modules.PositionalEmbedding(1),
             modules.ClassToken: lambda: modules.ClassToken(1),
-            nn.LSTM: lambda: nn.LSTM(1, 1), nn.GRU: lambda: nn.GRU(1, 1), nn.RNN: lambda: nn.RNN(1, 1)}[t]()
+            nn.EmbeddingBag: lambda: nn.EmbeddingBag(1, 1), nn.Conv1d: lambda: nn.Conv1d(1, 1, 1),
+            HFConv1D: lambda: HFConv1D(1, 1)}[t]()
 
 
 def modes_of(kind: str) -> tuple:
@@ -551,6 +577,6 @@ def largest_spread(case: Case) -> float:
     every per-example gradient entry and norm): what decides whether float32 squares overflow."""
     layer = plain_layer(case)
     x, g = inputs(case, layer)
-    if not case.batch or case.kind not in ("linear", "conv"):
+    if not case.batch or case.kind not in GEMM_KINDS:
         return 0.0
     return float(spread(copy.deepcopy(layer).double(), x, g).max())

@@ -68,14 +68,25 @@ class UserRMSNorm(nn.RMSNorm):
     computation keeps exercising the generic path (and the error derived for it below)."""
 
 
+class UserMHA(nn.MultiheadAttention):
+    """The user's own attention: a subclass, which the registry leaves to the generic path (a plain
+    ``nn.MultiheadAttention`` is unpacked into fused Linears, bpclip_fast/layers/attention.py)."""
+
+
+class UserConv1d(nn.Conv1d):
+    """The user's own Conv1d: a subclass, which the registry leaves to the generic path (nn.Conv1d
+    itself has a fused layer, bpclip_fast/layers/conv1d.py), so torch's Conv1d computation keeps
+    exercising the generic path."""
+
+
 class UserLSTM(nn.LSTM):
-    """The user's own LSTM: a subclass, which the registry does not convert to the fused
-    ``bpclip_fast.nn.LSTM`` (bpclip_fast/layers/recurrent.py registers the exact torch type), so
-    torch's LSTM keeps exercising the generic path."""
+    """The user's own LSTM: a subclass, which the registry leaves to the generic path (a plain
+    ``nn.LSTM`` is unpacked into fused Linears, bpclip_fast/layers/recurrent.py), so torch's LSTM
+    keeps exercising the generic path."""
 
 
-TORCH_TYPE = {"custom": Affine, "conv1d": nn.Conv1d, "rmsnorm": UserRMSNorm, "lstm": UserLSTM,
-              "mha": nn.MultiheadAttention}
+TORCH_TYPE = {"custom": Affine, "conv1d": UserConv1d, "rmsnorm": UserRMSNorm, "lstm": UserLSTM,
+              "mha": UserMHA}
 
 
 def plain_unit(case: fb.Case) -> nn.Module:
@@ -84,7 +95,7 @@ def plain_unit(case: fb.Case) -> nn.Module:
     if k == "custom":
         unit = Affine(case.shape[-1], dtype=F64)
     elif k == "conv1d":
-        unit = nn.Conv1d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
+        unit = UserConv1d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
                          dilation=g["dilation"], groups=g["groups"], bias=case.bias, dtype=F64)
     elif k == "rmsnorm":
         unit = UserRMSNorm(g["normalized"], eps=g["eps"], dtype=F64)
@@ -92,8 +103,7 @@ def plain_unit(case: fb.Case) -> nn.Module:
         unit = UserLSTM(case.shape[-1], g["hidden"], num_layers=g["layers"], bias=case.bias,
                        batch_first=g["batch_first"], bidirectional=g["bidirectional"], dtype=F64)
     else:
-        unit = nn.MultiheadAttention(case.shape[-1], g["heads"], bias=case.bias, batch_first=g["batch_first"],
-                                     dtype=F64)
+        unit = UserMHA(case.shape[-1], g["heads"], bias=case.bias, batch_first=g["batch_first"], dtype=F64)
     gen = torch.Generator().manual_seed(case.seed + 1)
     with torch.no_grad():
         for p in unit.parameters():

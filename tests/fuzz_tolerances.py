@@ -38,8 +38,11 @@ def gamma(k: float, u: float) -> float:
 
 def positions(case: Case, plain: nn.Module, x: torch.Tensor) -> int:
     """T, the most products one parameter entry sums per example (its positions)."""
-    if case.kind == "linear":
+    if case.kind in ("linear", "hf_conv1d"):
         return max(1, math.prod(case.shape[:-1]))
+    if case.kind == "conv1d":
+        with torch.no_grad():
+            return copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64)).shape[-1]
     if case.kind == "conv":
         with torch.no_grad():
             out = copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64))
@@ -48,7 +51,7 @@ def positions(case: Case, plain: nn.Module, x: torch.Tensor) -> int:
         return max(1, math.prod(case.shape[:len(case.shape) - len(case.geometry["normalized"])]))
     if case.kind == "group_norm" or case.kind.startswith("instance_norm"):
         return max(1, math.prod(case.shape[1:]))
-    if case.kind == "embedding":
+    if case.kind in ("embedding", "embedding_bag"):
         return max(1, math.prod(case.shape))
     return 1
 
@@ -62,7 +65,7 @@ def release_error(case: Case, st: Stored, rows, T: int) -> float:
         return 0.0
     n = len(rows)
     ua = acc_unit(case.dtype)
-    if st.kept or case.kind not in ("linear", "conv") and case.mode != "backprop":
+    if st.kept or case.kind not in ("linear", "conv", "conv1d", "hf_conv1d") and case.mode != "backprop":
         count = n + 2  # a GEMV / index_add over the examples of already-formed per-example values
     else:
         count = n * T + 2
@@ -246,6 +249,14 @@ def example_error(case: Case, x: torch.Tensor, g: torch.Tensor, gtrue: torch.Ten
         T = max(1, math.prod(case.shape))
         gs = g.reshape(b, T, -1).norm(dim=2).sum(1)
         return gamma(T + 1, acc_unit(case.dtype)) * gs * (1 + UNIT[case.dtype]) + out_round
+    if case.kind == "embedding_bag":
+        # a row entry sums w_t·g_{i,d} over the bag's T entries (sum: w = 1, Σ|w| ≤ T; mean: w = 1/|bag|
+        # rounded, Σ|w| ≤ 1): the products, 1/|bag| and the sum are T + 2 roundings of u_acc, relative
+        # to Σ_t |w_t|·‖g_i‖; max writes g_i's entries as they are (no arithmetic)
+        T = max(1, math.prod(case.shape))
+        weight = {"sum": T, "mean": 1, "max": 0}[case.geometry["mode"]]
+        gs = weight * g.reshape(b, -1).norm(dim=1)
+        return gamma(T + 2, acc_unit(case.dtype)) * gs * (1 + UNIT[case.dtype]) + out_round
     return torch.zeros(b, dtype=F64)
 
 

@@ -95,13 +95,19 @@ def test_final_states_of_a_batch_first_rnn_are_clipped_per_example(kind, batch):
     assert torch.all((got - truth).abs() <= 1000 * EPS64 * float(scale.max()))
 
 
+
+class UserMHA(nn.MultiheadAttention):
+    """A user subclass, left to the generic path these tests are about (a plain nn.MultiheadAttention
+    is unpacked into fused Linears: tests/test_fused_attention.py)."""
+
+
 class WeightsOnly(nn.Module):
     """Sequence-first attention whose weights ``[B, T, S]`` alone reach the loss (the attention output
     ``[T, B, E]`` gets no gradient)."""
 
     def __init__(self, T):
         super().__init__()
-        self.attn = nn.MultiheadAttention(4, 2)
+        self.attn = UserMHA(4, 2)
         self.head = nn.Linear(T, 3)
 
     def forward(self, x):

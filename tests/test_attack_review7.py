@@ -84,13 +84,19 @@ def test_an_overflowing_hidden_state_drops_only_its_own_example():
     assert torch.all((a - b).abs() <= 1000 * EPS64 * 0.05 * B)
 
 
+
+class UserMHA(nn.MultiheadAttention):
+    """A user subclass, left to the generic path these tests are about (a plain nn.MultiheadAttention
+    is unpacked into fused Linears: tests/test_fused_attention.py)."""
+
+
 class Padded(nn.Module):
     """Self-attention over padded sequences; an empty sequence (all padding) gives NaN rows, which
     the model zeroes, as padded models do."""
 
     def __init__(self):
         super().__init__()
-        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.attn = UserMHA(4, 2, batch_first=True)
         self.head = nn.Linear(4, 2)
 
     def forward(self, x, pad):
@@ -161,7 +167,7 @@ class Masked(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.attn = UserMHA(4, 2, batch_first=True)
         self.head = nn.Linear(4, 2)
 
     def forward(self, x, bias):

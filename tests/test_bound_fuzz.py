@@ -97,6 +97,16 @@ def geometries(draw, kind):
         hw = tuple(max(1, d * (k - 1) + 1 - 2 * p) + draw(ints(0, 5)) for k, p, d in zip(kernel, padding, dilation))
         return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
                     groups=groups), (cin, *hw)
+    if kind == "conv1d":
+        groups = draw(ints(1, 3))
+        cin, cout = groups * draw(ints(1, 3)), groups * draw(ints(1, 3))
+        kernel, stride, padding, dilation = draw(ints(1, 4)), draw(ints(1, 3)), draw(ints(0, 2)), draw(ints(1, 2))
+        length = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + draw(ints(0, 9))
+        return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+                    groups=groups), (cin, length)
+    if kind == "hf_conv1d":
+        fin, fout = draw(ints(1, 6)), draw(ints(1, 5))
+        return dict(fin=fin, fout=fout), (*draw(st.sampled_from(LINEAR_POSITIONS)), fin)
     if kind == "layer_norm":
         normalized = draw(st.sampled_from(((1,), (2,), (5,), (8,), (2, 3))))
         lead = draw(st.sampled_from(((), (1,), (3,), (2, 2), (16,))))
@@ -123,6 +133,11 @@ def geometries(draw, kind):
         padding_idx = draw(st.one_of(st.none(), ints(0, vocab - 1)))
         pos = draw(st.sampled_from(((1,), (3,), (2, 3), (16,))))
         return dict(vocab=vocab, dim=dim, padding_idx=padding_idx), pos
+    if kind == "embedding_bag":  # 2-D [B, T] input: one bag of T entries per example
+        vocab, dim = draw(ints(2, 8)), draw(ints(1, 5))
+        padding_idx = draw(st.one_of(st.none(), ints(0, vocab - 1)))
+        mode = draw(st.sampled_from(("sum", "mean", "max")))
+        return dict(vocab=vocab, dim=dim, padding_idx=padding_idx, mode=mode), draw(st.sampled_from(((1,), (3,), (16,))))
     if kind == "positional":
         return {}, draw(st.sampled_from(((1,), (4,), (3, 2), (2, 2, 3))))
     dim, tokens, t = draw(ints(1, 5)), draw(ints(1, 3)), draw(ints(1, 4))
@@ -136,9 +151,9 @@ def cases(draw, kinds, modes):
     geometry, shape = draw(geometries(kind))
     batch = draw(st.integers(1, 5))
     values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
-    exact_conv_linear = kind in ("linear", "conv") and mode != "backprop"
-    bias = (draw(st.booleans()) if kind in ("linear", "conv", "layer_norm") or kind.startswith("instance_norm")
-            else kind == "group_norm")
+    exact_conv_linear = kind in fb.GEMM_KINDS and mode != "backprop"
+    bias = (draw(st.booleans()) if kind in ("linear", "conv", "conv1d", "layer_norm") or kind.startswith("instance_norm")
+            else kind in ("group_norm", "hf_conv1d"))
     dtype = draw(st.sampled_from(fb.DTYPES))
     if (kind == "group_norm" or kind.startswith("instance_norm")) and dtype == torch.float16:
         dtype = torch.bfloat16  # torch has no fp16 GroupNorm on the CPU
@@ -165,6 +180,15 @@ def test_exact_linear_and_conv2d(case):
     fb.check(case)
 
 
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
+@_with_seed
+@given(cases(tuple(k for k in ("conv1d", "hf_conv1d") if k in fb.KINDS), ("flat", "per_layer"))
+       .filter(lambda c: not known_broken(c)))
+def test_exact_conv1d_and_hf_conv1d(case):
+    """nn.Conv1d through the Conv2d kernels (height 1), HF's Conv1D through the Linear ones (issue 26)."""
+    fb.check(case)
+
+
 @FUZZ
 @_with_seed
 @given(cases(("linear", "conv"), ("backprop",)).filter(lambda c: not known_broken(c)))
@@ -175,14 +199,15 @@ def test_backprop_linear_and_conv2d(case):
 @FUZZ
 @_with_seed
 @given(cases(("layer_norm", "group_norm", "rms_norm", "instance_norm1d", "instance_norm2d", "instance_norm3d",
-              "embedding", "positional", "class_token"), ("flat", "per_layer"))
+              "embedding", "positional", "class_token",
+              "embedding_bag"), ("flat", "per_layer"))
        .filter(lambda c: not known_broken(c)))
 def test_instantiating_layers(case):
     fb.check(case)
 
 
-# The fused recurrent layers (tests/fuzz_recurrent.py): a case runs B + 1 forward/backward passes of
-# small recurrences; budget as the generic units'.
+# The fused recurrent layers (tests/fuzz_recurrent.py; a registry.Composite unpacked into Linears): a
+# case runs B + 1 forward/backward passes of small recurrences; budget as the generic units'.
 @st.composite
 def recurrent_cases(draw, kinds=fr.KINDS):
     kind = draw(st.sampled_from(kinds))
@@ -194,7 +219,7 @@ def recurrent_cases(draw, kinds=fr.KINDS):
     batch = draw(ints(1, 5))
     values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
     return fb.Case(
-        kind=kind, mode=draw(st.sampled_from(fb.modes_of(kind))), dtype=draw(st.sampled_from(fb.DTYPES)),
+        kind=kind, mode=draw(st.sampled_from(("flat", "per_layer"))), dtype=draw(st.sampled_from(fb.DTYPES)),
         clip_fn=draw(st.sampled_from(("clip", "global", "normalize"))), bias=draw(st.booleans()),
         geometry=geometry, shape=(draw(ints(1, 4)), draw(ints(1, 3))), batch=batch,
         values_x=draw(values), values_g=draw(values), seed=draw(st.integers(0, 2 ** 16)),
@@ -280,8 +305,8 @@ def test_every_generic_kind_mode_and_dtype_is_drawn():
     """Each generic kind is a module the registry has no fused layer for (so conversion makes it a
     generic unit), and the strategy draws it in both exact modes, every dtype, and (recurrent and
     attention units) sequence-first with every output fed."""
-    instances = {"custom": fg.Affine(2), "conv1d": torch.nn.Conv1d(1, 1, 1), "rmsnorm": fg.UserRMSNorm(2),
-                 "lstm": fg.UserLSTM(1, 1), "mha": torch.nn.MultiheadAttention(2, 1)}
+    instances = {"custom": fg.Affine(2), "conv1d": fg.UserConv1d(1, 1, 1), "rmsnorm": fg.UserRMSNorm(2),
+                 "lstm": fg.UserLSTM(1, 1), "mha": fg.UserMHA(2, 1)}
     assert set(instances) == set(fg.KINDS) and {type(m) for m in instances.values()} == set(fg.TORCH_TYPE.values())
     for kind, m in instances.items():
         assert registry.generic_candidate(m), kind

@@ -157,13 +157,26 @@ def test_norms_cover_only_the_parameters_that_train(case, params):
 RZ_UNIT = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -23, torch.bfloat16: 2.0 ** -23}
 
 
+def _linear_like(layer):
+    """A Linear, or Hugging Face's Conv1D (a Linear with the weight transposed; nf/nx its widths)."""
+    return isinstance(layer, nn.Linear) or hasattr(layer, "nf")
+
+
+def _unfold(layer, x, g):
+    """``(patches, g)`` of a Conv2d, or of an nn.Conv1d as the Conv2d of height 1 the fused layer runs."""
+    if isinstance(layer, nn.Conv1d):
+        return F.unfold(x.unsqueeze(2), (1, *layer.kernel_size), (1, *layer.dilation), (0, *layer.padding),
+                        (1, *layer.stride)), g.unsqueeze(2)
+    return F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride), g
+
+
 def spread(layer, x, g):
     """P = Σ_t ‖g_t‖·‖[x_t; 1]‖ per example (x_t: the input row or the patch of t's channel group)."""
-    if isinstance(layer, nn.Linear):
+    if _linear_like(layer):
         xs, gs = x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
         return (gs.norm(dim=2) * (xs.pow(2).sum(2) + 1).sqrt()).sum(1)
     groups = layer.groups
-    u = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+    u, g = _unfold(layer, x, g)
     u = u.reshape(x.shape[0], groups, -1, u.shape[-1])
     gg = g.reshape(g.shape[0], groups, -1, g.shape[-2] * g.shape[-1])
     return (gg.norm(dim=2) * (u.pow(2).sum(2) + 1).sqrt()).sum((1, 2))
@@ -172,11 +185,11 @@ def spread(layer, x, g):
 def position_norms64(layer, x, g):
     """``(‖x_t‖, ‖g_t‖)`` per example and position ``[n, positions]`` (channel groups flattened into the
     positions), the positions of :func:`spread`; in the inputs' dtype (pass float64)."""
-    if isinstance(layer, nn.Linear):
+    if _linear_like(layer):
         return (x.reshape(x.shape[0], -1, x.shape[-1]).norm(dim=2),
                 g.reshape(g.shape[0], -1, g.shape[-1]).norm(dim=2))
     groups = layer.groups
-    u = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+    u, g = _unfold(layer, x, g)
     xn = u.reshape(x.shape[0], groups, -1, u.shape[-1]).norm(dim=2).flatten(1)
     gn = g.reshape(g.shape[0], groups, -1, g.shape[-2] * g.shape[-1]).norm(dim=2).flatten(1)
     return xn, gn
@@ -185,12 +198,12 @@ def position_norms64(layer, x, g):
 def position_sums(layer, x, g):
     """``(M, A1, B1)`` per example: ``Σ_t ‖x_t‖‖g_t‖``, ``Σ_t ‖x_t‖``, ``Σ_t ‖g_t‖`` over the positions of
     :func:`spread` (weight rows only, no bias 1): what csrc/exact.cpp's underflow terms are built from."""
-    if isinstance(layer, nn.Linear):
+    if _linear_like(layer):
         xn = x.reshape(x.shape[0], -1, x.shape[-1]).norm(dim=2)
         gn = g.reshape(g.shape[0], -1, g.shape[-1]).norm(dim=2)
         return (xn * gn).sum(1), xn.sum(1), gn.sum(1)
     groups = layer.groups
-    u = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+    u, g = _unfold(layer, x, g)
     xn = u.reshape(x.shape[0], groups, -1, u.shape[-1]).norm(dim=2)
     gn = g.reshape(g.shape[0], groups, -1, g.shape[-2] * g.shape[-1]).norm(dim=2)
     return (xn * gn).sum((1, 2)), xn.sum((1, 2)), gn.sum((1, 2))

@@ -61,11 +61,12 @@ def _data(kind, n, dtype, seed=1, contiguous=True):
 
 
 def _eps64(norm, dtype):
-    """The float64 truth computes the same function: RMSNorm's eps=None means the eps of the data's
-    dtype (the model's), not float64's."""
+    """The float64 truth computes the same function: RMSNorm's eps=None means the eps of the dtype
+    torch computes in for the data's dtype (float32 for fp16/bf16 data, the dtype itself otherwise:
+    tests/test_attack_review9.py), not float64's."""
     ref = copy.deepcopy(norm).double()
     if isinstance(ref, nn.RMSNorm) and ref.eps is None:
-        ref.eps = torch.finfo(dtype).eps
+        ref.eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
     return ref
 
 

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import bpclip_fast.nn as bnn
 from bpclip_fast import PrivacyEngine, registry
+from bpclip_fast.layers import recurrent
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -147,7 +148,7 @@ def test_release_equals_the_clipped_sum_of_float64_example_gradients(kind, confi
             want[k] = (f.view(-1, *[1] * (per_ex[k].dim() - 1)) * per_ex[k]).sum(0)
 
     model = bnn.convert_model(copy.deepcopy(module), clipping=mode, max_grad_norm=cuts[0] if mode == "flat" else cuts)
-    assert type(model) is registry.layer_type(module).clipped_type
+    assert isinstance(model, recurrent._Recurrent) and isinstance(model, type(module))
     assert all(getattr(m, "noise_multiplier", 0.0) == 0 for m in model.modules())
     _loss(_call(model, x, hx), g_out, g_state).backward()
     got = {k: p.grad.double() for k, p in model.state_dict(keep_vars=True).items()}
@@ -247,7 +248,7 @@ def test_state_dict_is_torchs_and_loads_both_ways():
     params = [p for p in module.parameters()]
     keys = list(module.state_dict())
     model = bnn.convert_model(nn.Sequential(copy.deepcopy(module)), clipping="flat", max_grad_norm=1.0)
-    assert isinstance(model[0], bnn.LSTM)
+    assert isinstance(model[0], recurrent.LSTM)
     assert list(model.state_dict()) == ["0." + k for k in keys]
     plain = nn.Sequential(make("lstm", (2, True, False, False), seed=9))
     plain.load_state_dict(model.state_dict())
@@ -332,7 +333,7 @@ def test_make_private_trains_fused_recurrent_layers(mode):
     model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt,
                                                       data_loader=DataLoader(data, batch_size=16),
                                                       noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)
-    assert isinstance(model.rnn, bnn.LSTM) and isinstance(model.gru, bnn.GRU)
+    assert isinstance(model.rnn, recurrent.LSTM) and isinstance(model.gru, recurrent.GRU)
     assert [n for n, _ in bnn.clipped_layers(model)][1:5] == ["rnn.ih_l0", "rnn.hh_l0", "rnn.ih_l0_reverse",
                                                             "rnn.hh_l0_reverse"]
     for x, y in loader:
@@ -411,7 +412,7 @@ def test_an_overflowing_cell_state_drops_only_its_own_example(mode):
     def run(keep):
         m = copy.deepcopy(base)
         bnn.convert_model(m, clipping=mode, max_grad_norm=C)
-        assert isinstance(m.rnn, bnn.LSTM)
+        assert isinstance(m.rnn, recurrent.LSTM)
         nn.functional.cross_entropy(m(x[keep], z[keep]), y[keep], reduction="sum").backward()
         counts = sum(int(layer._nonfinite.sum()) for _, layer in bnn.clipped_layers(m))
         return torch.cat([p.grad.flatten() for p in m.rnn.parameters()]), counts
@@ -421,3 +422,45 @@ def test_an_overflowing_cell_state_drops_only_its_own_example(mode):
     assert bool(torch.isfinite(a).all()) and float(b.norm()) > 0
     assert torch.all((a - b).abs() <= 64 * T * EPS64 * C * 4)
 
+
+
+def test_unpack_and_pack_are_inverse_and_the_probes_see_the_linears():
+    module = make("gru", (2, True, False, True))
+    params = list(module.parameters())
+    keys = list(module.state_dict())
+    x = torch.randn(T, 2, D_IN, dtype=F64)
+    with torch.no_grad():
+        want = module(x)[0]
+    recurrent.unpack(module)
+    assert isinstance(module, nn.GRU) and [n for n, _ in module.named_children()][:2] == ["ih_l0", "hh_l0"]
+    assert list(module.state_dict()) == keys and module.weight_ih_l1_reverse is params[keys.index("weight_ih_l1_reverse")]
+    with torch.no_grad():
+        torch.testing.assert_close(module(x)[0], want, rtol=0, atol=tolerance_stages("gru", module, F64))
+    recurrent.pack(module)
+    assert type(module) is nn.GRU and list(dict(module.named_parameters())) == keys
+    assert [id(p) for p in module.parameters()] == [id(p) for p in params]
+    with torch.no_grad():
+        assert torch.equal(module(x)[0], want)
+    # not unpacked: the generic path keeps them
+    assert "proj_size" in recurrent.not_fused(nn.LSTM(2, 3, proj_size=2))
+    assert "subclass" in recurrent.not_fused(type("UserRNN", (nn.RNN,), {})(2, 3))
+
+
+def test_the_ownership_probe_reports_a_recurrent_weight_used_elsewhere():
+    """A weight of the recurrent layer also used in plain code would be released unclipped; the probes
+    unpack the layer as convert_model does, so probe 4 recomputes each Linear's gradient and sees it."""
+    from bpclip_fast import validate
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 3, batch_first=True)
+
+        def forward(self, x):
+            h = self.rnn(x)[0]
+            return h + nn.functional.linear(x, self.rnn.weight_ih_l0[:3])
+
+    x = torch.randn(4, 5, 3)
+    assert not validate.dynamic_problems(nn.Sequential(nn.GRU(3, 3, batch_first=True)), x, clipping="flat")
+    problems = validate.dynamic_problems(Tied(), x, clipping="flat")
+    assert any("rnn.ih_l0" in p and "gradient ownership" in p for p in problems), problems

@@ -52,6 +52,22 @@ class UserRNN(nn.RNN):
     __doc__ = UserLSTM.__doc__
 
 
+class UserMHA(nn.MultiheadAttention):
+    """A user subclass: left to the generic path (a plain nn.MultiheadAttention is fused, layers/attention.py)."""
+
+
+def _generic_encoder(d):
+    """An encoder layer whose attention is a UserMHA, so the generic path trains it (with torch's
+    attention the layer is fused: tests/test_fused_attention.py)."""
+    layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True)
+    layer.self_attn = UserMHA(d, 2, batch_first=True)
+    return layer
+
+
+class UserConv1d(nn.Conv1d):
+    """nn.Conv1d has a fused layer (bpclip_fast/layers/conv1d.py); a subclass stays generic."""
+
+
 class Net(nn.Module):
     """``[B, T, 4]`` -> 3 classes through one module of ``kind``."""
 
@@ -64,10 +80,10 @@ class Net(nn.Module):
             "lstm_seq_first": lambda: UserLSTM(d, 6),
             "gru": lambda: UserGRU(d, 6, batch_first=True),
             "rnn": lambda: UserRNN(d, 6, batch_first=True),
-            "mha": lambda: nn.MultiheadAttention(d, 2, batch_first=True, dropout=dropout),
-            "mha_seq_first": lambda: nn.MultiheadAttention(d, 2),
-            "encoder": lambda: nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True),
-            "conv1d": lambda: nn.Conv1d(d, 5, 3, padding=1),
+            "mha": lambda: UserMHA(d, 2, batch_first=True, dropout=dropout),
+            "mha_seq_first": lambda: UserMHA(d, 2),
+            "encoder": lambda: _generic_encoder(d),
+            "conv1d": lambda: UserConv1d(d, 5, 3, padding=1),
             "conv3d": lambda: nn.Conv3d(1, 2, 2),
             "rmsnorm": lambda: UserRMSNorm(d),
             "instancenorm": lambda: UserInstanceNorm1d(d, affine=True),
@@ -284,7 +300,7 @@ def test_make_private_trains_recurrent_and_attention_models(mode):
             super().__init__()
             self.inp = nn.Linear(4, 8)
             self.rnn = UserLSTM(8, 8, batch_first=True)
-            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.attn = UserMHA(8, 2, batch_first=True)
             self.norm = UserRMSNorm(8)
             self.head = nn.Linear(8, 3)
 

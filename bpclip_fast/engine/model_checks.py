@@ -61,6 +61,7 @@ def optimizer_problems(inner, optimizer) -> list[str]:
     owned = {id(p) for m in inner.modules() if registry.clipped_by_conversion(m)
              for p in m.parameters(recurse=False) if p.requires_grad}
     owned |= {id(p) for _, u in registry.generic_units(inner) for p in u.parameters() if p.requires_grad}
+    owned |= {id(p) for _, c, _ in registry.composites(inner) for p in c.parameters() if p.requires_grad}
     return problems + [f"{name}: frozen, but holds a gradient from earlier training, which an optimizer would "
                        "apply without clipping or noise; clear it first (model.zero_grad())"
                        for name, p in inner.named_parameters() if id(p) not in owned and p.grad is not None]

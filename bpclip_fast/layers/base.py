@@ -49,6 +49,8 @@ class _Clipped:
     ``self._step``, a :class:`bpclip_fast.boundary.LayerStep` (``None`` until armed).
     """
 
+    _weight_layout = None  # exact.TRANSPOSED / HEIGHT_ONE: the weight is not in the Linear/Conv2d ops' layout
+
     def _init_clipping(self, input_clip, grad_clip, clip_fn, gamma, clipping="backprop", max_grad_norm=None,
                        norm_method="auto"):
         kind = type(self).__name__

@@ -20,6 +20,15 @@ from .. import examples, modes, registry
 from .base import _ExampleLayer, _exact_kwargs, _sqrt_numel
 
 
+def _normalized_input(layer, x):
+    """``x`` if it is ``[B, *, *normalized_shape]`` (LayerNorm, RMSNorm), else a clear error."""
+    k = len(layer.normalized_shape)
+    if x.dim() <= k or tuple(x.shape[-k:]) != tuple(layer.normalized_shape):
+        raise ValueError(f"{layer.layer_name}: the input must be [B, *, {', '.join(map(str, layer.normalized_shape))}] "
+                         f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
+    return x
+
+
 class LayerNorm(_ExampleLayer, nn.LayerNorm):
     """``nn.LayerNorm`` (affine) under exact per-example clipping (``flat``/``per_layer``). Example
     ``i``'s gradients are ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t`` over its positions ``t``."""
@@ -31,12 +40,7 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        x = super()._check_input(x)
-        k = len(self.normalized_shape)
-        if x.dim() <= k or tuple(x.shape[-k:]) != tuple(self.normalized_shape):
-            raise ValueError(f"{self.layer_name}: the input must be [B, *, {', '.join(map(str, self.normalized_shape))}] "
-                             f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
-        return x
+        return _normalized_input(self, super()._check_input(x))
 
     def _forward(self, x, weight, bias, keep):
         if not keep:
@@ -83,8 +87,9 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
 class RMSNorm(_ExampleLayer, nn.RMSNorm):
     """``nn.RMSNorm`` (affine) under exact per-example clipping. Example ``i``'s weight gradient is
     ``Σ_t g_t ⊙ x̂_t``, ``x̂ = x·rstd``, ``rstd = 1/√(mean(x²) + eps)`` over the normalized shape of
-    each position ``t`` (``eps=None``: ``torch.finfo(x.dtype).eps``, as torch): LayerNorm's kernel
-    with mean 0, on the ``rstd`` the forward's ``_fused_rms_norm`` returned."""
+    each position ``t`` (``eps=None``: as torch, the eps of the dtype it computes in, float32's for
+    fp16/bf16 ``x``, not ``finfo(x.dtype).eps``): LayerNorm's kernel with mean 0, on the ``rstd`` the
+    forward's ``_fused_rms_norm`` returned."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, *, clipping="backprop",
                  max_grad_norm=None, clip_fn="clip", gamma=0.01, device=None, dtype=None):
@@ -93,12 +98,7 @@ class RMSNorm(_ExampleLayer, nn.RMSNorm):
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
     def _check_input(self, x):
-        x = super()._check_input(x)
-        k = len(self.normalized_shape)
-        if x.dim() <= k or tuple(x.shape[-k:]) != tuple(self.normalized_shape):
-            raise ValueError(f"{self.layer_name}: the input must be [B, *, {', '.join(map(str, self.normalized_shape))}] "
-                             f"(a batch dimension, then the normalized shape); got {tuple(x.shape)}")
-        return x
+        return _normalized_input(self, super()._check_input(x))
 
     def _forward(self, x, weight, bias, keep):
         if not keep:

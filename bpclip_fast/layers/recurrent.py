@@ -1,6 +1,10 @@
-"""Fused exact clipping for ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` (tanh, relu): single or multi-layer,
-bidirectional, ``batch_first`` either way, with or without ``h_0``/``c_0``, dropout between layers.
-Exact modes only (``flat``/``per_layer``).
+"""``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` (tanh, relu) under exact clipping (``flat``/``per_layer``) through
+the fused Linear path: single or multi-layer, bidirectional, ``batch_first`` either way, with or
+without ``h_0``/``c_0``, dropout between layers. No new clipped type and no new bound: a
+:class:`registry.Composite <bpclip_fast.registry.Composite>`, as ``nn.MultiheadAttention``
+(:mod:`bpclip_fast.layers.attention`): :func:`unpack` turns the torch module (in place, same object,
+same ``Parameter`` objects) into a subclass whose weights are plain ``nn.Linear`` children, which
+``convert_model`` then converts like every other Linear (and the probes see as Linears).
 
 Why a recurrent layer is a Linear over time steps
 -------------------------------------------------
@@ -34,15 +38,17 @@ Row ``i`` of both Linears' inputs and upstream gradients is example ``i``'s alon
 runs within each example; dropout between layers is elementwise), which is what their bound
 assumes. Each Linear runs once per forward on all rows (flat clipping's rule).
 
-Not fused (trained by the generic exact path, :mod:`bpclip_fast.generic`, as before): an LSTM
-with ``proj_size > 0`` (its ``weight_hr`` would need a third Linear over the recurrence's cell
-outputs, not done here), and modules whose weights are not plain parameters (a reparametrisation:
-the generic path differentiates whatever computes them). A ``PackedSequence`` or an unbatched
-``[T, d]`` input is refused at the forward (the clipped Linears need the examples in dimension 0).
+Not unpacked (:func:`not_fused`; trained by the generic exact path, :mod:`bpclip_fast.generic`, as
+before): an LSTM with ``proj_size > 0`` (its ``weight_hr`` would need a third Linear over the
+recurrence's cell outputs, not done here), a subclass (its forward may differ from torch's), and
+modules whose weights are not their own plain parameters (a reparametrisation: the generic path
+differentiates whatever computes them). A ``PackedSequence`` or an unbatched ``[T, d]`` input is
+refused at the forward (the Linears need the examples in dimension 0). ``clipping="backprop"``
+has no proved bound for a recurrent layer's parameters and refuses it (``registry.unbounded``).
 
-``per_layer``: every clipped Linear is one clipping unit (as in Opacus' DPLSTM, whose ``ih``/``hh``
-are separate layers); ``convert_model`` counts them among the model's layers (``C/√L``, or one
-``C_l`` per clipped Linear in ``named_modules`` order).
+``per_layer``: every Linear with a trainable parameter is one clipping unit (as in Opacus' DPLSTM,
+whose ``ih``/``hh`` are separate layers); ``convert_model`` counts them among the model's layers
+(``C/√L``, or one ``C_l`` per Linear in ``named_modules`` order). A frozen pair stays a plain Linear.
 """
 
 from __future__ import annotations
@@ -55,8 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .. import modes, registry
-from .linear import Linear
+from .. import registry
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _VF_FN = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
@@ -87,65 +92,17 @@ def _vf(mode, x, hx, params, has_bias, train_grad):
     return out, h
 
 
-class _Recurrent(nn.Module):
-    """A recurrent layer of clipped Linears (module docstring). ``mode`` as torch's ``RNNBase``."""
+class _Recurrent:
+    """The forward of an unpacked recurrent layer (module docstring), shared by :class:`LSTM`,
+    :class:`GRU` and :class:`RNN` (torch's own attributes: ``mode``, sizes, ``batch_first`` ...)."""
 
-    mode = ""
-    _torch_type: type = nn.Module
-
-    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
-                 bidirectional=False, *, clipping="backprop", max_grad_norm=None, clip_fn="clip", gamma=0.01,
-                 norm_method="auto", trainable=None, device=None, dtype=None):
-        super().__init__()
-        kind = type(self).__name__
-        if not modes.strategy(clipping, kind).exact:
-            raise ValueError(f"{kind}: clipping='backprop' has no proved bound for a recurrent layer's parameters; "
-                             "use clipping='flat' or 'per_layer' (exact per-example clipping: make_private(..., "
-                             f"clipping='flat')), or freeze the {kind} (requires_grad_(False))")
-        if not (isinstance(dropout, (int, float)) and 0 <= dropout <= 1):
-            raise ValueError(f"{kind}: dropout must be a number in [0, 1], got {dropout!r}")
-        self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
-        self.bias, self.batch_first, self.dropout = bool(bias), bool(batch_first), float(dropout)
-        self.bidirectional = bool(bidirectional)
-        self.proj_size = 0
-        self.clipping = clipping
-        gates = _GATES[self.mode] * self.hidden_size
-        names = self.unit_names()
-        # trainable: which (ih/hh) pairs own a trainable parameter (the converter's; all by default).
-        # A frozen pair is a plain nn.Linear: it has nothing to clip, and no threshold is spent on it.
-        trainable = [True] * len(names) if trainable is None else list(trainable)
-        thresholds = (list(max_grad_norm) if isinstance(max_grad_norm, (list, tuple))
-                      else [max_grad_norm] * sum(trainable))
-        if len(thresholds) != sum(trainable):
-            raise ValueError(f"{kind}: max_grad_norm has {len(thresholds)} thresholds for {sum(trainable)} clipped "
-                             "Linears (one per ih/hh of each layer and direction with a trainable parameter)")
-        it = iter(thresholds)
-        for name, train in zip(names, trainable):
-            layer = int(name.split("_l")[1].split("_")[0])
-            fan_in = (self.input_size if layer == 0 else self.hidden_size * self.directions) \
-                if name.startswith("ih") else self.hidden_size
-            if train:
-                lin = Linear(fan_in, gates, bias=self.bias, clipping=clipping, max_grad_norm=next(it),
-                             clip_fn=clip_fn, gamma=gamma, norm_method=norm_method, device=device, dtype=dtype)
-            else:
-                lin = nn.Linear(fan_in, gates, bias=self.bias, device=device, dtype=dtype)
-            self.add_module(name, lin)
-        if device != "meta":
-            self.reset_parameters()
-        clipped = [m for m in self.children() if isinstance(m, Linear)]
-        if clipped:  # as convert_model does over a model (it settles again over the whole model)
-            modes.strategy(clipping).settle(self, clipped, clipped[0].max_grad_norm, clip_fn, gamma)
-        self._register_state_dict_hook(_torch_state_dict)
-        self._register_load_state_dict_pre_hook(_from_torch_state_dict, with_module=True)
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"bpclip_fast {type(self).__name__}: build a torch nn.{type(self).__name__}; convert_model "
+                        "(make_private) unpacks it")
 
     @property
     def directions(self) -> int:
         return 2 if self.bidirectional else 1
-
-    def unit_names(self) -> list[str]:
-        """The children's names, in torch's parameter order (layer, direction, ih before hh)."""
-        return [f"{kind}_l{k}{sfx}" for k in range(self.num_layers)
-                for sfx in ([""] + (["_reverse"] if self.bidirectional else [])) for kind in ("ih", "hh")]
 
     def torch_names(self) -> list[str]:
         """torch's ``_flat_weights_names``: the state_dict keys of this layer."""
@@ -156,13 +113,6 @@ class _Recurrent(nn.Module):
                 if self.bias:
                     out += [f"bias_ih_l{k}{sfx}", f"bias_hh_l{k}{sfx}"]
         return out
-
-    def reset_parameters(self) -> None:
-        """torch's initialisation: every weight and bias uniform in ``±1/√hidden_size``."""
-        bound = 1.0 / math.sqrt(self.hidden_size) if self.hidden_size > 0 else 0
-        with torch.no_grad():
-            for p in self.parameters():
-                p.uniform_(-bound, bound)
 
     def __getattr__(self, name):
         # torch's names (lstm.weight_ih_l0 ...) read the parameter of the clipped Linear owning it
@@ -175,20 +125,9 @@ class _Recurrent(nn.Module):
                 return getattr(child, kind)
         return super().__getattr__(name)
 
-    def extra_repr(self):
-        s = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
-        if not self.bias:
-            s += ", bias=False"
-        if self.batch_first:
-            s += ", batch_first=True"
-        if self.dropout:
-            s += f", dropout={self.dropout:g}"
-        if self.bidirectional:
-            s += ", bidirectional=True"
-        return s + f", clipping={self.clipping!r}"
-
     def flatten_parameters(self) -> None:
-        """Nothing to do (torch's cuDNN weight buffer is not used: each step gets its weights as a list)."""
+        """Nothing to do: the weights are the Linears' (torch's would re-point their storage into one
+        cuDNN buffer); each forward passes them as a list."""
 
     # ------------------------------------------------------------------ forward
     def forward(self, input, hx=None):
@@ -211,7 +150,7 @@ class _Recurrent(nn.Module):
         return self._forward(input, hx, kind)
 
     def _forward(self, input, hx, kind):
-        weight = self.ih_l0.weight
+        weight = self._modules["ih_l0"].weight
         if input.device != weight.device or input.dtype != weight.dtype:  # before torch's kernels raise less clearly
             raise TypeError(f"{kind}: the input is {input.dtype} on {input.device} but the layer's parameters are "
                             f"{weight.dtype} on {weight.device}; move or cast one of them (x.to(...), model.to(...))")
@@ -235,8 +174,8 @@ class _Recurrent(nn.Module):
             for d, sfx in enumerate([""] + (["_reverse"] if self.bidirectional else [])):
                 j = k * D + d
                 state = h0[j] if self.mode != "LSTM" else (h0[j], c0[j])
-                out, last = self._direction(x, state, getattr(self, f"ih_l{k}{sfx}"),
-                                            getattr(self, f"hh_l{k}{sfx}"), d == 1)
+                out, last = self._direction(x, state, self._modules[f"ih_l{k}{sfx}"],
+                                            self._modules[f"hh_l{k}{sfx}"], d == 1)
                 outs.append(out)
                 if self.mode == "LSTM":
                     hs.append(last[0][0])
@@ -285,32 +224,16 @@ class _Recurrent(nn.Module):
         return (out.flip(1) if reverse else out), last
 
 
-class LSTM(_Recurrent):
-    __doc__ = _Recurrent.__doc__
-    mode = "LSTM"
-
-
-class GRU(_Recurrent):
-    __doc__ = _Recurrent.__doc__
-    mode = "GRU"
-
-
-class RNN(_Recurrent):
+class LSTM(_Recurrent, nn.LSTM):
     __doc__ = _Recurrent.__doc__
 
-    def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True, batch_first=False,
-                 dropout=0.0, bidirectional=False, **kw):
-        if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"RNN: unknown nonlinearity {nonlinearity!r}; use 'tanh' or 'relu'")
-        self.nonlinearity = nonlinearity
-        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, **kw)
 
-    @property
-    def mode(self):
-        return "RNN_TANH" if self.nonlinearity == "tanh" else "RNN_RELU"
+class GRU(_Recurrent, nn.GRU):
+    __doc__ = _Recurrent.__doc__
 
-    def extra_repr(self):
-        return super().extra_repr() + f", nonlinearity={self.nonlinearity!r}"
+
+class RNN(_Recurrent, nn.RNN):
+    __doc__ = _Recurrent.__doc__
 
 
 # ------------------------------------------------------------------------------ state_dict: torch's keys
@@ -343,22 +266,28 @@ def _from_torch_state_dict(module, state_dict, prefix, local_metadata, strict, m
             state_dict[prefix + _internal(name)] = state_dict.pop(prefix + name)
 
 
-# ------------------------------------------------------------------------------ conversion and registration
+# ------------------------------------------------------------------------------ unpacking and registration
 
 
-_CLIPPED = {nn.LSTM: LSTM, nn.GRU: GRU, nn.RNN: RNN}
+_UNPACKED = {nn.LSTM: LSTM, nn.GRU: GRU, nn.RNN: RNN}
+_TORCH = {v: k for k, v in _UNPACKED.items()}
 
 
-def _fused(layer) -> bool:
-    """The configurations converted to the fused type; the others stay generic (module docstring):
-    ``proj_size`` (a third, recurrence-dependent projection) and weights that are not the module's own
-    plain parameters (a reparametrisation computes them)."""
-    if getattr(layer, "proj_size", 0):
-        return False
-    return all(isinstance(layer._parameters.get(n), nn.Parameter) for n in layer._flat_weights_names)
+def not_fused(module) -> str | None:
+    """Why ``module`` stays a generic unit (``None``: it is unpacked)."""
+    if type(module) not in _UNPACKED:
+        return "a subclass (its forward may differ from torch's)"
+    if getattr(module, "proj_size", 0):
+        return "proj_size > 0 (weight_hr projects the recurrence's own output: not a Linear over the inputs)"
+    if module._modules:
+        return "it has submodules (a parametrisation computes its weights)"
+    own = {n for n, p in module._parameters.items() if p is not None}
+    if own != set(module._flat_weights_names) or not all(isinstance(module._parameters[n], nn.Parameter) for n in own):
+        return "its weights are not its own plain parameters (a reparametrisation computes them)"
+    return None
 
 
-def _pairs(layer) -> list[tuple[str, str, str]]:
+def _pairs(layer) -> list[tuple[str, str, str | None]]:
     """``(child name, torch weight name, torch bias name or None)`` in torch's order."""
     out = []
     for k in range(layer.num_layers):
@@ -369,48 +298,45 @@ def _pairs(layer) -> list[tuple[str, str, str]]:
     return out
 
 
-def _trainable_pairs(layer) -> list[bool]:
-    return [any(p is not None and p.requires_grad for p in (getattr(layer, w), getattr(layer, b) if b else None))
-            for _, w, b in _pairs(layer)]
+def unpack(module):
+    """``module`` (a torch recurrent layer :func:`not_fused` accepts), in place, as our subclass: each
+    ``weight_ih_l{k}``/``bias_ih_l{k}`` (and ``hh``, ``_reverse``) moved into a child ``nn.Linear``
+    ``ih_l{k}`` (the same ``Parameter`` objects). :func:`pack` undoes it."""
+    reason = not_fused(module)
+    if reason is not None:
+        raise ValueError(f"{type(module).__name__}: not unpacked: {reason}")
+    for child, w, b in _pairs(module):
+        weight = module._parameters.pop(w)
+        bias = module._parameters.pop(b) if b else None
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+        lin.weight = weight
+        if bias is not None:
+            lin.bias = bias
+        lin.train(module.training)
+        module._modules[child] = lin
+    module.__class__ = _UNPACKED[type(module)]
+    module._bp_hooks = (module._register_state_dict_hook(_torch_state_dict),
+                        module._register_load_state_dict_pre_hook(_from_torch_state_dict, with_module=True))
+    return module
 
 
-def units(layer) -> int:
-    """The clipped Linears a conversion of ``layer`` makes (its per_layer clipping units)."""
-    return sum(_trainable_pairs(layer))
+def pack(module):
+    """Undoes :func:`unpack` (the probes' in-place fallback, bpclip_fast.validate)."""
+    if type(module) not in _TORCH or any(type(m) is not nn.Linear for m in module._modules.values()):
+        raise ValueError(f"{type(module).__name__}: only an unpacked, unconverted recurrent layer can be packed back")
+    for h in module.__dict__.pop("_bp_hooks"):
+        h.remove()
+    children = dict(module._modules)
+    module._modules.clear()
+    module.__class__ = _TORCH[type(module)]
+    for child, w, b in _pairs(module):
+        module._parameters[w] = children[child].weight
+        if b:
+            module._parameters[b] = children[child].bias
+    module._parameters = {n: module._parameters[n] for n in module._flat_weights_names}  # torch's order
+    module._init_flat_weights()
+    return module
 
 
-def _convert(layer, **clipping):
-    clipping.pop("norm", None)
-    clipping.pop("input_clip", None)
-    clipping.pop("grad_clip", None)
-    extra = dict(nonlinearity=layer.nonlinearity) if isinstance(layer, nn.RNN) else {}
-    new = _CLIPPED[type(layer)](layer.input_size, layer.hidden_size, num_layers=layer.num_layers, bias=layer.bias,
-                                batch_first=layer.batch_first, dropout=layer.dropout,
-                                bidirectional=layer.bidirectional, trainable=_trainable_pairs(layer), device="meta",
-                                dtype=layer.weight_ih_l0.dtype, **extra, **clipping)
-    for child, w, b in _pairs(layer):
-        lin = getattr(new, child)
-        # The same Parameter objects: an optimizer built before the conversion keeps working.
-        lin.weight = getattr(layer, w)
-        lin.bias = getattr(layer, b) if b else None
-        if hasattr(lin, "_nonfinite"):
-            lin._nonfinite = torch.zeros(2, dtype=torch.int64, device=lin.weight.device)
-    new.train(layer.training)
-    return new
-
-
-def _plain(layer, x, params):
-    """The torch type's output for ``params`` by torch's names (a clipped layer: its torch twin's)."""
-    if isinstance(layer, _Recurrent):
-        torch_type = next(t for t, c in _CLIPPED.items() if c is type(layer))
-        extra = dict(nonlinearity=layer.nonlinearity) if isinstance(layer, RNN) else {}
-        layer = torch_type(layer.input_size, layer.hidden_size, num_layers=layer.num_layers, bias=layer.bias,
-                           batch_first=layer.batch_first, dropout=layer.dropout, bidirectional=layer.bidirectional,
-                           device="meta", **extra).train(layer.training)
-    return torch.func.functional_call(layer, params, (x,))[0]
-
-
-for _torch_type, _clipped_type in _CLIPPED.items():
-    registry.register_layer(_torch_type, _clipped_type, convert=_convert, plain=_plain, modes=modes.EXACT,
-                            params=lambda layer: tuple(layer._flat_weights_names), fuses=_fused, units=units,
-                            composite=True)
+for _torch_type in _UNPACKED:
+    registry.register_composite(_torch_type, not_fused=not_fused, unpack=unpack, pack=pack)
