@@ -53,7 +53,6 @@ whose ``ih``/``hh`` are separate layers); ``convert_model`` counts them among th
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -83,12 +82,15 @@ class _Tie(torch.autograd.Function):
         return g, (g * m if ctx.has_m else g), None
 
 
-def _vf(mode, x, hx, params, has_bias, train_grad):
+def _vf(mode, x, hx, params, has_bias, train):
+    """One layer, one direction, batch-first, of torch's own recurrence kernel: ``(output, final state)``.
+    ``train``: the kernel keeps what its backward needs (cuDNN refuses a backward of an inference-mode
+    call); the dropout inside is 0 either way (ours is between the layers)."""
     fn = getattr(torch._VF, _VF_FN[mode])
     if mode == "LSTM":
-        out, h, c = fn(x, hx, params, has_bias, 1, 0.0, False, False, True)
+        out, h, c = fn(x, hx, params, has_bias, 1, 0.0, train, False, True)
         return out, (h, c)
-    out, h = fn(x, hx, params, has_bias, 1, 0.0, False, False, True)
+    out, h = fn(x, hx, params, has_bias, 1, 0.0, train, False, True)
     return out, h
 
 
