@@ -1,5 +1,5 @@
 """The bound fuzzer's cases for the fused recurrent layers (bpclip_fast/layers/recurrent.py, issue 26):
-``nn.LSTM``/``nn.GRU``/``nn.RNN`` converted to clipped ``ih``/``hh`` Linears over the time steps.
+``nn.LSTM``/``nn.GRU``/``nn.RNN`` unpacked into ``ih``/``hh`` Linears over the time steps and converted.
 
 A case is a :class:`fuzz_bounds.Case` whose ``kind`` is one of :data:`KINDS`; its geometry draws the
 hidden size, layers, direction, ``batch_first``, ``h_0`` given or not, the nonlinearity (RNN) and

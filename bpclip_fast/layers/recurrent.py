@@ -13,12 +13,13 @@ W_hh h_{t-1} + b_hh`` (GRU: the ``n`` block of the hidden part is multiplied by 
 ``δ_t = ∂L/∂a_t``, one example's gradients are ``∇W_ih = Σ_t δ_t x_tᵀ``, ``∇b_ih = Σ_t δ_t``,
 ``∇W_hh = Σ_t δ'_t h_{t-1}ᵀ``, ``∇b_hh = Σ_t δ'_t`` (``δ' = δ``, GRU: ``n`` block ``r_t ⊙ δ_n``): the
 gradients of a Linear applied at every position ``t`` of ``[B, T, ·]``, with upstream gradient ``δ``
-(``δ'``) and input ``x`` (``h_{t-1}``). So each layer/direction is two clipped
-:class:`~bpclip_fast.layers.linear.Linear` children, ``ih_l{k}[_reverse]`` and ``hh_l{k}[_reverse]``,
-each owning torch's ``Parameter`` objects (the same objects: an optimizer built before the
-conversion keeps working; ``state_dict`` keys are torch's, ``weight_ih_l0`` ..., by hooks). Their
-per-example norms, factors and release are the fused exact path's (``bpclip_fast.exact``), whose
-proof is the bound: nothing here clips or noises anything.
+(``δ'``) and input ``x`` (``h_{t-1}``). So each layer/direction is two Linear children,
+``ih_l{k}[_reverse]`` and ``hh_l{k}[_reverse]``, each owning torch's ``Parameter`` objects (the same
+objects: an optimizer built before the conversion keeps working; ``state_dict`` keys are torch's,
+``weight_ih_l0`` ..., in torch's order, by hooks; the attributes ``weight_ih_l0`` ... read the
+Linears' parameters). Once converted, their per-example norms, factors and release are the fused
+exact Linear path's (:mod:`bpclip_fast.exact`), whose proof is the bound: nothing here clips or
+noises anything.
 
 The forward, per layer and direction (``_direction``):
 
@@ -30,7 +31,7 @@ The forward, per layer and direction (``_direction``):
    (``m = 1``; GRU: ``r_t`` on the ``n`` block, from step 1's states). The gates' values are torch's
    (``U = X``), the gradients of ``x`` and ``h_0`` flow through both kernels' own backward (the
    detached ``W_hh`` still carries ``∂a_t/∂h_{t-1}``), and the parameters' gradients flow only
-   through the clipped Linears: ``ih`` receives ``δ`` at positions ``x_t``, ``hh`` receives ``δ'`` at
+   through the Linears: ``ih`` receives ``δ`` at positions ``x_t``, ``hh`` receives ``δ'`` at
    positions ``h_{t-1}`` — the sums above. The ``h_{t-1}`` of step 1 and of step 3 are one function
    of the same values, computed by the same kernel (rounding apart).
 
