@@ -79,7 +79,13 @@ class UserConv1d(nn.Conv1d):
     exercising the generic path."""
 
 
-TORCH_TYPE = {"custom": Affine, "conv1d": UserConv1d, "rmsnorm": UserRMSNorm, "lstm": nn.LSTM,
+class UserLSTM(nn.LSTM):
+    """The user's own LSTM: a subclass, which the registry leaves to the generic path (a plain
+    ``nn.LSTM`` is unpacked into fused Linears, bpclip_fast/layers/recurrent.py), so torch's LSTM
+    keeps exercising the generic path."""
+
+
+TORCH_TYPE = {"custom": Affine, "conv1d": UserConv1d, "rmsnorm": UserRMSNorm, "lstm": UserLSTM,
               "mha": UserMHA}
 
 
@@ -94,7 +100,7 @@ def plain_unit(case: fb.Case) -> nn.Module:
     elif k == "rmsnorm":
         unit = UserRMSNorm(g["normalized"], eps=g["eps"], dtype=F64)
     elif k == "lstm":
-        unit = nn.LSTM(case.shape[-1], g["hidden"], num_layers=g["layers"], bias=case.bias,
+        unit = UserLSTM(case.shape[-1], g["hidden"], num_layers=g["layers"], bias=case.bias,
                        batch_first=g["batch_first"], bidirectional=g["bidirectional"], dtype=F64)
     else:
         unit = UserMHA(case.shape[-1], g["heads"], bias=case.bias, batch_first=g["batch_first"], dtype=F64)

@@ -45,13 +45,23 @@ def _clipped_sum(G, C):
 # ------------------------------------------------------------------ 1. a recurrent layer's final states
 
 
+class UserLSTM(nn.LSTM):
+    """Subclasses keep these regression tests on the generic exact path (bpclip_fast/layers/recurrent.py
+    fuses the exact torch types; tests/test_fused_recurrent.py covers the fused path's final states,
+    PackedSequence and unbatched refusals)."""
+
+
+class UserGRU(nn.GRU):
+    __doc__ = UserLSTM.__doc__
+
+
 class LastState(nn.Module):
     """The usual recurrent classifier: the head reads the final hidden state ``h_n`` (and the LSTM's
     cell state ``c_n``), which are ``[layers·directions, B, H]`` also with ``batch_first=True``."""
 
     def __init__(self, kind, layers, bidirectional):
         super().__init__()
-        rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[kind]
+        rnn = {"lstm": UserLSTM, "gru": UserGRU}[kind]
         self.rnn = rnn(3, 4, num_layers=layers, bidirectional=bidirectional, batch_first=True)
         self.head = nn.Linear(4, 2)
 
@@ -131,7 +141,7 @@ def test_a_packed_sequence_into_a_unit_is_refused():
     """A PackedSequence's data is ``[Σ lengths, d]``, tokens of all examples interleaved: the mask
     along its dimension 0 clipped each token as an example (an example of T tokens moved the release
     by T·C). Refused, naming the module and the alternative."""
-    model = nn.GRU(3, 4, batch_first=True).double()
+    model = UserGRU(3, 4, batch_first=True).double()
     bnn.convert_model(model, clipping="per_layer", max_grad_norm=1.0)
     x = torch.randn(3, 5, 3, dtype=torch.float64)
     packed = pack_padded_sequence(x, torch.tensor([5, 2, 3]), batch_first=True, enforce_sorted=False)
@@ -139,7 +149,7 @@ def test_a_packed_sequence_into_a_unit_is_refused():
         model(packed)
 
 
-@pytest.mark.parametrize("make", [lambda: nn.GRU(3, 4), lambda: nn.MultiheadAttention(3, 1)])
+@pytest.mark.parametrize("make", [lambda: UserGRU(3, 4), lambda: nn.MultiheadAttention(3, 1)])
 def test_an_unbatched_input_to_a_unit_is_refused(make):
     """An unbatched ``[T, d]`` input: the batch dimension the path reads (dimension 1 of a sequence-first
     layer) is the features, so each feature would be clipped as an example."""

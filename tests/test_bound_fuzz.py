@@ -35,6 +35,7 @@ from bpclip_fast import registry
 
 import fuzz_bounds as fb
 import fuzz_generic as fg
+import fuzz_recurrent as fr
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -205,6 +206,33 @@ def test_instantiating_layers(case):
     fb.check(case)
 
 
+# The fused recurrent layers (tests/fuzz_recurrent.py; a registry.Composite unpacked into Linears): a
+# case runs B + 1 forward/backward passes of small recurrences; budget as the generic units'.
+@st.composite
+def recurrent_cases(draw, kinds=fr.KINDS):
+    kind = draw(st.sampled_from(kinds))
+    ints = st.integers
+    geometry = dict(hidden=draw(ints(1, 3)), layers=draw(ints(1, 2)), bidirectional=draw(st.booleans()),
+                    batch_first=draw(st.booleans()), h0=draw(st.booleans()),
+                    outputs=draw(st.sampled_from(("first", "all"))),
+                    nonlinearity=draw(st.sampled_from(("tanh", "relu"))) if kind == "rnn" else None)
+    batch = draw(ints(1, 5))
+    values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
+    return fb.Case(
+        kind=kind, mode=draw(st.sampled_from(("flat", "per_layer"))), dtype=draw(st.sampled_from(fb.DTYPES)),
+        clip_fn=draw(st.sampled_from(("clip", "global", "normalize"))), bias=draw(st.booleans()),
+        geometry=geometry, shape=(draw(ints(1, 4)), draw(ints(1, 3))), batch=batch,
+        values_x=draw(values), values_g=draw(values), seed=draw(st.integers(0, 2 ** 16)),
+        bound=draw(st.sampled_from(BOUNDS)), gamma=draw(st.sampled_from(GAMMAS)))
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 5))
+@_with_seed
+@given(recurrent_cases().filter(lambda c: not known_broken(c)))
+def test_recurrent_layers(case):
+    fr.check(case)
+
+
 def test_every_registered_layer_type_and_mode_is_drawn():
     """A layer type registered later must be given a builder here, or this fails."""
     registered = {t: e.modes for t, e in registry._LAYERS.items()}  # noqa: SLF001 (the registry's one table)
@@ -278,7 +306,7 @@ def test_every_generic_kind_mode_and_dtype_is_drawn():
     generic unit), and the strategy draws it in both exact modes, every dtype, and (recurrent and
     attention units) sequence-first with every output fed."""
     instances = {"custom": fg.Affine(2), "conv1d": fg.UserConv1d(1, 1, 1), "rmsnorm": fg.UserRMSNorm(2),
-                 "lstm": torch.nn.LSTM(1, 1), "mha": fg.UserMHA(2, 1)}
+                 "lstm": fg.UserLSTM(1, 1), "mha": fg.UserMHA(2, 1)}
     assert set(instances) == set(fg.KINDS) and {type(m) for m in instances.values()} == set(fg.TORCH_TYPE.values())
     for kind, m in instances.items():
         assert registry.generic_candidate(m), kind

@@ -40,6 +40,18 @@ class UserInstanceNorm1d(nn.InstanceNorm1d):
     __doc__ = UserRMSNorm.__doc__
 
 
+class UserLSTM(nn.LSTM):
+    """As UserRMSNorm: bpclip_fast/layers/recurrent.py fuses the exact torch recurrent types."""
+
+
+class UserGRU(nn.GRU):
+    __doc__ = UserLSTM.__doc__
+
+
+class UserRNN(nn.RNN):
+    __doc__ = UserLSTM.__doc__
+
+
 class UserMHA(nn.MultiheadAttention):
     """A user subclass: left to the generic path (a plain nn.MultiheadAttention is fused, layers/attention.py)."""
 
@@ -64,10 +76,10 @@ class Net(nn.Module):
         self.kind = kind
         d = 4
         self.m = {
-            "lstm": lambda: nn.LSTM(d, 6, num_layers=2, bidirectional=True, batch_first=True),
-            "lstm_seq_first": lambda: nn.LSTM(d, 6),
-            "gru": lambda: nn.GRU(d, 6, batch_first=True),
-            "rnn": lambda: nn.RNN(d, 6, batch_first=True),
+            "lstm": lambda: UserLSTM(d, 6, num_layers=2, bidirectional=True, batch_first=True),
+            "lstm_seq_first": lambda: UserLSTM(d, 6),
+            "gru": lambda: UserGRU(d, 6, batch_first=True),
+            "rnn": lambda: UserRNN(d, 6, batch_first=True),
             "mha": lambda: UserMHA(d, 2, batch_first=True, dropout=dropout),
             "mha_seq_first": lambda: UserMHA(d, 2),
             "encoder": lambda: _generic_encoder(d),
@@ -232,7 +244,7 @@ def test_a_unit_keeps_its_state_dict_and_pickles():
 
 
 def test_backprop_mode_refuses_a_module_without_a_fused_layer():
-    with pytest.raises(ValueError, match=r"m \(LSTM\): clipping='backprop' has no proved bound.*'flat' or 'per_layer'"):
+    with pytest.raises(ValueError, match=r"m \(UserLSTM\): clipping='backprop' has no proved bound.*'flat' or 'per_layer'"):
         bnn.convert_model(Net("lstm"), input_clip=1.0, grad_clip=1.0)
 
 
@@ -287,7 +299,7 @@ def test_make_private_trains_recurrent_and_attention_models(mode):
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(4, 8)
-            self.rnn = nn.LSTM(8, 8, batch_first=True)
+            self.rnn = UserLSTM(8, 8, batch_first=True)
             self.attn = UserMHA(8, 2, batch_first=True)
             self.norm = UserRMSNorm(8)
             self.head = nn.Linear(8, 3)
