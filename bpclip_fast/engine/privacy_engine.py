@@ -178,9 +178,7 @@ class PrivacyEngine:
             inner = module = converted
         layers = bnn.clipped_layers(inner)
         if not layers:
-            raise ValueError("make_private: the model has no trainable layer of a registered type to clip "
-                             "(bpclip_fast.registry: Linear, Conv2d; LayerNorm, GroupNorm, RMSNorm, InstanceNorm, "
-                             "Embedding, bpclip_fast.modules under exact clipping)")
+            raise ValueError(_no_layer_message(r.clipping))
         model_checks.fix_sensitivities(layers, shapes, r.max_input_shape is not None)
         self._mode = modes.strategy(r.clipping)
         # What the mode sets over all the layers, those built by the user included: flat's one collector,
@@ -407,3 +405,16 @@ class PrivacyEngine:
     def _require_private(self, what):
         if not self._made_private:
             raise RuntimeError(f"PrivacyEngine.{what}: call make_private first")
+
+
+def _no_layer_message(clipping: str) -> str:
+    """What make_private says of a model with nothing to clip, from the registry (one home per list)."""
+    from .. import registry
+
+    fused = [e.torch_type.__name__ for e in registry.layer_types() if clipping in e.modes]
+    if modes.strategy(clipping, "make_private").exact:
+        return ("make_private: the model has no trainable parameter to clip (all frozen?); under clipping="
+                f"{clipping!r} every module owning one is trained: by a fused layer ({', '.join(fused)}, "
+                "nn.MultiheadAttention, nn.LSTM/GRU/RNN) or by the generic exact path")
+    return (f"make_private: the model has no trainable layer clipping={clipping!r} can clip (fused: "
+            f"{', '.join(fused)}); clipping='flat' or 'per_layer' train any module")
