@@ -69,15 +69,17 @@ def _bpclip_fast(model, x, y, seed, crit, clipping="backprop"):
 
 
 def _generic_everywhere(model) -> None:
-    """Every module of a registered (fused) type swapped for a trivial subclass of its type, which the
-    registry leaves to the generic exact path (``registry.layer_type`` takes exact types only): the
-    same model, trained by the generic path alone, to measure the fused paths against it."""
+    """Every module of a registered (fused) type or composite (MultiheadAttention, LSTM: unpacked into
+    fused Linears) swapped for a trivial subclass of its type, which the registry leaves to the
+    generic exact path (it takes exact types only): the same model, trained by the generic path
+    alone, to measure the fused paths against it."""
     from bpclip_fast import registry
 
     subclasses = {}
     for module in list(model.modules()):
         kind = type(module)
-        if registry.layer_type(module) is not None and registry.owns_trainable(module):
+        fused = registry.layer_type(module) is not None and registry.owns_trainable(module)
+        if fused or registry.composite(module) is not None:
             if kind not in subclasses:
                 subclasses[kind] = type(f"Generic{kind.__name__}", (kind,), {"__module__": __name__})
             module.__class__ = subclasses[kind]
