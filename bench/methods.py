@@ -123,6 +123,10 @@ def _opacus(grad_sample_mode: str) -> Method:
         from torch.utils.data import DataLoader, TensorDataset
 
         warnings.filterwarnings("ignore")  # secure_mode / accountant chatter
+        from opacus.validators import ModuleValidator
+
+        if not ModuleValidator.is_valid(model):  # Opacus' own remedy, as its users run it: nn.LSTM ->
+            model = ModuleValidator.fix(model)   # DPLSTM, nn.MultiheadAttention -> DPMultiheadAttention
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         # The loader only tells make_private the batch size and sampling rate; the step feeds x, y.
         loader = DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
