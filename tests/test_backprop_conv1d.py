@@ -239,3 +239,23 @@ def test_compiled_backprop_is_the_eager_layer():
     torch.testing.assert_close(comp_layer.weight.grad, eager.weight.grad, rtol=0, atol=0)
     torch.testing.assert_close(comp_layer.bias.grad, eager.bias.grad, rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+def test_audit_finds_every_conv1d_contribution_within_its_bound():
+    """bpclip_fast.audit.sensitivity on the real engine's Conv1d layers (removal in float64, the
+    adversarial search steering by the layer's own l15 norm of a [1, O, L] upstream gradient)."""
+    from bpclip_fast.audit import sensitivity
+
+    model = _model()
+    gen = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(12, 3, 9, generator=gen, dtype=F64), torch.randint(0, 2, (12,), generator=gen))
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          data_loader=DataLoader(data, batch_size=6), noise_multiplier=1.0,
+                                          input_clip=0.5, grad_clip=0.05, loss_reduction="sum")
+    report = sensitivity(model, data.tensors, engine=engine, adversarial_steps=3, noise_draws=0)
+    rows = {r.name: r for r in report.rows}
+    assert {"0", "2"} <= set(rows)  # the two Conv1d layers
+    assert all(r.status == "ok" and not r.failed for r in report.rows), report.rows
