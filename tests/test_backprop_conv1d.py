@@ -233,8 +233,12 @@ def test_compiled_backprop_is_the_eager_layer():
     eager = convert_model(copy.deepcopy(layer), clipping="backprop", input_clip=1.0, grad_clip=0.5, norm="l2")
     comp_layer = convert_model(copy.deepcopy(layer), clipping="backprop", input_clip=1.0, grad_clip=0.5, norm="l2")
     inner(eager(x), g).backward()
+    seen = []  # the shapes the compiled op takes Δ from: the layer's own input, not the padded kernel view
+    own = comp_layer._noise_sensitivity
+    comp_layer._noise_sensitivity = lambda t: seen.append(tuple(t.shape)) or own(t)
     compiled = torch.compile(comp_layer, backend="aot_eager", fullgraph=True)
     inner(compiled(x), g).backward()
+    assert seen and set(seen) == {tuple(x.shape)}, seen
     assert comp_layer.weight.grad.shape == comp_layer.weight.shape
     torch.testing.assert_close(comp_layer.weight.grad, eager.weight.grad, rtol=0, atol=0)
     torch.testing.assert_close(comp_layer.bias.grad, eager.bias.grad, rtol=0, atol=0)
