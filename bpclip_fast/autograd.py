@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _ops
+from . import _ops, exact
 from .amp import autocast_off
 
 
@@ -31,10 +31,15 @@ class _ClippedLinear(torch.autograd.Function):
 
 
 class _ClippedConv2d(torch.autograd.Function):
+    """Conv2d, and nn.Conv1d as a Conv2d of height 1: ``weight`` is the parameter itself, in its own
+    layout (so its AccumulateGrad receives the very tensor ``_outputs`` records); the ops get
+    ``exact.kernel_weight``'s view of it and the release is mapped back in ``_backward``."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, layer, sensitivity, padding):
+        stride, pad, dilation = exact.kernel_geometry(layer, padding)
         out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
-            x, weight, bias, layer._nonfinite[0:1], list(layer.stride), list(padding), list(layer.dilation),
+            x, exact.kernel_weight(layer, weight), bias, layer._nonfinite[0:1], stride, pad, dilation,
             layer.groups, float(layer.input_clip), layer.clip_fn, float(layer.gamma))
         ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias, ctx.padding = layer, sensitivity, bias is not None, padding
@@ -45,7 +50,7 @@ class _ClippedConv2d(torch.autograd.Function):
     @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
         layer = ctx.layer
-        geometry = (list(layer.stride), list(ctx.padding), list(layer.dilation), layer.groups, layer.norm)
+        geometry = (*exact.kernel_geometry(layer, ctx.padding), layer.groups, layer.norm)
         return (*_backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry), None, None, None)
 
 
@@ -57,8 +62,10 @@ def _backward(ctx, grad_out, op, *geometry):
     x, factor, norm, weight = ctx.saved_tensors
     args, scale = _backward_args(ctx, grad_out.shape[0])
     _count_unclipped(ctx.layer, norm, grad_out, args[0])
-    gx, gw, gb = op(grad_out, x, factor, norm, weight, ctx.layer._nonfinite[1:2], *geometry, *args)
-    gw, gb = _outputs(ctx.layer, ctx, gw, gb, scale)
+    gx, gw, gb = op(grad_out, x, factor, norm, exact.kernel_weight(ctx.layer, weight), ctx.layer._nonfinite[1:2],
+                    *geometry, *args)
+    # the release in the parameter's layout before _outputs records it: the tensor its AccumulateGrad gets
+    gw, gb = _outputs(ctx.layer, ctx, exact._param_layout(ctx.layer, gw, weight), gb, scale)
     return gx if ctx.needs_input_grad[0] else None, gw, gb
 
 

@@ -340,14 +340,18 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``(out, x_factor, x_norm, meta)``: the clipped layer's forward (the extension's op, which also
     counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ]``."""
     lay = _lookup(_LAYERS, layer, "layer")
-    sens = lay._noise_sensitivity(x)  # its budget check and max-shape refusal, as the eager forward's
+    # its budget check and max-shape refusal, as the eager forward's, on the shape of the layer's own
+    # input (nn.Conv1d: x is the kernels' view of it, exact.HEIGHT_ONE)
+    own = lay._layer_input(x) if lay._weight_layout == exact.HEIGHT_ONE else x
+    sens = lay._noise_sensitivity(own)
     meta = torch.tensor([float(lay._bounds_version), float(sens)], dtype=torch.float64)
+    weight = exact.kernel_weight(lay, weight)
     if padding is None:
         out, factor, norm = torch.ops.bpclip_fast.linear_forward(
             x, weight, bias, lay._nonfinite[0:1], float(lay.input_clip), lay.clip_fn, float(lay.gamma))
     else:
         out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
-            x, weight, bias, lay._nonfinite[0:1], list(lay.stride), list(padding), list(lay.dilation), lay.groups,
+            x, weight, bias, lay._nonfinite[0:1], *exact.kernel_geometry(lay, padding), lay.groups,
             float(lay.input_clip), lay.clip_fn, float(lay.gamma))
     return out, factor, norm, meta
 
@@ -356,12 +360,13 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _(x, weight, bias, layer, padding):
     lay = _lookup(_LAYERS, layer, "layer")
     nonfinite = torch.empty(1, dtype=torch.int64, device=x.device)
+    weight = exact.kernel_weight(lay, weight)
     if padding is None:
         out, factor, norm = torch.ops.bpclip_fast.linear_forward(x, weight, bias, nonfinite, 1.0, lay.clip_fn, 0.01)
     else:
-        out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(x, weight, bias, nonfinite, list(lay.stride),
-                                                                 list(padding), list(lay.dilation), lay.groups, 1.0,
-                                                                 lay.clip_fn, 0.01)
+        out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(x, weight, bias, nonfinite,
+                                                                 *exact.kernel_geometry(lay, padding), lay.groups,
+                                                                 1.0, lay.clip_fn, 0.01)
     return out, factor, norm, torch.empty(2, dtype=torch.float64, device="cpu")
 
 
@@ -379,7 +384,7 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
     if padding is None:
         gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.linear_backward)
     else:
-        geometry = (list(lay.stride), list(padding), list(lay.dilation), lay.groups, lay.norm)
+        geometry = (*exact.kernel_geometry(lay, padding), lay.groups, lay.norm)
         gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.conv2d_backward, *geometry)
     _seal(lay)
     return tuple(t if t is not None else weight.new_empty(0) for t in (gx, gw, gb))
@@ -399,6 +404,7 @@ class _BackpropCtx:
 @backprop_backward.register_fake
 def _(grad_out, x, factor, norm, weight, meta, layer, mask, padding):
     gx = torch.empty_like(x, memory_format=torch.contiguous_format) if mask[0] else x.new_empty(0)
+    # the parameter's layout (autograd._backward maps an nn.Conv1d's release back to it)
     gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if mask[1] else weight.new_empty(0)
     gb = weight.new_empty(weight.shape[0]) if mask[2] else weight.new_empty(0)
     return gx, gw, gb

@@ -95,6 +95,15 @@ def kernel_weight(layer, weight):
     return weight.t() if layout == TRANSPOSED else weight.unsqueeze(2)
 
 
+def kernel_geometry(layer, padding):
+    """``(stride, padding, dilation)`` of the Conv2d ops for ``layer`` and the ops' 2-D ``padding``:
+    ``nn.Conv1d``'s at height 1 (stride and dilation 1 along it; its padding comes as ``(0, p)``)."""
+    stride, dilation = list(layer.stride), list(layer.dilation)
+    if len(stride) == 1:  # HEIGHT_ONE
+        stride, dilation = [1, *stride], [1, *dilation]
+    return stride, list(padding), dilation
+
+
 def _param_layout(layer, grad, weight):
     """A release ``grad`` of :func:`kernel_weight`'s layout in the parameter ``weight``'s (contiguous:
     the compiled ops' outputs are declared so, and AccumulateGrad would copy a transposed one anyway)."""

@@ -8,7 +8,7 @@ zero-argument factory called once per activation (a class such as ``nn.ReLU`` or
 
 :func:`resnet20_gn` and :func:`vit` hold trainable GroupNorm/LayerNorm layers, positional embeddings
 and a class token: they are for exact per-example clipping (``clipping="flat"`` / ``"per_layer"``),
-whose clipped layers cover those types; backpropagation clipping bounds Linear and Conv2d only
+whose clipped layers cover those types; backpropagation clipping bounds Linear, Conv2d and Conv1d only
 (``bpclip_fast.registry.unbounded(model, "backprop")`` lists what it cannot clip).
 """
 

@@ -1,7 +1,7 @@
 """Backpropagation clipping in plain PyTorch hooks: the test oracle and the unfused baseline.
 
 This module implements the algorithm of Stevens et al. (2022) the way the paper's own code does,
-with module hooks on ``nn.Linear`` and ``nn.Conv2d``:
+with module hooks on ``nn.Linear``, ``nn.Conv2d`` and ``nn.Conv1d``:
 
 * a forward pre-hook replaces each example's input ``x`` by ``s(x) x`` (L2 norm, bound ``C_x``);
   the map is written in differentiable torch ops, so autograd supplies its exact Jacobian;
@@ -48,7 +48,7 @@ __all__ = [
 
 CLIP_FNS = ("clip", "global", "normalize")
 NORMS = ("l2", "l15")
-_LAYERS = (nn.Linear, nn.Conv2d)
+_LAYERS = (nn.Linear, nn.Conv2d, nn.Conv1d)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,10 +88,11 @@ def l2_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def l15_norm(g: torch.Tensor) -> torch.Tensor:
-    """``sqrt(sum_c (sum_{h,w} |g[b,c,h,w]|)^2)`` for ``g`` of shape ``[B, C, H, W]``; shape ``[B]``."""
-    if g.dim() != 4:
-        raise ValueError(f"l15_norm expects [B, C, H, W], got shape {tuple(g.shape)}")
-    per_channel = g.to(_acc_dtype(g.dtype)).abs().sum(dim=(2, 3))
+    """``sqrt(sum_c (sum_{h,w} |g[b,c,h,w]|)^2)`` for ``g`` of shape ``[B, C, H, W]`` (a Conv1d's
+    ``[B, C, L]``: the sum over ``l``); shape ``[B]``."""
+    if g.dim() not in (3, 4):
+        raise ValueError(f"l15_norm expects [B, C, H, W] or [B, C, L], got shape {tuple(g.shape)}")
+    per_channel = g.to(_acc_dtype(g.dtype)).abs().sum(dim=tuple(range(2, g.dim())))
     return torch.linalg.vector_norm(per_channel, dim=1)
 
 
@@ -148,7 +149,7 @@ def clip_upstream(g: torch.Tensor, bound: float, norm: str = "l2", clip_fn: str 
 
 
 def clipped_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The ``nn.Linear`` / ``nn.Conv2d`` submodules the reference clips, as ``(name, module)``."""
+    """The ``nn.Linear`` / ``nn.Conv2d`` / ``nn.Conv1d`` submodules the reference clips, as ``(name, module)``."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, _LAYERS)]
 
 
@@ -161,9 +162,9 @@ def _check_conv(layer: nn.Conv2d) -> None:
 
 def attach(model: nn.Module, *, input_clip: float, grad_clip: float, norm: str = "l15",
            clip_fn: str = "clip", gamma: float = 0.01) -> list:
-    """Hook every Linear/Conv2d of ``model`` for backpropagation clipping; returns the handles.
+    """Hook every Linear/Conv2d/Conv1d of ``model`` for backpropagation clipping; returns the handles.
 
-    Upstream gradients use L2 for Linear and ``norm`` for Conv2d. Inputs must be batched.
+    Upstream gradients use L2 for Linear and ``norm`` for Conv2d and Conv1d. Inputs must be batched.
     """
     _check_bound(input_clip, "input_clip")
     _check_bound(grad_clip, "grad_clip")
@@ -187,7 +188,7 @@ def attach(model: nn.Module, *, input_clip: float, grad_clip: float, norm: str =
         return backward_pre
 
     for _, m in clipped_modules(model):
-        if isinstance(m, nn.Conv2d):
+        if isinstance(m, (nn.Conv2d, nn.Conv1d)):
             _check_conv(m)
             layer_norm = norm
         else:
@@ -227,12 +228,19 @@ def _conv_geometry_1d(size: int, kernel: int, stride: int, dilation: int, paddin
 
 
 def conv_patch_multiplicity(layer: nn.Conv2d, input_shape: Sequence[int]) -> Tuple[int, int]:
-    """``(m, HW_out)`` for a Conv2d on ``input_shape`` (last two dims H, W).
+    """``(m, HW_out)`` for a Conv2d on ``input_shape`` (last two dims H, W); for a Conv1d ``(m, L_out)``
+    along its one dim (last of ``input_shape``).
 
     ``m`` is the largest number of (output position, kernel offset) pairs any single input entry
     falls in. The count for entry (i, j) is the product of the per-dimension counts, so the maximum
     is the product of the per-dimension maxima.
     """
+    if isinstance(layer, nn.Conv1d):
+        pad = layer.padding if isinstance(layer.padding, str) else layer.padding[0]
+        left, out = _conv_geometry_1d(int(input_shape[-1]), layer.kernel_size[0], layer.stride[0],
+                                      layer.dilation[0], pad)
+        return _max_hits_1d(int(input_shape[-1]), layer.kernel_size[0], layer.stride[0], layer.dilation[0],
+                            left, out), out
     H, W = int(input_shape[-2]), int(input_shape[-1])
     kh, kw = _pair(layer.kernel_size)
     sh, sw = _pair(layer.stride)
@@ -266,14 +274,14 @@ def layer_sensitivity(layer: nn.Module, input_shape: Sequence[int], *, input_cli
         for d in tuple(input_shape)[1:-1]:
             T *= int(d)
         return cg * math.sqrt(cx * cx + T * has_bias)
-    if isinstance(layer, nn.Conv2d):
+    if isinstance(layer, (nn.Conv2d, nn.Conv1d)):  # Conv1d: a patch is a [C/G, k] window, the same argument
         _check_conv(layer)
         _check_norm(norm)
         if norm == "l15":
             return cg * math.sqrt(cx * cx + has_bias)
         m, hw_out = conv_patch_multiplicity(layer, input_shape)
         return cg * math.sqrt(m * cx * cx + has_bias * hw_out)
-    raise TypeError(f"no sensitivity for {type(layer).__name__}; expected nn.Linear or nn.Conv2d")
+    raise TypeError(f"no sensitivity for {type(layer).__name__}; expected nn.Linear, nn.Conv2d or nn.Conv1d")
 
 
 def record_input_shapes(model: nn.Module) -> Tuple[Dict[nn.Module, Tuple[int, ...]], list]:

@@ -328,8 +328,12 @@ def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor,
     scratch = torch.zeros(1, dtype=torch.int64)
     if case.mode == "backprop":
         xs, fx, _ = _ops.clip_rows(xl, scratch, case.bound, "l2", case.clip_fn, case.gamma)
-        norm = case.conv_norm if case.kind == "conv" else "l2"
-        gs, fg, _ = _ops.clip_rows(gl, scratch, case.bound, norm, case.clip_fn, case.gamma)
+        if case.kind == "conv1d":  # the kernels clip the [B, O, 1, L] view (the l15 norm's layout)
+            gs, fg, _ = _ops.clip_rows(gl.unsqueeze(2), scratch, case.bound, _upstream_norm(case), case.clip_fn,
+                                       case.gamma)
+            gs = gs.squeeze(2)
+        else:
+            gs, fg, _ = _ops.clip_rows(gl, scratch, case.bound, _upstream_norm(case), case.clip_fn, case.gamma)
         contrib = truth_grads(case, plain, xs.double(), gs.double())
         return Stored(contrib, spread(plain64, xs.double(), gs.double()), torch.stack([fx, fg], 1).double())
     mask = [True, layer.bias is not None]
@@ -379,6 +383,11 @@ class BoundExceeded(AssertionError):
 
 class TruthMismatch(AssertionError):
     """The release off the float64 truth by more than the derived tolerance (property 2)."""
+
+
+def _upstream_norm(case: Case) -> str:
+    """The norm backprop clipping takes of the upstream gradient: the case's for a convolution."""
+    return case.conv_norm if case.kind in ("conv", "conv1d") else "l2"
 
 
 def _bound_of(case: Case, model: nn.Sequential, xl: torch.Tensor) -> float:
@@ -444,7 +453,7 @@ def check(case: Case, removal: bool = True) -> dict:
     # 2. the release against the float64 truth
     if case.mode == "backprop":
         xt = ref.clip_input(x, case.bound, case.clip_fn, case.gamma)
-        gt = ref.clip_upstream(g, case.bound, case.conv_norm if case.kind == "conv" else "l2", case.clip_fn,
+        gt = ref.clip_upstream(g, case.bound, _upstream_norm(case), case.clip_fn,
                                case.gamma)
         gtrue = truth_grads(case, layer, xt, gt)
         want = gtrue.sum(0)
@@ -468,7 +477,7 @@ def check(case: Case, removal: bool = True) -> dict:
         ng, nx = gt[0].numel(), xt[0].numel()
         per = per + ng * step * (xn + math.sqrt(nx) * step + 1) + g1 * math.sqrt(nx) * step
         if case.clip_fn == "global":
-            norm = case.conv_norm if case.kind == "conv" else "l2"
+            norm = _upstream_norm(case)
             nx = ref.l2_norm(x)
             ng = ref.l2_norm(g) if norm == "l2" else ref.l15_norm(g)
             edge = ((nx - case.bound).abs() <= 4 * dx * case.bound) | ((ng - case.bound).abs() <= 4 * dx * case.bound)

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the per-example bound (issue 24), with ``hypothesis``.
 
 For every registered layer type (bpclip_fast/registry.py) in every mode it has a proved bound for
-(backprop for Linear/Conv2d; flat and per_layer for all), hypothesis draws the norm method
+(backprop for Linear/Conv2d/Conv1d; flat and per_layer for all), hypothesis draws the norm method
 (auto/ghost/instantiate), the clip function, the dtype (fp64/fp32/bf16/fp16), the memory layout of
 the input and of the upstream gradient (contiguous, channels_last, NHWC-permuted, permuted and
 transposed views, expanded/broadcast stride-0 views, strided slices), bias on/off, the geometry (Linear positions
@@ -163,7 +163,7 @@ def cases(draw, kinds, modes):
         layout=draw(st.sampled_from(fb.LAYOUTS)), layout_g=draw(st.sampled_from(fb.LAYOUTS)),
         values_x=draw(values), values_g=draw(values), seed=draw(st.integers(0, 2 ** 16)),
         norm_method=draw(st.sampled_from(("auto", "ghost", "instantiate"))) if exact_conv_linear else "auto",
-        conv_norm=draw(st.sampled_from(("l15", "l2"))) if kind == "conv" and mode == "backprop" else "l15",
+        conv_norm=draw(st.sampled_from(("l15", "l2"))) if kind in ("conv", "conv1d") and mode == "backprop" else "l15",
         bound=draw(st.sampled_from(BOUNDS)), gamma=draw(st.sampled_from(GAMMAS)))
     return case
 
@@ -193,6 +193,14 @@ def test_exact_conv1d_and_hf_conv1d(case):
 @_with_seed
 @given(cases(("linear", "conv"), ("backprop",)).filter(lambda c: not known_broken(c)))
 def test_backprop_linear_and_conv2d(case):
+    fb.check(case)
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
+@_with_seed
+@given(cases(("conv1d",), ("backprop",)).filter(lambda c: not known_broken(c)))
+def test_backprop_conv1d(case):
+    """nn.Conv1d under backprop clipping: the Conv2d Function at height 1, Δ of layers/conv1d.py."""
     fb.check(case)
 
 

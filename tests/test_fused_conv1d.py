@@ -14,7 +14,7 @@ parameter's own layout (bpclip_fast.exact.kernel_weight / _param_layout).
 * The input gradient is torch's (from the unclipped upstream gradient).
 * A tiny GPT-2 (untied embeddings) through ``PrivacyEngine.make_private``: every Conv1D is fused, no
   generic unit is left, and the step's gradients equal per-example clipping in float64.
-* Refusals: backpropagation clipping, padding modes other than zeros.
+* Refusals: backpropagation clipping (HF's Conv1D), padding modes other than zeros.
 """
 
 from __future__ import annotations
@@ -270,17 +270,18 @@ def test_gpt2_conv1d_is_fused_and_its_private_step_is_per_example_clipping():
 # ---------------------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("make", [lambda **k: bnn.Conv1d(3, 4, 3, **k), lambda **k: hf_conv1d.Conv1D(4, 3, **k)],
-                         ids=["Conv1d", "Conv1D"])
-def test_backprop_clipping_is_refused_naming_the_exact_modes(make):
+def test_backprop_clipping_is_refused_naming_the_exact_modes():
+    """HF's Conv1D only: nn.Conv1d has backprop clipping (tests/test_backprop_conv1d.py)."""
     with pytest.raises(ValueError, match="clipping='backprop' has no proved bound.*'flat' or 'per_layer'"):
-        make()
-    assert make(clipping="flat", max_grad_norm=1.0).clipping == "flat"
+        hf_conv1d.Conv1D(4, 3)
+    assert hf_conv1d.Conv1D(4, 3, clipping="flat", max_grad_norm=1.0).clipping == "flat"
 
 
-def test_backprop_conversion_of_a_model_with_conv1d_is_refused():
-    with pytest.raises(ValueError, match=r"0 \(Conv1d\): clipping='backprop' has no proved bound"):
-        bnn.convert_model(nn.Sequential(nn.Conv1d(2, 2, 3)), clipping="backprop", input_clip=1.0, grad_clip=1.0)
+def test_backprop_conversion_of_a_model_with_conv1d_needs_the_backprop_bounds():
+    with pytest.raises(TypeError, match="Conv1d: clipping='backprop' needs input_clip and grad_clip"):
+        bnn.Conv1d(2, 2, 3)
+    layer = bnn.convert_model(nn.Sequential(nn.Conv1d(2, 2, 3)), clipping="backprop", input_clip=1.0, grad_clip=1.0)[0]
+    assert type(layer) is bnn.Conv1d and layer.clipping == "backprop" and layer.norm == "l15"
 
 
 @pytest.mark.parametrize("mode", ["reflect", "circular", "replicate"])

@@ -840,8 +840,9 @@ class _Surrogate:
             for (layer, x, _), g in zip(seen, gs):
                 if g is None or not any(p.requires_grad for p in (layer.weight, layer.bias) if p is not None):
                     continue
-                g_sq = (g.abs().sum((2, 3)).square().sum() if getattr(layer, "norm", "l2") == "l15" and g.dim() == 4
-                        else g.square().sum())
+                # l15 of a Conv2d's [1, O, H, W] or a Conv1d's [1, O, L] (the norms the layers clip)
+                g_sq = (g.abs().sum(tuple(range(2, g.dim()))).square().sum()
+                        if getattr(layer, "norm", "l2") == "l15" and g.dim() in (3, 4) else g.square().sum())
                 terms += [log_ratio(g_sq, layer.grad_clip)]
                 if x.is_floating_point():
                     terms += [log_ratio(x.square().sum(), layer.input_clip)]

@@ -3,7 +3,7 @@ rule (:func:`_in_parameter_dtype`), the base of the layers whose per-example gra
 instantiated (:class:`_ExampleLayer`) and the converters' helpers. Each layer type's module, its
 bound, its converter and its registration live in their own file of :mod:`bpclip_fast.layers`.
 
-The backpropagation bounds (``linear.py``, ``conv2d.py``) hold for each of the three clip functions
+The backpropagation bounds (``linear.py``, ``conv2d.py``, ``conv1d.py``) hold for each of the three clip functions
 (clip, global, normalize): all keep the clipped norm ``≤ C``. ``tests/test_sensitivity.py`` checks every bound against exact per-example
 gradients from ``torch.func`` and its attainment.
 """

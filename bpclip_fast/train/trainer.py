@@ -45,7 +45,7 @@ MODELS = {
     "vit": ModelSpec(models.vit, 1),                            # a small vision transformer (139k)
 }
 
-#: the methods whose clipping is backpropagation clipping (its bounds cover Linear/Conv2d only)
+#: the methods whose clipping is backpropagation clipping (its bounds cover Linear/Conv2d/Conv1d only)
 BACKPROP_METHODS = tuple(m for m, mode in methods_mod.ENGINE_METHODS.items() if mode == "backprop") + ("clip-only",)
 
 
@@ -167,7 +167,7 @@ def _check_backprop_model(c: Config) -> None:
     if unclipped:
         shown = ", ".join(unclipped[:4]) + (", ..." if len(unclipped) > 4 else "")
         raise ValueError(f"--model {c.model} has trainable layers that backpropagation clipping (--method {c.method}) "
-                         f"has no bound for ({shown}): it clips Linear and Conv2d layers only; train this model "
+                         f"has no bound for ({shown}): it clips Linear, Conv2d and Conv1d layers only; train this model "
                          "with exact per-example clipping: --method flat or --method per-layer (or --method dpsgd)")
 
 
