@@ -22,11 +22,17 @@ import torch
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
+@functools.cache
+def _autocast_types() -> tuple[str, ...]:
+    """The device types autocast exists for in this build (asked once: it is per backward otherwise)."""
+    return tuple(t for t in _DEVICE_TYPES if torch.amp.is_autocast_available(t))
+
+
 def autocast_off(backward):
     """``backward`` run with autocast disabled for every device type that has it on (module docstring)."""
     @functools.wraps(backward)
     def wrapped(*args, **kwargs):
-        on = [t for t in _DEVICE_TYPES if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)]
+        on = [t for t in _autocast_types() if torch.is_autocast_enabled(t)]
         if not on:
             return backward(*args, **kwargs)
         with contextlib.ExitStack() as stack:
