@@ -11,7 +11,8 @@ instead of ``[1, T, D]``, the same values wherever it is broadcast.
 a micro-batch's own rows too), set by :func:`install`'s hooks on the private model for each
 grad-enabled call and reset when it returns or raises (a stack per context: nested and repeated
 calls each see their own). Nothing is expanded outside such a call (no engine, ``convert_model``
-alone, ``torch.no_grad()`` inference), nor where ``B`` is unknown or 1.
+alone, ``torch.no_grad()`` inference, a ``torch.compile``'d forward: there the layer refuses the
+one row as before), nor where ``B`` is unknown or 1.
 
 What makes the expansion safe is checked before training by ``make_private``'s probes
 (:mod:`bpclip_fast.validate`): the model's output must not change (code that relies on the leading
@@ -59,6 +60,8 @@ class _Enter:
     (and deep-copies) as a no-op, as the engine's other hook: a saved model has no engine."""
 
     def __call__(self, module, args, kwargs):
+        if torch.compiler.is_compiling():  # a compiled forward expands nothing (nor pops): no graph break
+            return
         from .batches import call_rows
 
         rows = call_rows(args, kwargs) if torch.is_grad_enabled() else None
@@ -73,6 +76,8 @@ class _Leave:
     pops the call's rows."""
 
     def __call__(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return
         stack = _ROWS.get()
         if stack:
             _ROWS.set(stack[:-1])

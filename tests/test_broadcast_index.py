@@ -61,11 +61,22 @@ class TokenPositions(nn.Module):
         return self.out(torch.tanh(self.tok(ids) + p)).sum(1)
 
 
-def _hf(kind):
+class Bias(nn.Module):
+    """An index of shape [1] (one learned vector for every example): ``h + emb(tensor([0]))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(2, D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(x.sum(1) + self.emb(torch.zeros(1, dtype=torch.long))))
+
+
+def _hf(kind, tied=False):
     tf = pytest.importorskip("transformers")
     tf.logging.set_verbosity_error()
     if kind == "gpt2":
-        config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=32, tie_word_embeddings=False,
+        config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=32, tie_word_embeddings=tied,
                                attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return tf.GPT2LMHeadModel(config)
     config = tf.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -77,9 +88,9 @@ def _hf(kind):
 class HF(nn.Module):
     """A Hugging Face model called without position_ids: its positions are a [1, T] index."""
 
-    def __init__(self, kind):
+    def __init__(self, kind, tied=False):
         super().__init__()
-        self.model = _hf(kind)
+        self.model = _hf(kind, tied)
 
     def forward(self, ids):
         logits = self.model(input_ids=ids).logits
@@ -95,7 +106,10 @@ def _data(model_name, n=12, seed=1):
 
 
 MODELS = {"toy": lambda: Positions(), "tokens": lambda: TokenPositions(), "gpt2": lambda: HF("gpt2"),
-          "bert": lambda: HF("bert"), "squeeze": lambda: Positions("squeeze")}
+          "bert": lambda: HF("bert"), "squeeze": lambda: Positions("squeeze"), "bias": lambda: Bias(),
+          # tied embeddings: the whole GPT-2 is one generic unit, its Embeddings plain torch modules inside it
+          # (the unit's own per-example path takes the broadcast); nothing of it is expanded
+          "gpt2_tied": lambda: HF("gpt2", tied=True)}
 
 
 def _private(model, data, mode, C, batch_size=6, **kw):
@@ -139,11 +153,11 @@ def test_release_equals_per_example_clipping(name, mode):
     model = MODELS[name]().double()
     reference = copy.deepcopy(model)
     C = 0.05 if mode == "flat" else 0.02  # below every example's norm here: each one is clipped
-    model, opt, loader = _private(model, _data("toy" if name in ("toy", "squeeze") else name), mode, C)
+    model, opt, loader = _private(model, _data("toy" if name in ("toy", "squeeze", "bias") else name), mode, C)
     x, y = next(iter(loader))
     assert x.shape[0] > 1
     pos = next(m for n, m in model.named_modules() if n.endswith(("emb", "pos", "position_embeddings", "wpe")))
-    assert type(pos) is bnn.Embedding  # the fused layer, not a generic unit
+    assert type(pos) is (nn.Embedding if name == "gpt2_tied" else bnn.Embedding)
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     _check_step(model, opt, x, y, _truth(reference, model, x, y, mode, C), C)
