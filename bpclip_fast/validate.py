@@ -46,6 +46,12 @@ problem message names the module (qualified name and type) and the rule, and say
        (a tied decoder ``F.linear(z, enc.weight.t())``), by another module, or by two layers.
     5. *reuse*: no module owning trainable parameters is reached more than once per forward.
 
+    An Embedding's index of one row in the probe batch (a position index shared by the examples) is
+    looked up once per example in every pass, as in private training (:mod:`bpclip_fast.broadcast`),
+    after :mod:`bpclip_fast.broadcast_probes` checked that this keeps the model's output (else it is
+    refused there and the passes look it up as one row) and before it checks that each looked-up row
+    reaches its own example only.
+
     What they cannot see: only what this one probe batch exercises. A layer that sees a subset of
     the rows, mixes rows or is reused only for some data (data-dependent control flow, a branch taken
     for large batches only) passes; so does mixing through an example that is neither the first nor
