@@ -12,6 +12,10 @@ once per example in private training (:mod:`bpclip_fast.broadcast`). Part of
    outputs it reaches, is example ``i``'s alone. Catches ``e[0]``, ``e.mean(0)``, ``e.flip(0)``,
    which keep the output but move an example's gradient into another's row. Runs with integer
    inputs too (a token-only model, where probe 2 has nothing to perturb).
+3. *not from the data*: the shared row is the same when every integer input (token ids, masks) is
+   reversed along its last dimension. A row taken from one example's tokens (``ids[:1]``) looked up
+   for every example would put that example's data into every example's gradient; probe 2 of
+   :mod:`bpclip_fast.validate` perturbs floating-point inputs only.
 
 Their limits are the other probes': only what this probe batch exercises.
 """
@@ -62,9 +66,16 @@ def equivalence_problems(model: nn.Module, probe_input, batch: int, run, labels:
             why = None if not _outputs_differ(plain.outputs, expanded.outputs) else "changed the model's output"
         except Exception as exc:  # noqa: BLE001 - the model's code cannot take the [B, ...] lookup
             why = f"made the model fail ({exc!r})"
+        derived = _derived_from_input(probe_input, plain, batch, run, set(names)) if why is None else []
     finally:
         for m, training in modes:
             m.training = training
+    if derived:
+        return [f"{labels[n]}: its index has one row shared by the {batch} examples of the probe batch, and that row "
+                "changed when the examples' integer inputs changed (rule: example rows): it is taken from the data "
+                "(one example's tokens, ids[:1]), so looked up for every example it would put that example's data "
+                f"into every example's gradient; look up each example's own indices ([B, ...]) instead"
+                for n in derived], set(derived)
     if why is None:
         return [], set()
     which = ", ".join(labels[n] for n in names)
@@ -72,6 +83,33 @@ def equivalence_problems(model: nn.Module, probe_input, batch: int, run, labels:
             f"looks up once per example (a [B, ...] output instead of [1, ...], so that each example's gradient is "
             f"its own), and that {why} (rule: example rows); the code after the lookup relies on its leading "
             f"dimension of 1 (.sum(0), .squeeze(0) before a reshape, torch.cat along dimension 0); {_hint()}"], set(names)
+
+
+def _derived_from_input(probe_input, plain, batch: int, run, names: set[str]) -> list[str]:
+    """The layers of ``names`` whose one-row index changes when every integer input of two or more
+    dimensions (token ids, masks) is reversed along its last dimension: the row comes from the data.
+    Probe 2 perturbs floating-point inputs only (a row from ``x[:1]`` is caught there, its expanded
+    rows changing with example 0); an integer row such as ``ids[:1]`` is caught here. No verdict where
+    nothing integer changes or the model fails on the reversed input."""
+    changed = [False]
+
+    def flip(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2:
+            return t
+        f = t.flip(-1)
+        changed[0] |= not torch.equal(f, t)
+        return f
+
+    flipped = _v._map_tensors(probe_input, flip)
+    if not changed[0]:
+        return []
+    try:
+        other = run(flipped, batch, backward=False, expand=False)
+    except Exception:  # noqa: BLE001 - a model that cannot take the reversed input: no verdict
+        return []
+    before = {c.name: c.input for c in plain.calls if c.name in names}
+    after = {c.name: c.input for c in other.calls if c.name in names}
+    return [n for n in before if n in after and (before[n].shape != after[n].shape or not torch.equal(before[n], after[n]))]
 
 
 def row_problems(model: nn.Module, probe_input, reference, batch: int, run, labels: dict[str, str]) -> list[str]:

@@ -53,7 +53,8 @@ class TokenPositions(nn.Module):
         self.tok, self.pos, self.out, self.use = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, 3), use
 
     def forward(self, ids):
-        p = self.pos(torch.arange(ids.shape[1]).unsqueeze(0))
+        # "data": example 0's tokens looked up for every example
+        p = self.pos(ids[:1] % T if self.use == "data" else torch.arange(ids.shape[1]).unsqueeze(0))
         if self.use == "first":
             p = p[0]
         elif self.use == "mean":
@@ -249,3 +250,12 @@ def test_rows_that_reach_other_examples_are_refused(model, data):
     refused also with token ids only, where the floating-point perturbation probe has nothing to change."""
     with pytest.raises(ValueError, match=r"(emb|pos) \(Embedding\).*(reaches another example|rule: batch independence)"):
         _private(model().double(), _data(data), "flat", 1.0)
+
+
+def test_a_shared_row_taken_from_the_data_is_refused():
+    """``pos(ids[:1])``: one example's tokens broadcast to every example. Each expanded row reaches its
+    own example only, but every row's lookup is example 0's data: refused (integer inputs, so the
+    floating-point perturbation probe could not see it)."""
+    with pytest.raises(ValueError, match=r"pos \(Embedding\): its index has one row shared.*changed when the examples' "
+                                         r"integer inputs changed"):
+        _private(TokenPositions("data").double(), _data("tokens"), "flat", 1.0)
