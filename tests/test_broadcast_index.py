@@ -259,3 +259,15 @@ def test_a_shared_row_taken_from_the_data_is_refused():
     with pytest.raises(ValueError, match=r"pos \(Embedding\): its index has one row shared.*changed when the examples' "
                                          r"integer inputs changed"):
         _private(TokenPositions("data").double(), _data("tokens"), "flat", 1.0)
+
+
+def test_the_rows_of_a_call():
+    """The examples of a call: the first dimension its tensors share; a tensor of one row is shared."""
+    from bpclip_fast.batches import call_rows
+
+    ids, pos = torch.zeros(5, T, dtype=torch.long), torch.arange(T)[None]
+    assert call_rows((ids,), {"position_ids": pos}) == 5
+    assert call_rows((pos,)) == 1
+    assert call_rows((ids, torch.zeros(3, D))) is None  # disagreeing tensors: unknown, nothing expands
+    assert call_rows((), {"flag": True}) is None
+    assert call_rows(({"x": ids, "mask": ids}, [torch.tensor(2.0)])) == 5  # nested; a scalar has no rows
