@@ -35,7 +35,7 @@ import numbers
 
 import torch
 
-__all__ = ["split_batch", "describe", "call_failed", "normal_shapes", "probe_input"]
+__all__ = ["split_batch", "describe", "call_failed", "normal_shapes", "probe_input", "call_rows"]
 
 
 def _elements(batch) -> int | None:
@@ -67,6 +67,21 @@ def split_batch(batch, batch_inputs: int | None = None):
         raise ValueError(f"batch_inputs={k}, but the loader's batch has {n} elements; batch_inputs counts the "
                          f"leading elements that are model inputs (at most {n})")
     return (batch[0] if k == 1 else tuple(batch[:k])), tuple(batch[k:])
+
+
+def call_rows(args, kwargs=None) -> int | None:
+    """The number of examples in one call of the model, ``model(*args, **kwargs)``: the first
+    dimension its tensor inputs share, as the loader's batch holds its examples (module docstring),
+    the whole batch or a micro-batch of it. A tensor of one row is a batch of one or a row shared
+    by the batch (a position index broadcast over it), so it counts only where every tensor has
+    one row. None where the tensors disagree or there is no batched tensor: the rows are unknown."""
+    from torch.utils import _pytree as pytree
+
+    sizes = {int(t.shape[0]) for t in pytree.tree_leaves((args, kwargs or {}))
+             if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) > 1:
+        sizes.discard(1)
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def describe(batch, batch_inputs: int | None = None) -> str:

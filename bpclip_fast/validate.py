@@ -46,6 +46,12 @@ problem message names the module (qualified name and type) and the rule, and say
        (a tied decoder ``F.linear(z, enc.weight.t())``), by another module, or by two layers.
     5. *reuse*: no module owning trainable parameters is reached more than once per forward.
 
+    An Embedding's index of one row in the probe batch (a position index shared by the examples) is
+    looked up once per example in every pass, as in private training (:mod:`bpclip_fast.broadcast`),
+    after :mod:`bpclip_fast.broadcast_probes` checked that this keeps the model's output (else it is
+    refused there and the passes look it up as one row) and before it checks that each looked-up row
+    reaches its own example only.
+
     What they cannot see: only what this one probe batch exercises. A layer that sees a subset of
     the rows, mixes rows or is reused only for some data (data-dependent control flow, a branch taken
     for large batches only) passes; so does mixing through an example that is neither the first nor
@@ -73,6 +79,7 @@ from collections.abc import Mapping
 import contextlib
 import contextvars
 import copy
+import functools
 import math
 import types
 import warnings
@@ -82,7 +89,7 @@ import torch
 from torch import nn
 
 from . import nn as _clipped_layers  # noqa: F401  (registers the clipped layer types in the registry)
-from . import registry
+from . import batches, broadcast, broadcast_probes, registry
 from .models import group_count
 
 __all__ = ["static_problems", "probe", "dynamic_problems", "validate", "fix_model"]
@@ -271,6 +278,7 @@ class _Pass:
     counts: dict[str, int] = field(default_factory=dict)     # calls of every module owning trainable parameters
     outputs: list[torch.Tensor] = field(default_factory=list)  # the model output's floating-point tensors
     grads: dict[int, torch.Tensor | None] = field(default_factory=dict)  # id(parameter) -> its gradient
+    expanded: list[str] = field(default_factory=list)  # layers whose one shared index row was expanded
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:
@@ -310,11 +318,30 @@ def _record(model: nn.Module, record: _Pass) -> list:
                 out.register_hook(lambda g, _call=call: setattr(_call, "grad", g.detach().clone()))
 
         handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
+        if is_layer and _shared_index_layer(m):
+            # First of the pre-hooks: what is recorded is what the fused layer looks up in training.
+            handles.append(m.register_forward_pre_hook(functools.partial(_expand_index, record, name), prepend=True))
         if is_layer:
             handles.append(m.register_forward_hook(after))
     for name, unit in registry.generic_units(model, _SHARED_UNITS.get()):
         handles += _unit_hooks(unit, name, record)
     return handles
+
+
+def _shared_index_layer(m: nn.Module) -> bool:
+    """A layer trained as the fused Embedding, which looks up an index of one row shared by the
+    call's examples once per example (:mod:`bpclip_fast.broadcast`)."""
+    kind = registry.layer_type(m)
+    return kind is not None and kind.torch_type is nn.Embedding
+
+
+def _expand_index(record: _Pass, name: str, mod, args):
+    if args and isinstance(args[0], torch.Tensor):
+        x = broadcast.expand(args[0])
+        if x is not args[0]:
+            record.expanded.append(name)
+            return (x, *args[1:])
+    return None
 
 
 def _unit_hooks(unit: nn.Module, name: str, record: _Pass) -> list:
@@ -377,13 +404,25 @@ def _parameter_gradients(model: nn.Module, outputs: list[torch.Tensor], batch: i
     return {id(p): (g.to_dense() if g is not None and g.is_sparse else g) for p, g in zip(params, grads)}
 
 
-def _run(model: nn.Module, probe_input, batch: int, devices: list[int], backward: bool = True) -> _Pass:
-    """One forward (and, with ``backward``, one backward) of ``probe_input``, recorded."""
+def _call_rows(probe_input) -> int | None:
+    """The examples of the call :func:`_call` makes, as the engine's hooks count them."""
+    if isinstance(probe_input, (tuple, list)):
+        return batches.call_rows(tuple(probe_input))
+    if isinstance(probe_input, Mapping):
+        return batches.call_rows((), dict(probe_input))
+    return batches.call_rows((probe_input,))
+
+
+def _run(model: nn.Module, probe_input, batch: int, devices: list[int], backward: bool = True,
+         expand: bool = True) -> _Pass:
+    """One forward (and, with ``backward``, one backward) of ``probe_input``, recorded; with
+    ``expand``, an Embedding's index of one row shared by the examples is looked up per example, as
+    in private training (:mod:`bpclip_fast.broadcast`)."""
     record = _Pass()
     handles = _record(model, record)
     try:
         _seed(devices)  # the same dropout masks in every pass, so that only the perturbation differs
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), broadcast.pushed(_call_rows(probe_input) if expand else None):
             outputs = [t for t in _tensors(_call(model, probe_input)) if t.is_floating_point()]
         record.outputs = [t.detach() for t in outputs]
         if backward:
@@ -400,7 +439,7 @@ def _probe_batch(example_input, run) -> int:
     [T, B, d] layout) cannot show B rows by coincidence."""
     excluded = {d for t in _tensors(example_input) for d in t.shape[1:]}
     candidate = _smallest_batch(excluded)
-    first = run(_probe_input(example_input, candidate), candidate, backward=False)
+    first = run(_probe_input(example_input, candidate), candidate, backward=False, expand=False)
     excluded |= {d for c in first.calls if c.input is not None for d in c.input.shape}
     excluded |= {d for u in first.units for d in u.sizes}
     return _smallest_batch(excluded)
@@ -409,9 +448,12 @@ def _probe_batch(example_input, run) -> int:
 # --------------------------------------------------------------------------------- the probes
 
 
-def _example_rows_problems(reference: _Pass, batch: int, labels: dict[str, str]) -> list[str]:
-    """Probe 1: every trainable layer's input has the probe's examples as its first dimension."""
-    problems, reported = [], set()
+def _example_rows_problems(reference: _Pass, batch: int, labels: dict[str, str],
+                           reported: set[str] = frozenset()) -> list[str]:
+    """Probe 1: every trainable layer's input has the probe's examples as its first dimension (an
+    Embedding's index of one shared row after its expansion, :mod:`bpclip_fast.broadcast`).
+    ``reported``: layers whose expansion was refused already, with the same advice."""
+    problems, reported = [], set(reported)
     for c in reference.calls:
         if c.input is None or c.name in reported or (c.input.dim() > 0 and c.input.shape[0] == batch):
             continue
@@ -457,8 +499,9 @@ def _unit_rows_problems(reference: _Pass, batch: int, labels: dict[str, str]) ->
     return problems
 
 
-# An index tensor of one row in a batch of B: a position index shared by the batch and broadcast after
-# the lookup, whose gradient arrives summed over the examples (nothing per example is left to clip).
+# An index tensor of one row in a batch of B that private training cannot look up per example
+# (bpclip_fast.broadcast: the expansion refused by broadcast_probes, or the call's rows unknown):
+# broadcast after the lookup, its gradient arrives summed over the examples.
 _BROADCAST_HINT = ("; an index of one row broadcast over the batch (Hugging Face's position_ids [1, T]) must be "
                    "given per example: pass it expanded to the batch, e.g. model(input_ids, "
                    "position_ids=torch.arange(T).expand(B, T))")
@@ -732,15 +775,21 @@ def _probe(model: nn.Module, example_input) -> list[str]:
     buffers = _buffer_snapshot(model)
     devices = _cuda_devices(model)
 
-    def run(probe_input, batch: int, backward: bool = True) -> _Pass:
+    expanding = [True]  # whether the passes expand a shared index row, unless a pass says (broadcast_probes)
+
+    def run(probe_input, batch: int, backward: bool = True, expand: bool | None = None) -> _Pass:
         _restore_buffers(buffers)  # every pass starts from the same buffers (an EMA used in forward)
-        return _run(model, probe_input, batch, devices, backward)
+        return _run(model, probe_input, batch, devices, backward, expanding[0] if expand is None else expand)
 
     batch = _probe_batch(example_input, run)
     probe_input = _probe_input(example_input, batch)
+    shared = {name for name, m in _trainable_layers(model) if _shared_index_layer(m)}
+    problems, refused = broadcast_probes.equivalence_problems(model, probe_input, batch, run, labels, shared)
+    expanding[0] = not refused  # a refused expansion is reported once; the other probes see the model as today
     reference = run(probe_input, batch)
     buffer_problems = _buffer_problems(buffers, labels)  # before the next pass restores them
-    problems = _example_rows_problems(reference, batch, labels)
+    problems += _example_rows_problems(reference, batch, labels, refused)
+    problems += broadcast_probes.row_problems(model, probe_input, reference, batch, run, labels)
     if _has_rows_to_perturb(probe_input):
         problems += _mixing_problems(probe_input, reference, batch, run, labels)
     problems += buffer_problems

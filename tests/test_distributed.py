@@ -40,8 +40,23 @@ class UserRMSNorm(nn.RMSNorm):
     """A subclass: not converted to the fused RMSNorm, so a generic unit."""
 
 
+class SharedRow(nn.Module):
+    """A learned vector added to every example: an Embedding's index of one row ([1]) broadcast over
+    the batch, looked up per example of each rank's (micro-)batch (bpclip_fast/broadcast.py)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.emb = nn.Embedding(1, d)
+
+    def forward(self, x):
+        return x + self.emb(torch.zeros(1, dtype=torch.long, device=x.device))
+
+
 def model_fn(mode="backprop"):
     torch.manual_seed(1)
+    if mode.endswith("_shared_row"):
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Flatten(),
+                             SharedRow(64), nn.Linear(4 * 4 * 4, 10))
     if mode.endswith("_generic"):  # a module without a fused layer: the generic exact path (issue 26)
         return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Flatten(),
                              UserRMSNorm(64), nn.Linear(4 * 4 * 4, 10))
@@ -61,7 +76,9 @@ CLIPPING.update({f"{mode}_adaptive": dict(kw, adaptive=Adaptive(learning_rate=0.
 CLIPPING.update({"flat_norms": dict(clipping="flat", max_grad_norm=0.7),
                  "per_layer_norms": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.3, 0.2, 0.6]),
                  "flat_generic": dict(clipping="flat", max_grad_norm=0.7),
-                 "per_layer_generic": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.6])})
+                 "per_layer_generic": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.6]),
+                 "flat_shared_row": dict(clipping="flat", max_grad_norm=0.7),
+                 "per_layer_shared_row": dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.6])})
 MODES = tuple(CLIPPING)
 
 

@@ -121,12 +121,22 @@ def test_make_private_fine_tunes(name):
     assert all(not torch.equal(a, b) for a, b in zip(before, trained))
 
 
-def test_a_broadcast_position_index_is_refused_with_the_fix():
+def test_a_broadcast_position_index_is_looked_up_per_example():
     """Untied GPT-2 called without position_ids looks its positions up as [1, T] and broadcasts them:
-    the position embedding's gradient arrives summed over the examples. Refused, saying what to pass."""
+    under the engine the fused position Embedding looks the row up once per example (issue 26;
+    bpclip_fast/broadcast.py), so make_private accepts it and trains (the releases against float64
+    per-example clipping: tests/test_broadcast_index.py)."""
+    torch.manual_seed(2)
     model = Classifier(gpt2(False), positions=False)
     data = TensorDataset(torch.randint(0, V, (24, T)), torch.randint(0, 3, (24,)))
-    with pytest.raises(ValueError, match=r"transformer\.wpe \(Embedding\).*position_ids=torch\.arange\(T\)\.expand"):
-        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                     data_loader=DataLoader(data, batch_size=8), noise_multiplier=1.0,
-                                     max_grad_norm=1.0, clipping="flat")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt,
+                                                      data_loader=DataLoader(data, batch_size=8), noise_multiplier=1.0,
+                                                      max_grad_norm=1.0, clipping="flat")
+    wpe = model.model.transformer.wpe
+    before = wpe.weight.detach().clone()
+    for ids, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(ids), y).backward()
+        opt.step()
+    assert type(wpe) is bnn.Embedding and not torch.equal(before, wpe.weight)

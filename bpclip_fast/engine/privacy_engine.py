@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import batches, data, modes, ranks as _ranks
+from .. import batches, broadcast, data, modes, ranks as _ranks
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import DistributedRecorder, LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
@@ -191,6 +191,7 @@ class PrivacyEngine:
         thresholds.prepare(self, r.adaptive, sigma, plan)
         self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
         inner.register_forward_pre_hook(guards.OutsideCheck(self))
+        broadcast.install(inner)  # each call's rows: an Embedding's shared index row is looked up per example
         self._inner = inner
         self._noise_multiplier = sigma
         self.loss_reduction = r.loss_reduction
