@@ -212,21 +212,30 @@ def _probe_input(example_input, batch: int):
 
 
 def _perturbed(probe_input, row: int):
-    """``probe_input`` with the floating-point values of one example (``row``) drawn afresh."""
+    """``probe_input`` with one example (``row``) changed: its floating-point values drawn afresh, its
+    integer and boolean values (token ids, masks) rolled by one along their last dimension, or, one
+    value per example, taken from the next example: values of the input's own, so still valid
+    indices. Without the integer part a model using one example's tokens for all of them
+    (``emb(ids[:1].expand(B, T))``) passed every probe."""
     generator = torch.Generator().manual_seed(_SEED + 1 + row)
 
     def change(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or not t.is_floating_point():
+        if t.dim() == 0:
             return t
         t = t.clone()
-        t[row] = _random_like(t.shape[1:], t, generator)
+        if t.is_floating_point():
+            t[row] = _random_like(t.shape[1:], t, generator)
+        elif t.dim() > 1:
+            t[row] = t[row].roll(1, dims=-1)
+        else:
+            t[row] = t[(row + 1) % t.shape[0]]
         return t
 
     return _map_tensors(probe_input, change)
 
 
 def _has_rows_to_perturb(probe_input) -> bool:
-    return any(t.dim() > 0 and t.is_floating_point() for t in _tensors(probe_input))
+    return any(t.dim() > 0 and not torch.equal(t, _perturbed(t, 0)) for t in _tensors(probe_input))
 
 
 def _smallest_batch(excluded: set[int]) -> int:

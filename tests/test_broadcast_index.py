@@ -271,3 +271,29 @@ def test_the_rows_of_a_call():
     assert call_rows((ids, torch.zeros(3, D))) is None  # disagreeing tensors: unknown, nothing expands
     assert call_rows((), {"flag": True}) is None
     assert call_rows(({"x": ids, "mask": ids}, [torch.tensor(2.0)])) == 5  # nested; a scalar has no rows
+
+
+def test_an_index_expanded_by_the_model_from_one_examples_tokens_is_refused():
+    # emb(ids[:1].expand(B, T)): every example's positions are example 0's tokens, so example 0 moves
+    # every other example's contribution. The probes' perturbation of integer inputs (validate.
+    # _perturbed: one example's token ids rolled) sees the other examples' layer inputs change.
+    import bpclip_fast
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(11, 4), nn.Linear(4, 2)
+
+        def forward(self, ids):
+            shared = ids[:1].expand(ids.shape[0], -1)
+            return self.head((self.tok(ids) + self.pos(shared)).mean(1))
+
+    torch.manual_seed(0)
+    model = Leaky()
+    ids = torch.randint(0, 11, (6, 5))
+    loader = DataLoader(TensorDataset(ids, torch.randint(0, 2, (6,))), batch_size=3)
+    with pytest.raises(ValueError, match="batch independence"):
+        bpclip_fast.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 data_loader=loader, noise_multiplier=1.0, clipping="flat",
+                                                 max_grad_norm=1.0)

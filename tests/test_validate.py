@@ -387,7 +387,9 @@ def test_controls_have_no_problem_on_the_gpu(device):
     assert find(problems, "batch independence"), problems
 
 
-def test_integer_only_input_skips_the_mixing_probe():
+def test_integer_only_input_is_perturbed_too():
+    # Until 2026-11-26 the mixing probe perturbed floating-point inputs only, and this model passed;
+    # an example's token ids are now rolled (validate._perturbed), so the mixing shows.
     from bpclip_fast.validate import dynamic_problems
 
     class Indices(nn.Module):
@@ -398,9 +400,18 @@ def test_integer_only_input_skips_the_mixing_probe():
 
         def forward(self, ids):
             e = self.emb(ids)
-            return self.lin(e - e.mean(0))  # mixes, but with no float input there is nothing to perturb
+            return self.lin(e - e.mean(0))
 
-    assert dynamic_problems(Indices(), torch.randint(0, 10, (2, 3))) == []
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    problems = dynamic_problems(Indices(), ids)
+    assert len(problems) == 1 and "batch independence" in problems[0]
+    # A model without mixing stays accepted; a constant row has nothing to roll and is left as it is.
+    class Own(Indices):
+        def forward(self, ids):
+            return self.lin(self.emb(ids))
+
+    assert dynamic_problems(Own(), ids) == []
+    assert dynamic_problems(Own(), torch.full((2, 3), 4)) == []
 
 
 def test_the_outcome_does_not_depend_on_the_input_values():
