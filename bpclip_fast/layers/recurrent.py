@@ -128,6 +128,19 @@ class _Recurrent:
                 return getattr(child, kind)
         return super().__getattr__(name)
 
+    def __setattr__(self, name, value):
+        # torch's names alias the Linears' parameters (__getattr__); a plain tensor assigned to one
+        # would become an attribute shadowing the alias while the forward kept the Linear's parameter:
+        # torch refuses a non-Parameter for a parameter's name, so the assignment is refused, not ignored.
+        match = _TORCH_NAME.fullmatch(name)
+        if match is not None and f"{match[2]}_l{match[3]}{match[4] or ''}" in self.__dict__.get("_modules", {}):
+            child = f"{match[2]}_l{match[3]}{match[4] or ''}"
+            raise AttributeError(f"{type(self).__name__}: {name} is the {match[1]} of the clipped Linear {child!r} "
+                                 f"(unpacked for private training) and cannot be replaced; copy values in place "
+                                 f"(with torch.no_grad(): layer.{name}.copy_(new)), or replace the weight before "
+                                 "make_private")
+        super().__setattr__(name, value)
+
     def flatten_parameters(self) -> None:
         """Nothing to do: the weights are the Linears' (torch's would re-point their storage into one
         cuDNN buffer); each forward passes them as a list."""
