@@ -15,9 +15,9 @@ concatenated positions times the widths), so its error is below ``S·K·u`` time
 values of the chain's terms; the models are contracting (torch's initialisation, inputs ``~N(0, 1)``,
 gates with derivatives ≤ 1), so that sum is of the order of ``‖G_i‖`` times the growth ``16`` of
 tests/test_fused_attention.py. Both sides err that way and the clip's norm and factor add a few
-roundings, so ``‖release − truth‖ ≤ 2·16·S·K·u·(Σ_i ‖G_i‖ + ‖truth‖)``. A wrong routing (a parameter's
-gradient missing a use, examples mixed, a clip per use) is off by a fraction of ``‖truth‖``, ~10^10
-times this.
+roundings, so ``‖release − truth‖ ≤ 2·16·S·K·u·(Σ_i ‖G_i‖ + ‖truth‖)``. A wrong routing (a
+parameter's gradient missing a use, examples mixed, a clip per use) is off by a fraction of
+``‖truth‖``, ~10^10 times this.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _release_matches_truth(model, inputs, rows, n_out, stages, terms, mode="flat
     conv = bnn.convert_model(copy.deepcopy(model), clipping=mode, max_grad_norm=cut)
     sum((o * g).sum() for o, g in zip(_outs(conv(*inputs))[:n_out], gs)).backward()
     state = conv.state_dict(keep_vars=True)  # torch's names for the unpacked composites' parameters
-    got = torch.cat([state[n].grad.reshape(-1) if state[n].grad is not None else torch.zeros(state[n].numel(), dtype=F64)
-                     for n in names])
+    got = torch.cat([state[n].grad.reshape(-1) if state[n].grad is not None
+                     else torch.zeros(state[n].numel(), dtype=F64) for n in names])
     err = float((got - want).norm())
     tol = 2 * 16 * stages * terms * U64 * (float(norms.sum()) + float(want.norm()))
     assert err <= tol, f"‖release − truth‖ = {err:.3g} > {tol:.3g} (‖truth‖ = {float(want.norm()):.3g})"

@@ -17,9 +17,9 @@ gradients of a Linear applied at every position ``t`` of ``[B, T, ·]``, with up
 ``ih_l{k}[_reverse]`` and ``hh_l{k}[_reverse]``, each owning torch's ``Parameter`` objects (the same
 objects: an optimizer built before the conversion keeps working; ``state_dict`` keys are torch's,
 ``weight_ih_l0`` ..., in torch's order, by hooks; the attributes ``weight_ih_l0`` ... read the
-Linears' parameters, and refuse to be reassigned). Once converted, their per-example norms, factors and release are the fused
-exact Linear path's (:mod:`bpclip_fast.exact`), whose proof is the bound: nothing here clips or
-noises anything.
+Linears' parameters, and refuse to be reassigned). Once converted, their per-example norms, factors
+and release are the fused exact Linear path's (:mod:`bpclip_fast.exact`), whose proof is the bound:
+nothing here clips or noises anything.
 
 The forward, per layer and direction (``_direction``):
 
