@@ -17,9 +17,9 @@ gradients of a Linear applied at every position ``t`` of ``[B, T, ·]``, with up
 ``ih_l{k}[_reverse]`` and ``hh_l{k}[_reverse]``, each owning torch's ``Parameter`` objects (the same
 objects: an optimizer built before the conversion keeps working; ``state_dict`` keys are torch's,
 ``weight_ih_l0`` ..., in torch's order, by hooks; the attributes ``weight_ih_l0`` ... read the
-Linears' parameters). Once converted, their per-example norms, factors and release are the fused
-exact Linear path's (:mod:`bpclip_fast.exact`), whose proof is the bound: nothing here clips or
-noises anything.
+Linears' parameters, and refuse to be reassigned). Once converted, their per-example norms, factors
+and release are the fused exact Linear path's (:mod:`bpclip_fast.exact`), whose proof is the bound:
+nothing here clips or noises anything.
 
 The forward, per layer and direction (``_direction``):
 
@@ -127,6 +127,19 @@ class _Recurrent:
             if child is not None:
                 return getattr(child, kind)
         return super().__getattr__(name)
+
+    def __setattr__(self, name, value):
+        # torch's names alias the Linears' parameters (__getattr__); a plain tensor assigned to one
+        # would become an attribute shadowing the alias while the forward kept the Linear's parameter:
+        # torch refuses a non-Parameter for a parameter's name, so the assignment is refused, not ignored.
+        match = _TORCH_NAME.fullmatch(name)
+        if match is not None and f"{match[2]}_l{match[3]}{match[4] or ''}" in self.__dict__.get("_modules", {}):
+            child = f"{match[2]}_l{match[3]}{match[4] or ''}"
+            raise AttributeError(f"{type(self).__name__}: {name} is the {match[1]} of the clipped Linear {child!r} "
+                                 f"(unpacked for private training) and cannot be replaced; copy values in place "
+                                 f"(with torch.no_grad(): layer.{name}.copy_(new)), or replace the weight before "
+                                 "make_private")
+        super().__setattr__(name, value)
 
     def flatten_parameters(self) -> None:
         """Nothing to do: the weights are the Linears' (torch's would re-point their storage into one
