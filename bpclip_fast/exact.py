@@ -79,11 +79,13 @@ def _weight_bias(layer):
 
 # Weights stored in another layout than the one the Linear/Conv2d ops take (``layer._weight_layout``,
 # issue 26): HF's ``Conv1D`` holds a Linear's weight transposed (``[in, out]``), ``nn.Conv1d`` a
-# Conv2d's without its kernel height of 1 (``[O, C/G, k]``). The ops run on the kernel layout (a view
-# of the parameter); the release is mapped back by the inverse bijection of entries (a transpose, or
-# dropping the dimension of size 1), so each entry of the parameter gets exactly one entry of the
-# ops' release, noise included, and the parameter's gradient is the very tensor the layer records.
-TRANSPOSED, HEIGHT_ONE = "transposed", "height_one"
+# Conv2d's without its kernel height of 1 (``[O, C/G, k]``), ``nn.Conv3d`` a Linear's over its patches
+# with the kernel unflattened (``[O, C, kd, kh, kw]``, layers/conv3d.py). The ops run on the kernel
+# layout (a view of the parameter); the release is mapped back by the inverse bijection of entries (a
+# transpose, or a view of the same entries in the parameter's shape), so each entry of the parameter
+# gets exactly one entry of the ops' release, noise included, and the parameter's gradient is the very
+# tensor the layer records.
+TRANSPOSED, HEIGHT_ONE, FLATTENED = "transposed", "height_one", "flattened"
 
 
 def kernel_weight(layer, weight):
@@ -92,6 +94,8 @@ def kernel_weight(layer, weight):
     layout = layer._weight_layout
     if layout is None:
         return weight
+    if layout == FLATTENED:  # [O, C·kd·kh·kw] in (c, i, j, k) order: the patches' (layers/conv3d.py)
+        return weight.flatten(1)
     return weight.t() if layout == TRANSPOSED else weight.unsqueeze(2)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from . import generic, modes, registry
 from .boundary import LayerStep
-from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv1d, Conv2d, Embedding,  # noqa: F401
+from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv1d, Conv2d, Conv3d, Embedding,  # noqa: F401
                      EmbeddingBag,
                      GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, Linear,
                      PositionalEmbedding, RMSNorm)

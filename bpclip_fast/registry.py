@@ -55,6 +55,8 @@ class LayerType:
     ``modes``: the clipping modes with a proved bound for the type (``convert_model`` refuses others).
     ``multiplier_norm(layer, x, *args, **kwargs)``: the norm of what the weight gradient multiplies the upstream
     gradient by, for the probes' tolerance (``None``: the input ``x`` itself, as Linear).
+    ``not_fused(layer)``: why an instance of the type is left to the generic exact path instead (``None``:
+    the clipped type trains it); such an instance is treated as of no registered type at all.
     """
 
     torch_type: type
@@ -64,6 +66,7 @@ class LayerType:
     taps: Callable
     modes: tuple = _MODES
     multiplier_norm: Callable | None = None
+    not_fused: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -92,9 +95,9 @@ def load_optional() -> None:
 
 def register_layer(torch_type: type, clipped_type: type, *, convert: Callable, plain: Callable,
                    taps: Callable = lambda layer: 1, modes: tuple = _MODES,
-                   multiplier_norm: Callable | None = None) -> LayerType:
+                   multiplier_norm: Callable | None = None, not_fused: Callable | None = None) -> LayerType:
     """Registers ``clipped_type`` as the clipped form of ``torch_type`` (module docstring)."""
-    entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm)
+    entry = LayerType(torch_type, clipped_type, convert, plain, taps, tuple(modes), multiplier_norm, not_fused)
     _LAYERS[torch_type] = entry
     return entry
 
@@ -166,7 +169,7 @@ def layer_type(module: nn.Module) -> LayerType | None:
     kind = type(module)
     entry = _LAYERS.get(kind)
     if entry is not None:
-        return entry
+        return entry if entry.not_fused is None or entry.not_fused(module) is None else None
     return next((e for e in _LAYERS.values() if e.clipped_type is kind), None)
 
 
@@ -188,7 +191,7 @@ def generic_candidate(module: nn.Module) -> bool:
     parameters stay refused, module_problems), nor one of our clipped layers or a subclass of one
     (which clips in its own backward), nor a unit already."""
     load_optional()
-    return (owns_trainable(module) and type(module) not in _LAYERS and not is_generic(module)
+    return (owns_trainable(module) and not _registered(module) and not is_generic(module)
             and composite(module) is None
             and not any(isinstance(module, e.clipped_type) for e in _LAYERS.values()))
 
@@ -246,7 +249,13 @@ def convertible(module: nn.Module) -> bool:
     """A module ``convert_model`` swaps for a clipped layer: a registered torch type (exact) owning a
     trainable parameter."""
     load_optional()
-    return type(module) in _LAYERS and owns_trainable(module)
+    return _registered(module) and owns_trainable(module)
+
+
+def _registered(module: nn.Module) -> bool:
+    """Of a registered torch type exactly, and not left to the generic path by its ``not_fused``."""
+    entry = _LAYERS.get(type(module))
+    return entry is not None and (entry.not_fused is None or entry.not_fused(module) is None)
 
 
 def clipped_by_conversion(module: nn.Module) -> bool:

@@ -9,11 +9,12 @@ The import order is the registration order, which is the order in which the regi
 list the types: keep it.
 """
 
-from . import base, norms, embedding, tokens, linear, conv2d, conv1d, attention, embedding_bag, recurrent  # noqa: F401  (registration order)
+from . import base, norms, embedding, tokens, linear, conv2d, conv1d, attention, embedding_bag, recurrent, conv3d  # noqa: F401  (registration order)
 from .base import CLIP_FNS, SUPPORTED_DTYPES
 from .attention import MultiheadAttention
 from .conv1d import Conv1d
 from .conv2d import CONV_NORMS, Conv2d
+from .conv3d import Conv3d
 from .embedding import Embedding
 from .embedding_bag import EmbeddingBag
 from .linear import Linear
@@ -21,7 +22,7 @@ from .recurrent import GRU, LSTM, RNN
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from .tokens import ClassToken, PositionalEmbedding
 
-__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv1d", "Conv2d", "Embedding", "EmbeddingBag",
+__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag",
            "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear",
            "MultiheadAttention", "PositionalEmbedding", "LSTM", "GRU", "RNN",
            "RMSNorm"]
