@@ -44,6 +44,7 @@ from torch import nn
 
 from bpclip_fast import _ops, exact, modules, registry
 from bpclip_fast import examples as examples_mod
+from bpclip_fast.layers import conv3d as conv3d_layer
 from bpclip_fast import nn as bnn
 from bpclip_fast import reference as ref
 
@@ -54,13 +55,13 @@ from fuzz_tolerances import (BF16, DTYPES, F16, F32, F64, RZ, UNIT, V, acc_unit,
 
 KINDS = ("linear", "conv", "layer_norm", "group_norm", "rms_norm", "instance_norm1d", "instance_norm2d",
          "instance_norm3d", "embedding", "positional", "class_token",
-         "embedding_bag", "conv1d")
+         "embedding_bag", "conv1d", "conv3d")
 TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm,
               "rms_norm": nn.RMSNorm, "instance_norm1d": nn.InstanceNorm1d, "instance_norm2d": nn.InstanceNorm2d,
               "instance_norm3d": nn.InstanceNorm3d,
               "embedding": nn.Embedding, "positional": modules.PositionalEmbedding,
               "class_token": modules.ClassToken,
-              "embedding_bag": nn.EmbeddingBag, "conv1d": nn.Conv1d}
+              "embedding_bag": nn.EmbeddingBag, "conv1d": nn.Conv1d, "conv3d": nn.Conv3d}
 INDEXED = ("embedding", "embedding_bag")  # inputs are table indices
 try:  # Hugging Face's Conv1D: registered once transformers is imported (registry.load_optional)
     from transformers.pytorch_utils import Conv1D as HFConv1D
@@ -70,8 +71,9 @@ try:  # Hugging Face's Conv1D: registered once transformers is imported (registr
 except ImportError:
     HFConv1D = None
 # The kinds whose norms and release are the fused Linear/Conv2d ops' (exact._norms, _release): Conv1d
-# as a Conv2d of height 1, HF's Conv1D as a Linear on the transposed weight.
-GEMM_KINDS = ("linear", "conv", "conv1d", "hf_conv1d")
+# as a Conv2d of height 1, HF's Conv1D as a Linear on the transposed weight, Conv3d as a Linear over
+# its patches.
+GEMM_KINDS = ("linear", "conv", "conv1d", "hf_conv1d", "conv3d")
 LAYOUTS = ("contiguous", "channels_last", "nhwc_view", "permuted", "transposed", "expanded", "broadcast", "strided")
 VALUES = ("normal", "scaled", "huge", "tiny", "subnormal", "spike", "zero", "cancel", "offset")
 
@@ -116,6 +118,9 @@ def plain_layer(case: Case) -> nn.Module:
     elif k == "conv1d":
         layer = nn.Conv1d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
                           dilation=g["dilation"], groups=g["groups"], bias=case.bias, dtype=F64)
+    elif k == "conv3d":
+        layer = nn.Conv3d(g["cin"], g["cout"], g["kernel"], stride=g["stride"], padding=g["padding"],
+                          dilation=g["dilation"], bias=case.bias, dtype=F64)
     elif k == "hf_conv1d":  # always biased (its forward is addmm(bias, ...))
         layer = HFConv1D(g["fout"], g["fin"]).to(F64)
     elif k == "layer_norm":
@@ -339,6 +344,8 @@ def stored(case: Case, model: nn.Sequential, plain: nn.Module, xl: torch.Tensor,
     mask = [True, layer.bias is not None]
     if case.kind in GEMM_KINDS:
         xk, gk = (xl.unsqueeze(2), gl.unsqueeze(2)) if case.kind == "conv1d" else (xl, gl)  # the kernels' view
+        if case.kind == "conv3d":  # the Linear's: patches [B, T, d], upstream [B, T, O]
+            xk, gk = conv3d_layer._patches(layer, xl)[0], gl.flatten(2).transpose(1, 2)
         bound, kept = exact._norms(layer, xk, gk.contiguous(), _geometry(layer), mask)
         factor = exact.factors(bound, case.bound, case.clip_fn, case.gamma, scratch, case.dtype)
         if kept is not None:
@@ -560,6 +567,8 @@ def _dims(case: Case):
         return g["fin"], g["fout"]
     if case.kind == "conv1d":
         return g["cin"] // g["groups"] * g["kernel"], g["cout"] // g["groups"]
+    if case.kind == "conv3d":
+        return g["cin"] * math.prod(g["kernel"]), g["cout"]
     kh, kw = g["kernel"]
     return g["cin"] // g["groups"] * kh * kw, g["cout"] // g["groups"]
 
@@ -574,6 +583,7 @@ def _instance(t):
             modules.PositionalEmbedding: lambda: modules.PositionalEmbedding(1),
             modules.ClassToken: lambda: modules.ClassToken(1),
             nn.EmbeddingBag: lambda: nn.EmbeddingBag(1, 1), nn.Conv1d: lambda: nn.Conv1d(1, 1, 1),
+            nn.Conv3d: lambda: nn.Conv3d(1, 1, 1),
             HFConv1D: lambda: HFConv1D(1, 1)}[t]()
 
 

@@ -47,6 +47,9 @@ def positions(case: Case, plain: nn.Module, x: torch.Tensor) -> int:
         with torch.no_grad():
             out = copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64))
         return out.shape[-1] * out.shape[-2]
+    if case.kind == "conv3d":
+        with torch.no_grad():
+            return math.prod(copy.deepcopy(plain).double()(torch.zeros((1, *case.shape), dtype=F64)).shape[2:])
     if case.kind in ("layer_norm", "rms_norm"):
         return max(1, math.prod(case.shape[:len(case.shape) - len(case.geometry["normalized"])]))
     if case.kind == "group_norm" or case.kind.startswith("instance_norm"):
@@ -65,7 +68,7 @@ def release_error(case: Case, st: Stored, rows, T: int) -> float:
         return 0.0
     n = len(rows)
     ua = acc_unit(case.dtype)
-    if st.kept or case.kind not in ("linear", "conv", "conv1d", "hf_conv1d") and case.mode != "backprop":
+    if st.kept or case.kind not in ("linear", "conv", "conv1d", "hf_conv1d", "conv3d") and case.mode != "backprop":
         count = n + 2  # a GEMV / index_add over the examples of already-formed per-example values
     else:
         count = n * T + 2

@@ -104,6 +104,14 @@ def geometries(draw, kind):
         length = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + draw(ints(0, 9))
         return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
                     groups=groups), (cin, length)
+    if kind == "conv3d":  # one group (a grouped Conv3d is a generic unit), zero padding
+        cin, cout = draw(ints(1, 2)), draw(ints(1, 2))
+        kernel = tuple(draw(ints(1, 2)) for _ in range(3))
+        stride = tuple(draw(ints(1, 2)) for _ in range(3))
+        padding = tuple(draw(ints(0, 1)) for _ in range(3))
+        dilation = tuple(draw(ints(1, 2)) for _ in range(3))
+        dhw = tuple(max(1, d * (k - 1) + 1 - 2 * p) + draw(ints(0, 2)) for k, p, d in zip(kernel, padding, dilation))
+        return dict(cin=cin, cout=cout, kernel=kernel, stride=stride, padding=padding, dilation=dilation), (cin, *dhw)
     if kind == "hf_conv1d":
         fin, fout = draw(ints(1, 6)), draw(ints(1, 5))
         return dict(fin=fin, fout=fout), (*draw(st.sampled_from(LINEAR_POSITIONS)), fin)
@@ -152,7 +160,7 @@ def cases(draw, kinds, modes):
     batch = draw(st.integers(1, 5))
     values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
     exact_conv_linear = kind in fb.GEMM_KINDS and mode != "backprop"
-    bias = (draw(st.booleans()) if kind in ("linear", "conv", "conv1d", "layer_norm") or kind.startswith("instance_norm")
+    bias = (draw(st.booleans()) if kind in ("linear", "conv", "conv1d", "conv3d", "layer_norm") or kind.startswith("instance_norm")
             else kind in ("group_norm", "hf_conv1d"))
     dtype = draw(st.sampled_from(fb.DTYPES))
     if (kind == "group_norm" or kind.startswith("instance_norm")) and dtype == torch.float16:
@@ -186,6 +194,14 @@ def test_exact_linear_and_conv2d(case):
        .filter(lambda c: not known_broken(c)))
 def test_exact_conv1d_and_hf_conv1d(case):
     """nn.Conv1d through the Conv2d kernels (height 1), HF's Conv1D through the Linear ones (issue 26)."""
+    fb.check(case)
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 4))
+@_with_seed
+@given(cases(("conv3d",), ("flat", "per_layer")).filter(lambda c: not known_broken(c)))
+def test_exact_conv3d(case):
+    """nn.Conv3d through the Linear kernels over its patches (issue 26)."""
     fb.check(case)
 
 

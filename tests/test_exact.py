@@ -163,7 +163,14 @@ def _linear_like(layer):
 
 
 def _unfold(layer, x, g):
-    """``(patches, g)`` of a Conv2d, or of an nn.Conv1d as the Conv2d of height 1 the fused layer runs."""
+    """``(patches, g)`` of a Conv2d, or of an nn.Conv1d as the Conv2d of height 1 the fused layer runs; of
+    an nn.Conv3d (one group, zero padding) as ``[B, C·kd·kh·kw, T]`` and ``[B, O, 1, T]``, the patches
+    taken by torch's own convolution with one-hot kernels (independent of the layer's unfold)."""
+    if isinstance(layer, nn.Conv3d):
+        c, k = layer.in_channels, math.prod(layer.kernel_size)
+        eye = torch.eye(k, dtype=x.dtype).reshape(k, 1, *layer.kernel_size).repeat(c, 1, 1, 1, 1)
+        u = F.conv3d(x, eye, None, layer.stride, layer.padding, layer.dilation, groups=c)
+        return u.flatten(2), g.flatten(2).unsqueeze(2)
     if isinstance(layer, nn.Conv1d):
         return F.unfold(x.unsqueeze(2), (1, *layer.kernel_size), (1, *layer.dilation), (0, *layer.padding),
                         (1, *layer.stride)), g.unsqueeze(2)

@@ -194,6 +194,14 @@ def test_the_clipped_layer_computes_the_torch_forward_and_input_gradient(kind):
     torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-12, atol=1e-12)
 
 
+def test_an_empty_batch_runs_as_torch():
+    """B = 0 (a removal of the only example): torch's Conv3d returns an empty output, and so does ours."""
+    layer = _layer("stride2")
+    ours = bnn.convert_model(copy.deepcopy(layer), clipping="flat", max_grad_norm=0.1)
+    x = torch.zeros(0, *KINDS["stride2"][1], dtype=F64)
+    assert ours(x).shape == layer(x).shape
+
+
 # ---------------------------------------------------------------------------------------- what stays generic, refusals
 
 

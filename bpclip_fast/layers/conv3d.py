@@ -28,6 +28,8 @@ Conv3d's is not, and its proofs bound an input entry's multiplicity in a patch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,8 +99,8 @@ def _patches(layer: nn.Conv3d, x: torch.Tensor):
         if d != 1:
             p = p[..., ::d]
     # [B, C, D', H', W', kd, kh, kw] -> [B, D', H', W', C, kd, kh, kw]
-    b, c, do, ho, wo = p.shape[:5]
-    p = p.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(b, do * ho * wo, -1)
+    b, c, do, ho, wo = p.shape[:5]  # d spelled out: -1 is ambiguous for an empty batch
+    p = p.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(b, do * ho * wo, c * math.prod(layer.kernel_size))
     return p, (do, ho, wo)
 
 
