@@ -68,6 +68,10 @@ class UserConv1d(nn.Conv1d):
     """nn.Conv1d has a fused layer (bpclip_fast/layers/conv1d.py); a subclass stays generic."""
 
 
+class UserConv3d(nn.Conv3d):
+    """nn.Conv3d has a fused layer (bpclip_fast/layers/conv3d.py); a subclass stays generic."""
+
+
 class Net(nn.Module):
     """``[B, T, 4]`` -> 3 classes through one module of ``kind``."""
 
@@ -84,7 +88,7 @@ class Net(nn.Module):
             "mha_seq_first": lambda: UserMHA(d, 2),
             "encoder": lambda: _generic_encoder(d),
             "conv1d": lambda: UserConv1d(d, 5, 3, padding=1),
-            "conv3d": lambda: nn.Conv3d(1, 2, 2),
+            "conv3d": lambda: UserConv3d(1, 2, 2),
             "rmsnorm": lambda: UserRMSNorm(d),
             "instancenorm": lambda: UserInstanceNorm1d(d, affine=True),
             "custom": lambda: Custom(d),
