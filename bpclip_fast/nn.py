@@ -16,8 +16,8 @@ from torch import nn
 
 from . import generic, modes, registry
 from .boundary import LayerStep
-from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv1d, Conv2d, Conv3d, Embedding,  # noqa: F401
-                     EmbeddingBag,
+from .layers import (CLIP_FNS, CONV_NORMS, SUPPORTED_DTYPES, ClassToken, Conv1d, Conv2d, Conv3d,  # noqa: F401
+                     Embedding, EmbeddingBag,
                      GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, Linear,
                      PositionalEmbedding, RMSNorm)
 from .layers.base import _Clipped, _ExampleLayer, _check_positive, _exact_kwargs, _in_parameter_dtype  # noqa: F401

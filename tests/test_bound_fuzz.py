@@ -160,7 +160,8 @@ def cases(draw, kinds, modes):
     batch = draw(st.integers(1, 5))
     values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
     exact_conv_linear = kind in fb.GEMM_KINDS and mode != "backprop"
-    bias = (draw(st.booleans()) if kind in ("linear", "conv", "conv1d", "conv3d", "layer_norm") or kind.startswith("instance_norm")
+    bias = (draw(st.booleans()) if kind in ("linear", "conv", "conv1d", "conv3d", "layer_norm")
+            or kind.startswith("instance_norm")
             else kind in ("group_norm", "hf_conv1d"))
     dtype = draw(st.sampled_from(fb.DTYPES))
     if (kind == "group_norm" or kind.startswith("instance_norm")) and dtype == torch.float16:

@@ -104,7 +104,8 @@ def _scale(layer, xi, gi):
     of the layer: each weight entry sums ``|g_{o,t}|·|patch entry|`` over positions t; for one kernel
     offset the positions read distinct entries of the padded input, so over the ``taps`` offsets the
     patches' norm is at most ``√taps·‖pad(x_i)‖`` (zero padding: ``‖x_i‖``), and the weight's is
-    ``√taps·‖g_i‖·‖pad(x_i)‖``; the bias sums ``|g_{o,t}|`` over ``rows`` positions: ``√rows·‖g_i‖``."""
+    ``√taps·‖g_i‖·‖pad(x_i)‖``; the bias sums ``|g_{o,t}|`` over ``rows`` positions:
+    ``√rows·‖g_i‖``."""
     gn = float(gi.double().norm())
     xn = registry.layer_type(layer).multiplier_norm(layer, xi.unsqueeze(0))
     s = math.sqrt(layer.weight[0, 0].numel()) * gn * xn
@@ -244,7 +245,8 @@ def test_make_private_fuses_conv3d_and_its_step_is_per_example_clipping():
     model = _cnn().double()
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(12, 2, 4, 4, 4, generator=gen, dtype=F64), torch.randint(0, 3, (12,), generator=gen))
+    data = TensorDataset(torch.randn(12, 2, 4, 4, 4, generator=gen, dtype=F64),
+                         torch.randint(0, 3, (12,), generator=gen))
     C = 1e-3  # below every example's gradient norm here: each one is clipped
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():

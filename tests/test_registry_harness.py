@@ -68,7 +68,8 @@ EXAMPLES = {
     nn.InstanceNorm2d: lambda n, g: (nn.InstanceNorm2d(4, affine=True), torch.randn(n, 4, 3, 3, generator=g)),
     nn.InstanceNorm3d: lambda n, g: (nn.InstanceNorm3d(3, affine=True), torch.randn(n, 3, 2, 2, 2, generator=g)),
     nn.Conv1d: lambda n, g: (nn.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), torch.randn(n, 4, 7, generator=g)),
-    nn.Conv3d: lambda n, g: (nn.Conv3d(3, 4, (2, 3, 2), stride=(1, 2, 1), padding=1), torch.randn(n, 3, 3, 4, 3, generator=g)),
+    nn.Conv3d: lambda n, g: (nn.Conv3d(3, 4, (2, 3, 2), stride=(1, 2, 1), padding=1),
+                             torch.randn(n, 3, 3, 4, 3, generator=g)),
 }
 try:  # Hugging Face's Conv1D is registered once transformers is imported (registry.load_optional)
     from transformers.pytorch_utils import Conv1D as _HFConv1D

@@ -9,7 +9,8 @@ The import order is the registration order, which is the order in which the regi
 list the types: keep it.
 """
 
-from . import base, norms, embedding, tokens, linear, conv2d, conv1d, attention, embedding_bag, recurrent, conv3d  # noqa: F401  (registration order)
+from . import (base, norms, embedding, tokens, linear, conv2d, conv1d, attention, embedding_bag,  # noqa: F401
+               recurrent, conv3d)  # (registration order)
 from .base import CLIP_FNS, SUPPORTED_DTYPES
 from .attention import MultiheadAttention
 from .conv1d import Conv1d
@@ -22,7 +23,8 @@ from .recurrent import GRU, LSTM, RNN
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm, RMSNorm
 from .tokens import ClassToken, PositionalEmbedding
 
-__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag",
+__all__ = ["CLIP_FNS", "CONV_NORMS", "SUPPORTED_DTYPES", "ClassToken", "Conv1d", "Conv2d", "Conv3d", "Embedding",
+           "EmbeddingBag",
            "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm", "Linear",
            "MultiheadAttention", "PositionalEmbedding", "LSTM", "GRU", "RNN",
            "RMSNorm"]
