@@ -221,7 +221,18 @@ class _Clipped:
         return f"input_clip={self.input_clip:g}, grad_clip={self.grad_clip:g}, clip_fn={self.clip_fn!r}"
 
 
-class _ExampleLayer(_Clipped):
+class _ExactOnly:
+    """A clipped layer with exact modes only: its noise bound is ``C`` whatever the input's shape."""
+
+    def _shape_dependent(self, input_shape) -> bool:
+        return False
+
+    def sensitivity_for(self, input_shape=None) -> float:
+        """The noise bound ``C`` (exact clipping: each example's gradient is clipped to it)."""
+        return self.noise_bound
+
+
+class _ExampleLayer(_ExactOnly, _Clipped):
     """A layer whose per-example gradients are small enough to instantiate (affine parameters of a
     normalisation, an embedding table's rows, an added parameter), clipped exactly by
     :func:`bpclip_fast.exact.example_layer`; its bound is :class:`bpclip_fast.examples.DenseExamples`'.
@@ -237,13 +248,6 @@ class _ExampleLayer(_Clipped):
                              "clipping='flat' or 'per_layer' (exact per-example clipping: make_private(..., "
                              f"clipping='flat')), or freeze the {kind} (requires_grad_(False))")
         self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
-
-    def _shape_dependent(self, input_shape) -> bool:
-        return False
-
-    def sensitivity_for(self, input_shape=None) -> float:
-        """The noise bound ``C`` (exact clipping: each example's gradient is clipped to it)."""
-        return self.noise_bound
 
     @_in_parameter_dtype
     def forward(self, x):

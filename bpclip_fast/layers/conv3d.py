@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import compiled, exact, modes, registry
-from .base import _Clipped, _in_parameter_dtype
+from .base import _Clipped, _ExactOnly, _in_parameter_dtype
 
 
-class Conv3d(_Clipped, nn.Conv3d):
+class Conv3d(_ExactOnly, _Clipped, nn.Conv3d):
     """``nn.Conv3d`` (one group) under exact per-example clipping (``flat``/``per_layer``), through the
     fused Linear kernels on its patches (module docstring). Input ``[B, C, D, H, W]``."""
 
@@ -58,13 +58,6 @@ class Conv3d(_Clipped, nn.Conv3d):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                          groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
         self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm, norm_method)
-
-    def _shape_dependent(self, input_shape) -> bool:
-        return False
-
-    def sensitivity_for(self, input_shape=None) -> float:
-        """The noise bound ``C`` (exact clipping: each example's gradient is clipped to it)."""
-        return self.noise_bound
 
     @_in_parameter_dtype
     def forward(self, x):

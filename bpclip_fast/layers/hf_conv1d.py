@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D as _HFConv1D
 
 from .. import compiled, exact, modes, registry
-from .base import _Clipped, _in_parameter_dtype
+from .base import _Clipped, _ExactOnly, _in_parameter_dtype
 
 
-class Conv1D(_Clipped, _HFConv1D):
+class Conv1D(_ExactOnly, _Clipped, _HFConv1D):
     """Hugging Face's ``Conv1D`` under exact per-example clipping (``flat``/``per_layer``), through the
     fused Linear kernels on the transposed weight (module docstring). Input ``[B, *, nx]``."""
 
@@ -41,13 +41,6 @@ class Conv1D(_Clipped, _HFConv1D):
         self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm, norm_method)
         if dtype is not None:  # after _init_clipping: _apply moves its counter too (integer: not cast)
             self.to(dtype)
-
-    def _shape_dependent(self, input_shape) -> bool:
-        return False
-
-    def sensitivity_for(self, input_shape=None) -> float:
-        """The noise bound ``C`` (exact clipping: each example's gradient is clipped to it)."""
-        return self.noise_bound
 
     @_in_parameter_dtype
     def forward(self, x):
