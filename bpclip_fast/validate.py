@@ -213,10 +213,11 @@ def _probe_input(example_input, batch: int):
 
 def _perturbed(probe_input, row: int):
     """``probe_input`` with one example (``row``) changed: its floating-point values drawn afresh, its
-    integer and boolean values (token ids, masks) rolled by one along their last dimension, or, one
-    value per example, taken from the next example: values of the input's own, so still valid
-    indices. Without the integer part a model using one example's tokens for all of them
-    (``emb(ids[:1].expand(B, T))``) passed every probe."""
+    integer and boolean values (token ids, masks, lengths) replaced by the next example's: values of
+    the input's own, so still valid indices and masks. Without the integer part a model using one
+    example's tokens for all of them (``emb(ids[:1].expand(B, T))``) passed every probe; rolling the
+    row along its last dimension instead kept the batch's multiset of tokens, so a model that mixes
+    examples through it (``emb(ids) / bincount(ids.flatten())[ids]``, a batch-wide frequency) passed."""
     generator = torch.Generator().manual_seed(_SEED + 1 + row)
 
     def change(t: torch.Tensor) -> torch.Tensor:
@@ -225,8 +226,6 @@ def _perturbed(probe_input, row: int):
         t = t.clone()
         if t.is_floating_point():
             t[row] = _random_like(t.shape[1:], t, generator)
-        elif t.dim() > 1:
-            t[row] = t[row].roll(1, dims=-1)
         else:
             t[row] = t[(row + 1) % t.shape[0]]
         return t
