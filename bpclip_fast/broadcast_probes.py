@@ -14,8 +14,8 @@ once per example in private training (:mod:`bpclip_fast.broadcast`). Part of
    inputs too (a token-only model, where probe 2 has nothing to perturb).
 3. *not from the data*: the shared row is the same when every integer input (token ids, masks) is
    reversed along its last dimension. A row taken from one example's tokens (``ids[:1]``) looked up
-   for every example would put that example's data into every example's gradient; probe 2 of
-   :mod:`bpclip_fast.validate` perturbs floating-point inputs only.
+   for every example would put that example's data into every example's gradient (probe 2 of
+   :mod:`bpclip_fast.validate` catches it only where a perturbed example is the one taken).
 
 Their limits are the other probes': only what this probe batch exercises.
 """

@@ -37,8 +37,8 @@ problem message names the module (qualified name and type) and the rule, and say
     2. *batch independence*: changing the first (then the last) example changes no other example's
        model output, trainable-layer input or trainable-layer output gradient. Catches
        ``h - h.mean(0)``, ``F.batch_norm`` with batch statistics, attention across the batch.
-       Skipped when the input has no floating-point tensor (nothing to perturb without changing
-       indices).
+       The changed example's integer and boolean tensors (ids, masks, lengths) take the next
+       example's values, rolled (:func:`_perturbed`): valid indices, and a new multiset of the batch's tokens.
     3. *buffers*: no buffer changes in one training-mode forward (an EMA, running statistics, a
        counter): it would be updated from the data and released without noise.
     4. *gradient ownership*: each trainable layer's parameter gradient equals the one the layer
@@ -213,11 +213,12 @@ def _probe_input(example_input, batch: int):
 
 def _perturbed(probe_input, row: int):
     """``probe_input`` with one example (``row``) changed: its floating-point values drawn afresh, its
-    integer and boolean values (token ids, masks, lengths) replaced by the next example's: values of
-    the input's own, so still valid indices and masks. Without the integer part a model using one
-    example's tokens for all of them (``emb(ids[:1].expand(B, T))``) passed every probe; rolling the
-    row along its last dimension instead kept the batch's multiset of tokens, so a model that mixes
-    examples through it (``emb(ids) / bincount(ids.flatten())[ids]``, a batch-wide frequency) passed."""
+    integer and boolean values (token ids, masks, lengths) replaced by the next example's, rolled by
+    one along their last dimension: values of the input's own, so still valid indices and masks.
+    Without the integer part a model using one example's tokens for all of them
+    (``emb(ids[:1].expand(B, T))``) passed every probe; rolling the example's own row only kept the
+    batch's multiset of tokens, so a model mixing examples through it
+    (``emb(ids) / bincount(ids.flatten())[ids]``, a batch-wide frequency) passed."""
     generator = torch.Generator().manual_seed(_SEED + 1 + row)
 
     def change(t: torch.Tensor) -> torch.Tensor:
@@ -226,6 +227,8 @@ def _perturbed(probe_input, row: int):
         t = t.clone()
         if t.is_floating_point():
             t[row] = _random_like(t.shape[1:], t, generator)
+        elif t.dim() > 1:  # rolled too: a probe batch built from one row holds the same ids in every row
+            t[row] = t[(row + 1) % t.shape[0]].roll(1, dims=-1)
         else:
             t[row] = t[(row + 1) % t.shape[0]]
         return t

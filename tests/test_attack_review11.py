@@ -75,7 +75,8 @@ def test_channels_last_and_an_expanded_batch_release_per_example_clipping(layout
         assert x.stride(0) == 0
     with torch.no_grad():
         out_shape = model[0](x[:1]).shape[1:]
-    g = torch.randn(n, *out_shape, generator=gen, dtype=F64) * torch.arange(1.0, n + 1, dtype=F64).reshape(-1, 1, 1, 1, 1)
+    spread = torch.arange(1.0, n + 1, dtype=F64).reshape(-1, 1, 1, 1, 1)  # the examples' norms differ
+    g = torch.randn(n, *out_shape, generator=gen, dtype=F64) * spread
     grads = fr.truth(model, x, g)
     norms = torch.sqrt(sum(v.flatten(1).square().sum(1) for v in grads.values()))
     C = 0.5 * float(norms.min())
@@ -237,3 +238,23 @@ def test_mixing_through_the_batchs_token_counts_is_refused():
     ids, _, y = _tokens()
     with pytest.raises(ValueError, match=r"emb.*rule: batch independence"):
         _dict_private(BatchFrequency(), TensorDataset(ids % 8, y))  # 8 values: tokens shared across examples
+
+
+class MeanOverBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(10, 3), nn.Linear(3, 2)
+
+    def forward(self, ids):
+        e = self.emb(ids)
+        return self.lin(e - e.mean(0))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_integer_mixing_is_seen_from_an_example_input_of_one_row(rows):
+    """The probe batch repeats the example input's rows, so with one row every example holds the
+    same ids: the next example's values alone would change nothing; rolled, they do."""
+    from bpclip_fast.validate import dynamic_problems
+
+    problems = dynamic_problems(MeanOverBatch(), torch.tensor([[1, 2, 3], [4, 5, 6]])[:rows])
+    assert len(problems) == 1 and "batch independence" in problems[0], problems
