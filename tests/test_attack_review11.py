@@ -258,3 +258,30 @@ def test_integer_mixing_is_seen_from_an_example_input_of_one_row(rows):
 
     problems = dynamic_problems(MeanOverBatch(), torch.tensor([[1, 2, 3], [4, 5, 6]])[:rows])
     assert len(problems) == 1 and "batch independence" in problems[0], problems
+
+
+def test_groups_set_after_conversion_is_refused():
+    """The fused path is one Linear over all channels: a ``groups`` changed on the converted layer
+    would be ignored silently (torch's own Conv3d would compute another function)."""
+    model = bnn.convert_model(nn.Sequential(nn.Conv3d(4, 4, 3)), clipping="flat", max_grad_norm=1.0)
+    model[0].groups = 2
+    with pytest.raises(ValueError, match=r"groups=2.*generic"):
+        model(torch.randn(2, 4, 5, 5, 5))
+
+
+def test_a_no_grad_pass_before_the_training_pass_changes_nothing():
+    """A teacher/EMA pass of the private model under no_grad (nothing expanded, nothing recorded),
+    then the training pass: the release is per-example clipping in float64."""
+    from test_broadcast_index import Positions, _check_step, _data, _private, _truth
+
+    torch.manual_seed(0)
+    model = Positions().double()
+    reference, C = copy.deepcopy(model), 0.05
+    model, opt, loader = _private(model, _data("toy"), "flat", C)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    with torch.no_grad():
+        model(x)
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    _check_step(model, opt, x, y, _truth(reference, model, x, y, "flat", C), C)
+    opt.step()

@@ -64,6 +64,10 @@ class Conv3d(_ExactOnly, _Clipped, nn.Conv3d):
         x = self._check_input(x)
         if x.dim() != 5:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, D, H, W]; got shape {tuple(x.shape)}")
+        if self.groups != 1:  # changed after conversion: the patches' one Linear would ignore it
+            raise ValueError(f"{self.layer_name}: groups={self.groups} was set after conversion, and the fused Conv3d "
+                             "is one Linear over all channels; set groups on the nn.Conv3d before convert_model/"
+                             "make_private (a grouped Conv3d is trained by the generic exact path)")
         patches, spatial = _patches(self, x)
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
             out = compiled.exact_layer(patches, self)
