@@ -111,3 +111,20 @@ def check(kinds, scale, kind, mode, dtype, n, contiguous=True):
     err = math.sqrt(sum(float((got[k].grad.double() - want[k]).square().sum()) for k in want))
     assert err <= tol, f"{kind} {mode} {dtype}: ‖release − truth‖ = {err:.3g} > {tol:.3g}"
     return err, tol
+
+
+def check_forward(kinds, kind):
+    """The clipped layer's output and input gradient (from the unclipped upstream gradient) are torch's
+    own module's, in float64; returns the two outputs (torch's, ours)."""
+    layer = layer_of(kinds, kind)
+    x = torch.randn(3, *kinds[kind][1], dtype=F64, generator=torch.Generator().manual_seed(4))
+    ours = bnn.convert_model(copy.deepcopy(layer), clipping="per_layer", max_grad_norm=0.1)
+    assert type(ours) is registry.layer_type(layer).clipped_type
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outs = [layer(xs[0]), ours(xs[1])]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    g = torch.randn(outs[0].shape, dtype=F64, generator=torch.Generator().manual_seed(5))
+    for o in outs:
+        (o * g).sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-12, atol=1e-12)
+    return outs

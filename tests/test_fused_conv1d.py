@@ -95,18 +95,7 @@ def test_a_non_contiguous_input(kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_clipped_layer_computes_the_torch_forward_and_input_gradient(kind):
-    """Output and input gradient (from the unclipped upstream gradient) as torch's own module, float64."""
-    layer = _layer(kind)
-    x = torch.randn(3, *KINDS[kind][1], dtype=F64, generator=torch.Generator().manual_seed(4))
-    ours = bnn.convert_model(copy.deepcopy(layer), clipping="per_layer", max_grad_norm=0.1)
-    assert type(ours) is registry.layer_type(layer).clipped_type
-    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    outs = [layer(xs[0]), ours(xs[1])]
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
-    g = torch.randn(outs[0].shape, dtype=F64, generator=torch.Generator().manual_seed(5))
-    for o in outs:
-        (o * g).sum().backward()
-    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-12, atol=1e-12)
+    fr.check_forward(KINDS, kind)
 
 
 # ---------------------------------------------------------------------------------------- GPT-2
