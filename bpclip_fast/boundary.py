@@ -208,6 +208,11 @@ class LayerStep:
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
         self._gate = PassGate()     # the engine's (shared with on_new_pass); this one never skips a call
+        # Correlated noise (bpclip_fast.banded), set by the engine: the layer's rows, the row of the
+        # step's batch, and the row made by this pass's draw until the backward returns it.
+        self.band = None
+        self.band_row = None
+        self._band_due = None
         self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
 
     # ------------------------------------------------------------------ parameters and hooks
@@ -466,7 +471,36 @@ class LayerStep:
         seed, offset = self.take_draw()
         if std == 0:
             return 0, 0, 0.0, d, scale
+        if self.band is not None:  # the release goes out un-noised from the op; produced() adds w_t
+            self._band_due = self._band_noise(std * scale / d)
+            return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
+
+    def _band_noise(self, std: float) -> torch.Tensor:
+        """Row ``t`` of this layer's correlated noise (``bpclip_fast.banded``), made once: a second
+        draw within the step (the gradient that held the first was discarded) is refused, since a
+        fresh row would release the past rows' noise once more and the same row would be the same
+        noise on other data."""
+        row = self.band_row()
+        if self.band.made(row):
+            details = (f"{self.name}: the gradient that held this step's correlated noise (row {row}) was discarded "
+                       "(zero_grad, or a backward pass whose gradient never landed) and a later backward pass needs "
+                       "the noise again; banded noise draws each row once (a new row would release the noise of the "
+                       "past steps again, the same row would be the same noise on other data). Take one backward per "
+                       "step, or micro-batches without clearing the gradient between them")
+            self.refuse("banded-redraw", details)
+            raise RuntimeError(details)
+        params = self.params
+        return self.band.row(row, std, params[0], sum(p.numel() for p in params))
+
+    def add_band(self, grads, w) -> None:
+        """Adds the flat row ``w`` (all of the layer's parameters, in ``params`` order) to ``grads``."""
+        at = 0
+        for p, g in zip(self.params, grads):
+            n = p.numel()
+            if g is not None:
+                g.add_(w[at:at + n].view(g.shape))
+            at += n
 
     def take_draw(self):
         """``(seed, offset)`` of the next draw of this step: the step's own for the first, then a fresh
@@ -489,7 +523,12 @@ class LayerStep:
             self._pass_counts = unclipped if self._pass_counts is None else self._pass_counts + unclipped
 
     def produced(self, grads) -> None:
-        """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check."""
+        """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check;
+        under correlated noise, first adds the row this pass drew to them."""
+        due = self._band_due
+        if due is not None:
+            self._band_due = None
+            self.add_band(grads, due)
         if not self.enforce:
             return
         for i, g in enumerate(grads):
@@ -536,6 +575,7 @@ class LayerStep:
         if not same_step:
             self._draws = 0
         self._pass_landed = set()
+        self._band_due = None
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""
@@ -552,6 +592,7 @@ class LayerStep:
                 self._expected[i] = _record(p.grad)
 
     def discard(self) -> None:
+        self._band_due = None
         for p in self.params:
             p.grad = None
         self._expected.clear()

@@ -89,9 +89,14 @@ class NoiseStream:
         return self._offset(_MAX_LAYERS - 1)
 
     def _offset(self, layer_index: int) -> int:
-        if self.step >= _MAX_STEPS:
+        return self.offset_at(self.step, layer_index)
+
+    def offset_at(self, step: int, layer_index: int) -> int:
+        """The counters of layer ``layer_index``'s draw at ``step`` (correlated noise keys its rows by
+        the batch index, ``bpclip_fast.banded``)."""
+        if not 0 <= step < _MAX_STEPS:
             raise RuntimeError("NoiseStream: step counter exhausted; start a new stream")
-        return (self.step << (_LAYER_BITS + 1)) | (layer_index << 1)
+        return (int(step) << (_LAYER_BITS + 1)) | (layer_index << 1)
 
     def __repr__(self):
         return f"NoiseStream(step={self.step}, secure={self.secure})"

@@ -48,6 +48,8 @@ class Request:
     adaptive: object
     criterion: object
     batch_inputs: object
+    noise: str = "independent"
+    bands: int = 1
     sigma_effective: float | None = None
 
     @property

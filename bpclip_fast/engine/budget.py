@@ -11,6 +11,7 @@ functions are the one home of the rules over it.
 
 from __future__ import annotations
 
+from . import correlated
 from ._common import accounting
 
 
@@ -103,8 +104,14 @@ def charge(engine) -> None:
     it would not change ρ)."""
     kw = dict(noise_multiplier=engine.effective_noise_multiplier, sample_rate=engine._accounting_rate)
     engine._taken_here += 1
-    if engine.poisson_sampling:
+    if engine.poisson_sampling and engine._band is None:
         engine.accountant.step(**kw)
         return
-    for _ in range(charged_batch(engine) + 1 - len(engine.accountant)):
+    # Shuffled, and correlated noise: the accountant's step k is batch k. Under banded noise batch t is
+    # row t of the noise and comes from group t mod b, so the banded accountant's positions are the
+    # groups; a skipped batch is a row with no release, charged (rows are made for it: correlated.commit).
+    t = charged_batch(engine)
+    for _ in range(t + 1 - len(engine.accountant)):
         engine.accountant.step(**kw)
+    if engine._counter.last_t is not None:  # rows exist only for batches delivered
+        correlated.commit(engine, engine._counter.last_t)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 
-from . import distributed, seeds
+from . import correlated, distributed, seeds
 from ._common import InsecureSeedWarning
 
 STATE_FORMAT = "bpclip_fast.PrivacyEngine/2"
@@ -23,6 +23,12 @@ def state_dict(engine, include_secrets: bool = False) -> dict:
              "sample_rate": engine.sample_rate, "poisson_sampling": engine.poisson_sampling,
              "loss_reduction": engine.loss_reduction, "world_size": engine.world_size}
     sampler = engine.data_loader.batch_sampler
+    if engine.bands != 1:
+        # The groups must stay the groups (b-min-separation across the resume); the partition is not
+        # secret (the analysis gives the adversary every example's group). The noise rows are: a
+        # resumed run starts a new band (bpclip_fast.banded: the block-diagonal strategy is sound).
+        state["bands"] = engine.bands
+        state["partition_seed"] = sampler.partition_seed
     if not engine.poisson_sampling:
         # Shuffled batches: the rest of the current epoch must come from the same permutation (an
         # example is in one batch per epoch). The zCDP analysis does not need it secret.
@@ -57,6 +63,10 @@ def _check_settings(engine, state) -> None:
     if state["accountant"] != engine.accountant_name:
         raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint was accounted with "
                          f"{state['accountant']!r}, this engine uses {engine.accountant_name!r}")
+    if int(state.get("bands", 1)) != engine.bands:
+        raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint was trained with bands={state.get('bands', 1)}, "
+                         f"this engine has bands={engine.bands}: the loader's groups and the accountant's positions "
+                         "would not continue; make_private with the checkpoint's noise and bands")
     if state["poisson_sampling"] != engine.poisson_sampling:
         raise ValueError("PrivacyEngine.load_state_dict: the checkpoint used a different sampling "
                          "(poisson_sampling) than this engine")
@@ -122,6 +132,9 @@ def _assign(engine, state, saved, loaded) -> None:
     seeds.set_noise_seed(engine, noise_seed)
     sampler = engine.data_loader.batch_sampler
     sampler.seed = sampler_seed
+    if engine.bands != 1:
+        sampler.partition_seed = int(state["partition_seed"])
+    correlated.restart(engine)
     if hasattr(sampler, "_perm"):
         sampler._perm = (None, None)
     engine._counter.delivered = loaded["delivered"]

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import batches, broadcast, data, modes, ranks as _ranks
+from .. import banded, batches, broadcast, data, modes, ranks as _ranks
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import DistributedRecorder, LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
-from . import arguments, budget, checkpoint, distributed, guards, model_checks, refusal, seeds, thresholds
+from . import arguments, budget, checkpoint, correlated, distributed, guards, model_checks, refusal, seeds, thresholds
 from .optimizer import DPOptimizer
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
 
@@ -63,7 +63,7 @@ class PrivacyEngine:
                      poisson_sampling: bool = True, noise_seed: int | None = None,
                      max_epsilon: float | None = None, delta: float | None = None,
                      max_input_shape=None, nonfinite: str = "drop", probe: bool = True, adaptive=None,
-                     criterion=None, batch_inputs: int | None = None):
+                     criterion=None, batch_inputs: int | None = None, noise: str = "independent", bands: int = 1):
         """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
 
         ``clipping``: ``"backprop"`` (backpropagation clipping: ``input_clip``/``grad_clip``, per-example
@@ -100,6 +100,12 @@ class PrivacyEngine:
         ``grad_clip`` of every layer, starting from the values given) follows a target quantile of
         the norms it clips, from noisy counts released with each step (:mod:`bpclip_fast.adaptive`:
         the accountant keeps ``σ``, the gradient's noise is raised to pay for the counts).
+        ``noise``: ``"independent"`` (a fresh draw each step) or ``"banded"`` (correlated across the
+        steps, ``bands`` of them: amplified BandMF with the banded square root strategy,
+        :mod:`bpclip_fast.banded`; the loader becomes cyclic Poisson over ``bands`` groups, each example
+        in at most one of every ``bands`` consecutive batches, and the accountant composes
+        ``ceil(T/bands)`` steps at the group's rate). Exact or backprop clipping, fixed thresholds, one
+        process, float32/float64 parameters; a resumed run starts a new band.
 
         In phases: arguments, then every problem of the model at once (nothing is changed before
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
@@ -114,6 +120,10 @@ class PrivacyEngine:
         self.nonfinite = r.nonfinite
         self.input_clip, self.grad_clip, self.conv_norm, self.clip_fn = r.input_clip, r.grad_clip, r.conv_norm, r.clip_fn
         self.clipping, self.max_grad_norm = r.clipping, r.max_grad_norm
+        if r.bands != 1:  # the accountant composes the group's steps (nothing was charged yet)
+            self._accountant_kwargs = {**self._accountant_kwargs, "bands": r.bands}
+            self.accountant = accounting().make_accountant(self.accountant_name, **self._accountant_kwargs)
+        correlated.prepare(self, r.bands, r.optimizer)
         sampler_seed = seeds.prepare(self, r.noise_seed)
         self.data_loader = self._prepare_loader(r.data_loader, plan, sampler_seed)
         self.module = distributed.wrapped(module, self.distributed)
@@ -140,8 +150,10 @@ class PrivacyEngine:
             r = dataclasses.replace(r, adaptive=arguments.check_adaptive(r.adaptive),
                                     batch_inputs=arguments.check_batch_inputs(r.batch_inputs))
             self.rank, self.world_size, self.distributed = distributed.world()
+            r = dataclasses.replace(r, bands=correlated.check(r, self.accountant_name, self.distributed))
             inner = distributed.unwrapped(r.module, self.distributed)
-            plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what)
+            plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what,
+                                               **({"bands": r.bands} if r.bands != 1 else {}))
             if r.max_input_shape is not None:
                 r = dataclasses.replace(r, max_input_shape=batches.normal_shapes(r.max_input_shape))
         if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
@@ -278,10 +290,14 @@ class PrivacyEngine:
                 raise ValueError(f"make_private_with_epsilon: epochs must be a positive integer, got {epochs}")
             poisson = kwargs.get("poisson_sampling", True)
             arguments.check_pairing(self.accountant, self.accountant_name, poisson)
-            plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon")
+            bands = banded.check_bands(kwargs.get("bands", 1))
+            plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon",
+                                               **({"bands": bands} if bands != 1 else {}))
+            extra = {"bands": bands} if bands != 1 else {}
             sigma_eff = accounting().get_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
-                steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs)
+                steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs,
+                **extra)
         self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
         try:  # make_private's signature holds the defaults; its error for an unknown argument as a call would raise
             bound = inspect.signature(self.make_private).bind(module=module, optimizer=optimizer, data_loader=data_loader,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import _ops
-from . import distributed
+from . import correlated, distributed, refusal
 from .guards import outside_params, outside_tensors, owned_ids
 
 
@@ -100,6 +100,13 @@ def fallback_noise(engine, pending) -> None:
         pending = distributed.broadcast_flags(pending)
     for st, todo in zip(engine._steps_of, pending):
         if not todo:
+            continue
+        if st.band is not None:
+            if not correlated.fallback(engine, st):
+                refusal.refuse(engine, [("banded-redraw", f"{st.name}'s gradient was cleared after its backward "
+                                         "added this step's correlated noise row, which is drawn once (a new row "
+                                         "would release the past steps' noise again); do not clear a layer's "
+                                         "gradient between its backward and step()", [st.name])])
             continue
         # Every rank adds the same draw divided by W: the value DDP's average would have given.
         layer = st.layer

@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--count-noise", type=float, default=_D.count_noise, metavar="SIGMA_B",
                    help="--adaptive: std of the noise on the unclipped-example counts, in examples "
                         "(default: the engine's)")
+    g.add_argument("--noise", choices=("independent", "banded"), default=_D.noise,
+                   help="independent noise each step, or banded: correlated across --bands steps (amplified "
+                        "BandMF; cyclic Poisson batches; default: %(default)s)")
+    g.add_argument("--bands", type=int, default=_D.bands,
+                   help="bands of the correlated noise (--noise banded; default: %(default)s)")
     g.add_argument("--noise-seed", type=int, default=None,
                    help="bpclip/flat/per-layer: explicit noise/sampling seed for reproducibility; INSECURE "
                         "(default: OS entropy)")
@@ -157,7 +162,8 @@ def config_from_args(args) -> Config:
                   accountant=args.accountant, sampling=args.sampling, clip_fn=args.clip_fn,
                   conv_norm=args.conv_norm, input_clip=args.input_clip, grad_clip=args.grad_clip,
                   max_grad_norm=args.max_grad_norm, adaptive=args.adaptive, target_quantile=args.target_quantile,
-                  clip_lr=args.clip_lr, count_noise=args.count_noise, batch_size=args.batch_size, epochs=args.epochs,
+                  clip_lr=args.clip_lr, count_noise=args.count_noise, noise=args.noise, bands=args.bands,
+                  batch_size=args.batch_size, epochs=args.epochs,
                   optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
                   noise_seed=args.noise_seed, device=args.device, threads=args.threads, out=args.out,
                   checkpoint=args.checkpoint, resume=args.resume, progress=not args.quiet)

@@ -53,7 +53,7 @@ BACKPROP_METHODS = tuple(m for m, mode in methods_mod.ENGINE_METHODS.items() if 
 _RESUME_KEYS = ("data", "val_size", "limit", "model", "activation", "tempered", "method", "epsilon", "sigma",
                 "delta", "accountant", "sampling", "clip_fn", "conv_norm", "input_clip", "grad_clip",
                 "max_grad_norm", "adaptive", "target_quantile", "clip_lr", "count_noise", "batch_size", "optimizer",
-                "lr", "momentum", "seed")
+                "lr", "momentum", "seed", "noise", "bands")
 
 
 @dataclass
@@ -87,6 +87,8 @@ class Config:
     target_quantile: float = 0.5
     clip_lr: float = 0.2
     count_noise: float | None = None
+    noise: str = "independent"
+    bands: int = 1
     batch_size: int = 256
     epochs: int = 15
     optimizer: str = "adam"
@@ -147,6 +149,13 @@ class Config:
             if given:
                 raise ValueError(f"{', '.join(given)}: an option of the adaptive clipping thresholds, which "
                                  "needs --adaptive")
+        if c.noise not in ("independent", "banded"):
+            raise ValueError(f"--noise must be independent or banded, got {c.noise!r}")
+        if c.noise == "banded" and c.method not in methods_mod.ENGINE_METHODS:
+            raise ValueError(f"--noise banded (correlated noise) applies to --method "
+                             f"{', '.join(methods_mod.ENGINE_METHODS)}, not {c.method}")
+        if c.bands != 1 and c.noise != "banded":
+            raise ValueError("--bands needs --noise banded")
         if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
             raise ValueError("--epochs, --batch-size and --lr must be positive")
         if c.resume and not c.checkpoint:
@@ -268,8 +277,9 @@ def _load_checkpoint(path, cfg):
     if state.get("format") != "bpclip_fast.train/1":
         raise ValueError(f"{path}: not a bpclip-train checkpoint")
     saved = state["config"]
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in _RESUME_KEYS
-            if saved.get(k) != getattr(cfg, k)]
+    # a key the checkpoint's version did not have yet (noise, bands) had its default then
+    diff = [f"{k}: checkpoint {saved.get(k, getattr(_DEFAULTS, k))!r}, now {getattr(cfg, k)!r}" for k in _RESUME_KEYS
+            if saved.get(k, getattr(_DEFAULTS, k)) != getattr(cfg, k)]
     if diff:
         raise ValueError(f"--resume: {path} was written by a run with other settings:\n  " + "\n  ".join(diff))
     return state

@@ -1,0 +1,184 @@
+"""Correlated noise across steps: the banded matrix-factorization mechanism (amplified BandMF).
+
+**The mechanism** (Choquette-Choo et al., "Amplified Banded Matrix Factorization", NeurIPS 2023;
+Denisov et al. 2022). Training releases gradients ``Ĝ_t``; the optimizer (SGD) needs their prefix
+sums, the workload ``A`` (lower-triangular ones). Factor ``A = B·C`` with ``C`` lower-triangular
+Toeplitz and *b-banded*: ``C_{t,t−j} = c_j`` for ``0 ≤ j < b``, zero beyond. The mechanism releases
+``y = C·G + σΔ·z`` (``z`` i.i.d. N(0, 1) per step and coordinate) and the model sees
+``Ĝ = C⁻¹y = G + w`` with the correlated noise ``w = σΔ·C⁻¹z``, i.e. the recursion
+
+    c_0·w_t = σΔ·z_t − Σ_{1 ≤ j < b} c_j·w_{t−j}.
+
+Everything the training loop sees is computed from ``Ĝ``, hence from ``y`` (post-processing).
+
+**Why this is private with the accountant of** :mod:`bpclip_fast.accounting` (``bands=b``): under
+*b-min-separated participation* (an example is in at most one of every ``b`` consecutive batches:
+the cyclic Poisson loader, :class:`bpclip_fast.data.CyclicPoissonBatchSampler`), one example that
+participates at steps ``s_1 < s_2 < …`` with ``s_{k+1} − s_k ≥ b`` moves ``y`` by
+``Σ_k (C e_{s_k}) ⊗ g_k`` with ``‖g_k‖ ≤ Δ``. Column ``C e_s`` is supported on rows ``s … s+b−1``
+(banded), so the columns of different participations have disjoint supports: the mechanism is a
+composition of one Gaussian mechanism per participation, each of sensitivity
+``‖C e_s‖·Δ ≤ ‖c‖₂·Δ = Δ`` (we normalise ``‖c‖₂ = 1``; the last ``b−1`` columns are truncated and
+shorter) with noise ``σΔ``, i.e. noise multiplier ``σ`` — and each participation is Poisson
+sampled within its group. So the run is DP-SGD over the example's group: ``ceil(T/b)`` Poisson
+subsampled Gaussians at the group's rate (Theorem 4 of Choquette-Choo et al. 2023; jax_privacy's
+cyclic-Poisson accountant does the same reduction). ``b = 1`` is DP-SGD exactly.
+
+**Restarting the band is sound.** A run that starts the recursion afresh at some step (a resumed
+checkpoint: the last ``b−1`` noise rows are secret and are never saved) uses the block-diagonal
+strategy ``diag(C_1, C_2)``: still lower-triangular, b-banded, with columns of norm ≤ 1, so the
+argument above holds unchanged; only the noise at the boundary is not cancelled.
+
+**The strategy** (chosen): the banded square root of the workload (BSR; Kalinin & Lampert,
+"Banded Square Root Matrix Factorization for Differentially Private Model Training", NeurIPS 2024):
+``c_j`` are the first ``b`` coefficients of ``a(x)^{1/2}`` where ``a(x)`` is the workload's
+generating function — ``1/(1−x)`` for SGD (``c_j = binom(2j, j)/4^j``), ``1/((1−x)(1−βx))`` for SGD
+with momentum ``β`` — normalised to ``‖c‖₂ = 1``. Closed form, no optimisation, within a small
+factor of the optimal banded strategy in their analysis. All its coefficients are positive and,
+for ``β = 0``, decreasing, so ``c(x)`` has no zero inside the unit disc (Eneström–Kakeya) and the
+recursion does not blow up. Why ``C`` banded rather than ``C⁻¹`` banded (noise ``Σ_j m_j z_{t−j}``,
+regenerable from the Philox keys with no stored rows): with a banded inverse, ``C`` is dense, an
+example's participations overlap in ``y``, and Poisson amplification no longer reduces to
+independent mechanisms (it needs the MMCC analysis of Choquette-Choo et al. 2024). We keep the
+exact, simple accounting and pay ``b−1`` stored noise rows per parameter (secret state, never in
+any ``state_dict``).
+
+**Where the noise is added.** At the release point, as the independent draw is
+(:class:`bpclip_fast.boundary.LayerStep`): the layer's backward releases its clipped sum without
+noise and :meth:`LayerBand.add_to` adds ``w_t`` to the returned gradients before they leave the
+backward, so no un-noised or partly-noised gradient is ever visible. Row ``t`` of the noise is
+the index of the step's batch (``BatchCounter.last_t``), as the loader's group is: a batch claimed
+and never used (prefetched when a loop stopped) is a row with no release, whose noise row is
+still made (from its own draw) and charged. Every draw of a layer and row is ``z_t`` from the
+Philox key (noise seed, row, layer), one flat vector over the layer's parameters (all of them, in
+``LayerStep.params`` order, so freezing a parameter does not move any other's numbers).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+
+from . import _ops
+
+#: the largest number of bands: each stores one noise row per parameter
+MAX_BANDS = 64
+
+
+def bsr_coefficients(bands: int, momentum: float = 0.0) -> tuple:
+    """``(c_0, …, c_{b−1})``: the banded square root of the SGD (``momentum = 0``) or momentum
+    workload, normalised to unit 2-norm (module docstring). Computed in float64 as the power-series
+    product of ``(1−x)^{-1/2}`` and ``(1−βx)^{-1/2}``, whose coefficients are ``binom(2j, j)/4^j``
+    and ``binom(2j, j)/4^j·β^j``."""
+    b = check_bands(bands)
+    beta = float(momentum)
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"bsr_coefficients: momentum must be in [0, 1), got {momentum!r}")
+    half = [1.0]
+    for j in range(1, b):
+        half.append(half[-1] * (2 * j - 1) / (2 * j))  # binom(2j, j)/4^j by its ratio
+    c = [sum(half[i] * half[j - i] * beta ** (j - i) for i in range(j + 1)) for j in range(b)]
+    norm = math.sqrt(sum(v * v for v in c))
+    return tuple(v / norm for v in c)
+
+
+def check_bands(bands) -> int:
+    if isinstance(bands, bool) or not isinstance(bands, int) and not (
+            isinstance(bands, float) and bands.is_integer()):
+        raise ValueError(f"bands must be an integer in [1, {MAX_BANDS}], got {bands!r}")
+    b = int(bands)
+    if not 1 <= b <= MAX_BANDS:
+        raise ValueError(f"bands must be an integer in [1, {MAX_BANDS}] (each band stores one noise row per "
+                         f"parameter), got {bands!r}")
+    return b
+
+
+class BandedNoise:
+    """The engine's correlated-noise state: the coefficients and each layer's rows."""
+
+    def __init__(self, coefficients):
+        self.c = tuple(float(v) for v in coefficients)
+        if not self.c or self.c[0] <= 0:
+            raise ValueError("BandedNoise: c_0 must be > 0")
+        self.bands = len(self.c)
+
+    def layer(self, key_of_row) -> "LayerBand":
+        return LayerBand(self, key_of_row)
+
+
+class LayerBand:
+    """One layer's noise rows: the last ``b−1`` committed ``w`` (newest first) and the current one.
+
+    ``key_of_row(t)`` is the Philox ``(seed, offset)`` of row ``t`` for this layer. Rows are made in
+    increasing order; a row already made is never made again (its noise may have been seen), and a
+    request for it after its gradient was discarded is refused by the caller.
+    """
+
+    __slots__ = ("noise", "key_of_row", "history", "next_row", "current", "current_row")
+
+    def __init__(self, noise: BandedNoise, key_of_row):
+        self.noise = noise
+        self.key_of_row = key_of_row
+        self.history = collections.deque(maxlen=max(noise.bands - 1, 1))
+        self.next_row = None     # the first row not yet made (None: none made since the start/restart)
+        self.current = None      # (row, w) made and not yet committed
+        self.current_row = None
+
+    def made(self, row: int) -> bool:
+        """Whether row ``row`` (or a later one) was already made."""
+        return self.current_row is not None and row <= self.current_row or (
+            self.next_row is not None and row < self.next_row)
+
+    def row(self, row: int, std: float, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """``w_row`` as one flat vector of ``numel`` values (dtype and device of ``like``), made now:
+        rows skipped since the last one are made first (each from its own draw), then this one."""
+        if self.made(row):
+            raise RuntimeError(f"banded noise: row {row} was already made")
+        self._catch_up(row, std, like, numel)
+        w = self._make(row, std, like, numel)
+        self.current, self.current_row = w, row
+        return w
+
+    def commit_through(self, row: int, std: float, like: torch.Tensor, numel: int) -> None:
+        """Rows up to ``row`` become history (the step charged for batch ``row`` ended): the current
+        row is pushed, and any row not made (a layer no backward reached in a refused step, a skipped
+        batch) is made from its own draw and pushed."""
+        self._catch_up(row + 1, std, like, numel)
+
+    def _catch_up(self, row, std, like, numel):
+        """Pushes every row before ``row``: the current one, and rows never made."""
+        if self.current is not None and self.current_row < row:
+            self._push(self.current_row, self.current)
+            self.current, self.current_row = None, None
+        if self.next_row is None:  # nothing made since the start or a restart: the block begins at `row`
+            return
+        for r in range(self.next_row, row):
+            self._push(r, self._make(r, std, like, numel))
+
+    def _push(self, row, w):
+        self.history.appendleft(w)
+        self.next_row = row + 1
+
+    def _make(self, row, std, like, numel) -> torch.Tensor:
+        """``w_row = (std·z_row − Σ_j c_j w_{row−j}) / c_0`` from the committed rows (rows before the
+        start or a restart count as zero: the block-diagonal strategy, module docstring)."""
+        c = self.noise.c
+        seed, offset = self.key_of_row(row)
+        w = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _ops.philox_noise_(w, seed, offset, std / c[0])
+        # _catch_up has pushed every row before `row` since the block began: history[j−1] is row−j
+        for j, h in enumerate(self.history, start=1):
+            if j >= len(c):
+                break
+            if h.numel() != numel:
+                raise RuntimeError("banded noise: a layer's parameters changed size during the run")
+            w.add_(h, alpha=-c[j] / c[0])
+        return w
+
+    def restart(self) -> None:
+        """Forget every row (a resumed run: the strategy's next block)."""
+        self.history.clear()
+        self.next_row = None
+        self.current = self.current_row = None
