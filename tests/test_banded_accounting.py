@@ -284,3 +284,12 @@ def test_published_jax_privacy_cycle_length_pld():
     q_g = B / 50_000
     acc = loaded(PLDAccountant(bands=CYCLE), [(SIGMA, q_g, 10_000 * CYCLE)])
     assert acc.get_epsilon(1e-5) == pytest.approx(2.09245, rel=1e-5)
+
+
+def test_a_position_without_guarantee_is_not_hidden_by_max():
+    from bpclip_fast.accounting.poisson import _worst
+    nan = float("nan")
+    assert _worst([2.0, nan]) != _worst([2.0, nan]) and _worst([nan, 2.0]) != _worst([nan, 2.0])
+    assert max([2.0, nan]) == 2.0  # what a plain max would have reported
+    assert _worst([(1.0, 3.0), (nan, 2.0)], key=lambda ea: ea[0])[1] == 2.0
+    assert _worst([1.0, 3.0, 2.0]) == 3.0

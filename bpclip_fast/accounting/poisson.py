@@ -45,6 +45,14 @@ __all__ = ["RDPAccountant", "PLDAccountant", "OPACUS_RDP_ORDERS"]
 OPACUS_RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
 
 
+def _worst(values: list, key=lambda v: v):
+    """The largest of the cyclic positions' values; a NaN (no guarantee) wins, where ``max`` could drop it."""
+    for v in values:
+        if key(v) != key(v):
+            return v
+    return max(values, key=key)
+
+
 @contextlib.contextmanager
 def _quiet_absl():
     """dp_accounting logs through absl (the ``absl`` Python logger); we report its one warning
@@ -208,7 +216,7 @@ class RDPAccountant(PoissonAccountant):
         conversion = self._check_conversion(self.conversion if conversion is None else conversion)
         if not self.history:
             return 0.0, float("nan")
-        return max((self._spent(h, delta, conversion) for h in self._positions()), key=lambda ea: ea[0])
+        return _worst([self._spent(h, delta, conversion) for h in self._positions()], key=lambda ea: ea[0])
 
     def _spent(self, history, delta: float, conversion: str) -> tuple[float, float]:
         rdp = self._history_rdp(history)
@@ -291,7 +299,7 @@ class PLDAccountant(PoissonAccountant):
             return 0.0
         accs = self._composed()
         if delta not in self._cache_eps:
-            self._cache_eps[delta] = max(float(acc.get_epsilon(delta)) for acc in accs)
+            self._cache_eps[delta] = _worst([float(acc.get_epsilon(delta)) for acc in accs])
         return self._cache_eps[delta]
 
     def get_delta(self, epsilon: float) -> float:
@@ -300,7 +308,7 @@ class PLDAccountant(PoissonAccountant):
             raise ValueError(f"epsilon must be a number >= 0, got {epsilon!r}")
         if not self.history:
             return 0.0
-        return max(float(acc.get_delta(epsilon)) for acc in self._composed())
+        return _worst([float(acc.get_delta(epsilon)) for acc in self._composed()])
 
     def _with_steps(self, noise_multiplier, sample_rate, num_steps):
         other = super()._with_steps(noise_multiplier, sample_rate, num_steps)
