@@ -43,6 +43,14 @@ Shuffle (``ShuffleBatchSampler``, the zCDP setting): epoch ``e`` is a random per
 ``N`` indices (seeded by (seed, e)) cut into ``N // B`` disjoint batches of ``B``; the remainder is
 left out of that epoch. Every example is in at most one batch of an epoch, whatever the data.
 
+Cyclic Poisson (``CyclicPoissonBatchSampler``, ``bands = b > 1``: amplified BandMF, correlated
+noise; accounting/cyclic.py): a fixed permutation of the ``N`` indices, from its own
+``partition_seed``, cuts the data into ``b`` groups of ``m = N // b``; batch ``t`` is a Poisson
+sample at rate ``q_g = B/m`` of group ``t mod b`` only, its coins keyed by (seed, t) as above. The
+``N mod b`` examples after the last group are never sampled. An example is in at most one of any
+``b`` consecutive *batches* (``t`` values); the accountant assumes step ``k`` used group ``k mod b``,
+so the steps must follow the batches' ``t`` (skipped batches, above, shift them: see the class).
+
 The seed must be secret: whoever knows it knows which examples were in which batch, and the
 amplification by sampling is lost. The engine derives it from the noise seed (OS entropy unless
 an explicit, insecure seed was given). Generators are torch's Mersenne Twister, as in Opacus'
@@ -54,6 +62,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -194,6 +203,85 @@ class PoissonBatchSampler(_CountedSampler):
         return torch.nonzero(coins < self.sample_rate).flatten()
 
 
+class CyclicPoissonBatchSampler(_CountedSampler):
+    """Cyclic Poisson sampling for amplified BandMF (Choquette-Choo et al. 2023, arXiv:2306.08153).
+
+    A permutation of ``range(N)`` drawn from ``partition_seed`` splits the data into ``bands`` groups
+    of ``m = N // bands`` examples, group ``g = perm[g·m:(g+1)·m]``; the ``N mod bands`` examples
+    after the last group are never sampled (left out of the run, warned about once). Batch ``t``
+    holds each member of group ``t mod bands`` independently with probability ``sample_rate`` (the
+    group rate ``q_g = B/m``): its coin is ``u[j] < q_g`` with ``u`` the ``m`` uniforms of a generator
+    seeded by ``derive_seed(seed, "cyclic", t)``. So an example is in at most one of any ``bands``
+    consecutive batches, whatever the seed and the data (b-min-separation).
+
+    ``partition_seed`` is **not secret**: the analysis already lets the adversary know every
+    example's group (only the coins, from ``seed``, must stay secret). It must survive a checkpoint:
+    a resumed run must keep each example in its group, or an example could join two batches
+    fewer than ``bands`` apart. It is a plain attribute: save ``sampler.partition_seed`` and, on
+    resume, set it on the fresh sampler before its first batch is drawn (setting it later is
+    refused). Default: ``derive_seed(seed, "partition")`` (the same on every rank, which share
+    ``seed``); an independent value may be passed instead.
+
+    Alignment with the steps: the accountant (``bands=b``) charges step ``k`` to group ``k mod b``,
+    and a banded noise matrix correlates the noise of steps ``k..k+b-1``. Both need step ``k`` to
+    use a batch of group ``k mod b`` (:meth:`group_of` its ``t``); a batch skipped (prefetched when a
+    loop stopped, a refused step) breaks that unless the caller keeps steps and ``t`` in step.
+    """
+
+    def __init__(self, num_samples, sample_rate, bands, steps_per_epoch, seed, partition_seed=None, rank=0,
+                 world_size=1, counter=None):
+        super().__init__(num_samples, steps_per_epoch, seed, rank, world_size, counter or BatchCounter())
+        from .accounting.cyclic import check_bands
+        self.bands = check_bands(bands)
+        self.group_size = self.num_samples // self.bands
+        if self.group_size < 1:
+            raise ValueError(f"bands={bands} exceeds the dataset size {num_samples}: every group would be empty")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate (the rate within a group) must be in (0, 1], got {sample_rate}")
+        self.sample_rate = float(sample_rate)
+        self._drawn = False
+        self.partition_seed = derive_seed(self.seed, "partition") if partition_seed is None else partition_seed
+        left_out = self.num_samples - self.bands * self.group_size
+        if left_out:
+            warnings.warn(f"cyclic Poisson sampling with bands={self.bands}: the dataset size {self.num_samples} "
+                          f"is not a multiple of bands, so {left_out} example(s) are never sampled (each group "
+                          f"has {self.group_size}); use a dataset size divisible by bands to train on all",
+                          UserWarning, stacklevel=3)
+
+    @property
+    def partition_seed(self) -> int:
+        return self._partition_seed
+
+    @partition_seed.setter
+    def partition_seed(self, value) -> None:
+        if self._drawn:
+            raise RuntimeError("partition_seed cannot change after this sampler drew a batch: an example could "
+                               "move to another group and join two batches fewer than bands apart. Set it on the "
+                               "fresh sampler of a resumed run, before its first batch")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"partition_seed must be an integer >= 0, got {value!r}")
+        self._partition_seed = int(value)
+        gen = torch.Generator().manual_seed(derive_seed(self._partition_seed, "partition"))
+        self._perm = torch.randperm(self.num_samples, generator=gen)
+
+    def group_of(self, t: int) -> int:
+        """The group batch ``t`` samples from, ``t mod bands``."""
+        return int(t) % self.bands
+
+    def group(self, g: int) -> torch.Tensor:
+        """The dataset indices of group ``g`` (in partition order)."""
+        if not 0 <= g < self.bands:
+            raise ValueError(f"group must be in [0, {self.bands}), got {g}")
+        return self._perm[g * self.group_size:(g + 1) * self.group_size]
+
+    def global_batch(self, t: int) -> torch.Tensor:
+        self._drawn = True
+        members = self.group(self.group_of(t))
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "cyclic", t))
+        coins = torch.rand(self.group_size, generator=gen, dtype=torch.float64)
+        return torch.sort(members[coins < self.sample_rate]).values
+
+
 class ShuffleBatchSampler(_CountedSampler):
     """Disjoint batches of ``batch_size`` (global) from a fresh random permutation each epoch."""
 
@@ -223,15 +311,40 @@ class SamplingPlan:
     (at least 1), and the accountant is stepped with ``q``. Shuffle: ``N // (W·batch_size)``
     disjoint batches per epoch (the remainder sits out), and the zCDP accountant is stepped with
     ``1/steps_per_epoch``, so that steps·rate is the exact number of passes.
+
+    ``bands = b > 1`` (Poisson only; amplified BandMF, :class:`CyclicPoissonBatchSampler`): batch
+    ``t`` samples group ``t mod b`` of ``m = N // b`` examples at ``q_g = W·batch_size/m`` (must be
+    ≤ 1, i.e. ``b·W·batch_size ≤ N``), so the expected batch size is unchanged; the accountant
+    (``bands=b``) is stepped with ``accounting_rate = q_g``; ``sample_rate`` stays
+    ``W·batch_size/N`` and ``steps_per_epoch`` is unchanged. The ``N mod b`` examples after the last
+    group are never sampled (the sampler warns).
     """
 
     num_samples: int
     batch_size: int  # per process
     world_size: int
     poisson: bool
+    bands: int = 1
+
+    def __post_init__(self):
+        from .accounting.cyclic import check_bands
+        bands = check_bands(self.bands)
+        object.__setattr__(self, "bands", bands)  # frozen: the validated int
+        if bands == 1:
+            return
+        if not self.poisson:
+            raise ValueError(f"bands={bands}: correlated (banded) noise needs cyclic Poisson sampling; shuffled "
+                             "batches (poisson_sampling=False) are not analysed with it. Use Poisson sampling or bands=1")
+        group = self.num_samples // bands
+        if group < 1 or self.global_batch > group:
+            raise ValueError(f"bands={bands} with batch size {self.global_batch} (batch_size·world_size) needs "
+                             f"bands·batch size = {bands * self.global_batch} <= the dataset size {self.num_samples} "
+                             f"(each batch is drawn from one group of {group} examples at rate batch size/group "
+                             "size, which must be <= 1): use fewer bands or a smaller batch size")
 
     @classmethod
-    def of_loader(cls, data_loader: DataLoader, world_size: int, poisson: bool, what: str) -> "SamplingPlan":
+    def of_loader(cls, data_loader: DataLoader, world_size: int, poisson: bool, what: str,
+                  bands: int = 1) -> "SamplingPlan":
         """The plan for a user's ``DataLoader``; ``what`` names the caller in error messages."""
         batch_size = data_loader.batch_size or getattr(data_loader.batch_sampler, "batch_size", None)
         if not batch_size:
@@ -242,10 +355,13 @@ class SamplingPlan:
         except TypeError:
             raise TypeError(f"{what}: the dataset must have a length (an IterableDataset cannot be sampled "
                             "privately)") from None
-        plan = cls(int(n), int(batch_size), int(world_size), bool(poisson))
-        if plan.global_batch > n:
-            raise ValueError(f"{what}: batch_size·world_size = {plan.global_batch} exceeds the dataset size {n}")
-        return plan
+        if int(batch_size) * int(world_size) > n:
+            raise ValueError(f"{what}: batch_size·world_size = {int(batch_size) * int(world_size)} exceeds the "
+                             f"dataset size {n}")
+        try:
+            return cls(int(n), int(batch_size), int(world_size), bool(poisson), bands)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
 
     @property
     def global_batch(self) -> int:
@@ -262,10 +378,23 @@ class SamplingPlan:
         return self.num_samples // self.global_batch
 
     @property
+    def group_size(self) -> int:
+        """``N // bands``: the examples of one cyclic group (``N`` for ``bands=1``)."""
+        return self.num_samples // self.bands
+
+    @property
     def accounting_rate(self) -> float:
+        if self.bands > 1:
+            return self.global_batch / self.group_size
         return self.sample_rate if self.poisson else 1.0 / self.steps_per_epoch
 
-    def sampler(self, seed: int, rank: int, counter: BatchCounter) -> "_CountedSampler":
+    def sampler(self, seed: int, rank: int, counter: BatchCounter, partition_seed: int | None = None
+                ) -> "_CountedSampler":
+        """``partition_seed`` (``bands > 1`` only): the groups' seed, saved with a checkpoint and passed
+        again on resume (:class:`CyclicPoissonBatchSampler`); ``None``: derived from ``seed``."""
+        if self.bands > 1:
+            return CyclicPoissonBatchSampler(self.num_samples, self.accounting_rate, self.bands, self.steps_per_epoch,
+                                             seed, partition_seed, rank, self.world_size, counter)
         if self.poisson:
             return PoissonBatchSampler(self.num_samples, self.sample_rate, self.steps_per_epoch, seed, rank,
                                        self.world_size, counter)

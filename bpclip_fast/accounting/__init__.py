@@ -2,7 +2,8 @@
 
 * :class:`RDPAccountant`, :class:`PLDAccountant`: Poisson sampling, add/remove adjacency; each
   step is a Poisson-subsampled Gaussian with the step's effective noise multiplier; the privacy
-  arithmetic is Google's ``dp_accounting``.
+  arithmetic is Google's ``dp_accounting``. ``bands=b > 1``: amplified BandMF with cyclic Poisson
+  sampling (correlated noise), the worst of ``b`` cyclic positions (:mod:`.cyclic`).
 * :class:`ZCDPAccountant`: disjoint batches of a data-independent shuffle (the paper's setting),
   replace-one (default) or add/remove adjacency; parallel composition within an epoch,
   sequential across epochs; three conversions to (ε, δ).

@@ -6,6 +6,7 @@ import math
 import warnings
 
 from .base import Accountant, PrivacyBudgetError, _is_real, check_sample_rate, check_steps
+from .cyclic import check_bands
 from .poisson import PLDAccountant, RDPAccountant
 from .zcdp import ZCDPAccountant
 
@@ -20,7 +21,8 @@ MAX_SIGMA = 1e6
 def make_accountant(name: str, **kw) -> Accountant:
     """A new accountant: ``"rdp"`` / ``"pld"`` (Poisson sampling) or ``"zcdp"`` (shuffled disjoint
     batches). ``kw`` go to the constructor (e.g. ``adjacency=`` for zcdp,
-    ``value_discretization_interval=`` for pld, ``orders=`` for rdp)."""
+    ``value_discretization_interval=`` for pld, ``orders=`` for rdp, ``bands=`` for rdp/pld: amplified
+    BandMF with cyclic Poisson sampling; zcdp refuses ``bands > 1``)."""
     if name not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {name!r}: choose one of {sorted(ACCOUNTANTS)} "
                          "('rdp' or 'pld' with Poisson sampling, 'zcdp' with shuffled disjoint batches)")
@@ -39,7 +41,7 @@ def default_accountant(sampling: str) -> str:
 
 def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate: float,
                          epochs: float | None = None, steps: int | None = None,
-                         accountant: str = "rdp", epsilon_tolerance: float = 0.01,
+                         accountant: str = "rdp", epsilon_tolerance: float = 0.01, bands: int = 1,
                          **accountant_kw) -> float:
     """The smallest effective noise multiplier σ whose ε(target_delta) is at most ``target_epsilon``.
 
@@ -48,6 +50,11 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
     passed to :func:`make_accountant` (e.g. ``accountant="zcdp", adjacency="replace_one"``).
     The result is the *effective* multiplier of a whole step: for ``L`` layers with a uniform
     per-layer multiplier, use ``σ·sqrt(L)`` per layer (:func:`effective_noise_multiplier`).
+
+    ``bands = b > 1`` (amplified BandMF, cyclic Poisson sampling; :mod:`.cyclic`): ``sample_rate``
+    is the rate within a group, ``q_g = B/(N // b)``, and the accountant is built with ``bands=b``,
+    so ``steps`` steps are charged as ``⌈steps/b⌉`` subsampled Gaussians at ``q_g``. An epoch
+    (``B·steps = N``) is then ``b/q_g`` steps: ``epochs`` gives ``int(epochs·b/q_g)`` steps.
 
     Search. ε(σ) is decreasing in σ. Starting at σ = 1 (for PLD: at the RDP solution, with
     steps of 10%, since each PLD evaluation costs up to a second), σ is doubled (up to
@@ -74,15 +81,18 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
     if not _is_real(epsilon_tolerance) or not epsilon_tolerance > 0:
         raise PrivacyBudgetError(f"epsilon_tolerance must be a number > 0, got {epsilon_tolerance!r}")
     sample_rate = check_sample_rate(sample_rate)
+    bands = check_bands(bands)
     if (epochs is None) == (steps is None):
         raise ValueError("get_noise_multiplier needs exactly one of epochs= or steps=")
     if steps is None:
         if not _is_real(epochs) or not epochs > 0:
             raise ValueError(f"epochs must be a number > 0, got {epochs!r}")
-        steps = int(epochs / sample_rate)
+        steps = int(epochs * bands / sample_rate)
         if steps < 1:
             raise ValueError(f"epochs={epochs!r} at sample_rate={sample_rate!r} is less than one step")
     steps = check_steps(steps, "steps", 1)
+    if bands != 1:  # b = 1 builds the accountant exactly as before (zcdp included)
+        accountant_kw["bands"] = bands
     template = make_accountant(accountant, **accountant_kw)
     cls = type(template)
 
@@ -116,7 +126,7 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
                 warnings.simplefilter("ignore")
                 start = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
                                              sample_rate=sample_rate, steps=steps, accountant="rdp",
-                                             epsilon_tolerance=epsilon_tolerance)
+                                             epsilon_tolerance=epsilon_tolerance, bands=bands)
             start, factor = max(start, sigma_min), 1.1
         except PrivacyBudgetError:  # RDP's conversion has a floor that PLD may go below
             pass

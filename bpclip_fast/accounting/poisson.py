@@ -11,6 +11,12 @@ add/remove adjacency, and noise ``N(0, I)`` is added. The history
 
 (:meth:`PoissonAccountant.dp_event`), and Google's ``dp_accounting`` does all the privacy
 arithmetic: we do not re-derive the subsampled-Gaussian RDP or the privacy-loss distribution.
+
+``bands = b > 1`` (amplified BandMF with cyclic Poisson sampling, :mod:`.cyclic`): ``q`` is the rate
+within the step's group, ``q_g = B/(N // b)``; step ``k`` of the history is at cyclic position
+``k mod b``, each position is composed on its own, and ε (δ) is the worst over the positions: for a
+history of ``T`` steps at one ``(σ, q_g)``, ``⌈T/b⌉`` subsampled Gaussians. ``b = 1`` gives exactly
+the events above.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dp_accounting.pld import pld_privacy_accountant as _pld
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp
 
 from .base import Accountant, check_delta
+from .cyclic import check_bands, dominating_history, worst_positions
 
 __all__ = ["RDPAccountant", "PLDAccountant", "OPACUS_RDP_ORDERS"]
 
@@ -36,6 +43,14 @@ __all__ = ["RDPAccountant", "PLDAccountant", "OPACUS_RDP_ORDERS"]
 #: dp_accounting's fractional-order series is slightly conservative (ours is then the larger);
 #: see RDPAccountant for large q.
 OPACUS_RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+
+
+def _worst(values: list, key=lambda v: v):
+    """The largest of the cyclic positions' values; a NaN (no guarantee) wins, where ``max`` could drop it."""
+    for v in values:
+        if key(v) != key(v):
+            return v
+    return max(values, key=key)
 
 
 @contextlib.contextmanager
@@ -56,11 +71,41 @@ class PoissonAccountant(Accountant):
 
     sampling = "poisson"
 
-    def dp_event(self) -> _ev.DpEvent:
-        """The history as one dp_accounting event (what the accountant composes)."""
+    def __init__(self, bands: int = 1) -> None:
+        super().__init__()
+        self.bands = check_bands(bands)
+
+    def _config(self) -> dict:
+        return {"bands": self.bands}
+
+    def load_state_dict(self, d: dict) -> None:
+        """As :meth:`Accountant.load_state_dict`; a state saved before ``bands`` existed is ``bands=1``,
+        so it is refused by a banded accountant (its steps were charged at the full-data rate)."""
+        if isinstance(d, dict) and isinstance(d.get("config", {}), dict):
+            saved = d.get("config", {}).get("bands", 1)
+            if saved != self.bands:
+                raise ValueError(f"state_dict was saved with bands={saved!r} but this accountant has "
+                                 f"bands={self.bands!r}; construct it with the same bands (the cyclic "
+                                 "groups of the run being resumed)")
+        super().load_state_dict(d)
+
+    def _positions(self) -> list:
+        """The histories of the cyclic positions that can be the worst (``[history]`` for ``bands=1``)."""
+        return worst_positions(self.history, self.bands)
+
+    @staticmethod
+    def _event(history) -> _ev.DpEvent:
         return _ev.ComposedDpEvent([
             _ev.SelfComposedDpEvent(_ev.PoissonSampledDpEvent(q, _ev.GaussianDpEvent(sigma)), n)
-            for sigma, q, n in self.history])
+            for sigma, q, n in history])
+
+    def dp_event(self) -> _ev.DpEvent:
+        """The history as one dp_accounting event (what the accountant composes).
+
+        ``bands > 1``: the event of a position that dominates every cyclic position (each run with
+        the largest count any position has, :func:`~.cyclic.dominating_history`): the worst
+        position's event for a history of one ``(σ, q)``, an upper bound otherwise."""
+        return self._event(dominating_history(self.history, self.bands))
 
 
 class RDPAccountant(PoissonAccountant):
@@ -99,8 +144,8 @@ class RDPAccountant(PoissonAccountant):
     mechanism = "rdp"
     CONVERSIONS = ("improved", "basic")
 
-    def __init__(self, orders=None, conversion: str = "improved") -> None:
-        super().__init__()
+    def __init__(self, orders=None, conversion: str = "improved", bands: int = 1) -> None:
+        super().__init__(bands)
         orders = OPACUS_RDP_ORDERS if orders is None else tuple(float(a) for a in orders)
         if not orders or any(not (a > 1 and math.isfinite(a)) for a in orders):
             raise ValueError(f"orders must be a non-empty list of finite RDP orders > 1, got {orders!r}")
@@ -115,7 +160,7 @@ class RDPAccountant(PoissonAccountant):
 
     def __repr__(self) -> str:
         return (f"RDPAccountant({len(self.orders)} orders in [{min(self.orders)}, {max(self.orders)}], "
-                f"conversion={self.conversion!r}) with {len(self)} steps")
+                f"conversion={self.conversion!r}, bands={self.bands}) with {len(self)} steps")
 
     def _step_rdp(self, sigma: float, q: float) -> np.ndarray:
         key = (sigma, q)
@@ -127,15 +172,22 @@ class RDPAccountant(PoissonAccountant):
             self._step_cache[key] = acc.rdp
         return self._step_cache[key]
 
-    @property
-    def rdp(self) -> np.ndarray:
-        """The RDP of all steps so far at each of :attr:`orders` (additive composition)."""
+    def _history_rdp(self, history) -> np.ndarray:
         total = np.zeros(len(self.orders))
-        for sigma, q, n in self.history:
+        for sigma, q, n in history:
             total = total + n * self._step_rdp(sigma, q)
         return total
 
-    def _rdp_floor(self) -> float:
+    @property
+    def rdp(self) -> np.ndarray:
+        """The RDP of all steps so far at each of :attr:`orders` (additive composition).
+
+        ``bands > 1``: the largest over the cyclic positions at each order, an RDP curve every
+        example meets; ε (:meth:`get_privacy_spent`) converts each position's curve on its own,
+        which can only be smaller than converting this one."""
+        return np.max([self._history_rdp(h) for h in self._positions()], axis=0)
+
+    def _rdp_floor(self, history=None) -> float:
         """A lower bound on the history's RDP at every order ``α > 1``, from closed forms only.
 
         One step's RDP at ``α`` is the Rényi divergence ``D_α`` between the subsampled Gaussian
@@ -145,8 +197,9 @@ class RDPAccountant(PoissonAccountant):
         ``q·TV(N(0, σ²), N(1, σ²)) = q·erf(1/(2√2·σ))`` (the mixture's common part cancels).
         Composition adds: ``Σ_entries n · 2·(q·erf(1/(2√2σ)))²``.
         """
+        history = self.history if history is None else history
         return sum(n * 2.0 * (q * math.erf(1.0 / (2.0 * math.sqrt(2.0) * sigma))) ** 2
-                   for sigma, q, n in self.history)
+                   for sigma, q, n in history)
 
     @staticmethod
     def _convert(orders: np.ndarray, rdp: np.ndarray, delta: float, conversion: str):
@@ -157,12 +210,16 @@ class RDPAccountant(PoissonAccountant):
         return max(0.0, eps_all[i]), orders[i]
 
     def get_privacy_spent(self, delta: float, conversion: str | None = None) -> tuple[float, float]:
-        """``(ε, optimal order α)`` at ``delta`` (Opacus' ``get_privacy_spent``)."""
+        """``(ε, optimal order α)`` at ``delta`` (Opacus' ``get_privacy_spent``); with ``bands > 1``
+        those of the worst cyclic position."""
         delta = check_delta(delta)
         conversion = self._check_conversion(self.conversion if conversion is None else conversion)
         if not self.history:
             return 0.0, float("nan")
-        rdp = self.rdp
+        return _worst([self._spent(h, delta, conversion) for h in self._positions()], key=lambda ea: ea[0])
+
+    def _spent(self, history, delta: float, conversion: str) -> tuple[float, float]:
+        rdp = self._history_rdp(history)
         orders = np.asarray(self.orders)
         eps, alpha = self._convert(orders, rdp, delta, conversion)
         left_out = np.isinf(rdp)
@@ -171,7 +228,7 @@ class RDPAccountant(PoissonAccountant):
             # case. It is also the ε of all the orders (and worth no warning) when even a lower
             # bound on the RDP at each left-out order, put through the same conversion (which is
             # non-decreasing in the RDP), gives no smaller ε than the orders that were evaluated.
-            floor = np.full(int(left_out.sum()), self._rdp_floor())
+            floor = np.full(int(left_out.sum()), self._rdp_floor(history))
             eps_floor, _ = self._convert(orders[left_out], floor, delta, conversion)
             if eps_floor < eps:
                 warnings.warn(
@@ -179,7 +236,7 @@ class RDPAccountant(PoissonAccountant):
                     "orders below 2 (its series does not converge for this sample rate and noise "
                     "multiplier) and one of them may be the best order here: epsilon stays a valid "
                     "upper bound but can be a few percent above Opacus'. The PLD accountant "
-                    "(accountant='pld') is tighter.", RuntimeWarning, stacklevel=3)
+                    "(accountant='pld') is tighter.", RuntimeWarning, stacklevel=5)
         return float(eps), float(alpha)
 
     def get_epsilon(self, delta: float, conversion: str | None = None) -> float:
@@ -211,8 +268,8 @@ class PLDAccountant(PoissonAccountant):
     #: :func:`get_noise_multiplier` does not go below this.
     search_sigma_min = 0.1
 
-    def __init__(self, value_discretization_interval: float = 1e-4) -> None:
-        super().__init__()
+    def __init__(self, value_discretization_interval: float = 1e-4, bands: int = 1) -> None:
+        super().__init__(bands)
         v = value_discretization_interval
         if not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 0.1:
             raise ValueError("value_discretization_interval must be a number in (0, 0.1] "
@@ -222,32 +279,36 @@ class PLDAccountant(PoissonAccountant):
         self._cache_acc = None
         self._cache_eps: dict = {}
 
-    def _composed(self) -> _pld.PLDAccountant:
+    def _composed(self) -> list:
+        """One composed dp_accounting PLD per cyclic position that can be the worst (one for ``bands=1``)."""
         key = tuple(self.history)
         if key != self._cache_key:
-            acc = _pld.PLDAccountant(neighboring_relation=_Rel.ADD_OR_REMOVE_ONE,
-                                     value_discretization_interval=self.value_discretization_interval)
-            acc.compose(self.dp_event())
-            self._cache_key, self._cache_acc, self._cache_eps = key, acc, {}
+            accs = []
+            for history in self._positions():
+                acc = _pld.PLDAccountant(neighboring_relation=_Rel.ADD_OR_REMOVE_ONE,
+                                         value_discretization_interval=self.value_discretization_interval)
+                acc.compose(self._event(history))
+                accs.append(acc)
+            self._cache_key, self._cache_acc, self._cache_eps = key, accs, {}
         return self._cache_acc
 
     def get_epsilon(self, delta: float) -> float:
-        """ε at ``delta`` of all steps so far."""
+        """ε at ``delta`` of all steps so far (``bands > 1``: of the worst cyclic position)."""
         delta = check_delta(delta)
         if not self.history:
             return 0.0
-        acc = self._composed()
+        accs = self._composed()
         if delta not in self._cache_eps:
-            self._cache_eps[delta] = float(acc.get_epsilon(delta))
+            self._cache_eps[delta] = _worst([float(acc.get_epsilon(delta)) for acc in accs])
         return self._cache_eps[delta]
 
     def get_delta(self, epsilon: float) -> float:
-        """δ at ``epsilon`` of all steps so far (the privacy profile)."""
+        """δ at ``epsilon`` of all steps so far (the privacy profile; ``bands > 1``: the worst position's)."""
         if not isinstance(epsilon, (int, float)) or not epsilon >= 0:
             raise ValueError(f"epsilon must be a number >= 0, got {epsilon!r}")
         if not self.history:
             return 0.0
-        return float(self._composed().get_delta(epsilon))
+        return _worst([float(acc.get_delta(epsilon)) for acc in self._composed()])
 
     def _with_steps(self, noise_multiplier, sample_rate, num_steps):
         other = super()._with_steps(noise_multiplier, sample_rate, num_steps)

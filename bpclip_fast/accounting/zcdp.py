@@ -17,6 +17,7 @@ import numpy as np
 from scipy import optimize, special
 
 from .base import Accountant, check_delta, check_steps
+from .cyclic import check_bands
 
 __all__ = ["ZCDPAccountant", "bun_steinke_epsilon", "cks_epsilon", "gaussian_epsilon",
            "gaussian_delta", "zcdp_epsilon", "ZCDP_CONVERSIONS"]
@@ -237,8 +238,15 @@ class ZCDPAccountant(Accountant):
     CONVERSIONS = ZCDP_CONVERSIONS
 
     def __init__(self, adjacency: str = "replace_one", conversion: str = "gaussian",
-                 steps_per_epoch: int | None = None) -> None:
+                 steps_per_epoch: int | None = None, bands: int = 1) -> None:
         super().__init__()
+        # Correlated (BandMF) noise is analysed only for cyclic Poisson sampling (accounting/cyclic.py);
+        # the parallel composition of shuffled epochs here says nothing about C⁻¹z noise.
+        if check_bands(bands) != 1:
+            raise ValueError(f"bands={bands!r}: the zCDP accountant analyses independent noise on shuffled "
+                             "disjoint batches only; correlated (banded) noise needs cyclic Poisson sampling "
+                             "and accountant='rdp' or 'pld'")
+        self.bands = 1
         if adjacency not in self.ADJACENCIES:
             raise ValueError(f"adjacency must be one of {self.ADJACENCIES}, got {adjacency!r}")
         self.adjacency = adjacency
