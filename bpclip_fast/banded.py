@@ -85,13 +85,13 @@ def bsr_coefficients(bands: int, momentum: float = 0.0) -> tuple:
 
 
 def check_bands(bands) -> int:
-    if isinstance(bands, bool) or not isinstance(bands, int) and not (
-            isinstance(bands, float) and bands.is_integer()):
-        raise ValueError(f"bands must be an integer in [1, {MAX_BANDS}], got {bands!r}")
-    b = int(bands)
-    if not 1 <= b <= MAX_BANDS:
-        raise ValueError(f"bands must be an integer in [1, {MAX_BANDS}] (each band stores one noise row per "
-                         f"parameter), got {bands!r}")
+    """The accountants' check (an integer ≥ 1), and at most :data:`MAX_BANDS` (memory)."""
+    from .accounting.cyclic import check_bands as accounting_check
+
+    b = accounting_check(bands)
+    if b > MAX_BANDS:
+        raise ValueError(f"bands must be at most {MAX_BANDS} (each band stores one noise row per parameter), "
+                         f"got {bands!r}")
     return b
 
 

@@ -88,6 +88,9 @@ RULES = {
                     "skipped because of the data",
                     "use torch.autocast(dtype=torch.bfloat16), which needs no scaler (non-finite examples get clip "
                     "factor 0 with nonfinite='drop'), and call optimizer.step() without a GradScaler"),
+    "banded-redraw": ("under correlated noise each step's noise row is drawn once per layer and released once",
+                      "take one backward per step (or micro-batches without zero_grad between them), and do not "
+                      "clear a layer's gradient between its backward and step()"),
     "nonfinite": ("strict non-finite mode: no example may be non-finite",
                   "clean the data, or use nonfinite='drop' (the default), which gives such examples clip factor 0"),
 }

@@ -262,7 +262,7 @@ class CyclicPoissonBatchSampler(_CountedSampler):
             raise ValueError(f"partition_seed must be an integer >= 0, got {value!r}")
         self._partition_seed = int(value)
         gen = torch.Generator().manual_seed(derive_seed(self._partition_seed, "partition"))
-        self._perm = torch.randperm(self.num_samples, generator=gen)
+        self._partition = torch.randperm(self.num_samples, generator=gen)
 
     def group_of(self, t: int) -> int:
         """The group batch ``t`` samples from, ``t mod bands``."""
@@ -272,7 +272,7 @@ class CyclicPoissonBatchSampler(_CountedSampler):
         """The dataset indices of group ``g`` (in partition order)."""
         if not 0 <= g < self.bands:
             raise ValueError(f"group must be in [0, {self.bands}), got {g}")
-        return self._perm[g * self.group_size:(g + 1) * self.group_size]
+        return self._partition[g * self.group_size:(g + 1) * self.group_size]
 
     def global_batch(self, t: int) -> torch.Tensor:
         self._drawn = True

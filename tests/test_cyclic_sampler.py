@@ -123,15 +123,15 @@ def test_partition_independent_of_sampling_seed_and_survives_resume():
     p1, p2 = sampler(seed=1, partition_seed=42), sampler(seed=2, partition_seed=42)
     assert all(torch.equal(p1.group(g), p2.group(g)) for g in range(5))
     assert any(p1.global_batch(t).tolist() != p2.global_batch(t).tolist() for t in range(5))
-    assert not torch.equal(sampler(seed=1, partition_seed=43)._perm, p1._perm)
+    assert not torch.equal(sampler(seed=1, partition_seed=43)._partition, p1._partition)
     # default: derived from the seed, the same for every rank
     d = sampler(seed=1)
     assert d.partition_seed == data.derive_seed(1, "partition")
-    assert torch.equal(d._perm, sampler(seed=1, rank=1, world_size=2)._perm)
+    assert torch.equal(d._partition, sampler(seed=1, rank=1, world_size=2)._partition)
     # resume: a fresh sampler given the saved partition_seed has the same groups
     fresh = sampler(seed=1)
     fresh.partition_seed = p1.partition_seed
-    assert torch.equal(fresh._perm, p1._perm)
+    assert torch.equal(fresh._partition, p1._partition)
     assert fresh.global_batch(3).tolist() == p1.global_batch(3).tolist()
     with pytest.raises(RuntimeError, match="partition_seed"):
         fresh.partition_seed = 7  # after a draw: an example could change group mid-run

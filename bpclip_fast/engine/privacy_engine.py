@@ -153,7 +153,7 @@ class PrivacyEngine:
             r = dataclasses.replace(r, bands=correlated.check(r, self.accountant_name, self.distributed))
             inner = distributed.unwrapped(r.module, self.distributed)
             plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what,
-                                               **({"bands": r.bands} if r.bands != 1 else {}))
+                                               bands=r.bands)
             if r.max_input_shape is not None:
                 r = dataclasses.replace(r, max_input_shape=batches.normal_shapes(r.max_input_shape))
         if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)
@@ -292,7 +292,7 @@ class PrivacyEngine:
             arguments.check_pairing(self.accountant, self.accountant_name, poisson)
             bands = banded.check_bands(kwargs.get("bands", 1))
             plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon",
-                                               **({"bands": bands} if bands != 1 else {}))
+                                               bands=bands)
             extra = {"bands": bands} if bands != 1 else {}
             sigma_eff = accounting().get_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
