@@ -27,9 +27,10 @@ def data(seed=0, d=12, k=3):
     return torch.randn(N, d, generator=g), torch.randint(0, k, (N,), generator=g)
 
 
-def make(X, Y, *, mode="flat", noise="banded", bands=4, sigma=0.7, lr=0.0, width=24, model_seed=0, **kw):
+def make(X, Y, *, mode="flat", noise="banded", bands=4, sigma=0.7, lr=0.0, width=24, model_seed=0, device="cpu",
+         **kw):
     torch.manual_seed(model_seed)
-    model = nn.Sequential(nn.Linear(X.shape[1], width), nn.ReLU(), nn.Linear(width, 3))
+    model = nn.Sequential(nn.Linear(X.shape[1], width), nn.ReLU(), nn.Linear(width, 3)).to(device)
     opt = kw.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=lr)
     bounds = dict(max_grad_norm=1.0) if mode != "backprop" else dict(input_clip=1.0, grad_clip=1.0)
     engine = bpclip_fast.PrivacyEngine(kw.pop("accountant", "rdp"))
@@ -43,7 +44,7 @@ def make(X, Y, *, mode="flat", noise="banded", bands=4, sigma=0.7, lr=0.0, width
 
 
 def flat_grads(model):
-    return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters()])
+    return torch.cat([p.grad.detach().reshape(-1).double().cpu() for p in model.parameters()])
 
 
 def run(engine, model, opt, loader, steps, zero_loss=False):
@@ -57,6 +58,8 @@ def run(engine, model, opt, loader, steps, zero_loss=False):
             it = iter(loader)
             x, y = next(it)
         batches.append(engine._counter.last_t)
+        device = next(model.parameters()).device
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y) if len(x) else model(x).sum()
         (loss * 0 if zero_loss else loss).backward()
@@ -75,9 +78,9 @@ def layer_rows(engine, t):
     out = []
     for index, st in enumerate(engine._steps_of):
         numel = sum(p.numel() for p in st.params)
-        z = torch.empty(numel, dtype=torch.float32)
+        z = torch.empty(numel, dtype=torch.float32, device=st.params[0].device)
         _ops.philox_noise_(z, engine._stream.seed, engine._stream.offset_at(t, index), 1.0)
-        out.append(z.double())
+        out.append(z.double().cpu())
     return torch.cat(out)
 
 
@@ -113,13 +116,15 @@ def test_bands_out_of_range_are_refused(bad):
 
 
 # ----------------------------------------------------------------------------- the noise rows
-@pytest.mark.parametrize("mode", ["flat", "per_layer", "backprop"])
-def test_rows_solve_the_recursion_with_the_regenerated_draws(mode):
+@pytest.mark.parametrize("mode, device", [("flat", "cpu"), ("per_layer", "cpu"), ("backprop", "cpu"),
+                                          pytest.param("flat", "cuda", marks=pytest.mark.cuda),
+                                          pytest.param("backprop", "cuda", marks=pytest.mark.cuda)])
+def test_rows_solve_the_recursion_with_the_regenerated_draws(mode, device):
     """With a zero loss the release is the noise row alone: ``Σ_j c_j w_{t−j} = σΔ z_t`` with ``z_t``
     regenerated from its Philox key, to fp32 rounding of the recursion; the engine's stored rows are
     the released ones bit for bit."""
     X, Y = data()
-    engine, model, opt, loader = make(X, Y, mode=mode, bands=4)
+    engine, model, opt, loader = make(X, Y, mode=mode, bands=4, device=device)
     T = 10
     W, batches = run(engine, model, opt, loader, T, zero_loss=True)
     assert batches == list(range(T))
@@ -132,7 +137,7 @@ def test_rows_solve_the_recursion_with_the_regenerated_draws(mode):
         # each w is the fp32 result of ≤ b rounded steps on terms of size ≤ σΔ|z|/c_0 + Σ|c_j/c_0||w|:
         scale = stds * z.abs() + sum(abs(c[j]) * W[t - j].abs() for j in range(1, len(c)) if t - j >= 0)
         assert ((y - stds * z).abs() <= 2 * len(c) * EPS32 * scale + 1e-30).all()
-    stored = torch.cat([st.band.history[0].double() for st in engine._steps_of])
+    stored = torch.cat([st.band.history[0].double().cpu() for st in engine._steps_of])
     assert torch.equal(stored, W[-1])
 
 
