@@ -56,7 +56,6 @@ Philox key (noise seed, row, layer), one flat vector over the layer's parameters
 
 from __future__ import annotations
 
-import collections
 import math
 
 import torch
@@ -109,27 +108,34 @@ class BandedNoise:
 
 
 class LayerBand:
-    """One layer's noise rows: the last ``b−1`` committed ``w`` (newest first) and the current one.
+    """One layer's noise rows: the last ``b−1`` committed ``w`` (a ring ``[b−1, P]``) and the current one.
 
     ``key_of_row(t)`` is the Philox ``(seed, offset)`` of row ``t`` for this layer. Rows are made in
     increasing order; a row already made is never made again (its noise may have been seen), and a
-    request for it after its gradient was discarded is refused by the caller.
+    request for it after its gradient was discarded is refused by the caller. A row is one draw and
+    one ``addmv`` over the ring (the recursion's ``b−1`` terms in one launch, whatever ``b``).
     """
 
-    __slots__ = ("noise", "key_of_row", "history", "next_row", "current", "current_row")
+    __slots__ = ("noise", "key_of_row", "ring", "newest", "weights", "next_row", "current", "current_row")
 
     def __init__(self, noise: BandedNoise, key_of_row):
         self.noise = noise
         self.key_of_row = key_of_row
-        self.history = collections.deque(maxlen=max(noise.bands - 1, 1))
+        self.ring = None         # [b−1, P] committed rows (zeros before the block began), allocated at first use
+        self.newest = 0          # the ring slot of the newest committed row
+        self.weights = None      # [b−1, b−1] on the ring's device: row k, the −c_j/c_0 of each slot when k is newest
         self.next_row = None     # the first row not yet made (None: none made since the start/restart)
-        self.current = None      # (row, w) made and not yet committed
+        self.current = None      # w made and not yet committed, and its row
         self.current_row = None
 
     def made(self, row: int) -> bool:
         """Whether row ``row`` (or a later one) was already made."""
         return self.current_row is not None and row <= self.current_row or (
             self.next_row is not None and row < self.next_row)
+
+    def newest_row(self) -> torch.Tensor:
+        """The newest committed row (``w_{t}`` after the step of batch ``t`` was charged)."""
+        return self.ring[self.newest]
 
     def row(self, row: int, std: float, like: torch.Tensor, numel: int) -> torch.Tensor:
         """``w_row`` as one flat vector of ``numel`` values (dtype and device of ``like``), made now:
@@ -158,27 +164,37 @@ class LayerBand:
             self._push(r, self._make(r, std, like, numel))
 
     def _push(self, row, w):
-        self.history.appendleft(w)
+        self.newest = (self.newest + 1) % self.ring.shape[0]
+        self.ring[self.newest].copy_(w)
         self.next_row = row + 1
+
+    def _ring(self, like, numel):
+        if self.ring is None:
+            c = self.noise.c
+            b1 = len(c) - 1
+            self.ring = torch.zeros(b1, numel, dtype=like.dtype, device=like.device)
+            # slot s holds the row of age ((k − s) mod (b−1)) + 1 when slot k is the newest
+            self.weights = torch.tensor([[-c[(k - s) % b1 + 1] / c[0] for s in range(b1)] for k in range(b1)],
+                                        dtype=like.dtype).to(like.device)
+            self.newest = b1 - 1
+        elif self.ring.shape[1] != numel or self.ring.dtype != like.dtype or self.ring.device != like.device:
+            raise RuntimeError("banded noise: a layer's parameters changed size, dtype or device during the run")
+        return self.ring
 
     def _make(self, row, std, like, numel) -> torch.Tensor:
         """``w_row = (std·z_row − Σ_j c_j w_{row−j}) / c_0`` from the committed rows (rows before the
-        start or a restart count as zero: the block-diagonal strategy, module docstring)."""
-        c = self.noise.c
+        start or a restart are the ring's zeros: the block-diagonal strategy, module docstring).
+        _catch_up has pushed every row before ``row`` since the block began, so the slot of age j
+        holds ``w_{row−j}``."""
+        ring = self._ring(like, numel)
         seed, offset = self.key_of_row(row)
         w = torch.empty(numel, dtype=like.dtype, device=like.device)
-        _ops.philox_noise_(w, seed, offset, std / c[0])
-        # _catch_up has pushed every row before `row` since the block began: history[j−1] is row−j
-        for j, h in enumerate(self.history, start=1):
-            if j >= len(c):
-                break
-            if h.numel() != numel:
-                raise RuntimeError("banded noise: a layer's parameters changed size during the run")
-            w.add_(h, alpha=-c[j] / c[0])
-        return w
+        _ops.philox_noise_(w, seed, offset, std / self.noise.c[0])
+        return w.addmv_(ring.t(), self.weights[self.newest])
 
     def restart(self) -> None:
         """Forget every row (a resumed run: the strategy's next block)."""
-        self.history.clear()
+        if self.ring is not None:
+            self.ring.zero_()
         self.next_row = None
         self.current = self.current_row = None

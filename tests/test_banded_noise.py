@@ -137,7 +137,7 @@ def test_rows_solve_the_recursion_with_the_regenerated_draws(mode, device):
         # each w is the fp32 result of ≤ b rounded steps on terms of size ≤ σΔ|z|/c_0 + Σ|c_j/c_0||w|:
         scale = stds * z.abs() + sum(abs(c[j]) * W[t - j].abs() for j in range(1, len(c)) if t - j >= 0)
         assert ((y - stds * z).abs() <= 2 * len(c) * EPS32 * scale + 1e-30).all()
-    stored = torch.cat([st.band.history[0].double().cpu() for st in engine._steps_of])
+    stored = torch.cat([st.band.newest_row().double().cpu() for st in engine._steps_of])
     assert torch.equal(stored, W[-1])
 
 
@@ -252,7 +252,7 @@ def test_resume_keeps_the_groups_and_restarts_the_band():
     o2.load_state_dict(state)
     s1, s2 = engine.data_loader.batch_sampler, e2.data_loader.batch_sampler
     assert s2.partition_seed == s1.partition_seed
-    assert all(st.band.next_row is None and not st.band.history for st in e2._steps_of)
+    assert all(st.band.next_row is None and st.band.ring is None for st in e2._steps_of)
     W, batches = run(e2, m2, o2, l2, 3)
     assert batches == [5, 6, 7] and len(e2.accountant) == 8
     e3 = make(X, Y, bands=2, seed=None)
