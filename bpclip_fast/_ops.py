@@ -186,6 +186,13 @@ if _LOAD_ERROR is None:
         like = weight if weight is not None else bias
         return like.new_empty((like.shape[0],), dtype=torch.float64)
 
+    @torch.library.register_fake("bpclip_fast::examples_factors")
+    def _examples_factors_fake(weight, bias, nonfinite, max_norm, clip_fn, gamma, fp64):
+        like = weight if weight is not None else bias
+        b = like.shape[0]
+        return (like.new_empty((b,), dtype=torch.float64 if fp64 else torch.float32),
+                like.new_empty((b,), dtype=torch.float64))
+
     @torch.library.register_fake("bpclip_fast::examples_release")
     def _examples_release_fake(weight, bias, factor, noise_key, noise_std, scale):
         like = weight if weight is not None else bias
@@ -286,6 +293,14 @@ def examples_bound(weight, bias=None, nonfinite=None):
     (either may be ``None``) taken together; ``nonfinite`` (int64 ``[1]``) += the non-finite ones."""
     _need_values(weight, bias, "examples_bound")
     return torch.ops.bpclip_fast.examples_bound(weight, bias, nonfinite)
+
+
+def examples_factors(weight, bias, nonfinite, max_norm, clip_fn="clip", gamma=0.0, fp64=False):
+    """``(factor, bound)``: :func:`examples_bound` of ``weight``/``bias`` and
+    ``exact_factors([bound], nonfinite, max_norm, clip_fn, gamma, fp64)``'s factor, in one kernel."""
+    _need_values(weight, bias, "examples_factors")
+    return torch.ops.bpclip_fast.examples_factors(weight, bias, nonfinite, float(max_norm), clip_fn, float(gamma),
+                                                  bool(fp64))
 
 
 def examples_release(weight, bias, factor, seed=0, offset=0, std=0.0, scale=1.0):

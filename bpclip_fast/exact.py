@@ -57,11 +57,28 @@ def factors(bound, max_norm: float, clip_fn: str, gamma: float, nonfinite: torch
     to the factor dtype (fp32; fp64 for fp64 data); a non-finite bound gives factor 0 and is counted
     in ``nonfinite``; a factor below :data:`FACTOR_FLOOR` is set to 0 (the subnormal part of the
     bound's proof, csrc/exact.cpp). One op (``exact_factors``) for both modes: the one place where
-    factors are made (the audits plant their bugs here)."""
+    factors are made (the audits plant their bugs here). ``bound`` may be a :class:`PendingBound`
+    (a per_layer layer's instantiated per-example gradients): its bound and factors are made by one
+    kernel (``examples_factors``) with exact_factors' arithmetic, and the bound is kept on it."""
+    if isinstance(bound, PendingBound):
+        factor, bound.value = bound.examples.factors(bound.mask, nonfinite, float(max_norm), clip_fn, float(gamma),
+                                                     data_dtype == torch.float64)
+        return factor
     bounds = bound if isinstance(bound, (list, tuple)) else [bound]
     factor, _ = torch.ops.bpclip_fast.exact_factors(bounds, nonfinite, float(max_norm), clip_fn, float(gamma),
                                                     data_dtype == torch.float64)
     return factor
+
+
+class PendingBound:
+    """The norm bounds of a per_layer layer's instantiated per-example gradients (``examples``,
+    ``mask``), not yet computed: :func:`factors` computes them with the factors, in one launch
+    instead of two (issue 25), and leaves them in ``value``."""
+
+    __slots__ = ("examples", "mask", "value")
+
+    def __init__(self, examples, mask):
+        self.examples, self.mask, self.value = examples, mask, None
 
 
 def _weight_bias(layer):
@@ -442,6 +459,8 @@ def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):
                         "do not change the clipping after make_private", rule="bounds")
     factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
                      data_dtype)
+    if isinstance(bound, PendingBound):
+        bound = bound.value
     if layer._step is not None and layer._step.counting:  # adaptive thresholds: the examples within C_l
         layer._step.count((bound <= layer.max_grad_norm / d).sum().reshape(1))
     grads = _release(layer, *held, factor, step_args, geometry, kept)
@@ -507,7 +526,11 @@ def _release_examples(layer, examples, factor, step_args, mask):
 def example_bound(layer, examples, mask, book):
     """The norm bounds of a layer with instantiated per-example gradients; under flat clipping
     (``book``) the layer's non-finite count is added to by the bound itself (the factors come later,
-    from every layer's bounds), as the Linear/Conv2d norms ops do."""
+    from every layer's bounds), as the Linear/Conv2d norms ops do. Under per_layer, for examples
+    with a fused bound-and-factors kernel, a :class:`PendingBound` that :func:`factors` fills."""
+    counting = layer._step is not None and layer._step.counting  # adaptive: reads the bound after the factors
+    if book is None and not counting and hasattr(examples, "factors"):
+        return PendingBound(examples, mask)
     return examples.bound(mask, layer._nonfinite[1:2] if book is not None else None)
 
 

@@ -58,6 +58,12 @@ class DenseExamples:
         """Float64 ``[B]``; ``nonfinite`` (flat clipping's per-layer count) += the non-finite ones."""
         return _ops.examples_bound(*self._masked(mask), nonfinite)
 
+    def factors(self, mask, nonfinite, max_norm, clip_fn, gamma, fp64):
+        """``(factor, bound)``: :meth:`bound` and ``exact_factors`` of it, in one kernel
+        (``examples_factors``: the same bound, factor and count). Only :func:`bpclip_fast.exact.factors`
+        calls it, so the factors keep their one home."""
+        return _ops.examples_factors(*self._masked(mask), nonfinite, max_norm, clip_fn, gamma, fp64)
+
     def release(self, factor, mask, noise):
         """``(∇W, ∇b)`` in the stored dtype: the clipped sums with the draw ``noise = (seed, offset,
         std, scale)`` added and the scale applied (``None`` where masked)."""

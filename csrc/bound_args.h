@@ -57,6 +57,15 @@ struct FactorsArgs {
   double bound_eff, inflate;
 };
 
+// The clipping arguments of the factors (exact_factors, examples_factors: one set of checks).
+inline FactorsArgs factor_params(int64_t B, int64_t L, double max_norm, c10::string_view clip_fn, double gamma) {
+  check_bound(max_norm, "max_norm");
+  const int fn = parse_clip_fn(clip_fn);
+  TORCH_CHECK(fn != kNormalize || gamma > 0, "bpclip_fast: clip_fn='normalize' needs gamma > 0, got ", gamma);
+  const double v = 0x1p-53, k = static_cast<double>(L + 3);
+  return FactorsArgs{B, L, fn, effective_bound(max_norm, 1), 1.0 + 2.0 * (k * v / (1.0 - k * v))};
+}
+
 inline FactorsArgs check_factors_args(at::TensorList bounds, const at::Tensor& nonfinite, double max_norm,
                                       c10::string_view clip_fn, double gamma) {
   constexpr const char* op = "bpclip_fast.exact_factors: ";
@@ -67,12 +76,7 @@ inline FactorsArgs check_factors_args(at::TensorList bounds, const at::Tensor& n
     check_same_device(b, bounds[0], "a bound", "the first bound");
   }
   check_counter(nonfinite, bounds[0]);
-  check_bound(max_norm, "max_norm");
-  const int fn = parse_clip_fn(clip_fn);
-  TORCH_CHECK(fn != kNormalize || gamma > 0, "bpclip_fast: clip_fn='normalize' needs gamma > 0, got ", gamma);
-  const int64_t L = static_cast<int64_t>(bounds.size());
-  const double v = 0x1p-53, k = static_cast<double>(L + 3);
-  return FactorsArgs{bounds[0].size(0), L, fn, effective_bound(max_norm, 1), 1.0 + 2.0 * (k * v / (1.0 - k * v))};
+  return factor_params(bounds[0].size(0), static_cast<int64_t>(bounds.size()), max_norm, clip_fn, gamma);
 }
 
 }  // namespace bpclip

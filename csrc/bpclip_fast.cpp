@@ -155,6 +155,13 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // noise of philox_noise_ (key [seed, offset]: the weight at offset, the bias at offset + 1; none
   // for std 0), times scale, rounded once to the values' dtype; empty where not given.
   m.def("examples_bound(Tensor? weight, Tensor? bias, Tensor(a!)? nonfinite=None) -> Tensor");
+  // examples_factors: examples_bound and exact_factors([bound], ...) in one kernel (a per_layer
+  // layer's factors; bpclip_fast/exact.py, factors): the same bound, the same factor function
+  // (bound.h, example_factor) and the same count (nonfinite += the examples clip_rows counts).
+  // Returns (factor fp32 / fp64 [B], bound float64 [B]).
+  m.def(
+      "examples_factors(Tensor? weight, Tensor? bias, Tensor(a!) nonfinite, float max_norm, str clip_fn,"
+      " float gamma, bool fp64) -> (Tensor, Tensor)");
   m.def(
       "examples_release(Tensor? weight, Tensor? bias, Tensor factor, int[2] noise_key, float noise_std,"
       " float scale) -> (Tensor, Tensor)");

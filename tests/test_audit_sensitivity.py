@@ -261,6 +261,28 @@ def test_clipping_at_twice_the_declared_c_is_caught(monkeypatch, mode):
     assert max(r.ratio for r in report.rows if r.checked) == pytest.approx(2.0, rel=1e-6)
 
 
+@pytest.mark.parametrize("bug", ["skip_example_0", "twice_c"])
+def test_planted_factor_bugs_reach_per_layer_instantiated_layers(monkeypatch, bug):
+    """Under per_layer a LayerNorm's (and any instantiated layer's) bound and factors are one kernel
+    (examples_factors), still made through exact.factors: a bug planted there shows on that layer."""
+    model, engine, *_, shape, classes = private(token_net, "per_layer")
+    real, fused = exact.factors, []
+
+    def planted(bound, max_norm, *a, **kw):
+        fused.append(isinstance(bound, exact.PendingBound))
+        if bug == "twice_c":
+            return real(bound, 2 * max_norm, *a, **kw)
+        f = real(bound, max_norm, *a, **kw).clone()
+        f[0] = 1.0
+        return f
+
+    monkeypatch.setattr(exact, "factors", planted)
+    report = sensitivity(model, batch_for(shape, classes, scale=100.0), engine=engine)
+    assert not report.ok
+    assert any(fused)  # the fused kernel's factors went through the planted bug
+    assert "1" in {r.name for r in report.rows if r.failed}  # the LayerNorm
+
+
 def test_per_layer_noise_bound_halved_is_caught(monkeypatch):
     """Four layers (C_l = C/2 each): halving the C the noise is scaled to still passes the layers'
     own C_l ≤ C check, and only the total row sees it."""

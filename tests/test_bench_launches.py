@@ -100,3 +100,35 @@ def test_each_call_of_an_extension_op_counts_its_own_route():
     assert len(routes) == 2 and routes[0] > routes[1]  # the noise is a launch of its own
     # scale_rows2 + philox_noise2_ + addmm_, then scale_rows2 + mm
     assert routes == [3, 2] and ops == 5
+
+
+def test_per_layer_makes_an_instantiated_layers_bound_and_factors_in_one_launch():
+    """Issue 25: under per_layer a layer with instantiated per-example gradients (here a LayerNorm)
+    made its bound (``examples_bound``) and its factors (``exact_factors``) in two launches; one
+    kernel (``examples_factors``) makes both. The Linear layers keep their own ``exact_factors``."""
+    from bpclip_fast import PrivacyEngine, _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))  # q = 1: every batch holds all four
+    model, opt, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+        clipping="per_layer")
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        opt.step()
+    step(next(iter(loader)))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(next(iter(loader)))
+    batch = next(iter(loader))
+    _, _, hist = _counted(lambda: step(batch), launches.inner_leaves(prof.events()))
+    assert "bpclip_fast::examples_bound" not in hist
+    assert hist["bpclip_fast::examples_factors"] == 1 and hist["bpclip_fast::exact_factors"] == 2

@@ -615,6 +615,13 @@ MUTANTS = {
     "examples_bound_tree_skips_half": ("examples_kernels.cuh",
                                        "for (int half = kBoundParts / 2; half > 0; half >>= 1) {",
                                        "for (int half = kBoundParts / 4; half > 0; half >>= 1) {"),
+    # examples_factors: the factor not rounded to fp32 for fp32 factors; its count taken from the
+    # double bound (examples_bound's) instead of the rounded one that exact_factors counts.
+    "examples_factors_not_rounded_to_fp32": ("examples_kernels.cuh",
+                                             "example_factor(bound, sizeof(fac_t) == 8,",
+                                             "example_factor(bound, true,"),
+    "examples_factors_skip_their_count": ("examples_kernels.cuh", "if (odd) atomicAdd(nonfinite, 1ull);\n}\n\n// Block k",
+                                          "\n}\n\n// Block k"),
     "examples_release_skips_last_example": ("examples_kernels.cuh",
                                             "for (int64_t b = p; b < B; b += kReleaseParts) {",
                                             "for (int64_t b = p; b + 1 < B; b += kReleaseParts) {"),

@@ -102,3 +102,35 @@ def test_norms_ops_count_the_nonfinite_bounds_they_return(conv, dtype):
     assert int(counter) == 7 + expected
     _, again, _, _ = call(None)
     assert torch.equal(again.nan_to_num(-1.0), bound.nan_to_num(-1.0))  # NaN != NaN
+
+
+@pytest.mark.parametrize("data_dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("clip_fn,gamma", [("clip", 0.01), ("normalize", 0.3)])
+def test_per_layer_instantiated_factors_are_the_factors_of_their_bound(data_dtype, clip_fn, gamma):
+    """A per_layer layer's instantiated examples get their bound and factors from one kernel
+    (examples_factors, through exact.factors and a PendingBound): bit for bit clip_rows' factors of
+    examples_bound's bound, the same count, and that very bound left on the PendingBound. The rows
+    hold NaN, Inf, zeros, tiny values, and (fp64) a bound past fp32's largest value."""
+    from bpclip_fast.examples import DenseExamples
+
+    gen = torch.Generator().manual_seed(4)
+    B = 40
+    gw = torch.randn(B, 5, 3, generator=gen, dtype=torch.float64) * torch.exp(torch.randn(B, 1, 1, generator=gen) * 8)
+    gb = torch.randn(B, 5, generator=gen, dtype=torch.float64)
+    gw[0, 0, 0], gw[1, 2, 1], gw[2], gb[2] = math.nan, math.inf, 0.0, 0.0
+    gw[3], gb[3] = 1e-40, 0.0
+    gb[5, 1] = -math.inf
+    if data_dtype == torch.float64:
+        gw[4, 0, 0] = 1e39  # a finite bound that rounds up to fp32's +Inf: counted, factor 0
+    examples = DenseExamples(gw, gb, data_dtype)
+    for mask in ((True, True), (True, False), (False, True)):
+        pending = exact.PendingBound(examples, mask)
+        count = torch.zeros(1, dtype=torch.int64)
+        got = exact.factors(pending, 0.37, clip_fn, gamma, count, data_dtype)
+        bound = examples.bound(mask)
+        expect, expect_count = _reference_factors(bound, 0.37, clip_fn, gamma, data_dtype)
+        bits = torch.int64 if got.dtype == torch.float64 else torch.int32
+        assert got.dtype == expect.dtype
+        assert torch.equal(got.view(bits), expect.view(bits))
+        assert torch.equal(pending.value.view(torch.int64), bound.view(torch.int64))
+        assert int(count) == expect_count >= 1

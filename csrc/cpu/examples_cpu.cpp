@@ -13,6 +13,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "../bound_args.h"
 #include "../common.h"
 #include "../examples_args.h"
 #include "bpclip_fast/examples.h"
@@ -66,6 +67,41 @@ at::Tensor examples_bound_cpu(const std::optional<at::Tensor>& weight, const std
   });
   if (bad && nonfinite) nonfinite->add_(bad);  // a launch only when some example is not finite
   return out;
+}
+
+// examples_bound_cpu's bound, then exact_factors_cpu's factor of that one layer's bound (bound.h,
+// example_factor), counted as exact_factors counts: the CUDA kernel does both in one launch.
+std::tuple<at::Tensor, at::Tensor> examples_factors_cpu(const std::optional<at::Tensor>& weight,
+                                                        const std::optional<at::Tensor>& bias, at::Tensor& nonfinite,
+                                                        double max_norm, c10::string_view clip_fn, double gamma,
+                                                        bool fp64) {
+  const ExamplesArgs a = check_examples_args(weight, bias, "examples_factors");
+  check_counter(nonfinite, a.like);
+  const FactorsArgs f = factor_params(a.s.B, 1, max_norm, clip_fn, gamma);
+  at::Tensor bound = at::empty({a.s.B}, a.like.options().dtype(at::kDouble));
+  at::Tensor factor = at::empty({a.s.B}, a.like.options().dtype(fp64 ? at::kDouble : at::kFloat));
+  if (a.s.B == 0) return {factor, bound};
+  int64_t unused = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.like.scalar_type(), "examples_factors_cpu", [&] {
+    bound_rows<scalar_t>(a.w.defined() ? a.w.const_data_ptr<scalar_t>() : nullptr,
+                         a.b.defined() ? a.b.const_data_ptr<scalar_t>() : nullptr, a.s,
+                         bound.mutable_data_ptr<double>(), &unused);
+  });
+  const double* bp = bound.const_data_ptr<double>();
+  int64_t bad = 0;
+  for (int64_t i = 0; i < a.s.B; ++i) {
+    bool odd = false;
+    const double c = example_factor(bp[i], fp64, f.bound_eff, f.fn, gamma, &odd);
+    if (fp64) {
+      factor.mutable_data_ptr<double>()[i] = c;
+    } else {
+      factor.mutable_data_ptr<float>()[i] = static_cast<float>(c);  // already an fp32 value
+    }
+    bad += odd ? 1 : 0;
+  }
+  // Written in place (not add_): the op then launches no ATen kernel of its own.
+  if (bad) nonfinite.mutable_data_ptr<int64_t>()[0] += bad;
+  return {factor, bound};
 }
 
 // RZ_T(f x) widened to acc_t (bpclip_fast/clip.h, as scale_rows stores it); f != 0.
@@ -162,6 +198,7 @@ std::tuple<at::Tensor, at::Tensor> examples_release_cpu(const std::optional<at::
 
 TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
   m.impl("examples_bound", &examples_bound_cpu);
+  m.impl("examples_factors", &examples_factors_cpu);
   m.impl("examples_release", &examples_release_cpu);
 }
 

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "../common.h"
+#include "../bound_args.h"
 #include "../examples_args.h"
 #include "launch.h"
 // launch.h first: the launch sequences call its launch().
@@ -41,6 +42,36 @@ at::Tensor examples_bound_cuda(const std::optional<at::Tensor>& weight, const st
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> examples_factors_cuda(const std::optional<at::Tensor>& weight,
+                                                         const std::optional<at::Tensor>& bias, at::Tensor& nonfinite,
+                                                         double max_norm, c10::string_view clip_fn, double gamma,
+                                                         bool fp64) {
+  const ExamplesArgs a = check_examples_args(weight, bias, "examples_factors");
+  check_counter(nonfinite, a.like);
+  const FactorsArgs f = factor_params(a.s.B, 1, max_norm, clip_fn, gamma);
+  const c10::cuda::CUDAGuard guard(a.like.device());
+  at::Tensor bound = at::empty({a.s.B}, a.like.options().dtype(at::kDouble));
+  at::Tensor factor = at::empty({a.s.B}, a.like.options().dtype(fp64 ? at::kDouble : at::kFloat));
+  if (a.s.B == 0) return {factor, bound};
+  at::Tensor counter = nonfinite.is_contiguous() ? nonfinite : nonfinite.contiguous();
+  auto* cp = reinterpret_cast<unsigned long long*>(counter.mutable_data_ptr<int64_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.like.scalar_type(), "examples_factors_cuda", [&] {
+    using dev_t = typename DeviceType<scalar_t>::type;
+    const dev_t* wp = a.w.defined() ? dev_ptr(a.w.const_data_ptr<scalar_t>()) : static_cast<const dev_t*>(nullptr);
+    const dev_t* bp = a.b.defined() ? dev_ptr(a.b.const_data_ptr<scalar_t>()) : static_cast<const dev_t*>(nullptr);
+    const bool f64 = a.like.scalar_type() == at::kDouble;
+    if (fp64) {
+      examples_factors_device(wp, bp, a.s.B, a.s.Nw, a.s.Nb, f64, bound.mutable_data_ptr<double>(), cp,
+                              factor.mutable_data_ptr<double>(), f.bound_eff, f.fn, gamma);
+    } else {
+      examples_factors_device(wp, bp, a.s.B, a.s.Nw, a.s.Nb, f64, bound.mutable_data_ptr<double>(), cp,
+                              factor.mutable_data_ptr<float>(), f.bound_eff, f.fn, gamma);
+    }
+  });
+  if (!counter.is_same(nonfinite)) nonfinite.copy_(counter);
+  return {factor, bound};
+}
+
 std::tuple<at::Tensor, at::Tensor> examples_release_cuda(const std::optional<at::Tensor>& weight,
                                                          const std::optional<at::Tensor>& bias,
                                                          const at::Tensor& factor_in, at::IntArrayRef noise_key,
@@ -69,6 +100,7 @@ std::tuple<at::Tensor, at::Tensor> examples_release_cuda(const std::optional<at:
 
 TORCH_LIBRARY_IMPL(bpclip_fast, CUDA, m) {
   m.impl("examples_bound", &cuda::examples_bound_cuda);
+  m.impl("examples_factors", &cuda::examples_factors_cuda);
   m.impl("examples_release", &cuda::examples_release_cuda);
 }
 

@@ -13,11 +13,15 @@ namespace cuda {
 
 // Block b bounds example b: thread t sums the squares of entries j = t, t + kBoundParts, .. of the
 // example's row (weight values, then bias values), then the block halves its partials in shared
-// memory. blockDim.x == kBoundParts. nonfinite (may be null) += the examples whose bound is not finite.
-template <typename T>
+// memory. blockDim.x == kBoundParts. Without `factor` (examples_bound): nonfinite (may be null) +=
+// the examples whose bound is not finite. With it (examples_factors): factor[b] is exact_factors'
+// factor of this one bound (bound.h, example_factor, as exact_factors_kernel) and nonfinite += the
+// examples that function counts.
+template <typename T, typename fac_t>
 __global__ void examples_bound_kernel(const T* __restrict__ w, const T* __restrict__ bias, int64_t Nw, int64_t Nb,
                                       double tiny, double r, double* __restrict__ out,
-                                      unsigned long long* __restrict__ nonfinite) {
+                                      unsigned long long* __restrict__ nonfinite, fac_t* __restrict__ factor,
+                                      double bound_eff, int fn, double gamma) {
   __shared__ double part[kBoundParts];
   const int64_t b = blockIdx.x;
   const int t = threadIdx.x;
@@ -36,7 +40,13 @@ __global__ void examples_bound_kernel(const T* __restrict__ w, const T* __restri
   if (t != 0) return;
   const double bound = examples_bound_of(part[0], tiny, r);
   out[b] = bound;
-  if (nonfinite != nullptr && !finite_bound(bound)) atomicAdd(nonfinite, 1ull);
+  if (factor == nullptr) {
+    if (nonfinite != nullptr && !finite_bound(bound)) atomicAdd(nonfinite, 1ull);
+    return;
+  }
+  bool odd = false;
+  factor[b] = static_cast<fac_t>(example_factor(bound, sizeof(fac_t) == 8, bound_eff, fn, gamma, &odd));
+  if (odd) atomicAdd(nonfinite, 1ull);
 }
 
 // Block k releases a tile of kReleaseTile consecutive elements: tiles [0, tiles_w) of the weight

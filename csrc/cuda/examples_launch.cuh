@@ -15,8 +15,19 @@ template <typename T>
 void examples_bound_device(const T* w, const T* bias, int64_t B, int64_t Nw, int64_t Nb, bool fp64, double* out,
                            unsigned long long* nonfinite) {
   const int64_t n = Nw + Nb;
-  launch(examples_bound_kernel<T>, B, kBoundParts, w, bias, Nw, Nb, examples_bound_tiny(n, fp64),
-         examples_bound_factor(n), out, nonfinite);
+  launch(examples_bound_kernel<T, float>, B, kBoundParts, w, bias, Nw, Nb, examples_bound_tiny(n, fp64),
+         examples_bound_factor(n), out, nonfinite, static_cast<float*>(nullptr), 0.0, 0, 0.0);
+}
+
+// examples_bound_device's bound [B] and, in the same launch, factor [B] (fac_t double for fp64 data,
+// else float) of each bound against bound_eff (exact_factors of the one layer); nonfinite (not null)
+// += the examples exact_factors would count.
+template <typename T, typename fac_t>
+void examples_factors_device(const T* w, const T* bias, int64_t B, int64_t Nw, int64_t Nb, bool fp64, double* out,
+                             unsigned long long* nonfinite, fac_t* factor, double bound_eff, int fn, double gamma) {
+  const int64_t n = Nw + Nb;
+  launch(examples_bound_kernel<T, fac_t>, B, kBoundParts, w, bias, Nw, Nb, examples_bound_tiny(n, fp64),
+         examples_bound_factor(n), out, nonfinite, factor, bound_eff, fn, gamma);
 }
 
 // out_w [Nw], out_b [Nb] from the per-example values w [B, Nw], bias [B, Nb] and factor [B].

@@ -183,6 +183,24 @@ int simt_examples_bound(int dtype, const void* w, const void* bias, int64_t B, i
   });
 }
 
+// examples_factors: examples_bound's out [B] and exact_factors' factor [B] (fp32; fp64 when fp64) of
+// each bound, in one launch; nonfinite not null.
+int simt_examples_factors(int dtype, const void* w, const void* bias, int64_t B, int64_t Nw, int64_t Nb, double* out,
+                          int64_t* nonfinite, int fp64, void* factor, double bound_eff, int fn, double gamma) {
+  auto* counter = reinterpret_cast<unsigned long long*>(nonfinite);
+  return dispatch(dtype, [&]<typename T, typename acc_t>() {
+    const T* wp = static_cast<const T*>(w);
+    const T* bp = static_cast<const T*>(bias);
+    if (fp64) {
+      examples_factors_device<T, double>(wp, bp, B, Nw, Nb, dtype == kF64, out, counter, static_cast<double*>(factor),
+                                         bound_eff, fn, gamma);
+    } else {
+      examples_factors_device<T, float>(wp, bp, B, Nw, Nb, dtype == kF64, out, counter, static_cast<float*>(factor),
+                                        bound_eff, fn, gamma);
+    }
+  });
+}
+
 // examples_release: out_w [Nw], out_b [Nb] of the values' dtype; factor [B] of the accumulation dtype.
 int simt_examples_release(int dtype, const void* w, const void* bias, const void* factor, int64_t B, int64_t Nw,
                           int64_t Nb, uint64_t seed, uint64_t offset, float stdv, double scale, void* out_w,

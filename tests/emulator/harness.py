@@ -164,6 +164,7 @@ class Simt:
         lib.simt_position_split.argtypes = [i64]
         lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
         lib.simt_examples_bound.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp]
+        lib.simt_examples_factors.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp, i32, vp, dbl, i32, dbl]
         lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, ctypes.c_float, dbl, vp, vp]
         lib.simt_conv_patches.argtypes = [i32, vp, vp, vp]
         lib.simt_set_schedule.argtypes = [i32, u64]
@@ -211,6 +212,11 @@ class Simt:
         """w, b: flat buffers (or None); out float64 [B]; nonfinite int64 [1] or None."""
         self.call("simt_examples_bound", DTYPES[dtype], _ptr_or_null(w), _ptr_or_null(b), B, Nw, Nb, _ptr(out),
                   _ptr_or_null(nonfinite))
+
+    def examples_factors(self, dtype, w, b, B, Nw, Nb, out, nonfinite, factor, fp64, max_norm, clip_fn, gamma):
+        """examples_bound's ``out`` and, in the same launch, exact_factors' ``factor`` of each bound."""
+        self.call("simt_examples_factors", DTYPES[dtype], _ptr_or_null(w), _ptr_or_null(b), B, Nw, Nb, _ptr(out),
+                  _ptr(nonfinite), int(fp64), _ptr(factor), _bound_eff(max_norm), CLIP_FNS[clip_fn], gamma)
 
     def examples_release(self, dtype, w, b, factor, B, Nw, Nb, seed, offset, std, scale, out_w, out_b):
         self.call("simt_examples_release", DTYPES[dtype], _ptr_or_null(w), _ptr_or_null(b), _ptr(factor), B, Nw, Nb,
@@ -598,6 +604,23 @@ def compare_examples(sim: Simt, w, b, factor, seed=0, offset=0, std=0.0, scale=1
         problems.append(f"bound differs at {int((_bits(bound) != _bits(ref)).sum())} of {B} examples")
     if count and not torch.equal(counter, ref_counter):
         problems.append(f"nonfinite count {int(counter)} vs the CPU's {int(ref_counter)}")
+    for fp64 in (False, True):  # examples_factors: the same bound, and exact_factors' factor and count of it
+        fbuf, fac = guarded(B, torch.float64 if fp64 else torch.float32)
+        bbuf2, bound2 = guarded(B, torch.float64)
+        counter2, ref_counter2 = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        sim.examples_factors(dtype, gw_in, gb_in, B, Nw, Nb, bound2, counter2, fac, fp64, 0.7, "clip", 0.05)
+        ref_fac, ref_bound2 = torch.ops.bpclip_fast.examples_factors(w, b, ref_counter2, 0.7, "clip", 0.05, fp64)
+        want_fac, _ = torch.ops.bpclip_fast.exact_factors([ref], torch.zeros(1, dtype=torch.int64), 0.7, "clip", 0.05,
+                                                           fp64)
+        for name, buf, out, r in (("factors' bound", bbuf2, bound2, ref_bound2), ("factor", fbuf, fac, ref_fac)):
+            if not _guard_intact(buf, B, float("nan")):
+                problems.append(f"{name} (fp64={fp64}): written past its end")
+            if not torch.equal(_bits(out), _bits(r)):
+                problems.append(f"{name} (fp64={fp64}) differs at {int((_bits(out) != _bits(r)).sum())} of {B}")
+        if not torch.equal(_bits(ref_fac), _bits(want_fac)) or not torch.equal(_bits(ref_bound2), _bits(ref)):
+            problems.append(f"the CPU examples_factors (fp64={fp64}) is not examples_bound then exact_factors")
+        if not torch.equal(counter2, ref_counter2):
+            problems.append(f"factors' nonfinite count {int(counter2)} vs the CPU's {int(ref_counter2)}")
     wbuf, ow = guarded(Nw, dtype) if w is not None else (None, None)
     obuf, ob = guarded(Nb, dtype) if b is not None else (None, None)
     sim.examples_release(dtype, gw_in, gb_in, guarded_copy(factor), B, Nw, Nb, seed, offset, std, scale, ow, ob)
@@ -695,6 +718,14 @@ def compare_conv_patches(sim: Simt, x, k, stride, padding, dilation):
         bad = int((_bits(out) != _bits(ref.reshape(-1))).sum())
         problems.append(f"differs from the CPU op at {bad} of {ref.numel()} elements")
     return problems
+
+
+def _bound_eff(max_norm):
+    """clip.h's effective_bound(max_norm, 1): max_norm (1 - bound_shrink(1))."""
+    eta = 2.0 ** -53
+    while eta < 5 * 2.0 ** -53:
+        eta *= 2.0
+    return max_norm * (1.0 - eta)
 
 
 def compare_exact_factors(sim: Simt, bounds, max_norm, clip_fn, gamma, fp64):
