@@ -305,3 +305,49 @@ def test_make_private_with_epsilon_calibrates_with_the_projection():
                                                sample_rate=engine.accounting_sample_rate,
                                                num_steps=5 * engine.steps_per_epoch)
     assert steps_only < 3.0 - 0.05
+
+
+# ---------------------------------------------------------------- the trainer (--pca)
+
+def test_trainer_pca_flag_charges_the_projection(tmp_path):
+    from bpclip_fast.train.cli import cli_run
+
+    out = tmp_path / "run"
+    r = seeded(cli_run, ["--pca", "20", "--pca-noise", "4", "--sigma", "1.5", "--epochs", "1", "--limit", "200",
+                         "--batch-size", "50", "--quiet", "--noise-seed", "3", "--out", str(out)])
+    assert r["pca"] == {"components": 20, "in_features": 784, "noise_multiplier": 4.0, "rows": 200, "hidden": 256,
+                        "private": True}
+    assert r["privacy"]["accountant_events"] == [[4.0, 1.0]]
+    history = [tuple(h) for h in r["privacy"]["accountant_history"]]
+    truth = _truth(history, [4.0], DELTA, "rdp")
+    assert r["epsilon"] == pytest.approx(truth, rel=1e-12)
+    assert r["epsilons"]["pld"] == pytest.approx(_truth(history, [4.0], DELTA, "pld"), rel=1e-9)
+    assert r["epsilon"] > _truth(history, [], DELTA, "rdp") + 0.1
+
+
+def test_trainer_resume_keeps_the_released_components(tmp_path):
+    from bpclip_fast.train.cli import cli_run
+
+    ck = str(tmp_path / "ck.pt")
+    args = ["--pca", "10", "--pca-noise", "4", "--sigma", "1.5", "--limit", "100", "--batch-size", "50", "--quiet",
+            "--checkpoint", ck]
+    seeded(cli_run, args + ["--epochs", "1"])
+    saved = torch.load(ck, weights_only=False)["model"]["0.components"].clone()
+    r = seeded(cli_run, args + ["--epochs", "2", "--resume"])
+    assert torch.equal(torch.load(ck, weights_only=False)["model"]["0.components"], saved)
+    assert r["privacy"]["accountant_events"] == [[4.0, 1.0]]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(method="dpsgd", pca=10, pca_noise=4.0), "Opacus"),
+    (dict(method="bpclip", pca=10), "needs --pca-noise"),
+    (dict(method="flat", pca=10, pca_noise=0.0), "needs --pca-noise"),
+    (dict(method="nonprivate", pca=10, pca_noise=4.0), "not private"),
+    (dict(method="bpclip", pca_noise=4.0), "needs --pca K"),
+    (dict(method="bpclip", pca=10, pca_noise=4.0, model="mnist"), "own model"),
+])
+def test_trainer_refusals(kw, match):
+    from bpclip_fast.train.trainer import Config
+
+    with pytest.raises(ValueError, match=match):
+        Config(**kw).resolved()
