@@ -48,6 +48,7 @@ without noise (:func:`exact_pca`, for non-private baselines) is refused there.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -57,7 +58,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["PCAProjection", "private_pca", "exact_pca", "events_of", "noisy_second_moment"]
+__all__ = ["PCAProjection", "private_pca", "exact_pca", "events_of", "fingerprints", "noisy_second_moment"]
 
 
 class PCAProjection(nn.Module):
@@ -218,3 +219,11 @@ def events_of(module: nn.Module, what: str = "make_private") -> list:
                                  "use private_pca(X_train, k, noise_multiplier)")
             events.append((m.noise_multiplier, 1.0))
     return events
+
+
+def fingerprints(module: nn.Module) -> list:
+    """``[(name, σ_p, sha256 of the components)]`` of every :class:`PCAProjection` in ``module``: the
+    ranks of a distributed run must hold one release (compute it on one rank and broadcast it); a
+    projection computed on each rank would be several releases, charged once."""
+    return [(name, m.noise_multiplier, hashlib.sha256(m.components.detach().cpu().contiguous().numpy().tobytes())
+             .hexdigest()) for name, m in module.named_modules() if isinstance(m, PCAProjection)]

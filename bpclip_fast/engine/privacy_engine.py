@@ -177,7 +177,9 @@ class PrivacyEngine:
                       "loss_reduction": r.loss_reduction, "nonfinite": r.nonfinite, "max_input_shape": r.max_input_shape,
                       "adaptive": r.adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
                       "max_epsilon": r.max_epsilon, "delta": r.delta,
-                      "clipped layers built by hand": _ranks.built_layers(inner)},
+                      "clipped layers built by hand": _ranks.built_layers(inner),
+                      # one release, charged once: every rank must hold the same components
+                      "private PCA projections": _pca.fingerprints(inner)},
                      r.data_loader.dataset, plan.num_samples, distributed.collective_device(), r.what)
 
     def _prepare_model(self, r: arguments.Request, inner, shapes, sigma, plan):
