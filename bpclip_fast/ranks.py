@@ -135,7 +135,7 @@ def fingerprint(dataset, n: int) -> list[float]:
 FIELDS = ("len(data_loader.dataset)", "data_loader.batch_size", "sample rate", "poisson_sampling",
           "noise_multiplier", "clipping", "input_clip", "grad_clip", "conv_norm", "max_grad_norm", "norm_method",
           "clip_fn", "gamma", "loss_reduction", "nonfinite", "max_input_shape", "adaptive", "accountant",
-          "max_epsilon", "delta", "clipped layers built by hand")
+          "max_epsilon", "delta", "clipped layers built by hand", "private PCA projections")
 
 # What a clipped layer the user built keeps through make_private (convert_model leaves it as it is):
 # its bounds, and so its Δ. Only rank 0's layers draw noise, scaled to rank 0's Δ, so a rank whose

@@ -106,6 +106,11 @@ class Accountant(abc.ABC):
             shuffle, one pass per epoch; zCDP).
         history: list of ``(noise_multiplier, sample_rate, num_steps)``; consecutive steps with
             equal ``(noise_multiplier, sample_rate)`` are merged into one entry (as in Opacus).
+        events: list of ``(noise_multiplier, sample_rate)``: one-off mechanisms on the same data set
+            that every example takes part in (:meth:`add_event`; e.g. a private PCA of the inputs).
+            They are not steps: ``len()`` does not count them, and with ``bands > 1`` every cyclic
+            position composes all of them (a one-off event in the step history would land on one
+            position only and under-count the others).
     """
 
     mechanism: str = ""
@@ -115,6 +120,23 @@ class Accountant(abc.ABC):
 
     def __init__(self) -> None:
         self.history: list = []
+        self.events: list = []
+
+    # ---- one-off events
+    def add_event(self, noise_multiplier: float, sample_rate: float = 1.0) -> None:
+        """Charge one Gaussian mechanism, applied once to the whole data set, on top of the steps.
+
+        The mechanism releases ``f(D) + N(0, σ²Δ²I)`` where one example moves ``f(D)`` by at most
+        ``Δ`` in L2 under this accountant's adjacency (``sample_rate < 1``: of a Poisson sample of
+        the data set at that rate; RDP/PLD only). Composition is adaptive, so the steps may depend
+        on its output (a PCA projection fixed before training). Every example is in it, so it is
+        composed into every cyclic position (``bands > 1``) and into every zCDP charge; it is not a
+        step (``len(accountant)`` is unchanged).
+        """
+        self.events.append((check_noise_multiplier(noise_multiplier), self._check_event_rate(sample_rate)))
+
+    def _check_event_rate(self, sample_rate) -> float:
+        return check_sample_rate(sample_rate)
 
     # ---- steps
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
@@ -186,6 +208,7 @@ class Accountant(abc.ABC):
     def _with_steps(self, noise_multiplier, sample_rate, num_steps) -> "Accountant":
         other = copy.copy(self)
         other.history = list(self.history)
+        other.events = list(self.events)
         other._append(check_noise_multiplier(noise_multiplier), check_sample_rate(sample_rate),
                       check_steps(num_steps, "num_steps", 1))
         return other
@@ -200,7 +223,7 @@ class Accountant(abc.ABC):
     def state_dict(self) -> dict:
         """Everything the guarantee depends on: mechanism, configuration and history."""
         return {"mechanism": self.mechanism, "config": dict(self._config()),
-                "history": [tuple(h) for h in self.history]}
+                "history": [tuple(h) for h in self.history], "events": [tuple(e) for e in self.events]}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore from :meth:`state_dict`; refuses a state of another mechanism or configuration."""
@@ -226,10 +249,21 @@ class Accountant(abc.ABC):
             history.append((check_noise_multiplier(sigma, f"history[{i}] noise_multiplier"),
                             check_sample_rate(q, f"history[{i}] sample_rate"),
                             check_steps(n, f"history[{i}] num_steps", 1)))
+        events = []
+        for i, entry in enumerate(d.get("events", ())):  # a state saved before events existed has none
+            try:
+                sigma, q = entry
+            except (TypeError, ValueError):
+                raise ValueError(f"state_dict['events'][{i}] must be (noise_multiplier, sample_rate), "
+                                 f"got {entry!r}") from None
+            events.append((check_noise_multiplier(sigma, f"events[{i}] noise_multiplier"),
+                           self._check_event_rate(q)))
         self.history = []
         for sigma, q, n in history:
             self._append(sigma, q, n)
+        self.events = events
 
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
-        return f"{type(self).__name__}({cfg}) with {len(self)} steps"
+        extra = f" and {len(self.events)} one-off event(s)" if self.events else ""
+        return f"{type(self).__name__}({cfg}) with {len(self)} steps{extra}"

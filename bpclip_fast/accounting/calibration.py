@@ -42,7 +42,7 @@ def default_accountant(sampling: str) -> str:
 def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_rate: float,
                          epochs: float | None = None, steps: int | None = None,
                          accountant: str = "rdp", epsilon_tolerance: float = 0.01, bands: int = 1,
-                         **accountant_kw) -> float:
+                         events=(), **accountant_kw) -> float:
     """The smallest effective noise multiplier σ whose ε(target_delta) is at most ``target_epsilon``.
 
     ``steps`` steps at ``sample_rate``, or ``epochs`` epochs, i.e. ``int(epochs / sample_rate)``
@@ -55,6 +55,10 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
     is the rate within a group, ``q_g = B/(N // b)``, and the accountant is built with ``bands=b``,
     so ``steps`` steps are charged as ``⌈steps/b⌉`` subsampled Gaussians at ``q_g``. An epoch
     (``B·steps = N``) is then ``b/q_g`` steps: ``epochs`` gives ``int(epochs·b/q_g)`` steps.
+
+    ``events``: one-off mechanisms composed with the steps, ``[(noise_multiplier, sample_rate), ...]``
+    (:meth:`Accountant.add_event`; a private PCA of the inputs is ``[(σ_p, 1.0)]``): every ε the search
+    evaluates includes them, so the σ returned keeps the steps *and* the events within the target.
 
     Search. ε(σ) is decreasing in σ. Starting at σ = 1 (for PLD: at the RDP solution, with
     steps of 10%, since each PLD evaluation costs up to a second), σ is doubled (up to
@@ -95,6 +99,18 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
         accountant_kw["bands"] = bands
     template = make_accountant(accountant, **accountant_kw)
     cls = type(template)
+    events = [tuple(e) for e in events]
+    for sigma_e, q_e in events:
+        template.add_event(sigma_e, q_e)  # checks them
+    if events:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            floor = template.get_epsilon(target_delta)
+        if not floor < target_epsilon:
+            raise PrivacyBudgetError(
+                f"the one-off events {events} alone spend epsilon={floor:.4g} at target_delta={target_delta}, "
+                f"not below target_epsilon={target_epsilon}: no training noise can meet it; raise their noise "
+                "multiplier (e.g. --pca-noise) or target_epsilon")
 
     cache: dict = {}
     # An accountant's warnings about a σ the search only tries say nothing about the answer: keep
@@ -105,6 +121,8 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
         if sigma not in cache:
             acc = cls(**accountant_kw)
             acc._append(sigma, sample_rate, steps)
+            for sigma_e, q_e in events:
+                acc.add_event(sigma_e, q_e)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 e = acc.get_epsilon(target_delta)
@@ -126,7 +144,7 @@ def get_noise_multiplier(*, target_epsilon: float, target_delta: float, sample_r
                 warnings.simplefilter("ignore")
                 start = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
                                              sample_rate=sample_rate, steps=steps, accountant="rdp",
-                                             epsilon_tolerance=epsilon_tolerance, bands=bands)
+                                             epsilon_tolerance=epsilon_tolerance, bands=bands, events=events)
             start, factor = max(start, sigma_min), 1.1
         except PrivacyBudgetError:  # RDP's conversion has a floor that PLD may go below
             pass

@@ -17,6 +17,11 @@ within the step's group, ``q_g = B/(N // b)``; step ``k`` of the history is at c
 ``k mod b``, each position is composed on its own, and ε (δ) is the worst over the positions: for a
 history of ``T`` steps at one ``(σ, q_g)``, ``⌈T/b⌉`` subsampled Gaussians. ``b = 1`` gives exactly
 the events above.
+
+One-off events (:meth:`~.base.Accountant.add_event`, ``[(σ_e, q_e), ...]``: a private PCA of the
+inputs, say) are composed once into the event of every cyclic position: ``GaussianDpEvent(σ_e)``
+(``q_e = 1``) or ``PoissonSampledDpEvent(q_e, GaussianDpEvent(σ_e))``. Every example takes part in
+them whatever its group, so each position pays for all of them.
 """
 
 from __future__ import annotations
@@ -90,14 +95,27 @@ class PoissonAccountant(Accountant):
         super().load_state_dict(d)
 
     def _positions(self) -> list:
-        """The histories of the cyclic positions that can be the worst (``[history]`` for ``bands=1``)."""
+        """The histories of the cyclic positions that can be the worst (``[history]`` for ``bands=1``).
+
+        The one-off events are the same for every position, so they do not change which positions
+        dominate (a position that composes a subset of another's steps, plus the same events, is
+        still dominated)."""
         return worst_positions(self.history, self.bands)
 
+    def _spends(self) -> bool:
+        """Whether anything has been charged (steps or one-off events)."""
+        return bool(self.history) or bool(self.events)
+
     @staticmethod
-    def _event(history) -> _ev.DpEvent:
-        return _ev.ComposedDpEvent([
-            _ev.SelfComposedDpEvent(_ev.PoissonSampledDpEvent(q, _ev.GaussianDpEvent(sigma)), n)
-            for sigma, q, n in history])
+    def _one_off(sigma: float, q: float) -> _ev.DpEvent:
+        gaussian = _ev.GaussianDpEvent(sigma)
+        return gaussian if q == 1.0 else _ev.PoissonSampledDpEvent(q, gaussian)
+
+    def _event(self, history) -> _ev.DpEvent:
+        """One position's steps and every one-off event, as one composed dp_accounting event."""
+        return _ev.ComposedDpEvent(
+            [_ev.SelfComposedDpEvent(_ev.PoissonSampledDpEvent(q, _ev.GaussianDpEvent(sigma)), n)
+             for sigma, q, n in history] + [self._one_off(sigma, q) for sigma, q in self.events])
 
     def dp_event(self) -> _ev.DpEvent:
         """The history as one dp_accounting event (what the accountant composes).
@@ -173,9 +191,13 @@ class RDPAccountant(PoissonAccountant):
         return self._step_cache[key]
 
     def _history_rdp(self, history) -> np.ndarray:
+        """RDP of one position's steps plus every one-off event (``q = 1``: the Gaussian's
+        ``α/(2σ²)``, which dp_accounting returns for a sampling probability of 1)."""
         total = np.zeros(len(self.orders))
         for sigma, q, n in history:
             total = total + n * self._step_rdp(sigma, q)
+        for sigma, q in self.events:
+            total = total + self._step_rdp(sigma, q)
         return total
 
     @property
@@ -198,6 +220,7 @@ class RDPAccountant(PoissonAccountant):
         Composition adds: ``Σ_entries n · 2·(q·erf(1/(2√2σ)))²``.
         """
         history = self.history if history is None else history
+        history = list(history) + [(sigma, q, 1) for sigma, q in self.events]  # same bound, q = 1 included
         return sum(n * 2.0 * (q * math.erf(1.0 / (2.0 * math.sqrt(2.0) * sigma))) ** 2
                    for sigma, q, n in history)
 
@@ -214,7 +237,7 @@ class RDPAccountant(PoissonAccountant):
         those of the worst cyclic position."""
         delta = check_delta(delta)
         conversion = self._check_conversion(self.conversion if conversion is None else conversion)
-        if not self.history:
+        if not self._spends():
             return 0.0, float("nan")
         return _worst([self._spent(h, delta, conversion) for h in self._positions()], key=lambda ea: ea[0])
 
@@ -281,7 +304,7 @@ class PLDAccountant(PoissonAccountant):
 
     def _composed(self) -> list:
         """One composed dp_accounting PLD per cyclic position that can be the worst (one for ``bands=1``)."""
-        key = tuple(self.history)
+        key = (tuple(self.history), tuple(self.events))
         if key != self._cache_key:
             accs = []
             for history in self._positions():
@@ -295,7 +318,7 @@ class PLDAccountant(PoissonAccountant):
     def get_epsilon(self, delta: float) -> float:
         """ε at ``delta`` of all steps so far (``bands > 1``: of the worst cyclic position)."""
         delta = check_delta(delta)
-        if not self.history:
+        if not self._spends():
             return 0.0
         accs = self._composed()
         if delta not in self._cache_eps:
@@ -306,7 +329,7 @@ class PLDAccountant(PoissonAccountant):
         """δ at ``epsilon`` of all steps so far (the privacy profile; ``bands > 1``: the worst position's)."""
         if not isinstance(epsilon, (int, float)) or not epsilon >= 0:
             raise ValueError(f"epsilon must be a number >= 0, got {epsilon!r}")
-        if not self.history:
+        if not self._spends():
             return 0.0
         return _worst([float(acc.get_delta(epsilon)) for acc in self._composed()])
 

@@ -254,6 +254,14 @@ class ZCDPAccountant(Accountant):
         self.steps_per_epoch = (None if steps_per_epoch is None
                                 else check_steps(steps_per_epoch, "steps_per_epoch", 1))
 
+    def _check_event_rate(self, sample_rate) -> float:
+        # No amplification by subsampling is analysed here, and the "gaussian" conversion holds only
+        # for un-subsampled Gaussians: a one-off event is on the whole data set.
+        if sample_rate != 1.0 and sample_rate != 1:
+            raise ValueError(f"sample_rate={sample_rate!r}: the zCDP accountant charges one-off events on the whole "
+                             "data set only (sample_rate=1); a subsampled event needs accountant='rdp' or 'pld'")
+        return 1.0
+
     def _check_conversion(self, conversion):
         if conversion not in self.CONVERSIONS:
             raise ValueError(f"conversion must be one of {self.CONVERSIONS}, got {conversion!r}")
@@ -300,8 +308,13 @@ class ZCDPAccountant(Accountant):
 
     @property
     def rho(self) -> float:
-        """The total zCDP ρ of all steps so far (sound, for :attr:`adjacency`)."""
-        return self._charge(self.rho_per_step)[0]
+        """The total zCDP ρ of all steps so far and of the one-off events (sound, for :attr:`adjacency`).
+
+        A one-off event (:meth:`add_event`) is a Gaussian mechanism of multiplier ``σ_e`` on the whole
+        data set, charged like a step's Gaussian: ``ρ_step(σ_e)`` (``1/(2σ_e²)`` add/remove; ``2/σ_e²``
+        replace-one, from the triangle inequality ``‖f(D) − f(D')‖ ≤ 2Δ``), added to every epoch sum
+        (sequential composition; the steps may depend on its output)."""
+        return self._charge(self.rho_per_step)[0] + sum(self.rho_per_step(s) for s, _ in self.events)
 
     @property
     def epochs(self) -> int:
@@ -310,8 +323,9 @@ class ZCDPAccountant(Accountant):
 
     @property
     def paper_rho(self) -> float:
-        """ρ as the paper's code computed it: ``1/(2σ_eff²)`` per epoch, whatever the adjacency."""
-        return self._charge(lambda s: 0.5 / float(s) ** 2)[0]
+        """ρ as the paper's code computed it: ``1/(2σ_eff²)`` per epoch, whatever the adjacency (and
+        ``1/(2σ_e²)`` per one-off event)."""
+        return self._charge(lambda s: 0.5 / float(s) ** 2)[0] + sum(0.5 / s ** 2 for s, _ in self.events)
 
     # ---- epsilon
     def get_epsilon(self, delta: float, conversion: str | None = None) -> float:

@@ -107,6 +107,12 @@ def _read(engine, state) -> dict:
         raise ValueError("PrivacyEngine.load_state_dict: the checkpoint's counters or seeds are out of range")
     loaded = type(engine.accountant)(**engine._accountant_kwargs)
     loaded.load_state_dict(state["accountant_state"])  # parses
+    if loaded.events != engine.accountant.events:
+        # make_private charged this model's private PCA; a state without it (or with another) would drop
+        # or misstate that charge when it replaces the accountant
+        raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint's one-off events {loaded.events} are not "
+                         f"those this engine charged at make_private {engine.accountant.events} (a private PCA "
+                         "in the model): resume with the same model, projection included")
     if engine.max_epsilon is not None and len(loaded) and loaded.get_epsilon(engine.delta) > engine.max_epsilon:
         raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint has already spent "
                          f"ε={loaded.get_epsilon(engine.delta):.4g} at δ={engine.delta:g}, more than this engine's "

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import banded, batches, broadcast, data, modes, ranks as _ranks
+from .. import pca as _pca
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import DistributedRecorder, LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
@@ -123,6 +124,8 @@ class PrivacyEngine:
         if r.bands != 1:  # the accountant composes the group's steps (nothing was charged yet)
             self._accountant_kwargs = {**self._accountant_kwargs, "bands": r.bands}
             self.accountant = accounting().make_accountant(self.accountant_name, **self._accountant_kwargs)
+        for event in _pca.events_of(inner, r.what):  # a private PCA of the inputs, released before training
+            self.accountant.add_event(*event)
         correlated.prepare(self, r.bands, r.optimizer)
         sampler_seed = seeds.prepare(self, r.noise_seed)
         self.data_loader = self._prepare_loader(r.data_loader, plan, sampler_seed)
@@ -161,6 +164,7 @@ class PrivacyEngine:
         shapes = model_checks.model_problems(inner, r.optimizer, r.data_loader, r.max_input_shape, r.probe, r.clipping,
                                              r.criterion, r.loss_reduction, plan.batch_size, r.batch_inputs)
         arguments.check_built_layers(inner, r.clipping, r.max_grad_norm)
+        _pca.events_of(inner, r.what)  # refuses a projection computed without noise
         return r, sigma, inner, plan, shapes
 
     def _check_ranks(self, r: arguments.Request, sigma, inner, plan) -> None:
@@ -173,7 +177,9 @@ class PrivacyEngine:
                       "loss_reduction": r.loss_reduction, "nonfinite": r.nonfinite, "max_input_shape": r.max_input_shape,
                       "adaptive": r.adaptive, "accountant": (self.accountant_name, self._accountant_kwargs),
                       "max_epsilon": r.max_epsilon, "delta": r.delta,
-                      "clipped layers built by hand": _ranks.built_layers(inner)},
+                      "clipped layers built by hand": _ranks.built_layers(inner),
+                      # one release, charged once: every rank must hold the same components
+                      "private PCA projections": _pca.fingerprints(inner)},
                      r.data_loader.dataset, plan.num_samples, distributed.collective_device(), r.what)
 
     def _prepare_model(self, r: arguments.Request, inner, shapes, sigma, plan):
@@ -294,10 +300,12 @@ class PrivacyEngine:
             plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon",
                                                bands=bands)
             extra = {"bands": bands} if bands != 1 else {}
+            # a private PCA in the model is charged by make_private: σ must leave room for it
+            events = _pca.events_of(module, "make_private_with_epsilon")
             sigma_eff = accounting().get_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=plan.accounting_rate,
                 steps=int(epochs) * plan.steps_per_epoch, accountant=self.accountant_name, **self._accountant_kwargs,
-                **extra)
+                events=events, **extra)
         self.target_epsilon, self.target_delta, self.epochs = float(target_epsilon), float(target_delta), int(epochs)
         try:  # make_private's signature holds the defaults; its error for an unknown argument as a call would raise
             bound = inspect.signature(self.make_private).bind(module=module, optimizer=optimizer, data_loader=data_loader,
@@ -376,8 +384,9 @@ class PrivacyEngine:
         return self._secure
 
     def get_epsilon(self, delta: float) -> float:
-        """ε at ``delta`` of every step taken so far (including steps before a checkpoint was loaded)."""
-        if len(self.accountant) == 0:
+        """ε at ``delta`` of every step taken so far (including steps before a checkpoint was loaded) and of
+        the one-off events charged at ``make_private`` (a private PCA in the model, :mod:`bpclip_fast.pca`)."""
+        if len(self.accountant) == 0 and not self.accountant.events:
             return 0.0
         return float(self.accountant.get_epsilon(delta))
 

@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: mnist for digits/mnist/fmnist, cifar10 for cifar10 (default: %(default)s)")
     g.add_argument("--activation", choices=models.ACTIVATIONS, default=_D.activation,
                    help="activation of every hidden layer (default: %(default)s)")
+    g.add_argument("--pca", type=int, default=None, metavar="K",
+                   help="Abadi et al. 2016: a frozen private PCA projection of the training inputs to K dimensions, "
+                        "then one hidden layer of --pca-hidden units (the model; --model auto). Private methods "
+                        "of this library charge it to epsilon (--pca-noise); nonprivate/clip-only use the exact "
+                        "PCA; refused with dpsgd")
+    g.add_argument("--pca-noise", type=float, default=None, metavar="SIGMA_P",
+                   help="--pca: noise multiplier of the PCA's covariance release (Abadi et al.: 16, 7, 4)")
+    g.add_argument("--pca-hidden", type=int, default=_D.pca_hidden,
+                   help="--pca: hidden units of the MLP on the projection (Abadi et al.: 1000; default: %(default)s)")
     g.add_argument("--tempered", default=_D.tempered, metavar="s,T,o",
                    help="tempered sigmoid s*sigmoid(T*x)-o for --activation tempered (default: %(default)s = tanh)")
 
@@ -163,6 +172,7 @@ def config_from_args(args) -> Config:
                   conv_norm=args.conv_norm, input_clip=args.input_clip, grad_clip=args.grad_clip,
                   max_grad_norm=args.max_grad_norm, adaptive=args.adaptive, target_quantile=args.target_quantile,
                   clip_lr=args.clip_lr, count_noise=args.count_noise, noise=args.noise, bands=args.bands,
+                  pca=args.pca, pca_noise=args.pca_noise, pca_hidden=args.pca_hidden,
                   batch_size=args.batch_size, epochs=args.epochs,
                   optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
                   noise_seed=args.noise_seed, device=args.device, threads=args.threads, out=args.out,

@@ -376,24 +376,25 @@ def epsilon_report(history_state: dict, sampling: str, delta: float) -> dict:
     and the figure the paper's code would have printed (labelled: not a sound bound for replace-one).
     """
     history = [tuple(h) for h in history_state["history"]]
-    if not history:
+    events = [tuple(e) for e in history_state.get("events", [])]  # a private PCA: charged in every figure
+    if not history and not events:
         return {}
     out = {}
     if sampling == "poisson":
         rdp = accounting.RDPAccountant()
-        rdp.load_state_dict({"mechanism": "rdp", "history": history})
+        rdp.load_state_dict({"mechanism": "rdp", "history": history, "events": events})
         out["rdp"] = rdp.get_epsilon(delta, "improved")
         out["rdp_basic_conversion"] = rdp.get_epsilon(delta, "basic")
         pld = accounting.PLDAccountant()
-        pld.load_state_dict({"mechanism": "pld", "history": history})
+        pld.load_state_dict({"mechanism": "pld", "history": history, "events": events})
         out["pld"] = pld.get_epsilon(delta)
     else:
         z = accounting.ZCDPAccountant(adjacency="replace_one")
-        z.load_state_dict({"mechanism": "zcdp", "history": history})
+        z.load_state_dict({"mechanism": "zcdp", "history": history, "events": events})
         for conv, e in z.epsilons(delta).items():
             out[f"zcdp_{conv}"] = e
         za = accounting.ZCDPAccountant(adjacency="add_remove")
-        za.load_state_dict({"mechanism": "zcdp", "history": history})
+        za.load_state_dict({"mechanism": "zcdp", "history": history, "events": events})
         out["zcdp_add_remove_gaussian"] = za.get_epsilon(delta, "gaussian")
         out["zcdp_rho"] = z.rho
         out["paper_convention_UNSOUND_for_replace_one"] = z.paper_epsilon(delta)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import accounting, models, registry
+from .. import data as bdata
+from .. import pca as pca_mod
 from ..environment import environment
 from . import data as data_mod
 from . import methods as methods_mod
@@ -53,7 +55,7 @@ BACKPROP_METHODS = tuple(m for m, mode in methods_mod.ENGINE_METHODS.items() if 
 _RESUME_KEYS = ("data", "val_size", "limit", "model", "activation", "tempered", "method", "epsilon", "sigma",
                 "delta", "accountant", "sampling", "clip_fn", "conv_norm", "input_clip", "grad_clip",
                 "max_grad_norm", "adaptive", "target_quantile", "clip_lr", "count_noise", "batch_size", "optimizer",
-                "lr", "momentum", "seed", "noise", "bands")
+                "lr", "momentum", "seed", "noise", "bands", "pca", "pca_noise", "pca_hidden")
 
 
 @dataclass
@@ -89,6 +91,9 @@ class Config:
     count_noise: float | None = None
     noise: str = "independent"
     bands: int = 1
+    pca: int | None = None          # private PCA input layer of this many components (Abadi et al. 2016)
+    pca_noise: float | None = None  # its σ_p
+    pca_hidden: int = 256           # the hidden ReLU/--activation units of the MLP on top of it
     batch_size: int = 256
     epochs: int = 15
     optimizer: str = "adam"
@@ -107,13 +112,17 @@ class Config:
     def resolved(self) -> "Config":
         """A copy with the defaults that depend on other settings filled in, validated."""
         c = dataclasses.replace(self, extra=dict(self.extra))
+        if c.pca is not None:
+            _check_pca(c)
+        elif c.pca_noise is not None:
+            raise ValueError("--pca-noise needs --pca K (the number of components)")
         if c.model == "auto":
             c.model = default_model(c.data)
-        if c.model not in MODELS:
+        if c.model not in MODELS and c.model != PCA_MODEL:
             raise ValueError(f"unknown model {c.model!r}; choose auto or one of {', '.join(MODELS)}")
         if c.method not in methods_mod.METHODS:
             raise ValueError(f"unknown method {c.method!r}; choose one of {', '.join(methods_mod.METHODS)}")
-        if c.method in BACKPROP_METHODS:
+        if c.method in BACKPROP_METHODS and c.model != PCA_MODEL:  # the PCA MLP: Linear layers only
             _check_backprop_model(c)
         # Which sampling each accountant analyses is the accountant's own attribute.
         samplings = {cls.sampling for cls in accounting.ACCOUNTANTS.values()}
@@ -178,6 +187,53 @@ def _check_backprop_model(c: Config) -> None:
         raise ValueError(f"--model {c.model} has trainable layers that backpropagation clipping (--method {c.method}) "
                          f"has no bound for ({shown}): it clips Linear, Conv2d and Conv1d layers only; train this model "
                          "with exact per-example clipping: --method flat or --method per-layer (or --method dpsgd)")
+
+
+PCA_MODEL = "pca-mlp"
+
+
+def _check_pca(c) -> None:
+    """``--pca K``: a frozen private PCA projection of the training inputs, then an MLP (``PCA_MODEL``).
+
+    Private methods of our engine charge it to their accountant (``--pca-noise`` σ_p required);
+    ``nonprivate`` and ``clip-only`` (no ε) use the exact PCA, and ``--pca-noise`` is refused there;
+    ``dpsgd`` (Opacus' accountant, which cannot charge it) is refused."""
+    if isinstance(c.pca, bool) or not isinstance(c.pca, int) or c.pca < 1:
+        raise ValueError(f"--pca must be a positive number of components, got {c.pca!r}")
+    if c.model not in ("auto", PCA_MODEL):
+        raise ValueError(f"--pca builds its own model ({PCA_MODEL}: the projection, then --pca-hidden units); "
+                         f"leave --model auto, not {c.model}")
+    c.model = PCA_MODEL
+    if c.method == "dpsgd":
+        raise ValueError("--pca with --method dpsgd: Opacus' accountant cannot charge the private PCA; use "
+                         "--method flat (the same DP-SGD by this library's engine, which charges it)")
+    if c.method in methods_mod.ENGINE_METHODS:
+        if c.pca_noise is None or not c.pca_noise > 0 or not math.isfinite(c.pca_noise):
+            raise ValueError(f"--pca with --method {c.method} needs --pca-noise SIGMA_P > 0 (the PCA's noise "
+                             f"multiplier, charged to the run's epsilon), got {c.pca_noise!r}")
+    elif c.pca_noise is not None:
+        raise ValueError(f"--pca-noise: --method {c.method} is not private and uses the exact PCA; drop it")
+    if isinstance(c.pca_hidden, bool) or not isinstance(c.pca_hidden, int) or c.pca_hidden < 1:
+        raise ValueError(f"--pca-hidden must be a positive integer, got {c.pca_hidden!r}")
+
+
+def pca_net(c, train_ds, act, state=None) -> torch.nn.Sequential:
+    """The projection (private on the *training* split only; validation and test are not touched),
+    then ``Linear(K, H)``, the activation and ``Linear(H, 10)``. A resumed run takes the checkpoint's
+    components rather than releasing the data a second time."""
+    X = train_ds.tensors[0]
+    private = c.method in methods_mod.ENGINE_METHODS
+    if c.pca > X[0].numel():
+        raise ValueError(f"--pca {c.pca}: more components than the {X[0].numel()} input features")
+    if state is not None:
+        proj = pca_mod.PCAProjection(state["model"]["0.components"], noise_multiplier=c.pca_noise if private else None,
+                                     num_rows=len(X))
+    elif private:
+        seed = None if c.noise_seed is None else bdata.derive_seed(c.noise_seed, "pca")  # insecure, as the engine's
+        proj = pca_mod.private_pca(X, c.pca, c.pca_noise, seed=seed)
+    else:
+        proj = pca_mod.exact_pca(X, c.pca)
+    return torch.nn.Sequential(proj, torch.nn.Linear(c.pca, c.pca_hidden), act(), torch.nn.Linear(c.pca_hidden, 10))
 
 
 def default_model(data: str) -> str:
@@ -302,11 +358,19 @@ def run(cfg: Config) -> dict:
     splits = data_mod.load_dataset(cfg.data, cfg.data_dir, val_size=cfg.val_size, download=cfg.download,
                                    limit=cfg.limit)
     act = models.activation(cfg.activation, parse_tempered(cfg.tempered))
-    spec = MODELS[cfg.model]
-    if splits.input_shape[0] != spec.in_channels:
-        raise ValueError(f"--model {cfg.model} takes {spec.in_channels}-channel images but {cfg.data} has "
-                         f"{splits.input_shape[0]}; use --model auto")
-    net = spec.build(act=act)
+    state = None
+    if cfg.resume and os.path.exists(cfg.checkpoint):
+        state = _load_checkpoint(cfg.checkpoint, cfg)
+    elif cfg.resume:
+        warnings.warn(f"--resume: no checkpoint at {cfg.checkpoint} yet; starting from scratch", stacklevel=2)
+    if cfg.pca is not None:
+        net = pca_net(cfg, splits.train, act, state)
+    else:
+        spec = MODELS[cfg.model]
+        if splits.input_shape[0] != spec.in_channels:
+            raise ValueError(f"--model {cfg.model} takes {spec.in_channels}-channel images but {cfg.data} has "
+                             f"{splits.input_shape[0]}; use --model auto")
+        net = spec.build(act=act)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     elif device.type == "cpu" and sum(p.numel() for p in net.parameters()) < 1_000_000:
@@ -316,12 +380,6 @@ def run(cfg: Config) -> dict:
     net = net.to(device)
     train_ds = splits.train
     generator = torch.Generator().manual_seed(cfg.seed)
-
-    state = None
-    if cfg.resume and os.path.exists(cfg.checkpoint):
-        state = _load_checkpoint(cfg.checkpoint, cfg)
-    elif cfg.resume:
-        warnings.warn(f"--resume: no checkpoint at {cfg.checkpoint} yet; starting from scratch", stacklevel=2)
 
     # (an explicit --noise-seed warns here, InsecureSeedWarning: deliberately left visible)
     method = methods_mod.build_method(cfg, net, train_ds, generator,
@@ -391,6 +449,11 @@ def run(cfg: Config) -> dict:
               "history": history, "val_accuracy": val["accuracy"], "val_ece": val["ece"],
               "test_accuracy": test["accuracy"], "test_loss": test["loss"], "ece": test["ece"],
               "thresholds": thresholds, **step_time_summary(step_times)}
+    if cfg.pca is not None:
+        proj = net[0]
+        result["pca"] = {"components": proj.out_features, "in_features": proj.in_features,
+                         "noise_multiplier": proj.noise_multiplier, "rows": proj.num_rows,
+                         "hidden": cfg.pca_hidden, "private": proj.private}
     if method.private:
         priv = method.privacy()
         result["epsilon"] = method.epsilon(cfg.delta)
@@ -406,6 +469,8 @@ def run(cfg: Config) -> dict:
         result["steps"] = priv["steps"]
         result["privacy"] = {k: v for k, v in priv.items() if k != "accountant_state"}
         result["privacy"]["accountant_history"] = [list(h) for h in priv["accountant_state"]["history"]]
+        # one-off events (a private PCA, [σ_p, 1.0]): composed into every epsilon above
+        result["privacy"]["accountant_events"] = [list(e) for e in priv["accountant_state"].get("events", [])]
         result["target_epsilon"] = cfg.epsilon
     else:
         result.update({"epsilon": None, "delta": None, "accountant": None, "epsilons": {}, "sigma": None,
