@@ -530,3 +530,18 @@ def test_step_time_column_is_the_median_of_the_seeds_medians():
     # a line written before step times were recorded shows "-"
     old = [{k: v for k, v in r.items() if k != "step_time_median_s"} for r in lines]
     assert "| - |" in report.markdown_table(sweep.select_best(old)).splitlines()[2]
+
+
+def test_banded_noise_run_reports_the_banded_accountants_epsilon():
+    """--noise banded: the run meets its budget, and run.json's figures are those of the banded
+    accountant (⌈T/b⌉ steps at the group's rate), not of T steps at that rate (dp_accounting's truth)."""
+    import dp_accounting as dpa
+
+    r = tiny(method="flat", epsilon=3.0, epochs=2, noise="banded", bands=4, optimizer="sgd", lr=0.01)
+    assert 3.0 - 0.05 <= r["epsilon"] <= 3.0 and r["privacy"]["bands"] == 4
+    q_g = 32 / (160 // 4)
+    truth = dpa.rdp.RdpAccountant(orders=list(accounting.OPACUS_RDP_ORDERS))
+    truth.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q_g, dpa.GaussianDpEvent(r["sigma"])),
+                                          math.ceil(r["steps"] / 4)))
+    assert r["epsilons"]["rdp"] == pytest.approx(truth.get_epsilon(1e-5), rel=1e-9)
+    assert r["epsilon"] == pytest.approx(r["epsilons"]["rdp"], rel=1e-12)

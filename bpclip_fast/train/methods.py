@@ -381,12 +381,13 @@ def epsilon_report(history_state: dict, sampling: str, delta: float) -> dict:
         return {}
     out = {}
     if sampling == "poisson":
-        rdp = accounting.RDPAccountant()
-        rdp.load_state_dict({"mechanism": "rdp", "history": history, "events": events})
+        config = dict(history_state.get("config") or {})  # bands: the steps' cyclic positions
+        rdp = accounting.RDPAccountant(**config)
+        rdp.load_state_dict({"mechanism": "rdp", "history": history, "events": events, "config": config})
         out["rdp"] = rdp.get_epsilon(delta, "improved")
         out["rdp_basic_conversion"] = rdp.get_epsilon(delta, "basic")
-        pld = accounting.PLDAccountant()
-        pld.load_state_dict({"mechanism": "pld", "history": history, "events": events})
+        pld = accounting.PLDAccountant(**config)
+        pld.load_state_dict({"mechanism": "pld", "history": history, "events": events, "config": config})
         out["pld"] = pld.get_epsilon(delta)
     else:
         z = accounting.ZCDPAccountant(adjacency="replace_one")
