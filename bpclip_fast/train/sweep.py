@@ -110,10 +110,11 @@ PRESETS = {
         "epsilons": [1.0, 3.0, 8.0],
         "seeds": [0, 1, 2],
         "arms": [
-            {"label": "flat, independent noise", "settings": {}, "grid": {"lr": [0.003, 0.01, 0.03]}},
-            {"label": "flat, banded b=4", "settings": {"noise": "banded", "bands": 4}, "grid": {"lr": [0.003, 0.01, 0.03]}},
+            {"label": "flat, independent noise", "settings": {}, "grid": {"lr": [0.001, 0.003, 0.01, 0.03, 0.1]}},
+            {"label": "flat, banded b=4", "settings": {"noise": "banded", "bands": 4},
+             "grid": {"lr": [0.001, 0.003, 0.01, 0.03, 0.1]}},
             {"label": "flat, banded b=16", "settings": {"noise": "banded", "bands": 16},
-             "grid": {"lr": [0.003, 0.01, 0.03]}},
+             "grid": {"lr": [0.001, 0.003, 0.01, 0.03, 0.1]}},
         ],
     },
     # a few seconds: every method once (tests, trying the command)
