@@ -48,13 +48,14 @@ def drawn(engine) -> int:
 def need(engine, next_t=None) -> int:
     """The accountant steps a charged refusal now would add (with ``next_t``: after batch
     ``next_t`` is delivered too); at least one, since no step is begun that the budget cannot
-    hold. Poisson: one per batch drawn since the last step (``refusal.refuse``); shuffled: the
-    accountant goes to length ``t + 1`` for the last batch ``t`` (:func:`charge`), which may be
-    ahead of it after skipped batches."""
+    hold. Poisson: one per batch drawn since the last step (``refusal.refuse``); shuffled and
+    banded noise: the accountant goes to length ``t + 1`` for the last batch ``t`` (:func:`charge`),
+    which may be ahead of it after skipped batches (the same rule as the charge: a gate that counted
+    batches drawn let a banded step past ``max_epsilon``)."""
     n, t = drawn(engine), engine._counter.last_t
     if next_t is not None:
         n, t = n + 1, next_t
-    if engine.poisson_sampling:
+    if engine.poisson_sampling and engine._band is None:
         return max(1, n)
     return max(1, charged_batch(engine, t) + 1 - len(engine.accountant))
 

@@ -1,0 +1,77 @@
+"""Attack review 12: correlated noise (``make_private(noise="banded", bands=b)``) against ordinary
+training loops. Each test is a finding; see its docstring."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import bpclip_fast
+from bpclip_fast.engine._common import InsecureSeedWarning
+
+N, BATCH = 64, 4
+
+
+def data(seed=0, d=12, k=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, d, generator=g), torch.randint(0, k, (N,), generator=g)
+
+
+def make(X, Y, *, mode="flat", bands=2, sigma=0.7, loader_kw=None, engine_kw=None, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3)).to(X.dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    bounds = dict(max_grad_norm=1.0) if mode != "backprop" else dict(input_clip=1.0, grad_clip=1.0)
+    engine = bpclip_fast.PrivacyEngine("rdp", **(engine_kw or {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureSeedWarning)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(X, Y), batch_size=BATCH,
+                                                                **(loader_kw or {})),
+            noise_multiplier=sigma, clipping=mode, noise="banded", bands=bands, noise_seed=1234, **bounds, **kw)
+    return engine, model, opt, loader
+
+
+def step(model, opt, x, y):
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward() if len(x) else model(x).sum().backward()
+    opt.step()
+
+
+# ----------------------------------------------------------------------------- budget
+def test_max_epsilon_holds_after_skipped_batches():
+    """Finding 1 (high: the budget is exceeded). Under banded noise a step's charge takes the
+    accountant to length ``t + 1`` for its batch ``t`` (``budget.charge``: skipped batches are rows,
+    charged), but the budget gate (``budget.need``) counted one step per batch drawn, as for plain
+    Poisson sampling. A loop that breaks out of a loader with workers (their prefetched batches are
+    skipped) was handed a batch whose step pushed ε past ``max_epsilon``.
+
+    ``bands=2``, ``max_epsilon`` just above the ε of one event per group: after the first step one
+    more step fits (the next is in the other group); two batches are skipped, so the next delivered
+    batch ``t = 3`` would be charged three steps (two events in group 0). It must be refused,
+    uncharged, and ε must never exceed the budget."""
+    X, Y = data()
+    probe = make(X, Y)[0]
+    q = probe.accounting_sample_rate
+    acc = bpclip_fast.accounting.make_accountant("rdp", bands=2)
+    acc.step(noise_multiplier=probe.effective_noise_multiplier, sample_rate=q)
+    acc.step(noise_multiplier=probe.effective_noise_multiplier, sample_rate=q)
+    eps_one_each = acc.get_epsilon(1e-5)
+    engine, model, opt, loader = make(
+        X, Y, max_epsilon=eps_one_each * 1.001, delta=1e-5,
+        loader_kw=dict(num_workers=1, prefetch_factor=2, multiprocessing_context="fork"))
+    for x, y in loader:  # the workers claim batches 0, 1, 2 ahead; 1 and 2 are skipped
+        step(model, opt, x, y)
+        break
+    assert engine._counter.claimed == 3 and len(engine.accountant) == 1
+    try:
+        for x, y in loader:  # batch 3 (group 1) would be charged with rows 1 and 2
+            step(model, opt, x, y)
+            break
+    except bpclip_fast.accounting.PrivacyBudgetError:
+        pass
+    assert engine.get_epsilon(1e-5) <= eps_one_each * 1.001
