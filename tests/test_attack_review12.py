@@ -75,3 +75,23 @@ def test_max_epsilon_holds_after_skipped_batches():
     except bpclip_fast.accounting.PrivacyBudgetError:
         pass
     assert engine.get_epsilon(1e-5) <= eps_one_each * 1.001
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_a_state_with_secrets_is_refused_under_banded_noise():
+    """Finding 2 (medium: past noise released). ``state_dict(include_secrets=True)`` promises a
+    bit-for-bit resume; under banded noise the resumed run restarts the band (the rows are never
+    saved) with the same seed, so its first release at row ``t`` is ``g_t + σΔz_t/c_0`` where the run
+    that went on from the checkpoint released ``g_t + (σΔz_t − Σ_j c_j w_{t−j})/c_0``: same batch, same
+    draw, and the difference is the past rows' secret noise. Measured before the fix (lr 0, same
+    model): the two continuations' releases differed by up to 0.33 (independent noise: equal bit for
+    bit). Such a state cannot keep its promise without the rows, so it is refused, naming the
+    argument."""
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, bands=3)
+    it = iter(loader)
+    for _ in range(3):
+        step(model, opt, *next(it))
+    with pytest.raises(ValueError, match="include_secrets"):
+        engine.state_dict(include_secrets=True)
+    assert "secrets" not in engine.state_dict()

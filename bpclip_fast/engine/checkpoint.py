@@ -16,6 +16,15 @@ OPT_KEY = "bpclip_fast_privacy_engine"
 
 def state_dict(engine, include_secrets: bool = False) -> dict:
     """The engine's state (``PrivacyEngine.state_dict``)."""
+    if include_secrets and engine.bands != 1:
+        # A resume restarts the band (the rows are never saved): with the same seed its first row is
+        # σΔz_t/c_0 where the run that went on released (σΔz_t − Σ_j c_j w_{t−j})/c_0 on the same batch,
+        # so the two differ by the past rows' secret noise, and the promised bit-for-bit resume fails.
+        raise ValueError("PrivacyEngine.state_dict: include_secrets=True is not available with noise='banded': a "
+                         "bit-for-bit resume needs the secret noise rows, which are never saved, and a resume with "
+                         "the same seed would release this seed's draws again with the band restarted (their "
+                         "difference is the past steps' noise). Save without secrets: the resumed run starts a new "
+                         "band with fresh seeds")
     state = {"format": STATE_FORMAT, "accountant": engine.accountant_name,
              "accountant_state": engine.accountant.state_dict(), "steps": engine.steps, "secure": engine._secure,
              "batches_delivered": engine._counter.delivered,
