@@ -95,3 +95,35 @@ def test_a_state_with_secrets_is_refused_under_banded_noise():
     with pytest.raises(ValueError, match="include_secrets"):
         engine.state_dict(include_secrets=True)
     assert "secrets" not in engine.state_dict()
+
+
+# ----------------------------------------------------------------------------- charged refusals
+def _group_counts(engine):
+    from bpclip_fast.accounting.cyclic import position_counts
+    history = engine.accountant.state_dict()["history"]
+    return position_counts([tuple(h) for h in history], engine.bands).sum(axis=1)
+
+
+def test_a_charged_refusal_with_no_batch_drawn_is_charged_to_every_group():
+    """Finding 3 (medium: a data-dependent refusal released for free). Under banded noise a charge
+    takes the accountant to ``t + 1`` for the last batch delivered; a refusal raised when no batch
+    was drawn since the last step (a training forward on an input larger than ``max_input_shape``:
+    whether it is depends on the data) found that batch already charged and added nothing, while
+    ``StepRefused.charged`` said it was charged (measured: five such refusals, accountant length 1).
+    It is not tied to any row or group, so it is charged as ``b`` skipped rows: one event for every
+    group, and the rows stay the batches (the next batch's step is its row)."""
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, mode="backprop", bands=3, max_input_shape=(12,))
+    it = iter(loader)
+    step(model, opt, *next(it))
+    before = _group_counts(engine)
+    with pytest.raises(bpclip_fast.StepRefused) as info:
+        model(torch.randn(4, 13, 12))  # per-example shape (13, 12): above the Δ fixed for (12,)
+    assert info.value.rule == "max-shape" and info.value.charged
+    after = _group_counts(engine)
+    assert (after >= before + 1).all(), (before, after)
+    x, y = next(it)
+    t = engine._counter.last_t
+    step(model, opt, x, y)
+    assert len(engine.accountant) == t + 1
+    assert all(st.band.next_row == t + 1 for st in engine._steps_of)

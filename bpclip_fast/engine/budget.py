@@ -57,6 +57,8 @@ def need(engine, next_t=None) -> int:
         n, t = n + 1, next_t
     if engine.poisson_sampling and engine._band is None:
         return max(1, n)
+    if engine._band is not None and n == 0:  # a refusal with no batch of its own: b skipped rows (charge)
+        return max(1, engine._counter.claimed + engine.bands - len(engine.accountant))
     return max(1, charged_batch(engine, t) + 1 - len(engine.accountant))
 
 
@@ -112,6 +114,14 @@ def charge(engine) -> None:
     # row t of the noise and comes from group t mod b, so the banded accountant's positions are the
     # groups; a skipped batch is a row with no release, charged (rows are made for it: correlated.commit).
     t = charged_batch(engine)
+    if engine._band is not None and drawn(engine) == 0:
+        # A charged refusal with no batch drawn since the last step (a training forward refused on its
+        # input's shape) is tied to no row: the last batch's row is charged already, and the data may be
+        # any group's. It is charged as b skipped rows (claimed, never delivered): one event for every
+        # group, and the rows stay the batches.
+        for _ in range(engine.bands):
+            engine._counter.claim()
+        t = engine._counter.claimed - 1
     for _ in range(t + 1 - len(engine.accountant)):
         engine.accountant.step(**kw)
     if engine._counter.last_t is not None:  # rows exist only for batches delivered
