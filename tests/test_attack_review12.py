@@ -127,3 +127,19 @@ def test_a_charged_refusal_with_no_batch_drawn_is_charged_to_every_group():
     step(model, opt, x, y)
     assert len(engine.accountant) == t + 1
     assert all(st.band.next_row == t + 1 for st in engine._steps_of)
+
+
+# ----------------------------------------------------------------------------- audits
+def test_the_contribution_audit_does_not_vouch_for_banded_noise_it_did_not_draw():
+    """Finding 4 (low: an audit that cannot fail). ``audit.contribution.sensitivity`` measures the
+    noise "drawn by the training path" on a copy armed with :func:`bpclip_fast.nn.arm_noise`: the
+    independent draw. Under ``noise="banded"`` training adds the correlated rows instead, so the
+    audit reported every layer's noise "ok" for a mechanism training does not use. It must say the
+    noise was not measured (and why), not "ok"."""
+    from bpclip_fast.audit import contribution
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, mode="per_layer", bands=3)
+    report = contribution.sensitivity(model, (X[:8], Y[:8]), nn.functional.cross_entropy, engine=engine,
+                                      adversarial_steps=0)
+    assert report.noise and all(r.status == "not measured" for r in report.noise)
+    assert any("banded" in note for note in report.notes)
