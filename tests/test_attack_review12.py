@@ -21,7 +21,7 @@ def data(seed=0, d=12, k=3):
     return torch.randn(N, d, generator=g), torch.randint(0, k, (N,), generator=g)
 
 
-def make(X, Y, *, mode="flat", bands=2, sigma=0.7, loader_kw=None, engine_kw=None, **kw):
+def make(X, Y, *, mode="flat", noise="banded", bands=2, sigma=0.7, loader_kw=None, engine_kw=None, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3)).to(X.dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -32,7 +32,7 @@ def make(X, Y, *, mode="flat", bands=2, sigma=0.7, loader_kw=None, engine_kw=Non
         model, opt, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(X, Y), batch_size=BATCH,
                                                                 **(loader_kw or {})),
-            noise_multiplier=sigma, clipping=mode, noise="banded", bands=bands, noise_seed=1234, **bounds, **kw)
+            noise_multiplier=sigma, clipping=mode, noise=noise, bands=bands, noise_seed=1234, **bounds, **kw)
     return engine, model, opt, loader
 
 
@@ -143,3 +143,29 @@ def test_the_contribution_audit_does_not_vouch_for_banded_noise_it_did_not_draw(
                                       adversarial_steps=0)
     assert report.noise and all(r.status == "not measured" for r in report.noise)
     assert any("banded" in note for note in report.notes)
+
+
+# ----------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("noise, bands", [("independent", 1), ("banded", 3)])
+def test_a_checkpoint_is_not_loaded_into_an_engine_that_drew_a_batch(noise, bands):
+    """Finding 5 (high: releases never charged). ``load_state_dict`` refused only an engine that had
+    taken a step. A loop that ran a backward on a drawn batch (a warm-up, a sanity check) before
+    loading had that batch's noised gradient in ``.grad``; the load replaced the accountant with the
+    checkpoint's, so it was never charged (independent noise: accepted silently). Under banded noise
+    the load raised only half-way, in the sampler's partition check, after the accountant and the
+    noise seed were assigned: a loop that went on then had its next steps' batches already "charged"
+    by the checkpoint's accountant (charge goes to length ``t + 1``). Now refused before anything is
+    assigned."""
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, noise=noise, bands=bands)
+    it = iter(loader)
+    for _ in range(3):
+        step(model, opt, *next(it))
+    state = opt.state_dict()
+    e2, m2, o2, l2 = make(X, Y, noise=noise, bands=bands)
+    x, y = next(iter(l2))
+    nn.functional.cross_entropy(m2(x), y).backward()
+    seed = e2._stream.seed
+    with pytest.raises((ValueError, RuntimeError), match="drawn"):
+        o2.load_state_dict(state)
+    assert len(e2.accountant) == 0 and e2._stream.seed == seed and e2.steps == 0

@@ -66,6 +66,13 @@ def _check_settings(engine, state) -> None:
         raise RuntimeError("PrivacyEngine.load_state_dict: this engine has already taken steps; loading a "
                            "checkpoint would rewind its accountant (the steps since would not be covered). "
                            "Resume into a fresh make_private set-up")
+    if engine._counter.claimed != getattr(engine, "_claimed_at_load", 0):
+        # A batch drawn here may have been used (its noised gradient in .grad): the checkpoint's accountant
+        # would replace the one that must charge it, and under banded noise its rows and group are this
+        # engine's. Checked before anything is assigned.
+        raise RuntimeError("PrivacyEngine.load_state_dict: this engine's private loader has drawn batches since "
+                           "make_private (or the last load); loading a checkpoint would drop their charge. Load the "
+                           "checkpoint into a fresh make_private set-up before drawing from its loader")
     if state.get("format") != STATE_FORMAT:
         raise ValueError(f"PrivacyEngine.load_state_dict: not a PrivacyEngine state (format "
                          f"{state.get('format')!r}, expected {STATE_FORMAT!r})")
@@ -148,6 +155,7 @@ def _assign(engine, state, saved, loaded) -> None:
         sampler._perm = (None, None)
     engine._counter.delivered = loaded["delivered"]
     engine._counter.claimed = loaded["claimed"]
+    engine._claimed_at_load = loaded["claimed"]
     engine._delivered_at_step = engine._counter.delivered
     engine._budget_cache = None
     for st in engine._steps_of:
