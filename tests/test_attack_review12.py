@@ -169,3 +169,24 @@ def test_a_checkpoint_is_not_loaded_into_an_engine_that_drew_a_batch(noise, band
     with pytest.raises((ValueError, RuntimeError), match="drawn"):
         o2.load_state_dict(state)
     assert len(e2.accountant) == 0 and e2._stream.seed == seed and e2.steps == 0
+
+
+def test_a_banded_checkpoint_is_not_resumed_on_a_dataset_of_another_size():
+    """Finding 6 (low: one more event per example and resume). The groups are a permutation of
+    ``range(N)`` from ``partition_seed``: resumed on a data set of another size, the same seed cuts
+    other groups, so an example moves group at the resume and can take part in the old group's
+    rows before it and the new group's after it, one event more than the accountant's worst
+    position. The checkpoint now carries ``N`` and a resume with another is refused."""
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, bands=2)
+    it = iter(loader)
+    for _ in range(3):
+        step(model, opt, *next(it))
+    state = opt.state_dict()
+    e2, m2, o2, l2 = make(X[:60], Y[:60], bands=2)
+    with pytest.raises(ValueError, match="a dataset of size 64"):
+        o2.load_state_dict(state)
+    assert len(e2.accountant) == 0
+    e3, m3, o3, l3 = make(X, Y, bands=2)
+    o3.load_state_dict(state)  # the same size: accepted
+    assert len(e3.accountant) == 3

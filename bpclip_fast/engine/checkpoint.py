@@ -38,6 +38,7 @@ def state_dict(engine, include_secrets: bool = False) -> dict:
         # resumed run starts a new band (bpclip_fast.banded: the block-diagonal strategy is sound).
         state["bands"] = engine.bands
         state["partition_seed"] = sampler.partition_seed
+        state["partition_size"] = sampler.num_samples  # the seed cuts other groups from another N
     if not engine.poisson_sampling:
         # Shuffled batches: the rest of the current epoch must come from the same permutation (an
         # example is in one batch per epoch). The zCDP analysis does not need it secret.
@@ -83,6 +84,12 @@ def _check_settings(engine, state) -> None:
         raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint was trained with bands={state.get('bands', 1)}, "
                          f"this engine has bands={engine.bands}: the loader's groups and the accountant's positions "
                          "would not continue; make_private with the checkpoint's noise and bands")
+    size = state.get("partition_size")
+    if engine.bands != 1 and size is not None and int(size) != engine.data_loader.batch_sampler.num_samples:
+        raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint's groups partition a dataset of size {size}, "
+                         f"this loader's has {engine.data_loader.batch_sampler.num_samples}: the same partition_seed "
+                         "would cut other groups, and an example could change group at the resume (banded noise "
+                         "needs each example in one group for the whole run); resume on the same dataset")
     if state["poisson_sampling"] != engine.poisson_sampling:
         raise ValueError("PrivacyEngine.load_state_dict: the checkpoint used a different sampling "
                          "(poisson_sampling) than this engine")
