@@ -190,3 +190,32 @@ def test_a_banded_checkpoint_is_not_resumed_on_a_dataset_of_another_size():
     e3, m3, o3, l3 = make(X, Y, bands=2)
     o3.load_state_dict(state)  # the same size: accepted
     assert len(e3.accountant) == 3
+
+
+# ----------------------------------------------------------------------------- a fixed σΔ
+def test_the_bound_of_a_banded_layer_cannot_be_changed_after_make_private():
+    """Finding 7 (high: under-noised). The recursion needs one ``σΔ`` for every row: with ``Δ_t``
+    varying, ``C·w = diag(σΔ_t)·z`` and the whitened column of a participation at row ``s`` has norm
+    ``(Σ_j c_j² Δ_s²/Δ_{s+j}²)^½/σ``, above ``1/σ`` once ``Δ`` shrinks after ``s``. ``max_input_shape``
+    fixes ``Δ`` of a shape-dependent layer (backprop clipping, biased Linear over ``[B, T, d]``), but
+    ``layer.set_max_input_shape`` stayed callable after ``make_private`` (it is not one of the
+    attributes the engine fixes): the rows' std then followed the new ``Δ`` (measured: 0.391 → 0.247
+    for T from 4 to 1). Independent noise is sound with a changed ``Δ`` (each step its own
+    Gaussian); banded noise is not, so the call is refused there."""
+    from bpclip_fast.engine import correlated
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(N, 4, 12, generator=g), torch.randint(0, 3, (N,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3, bias=False))
+    engine = bpclip_fast.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(X, Y), batch_size=BATCH), noise_multiplier=0.7, clipping="backprop",
+        input_clip=1.0, grad_clip=1.0, max_input_shape=(4, 12), noise="banded", bands=2, noise_seed=1234)
+    it = iter(loader)
+    step(model, opt, *next(it))
+    first = engine.clipped_layers[0][1]
+    before = correlated.std(engine, first._step)
+    with pytest.raises((ValueError, AttributeError, RuntimeError), match="set_max_input_shape"):
+        first.set_max_input_shape((1, 12))
+    assert correlated.std(engine, first._step) == before
