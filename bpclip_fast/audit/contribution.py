@@ -714,6 +714,12 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
     sizes = [[(("weight", "bias")[j], p.numel()) for j, p in enumerate((layer.weight, layer.bias))
               if p is not None and p.requires_grad] for layer in native.layers]
     measured = [k for k, layer in enumerate(native.layers) if sizes[k] and claimed[k] > 0]
+    if engine is not None and getattr(engine, "bands", 1) != 1:
+        # The copy is armed with the independent draw; training adds the correlated rows (bpclip_fast.banded),
+        # which one batch cannot show: measuring the draw would vouch for a mechanism training does not use.
+        notes.append(f"the noise was not measured: noise='banded' (bands={engine.bands}) adds correlated rows across "
+                     "steps, not the independent draw this audit measures (tests/test_banded_noise.py checks the rows)")
+        draws = 0
     if draws is None:
         smallest = min((sum(n for _, n in sizes[k]) for k in measured), default=NOISE_COORDINATES)
         draws = min(NOISE_MAX_DRAWS, -(-NOISE_COORDINATES // smallest))

@@ -48,14 +48,17 @@ def drawn(engine) -> int:
 def need(engine, next_t=None) -> int:
     """The accountant steps a charged refusal now would add (with ``next_t``: after batch
     ``next_t`` is delivered too); at least one, since no step is begun that the budget cannot
-    hold. Poisson: one per batch drawn since the last step (``refusal.refuse``); shuffled: the
-    accountant goes to length ``t + 1`` for the last batch ``t`` (:func:`charge`), which may be
-    ahead of it after skipped batches."""
+    hold. Poisson: one per batch drawn since the last step (``refusal.refuse``); shuffled and
+    banded noise: the accountant goes to length ``t + 1`` for the last batch ``t`` (:func:`charge`),
+    which may be ahead of it after skipped batches (the same rule as the charge: a gate that counted
+    batches drawn let a banded step past ``max_epsilon``)."""
     n, t = drawn(engine), engine._counter.last_t
     if next_t is not None:
         n, t = n + 1, next_t
-    if engine.poisson_sampling:
+    if engine.poisson_sampling and engine._band is None:
         return max(1, n)
+    if engine._band is not None and n == 0:  # a refusal with no batch of its own: b skipped rows (charge)
+        return max(1, engine._counter.claimed + engine.bands - len(engine.accountant))
     return max(1, charged_batch(engine, t) + 1 - len(engine.accountant))
 
 
@@ -111,6 +114,14 @@ def charge(engine) -> None:
     # row t of the noise and comes from group t mod b, so the banded accountant's positions are the
     # groups; a skipped batch is a row with no release, charged (rows are made for it: correlated.commit).
     t = charged_batch(engine)
+    if engine._band is not None and drawn(engine) == 0:
+        # A charged refusal with no batch drawn since the last step (a training forward refused on its
+        # input's shape) is tied to no row: the last batch's row is charged already, and the data may be
+        # any group's. It is charged as b skipped rows (claimed, never delivered): one event for every
+        # group, and the rows stay the batches.
+        for _ in range(engine.bands):
+            engine._counter.claim()
+        t = engine._counter.claimed - 1
     for _ in range(t + 1 - len(engine.accountant)):
         engine.accountant.step(**kw)
     if engine._counter.last_t is not None:  # rows exist only for batches delivered

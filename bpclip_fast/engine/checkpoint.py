@@ -16,6 +16,15 @@ OPT_KEY = "bpclip_fast_privacy_engine"
 
 def state_dict(engine, include_secrets: bool = False) -> dict:
     """The engine's state (``PrivacyEngine.state_dict``)."""
+    if include_secrets and engine.bands != 1:
+        # A resume restarts the band (the rows are never saved): with the same seed its first row is
+        # σΔz_t/c_0 where the run that went on released (σΔz_t − Σ_j c_j w_{t−j})/c_0 on the same batch,
+        # so the two differ by the past rows' secret noise, and the promised bit-for-bit resume fails.
+        raise ValueError("PrivacyEngine.state_dict: include_secrets=True is not available with noise='banded': a "
+                         "bit-for-bit resume needs the secret noise rows, which are never saved, and a resume with "
+                         "the same seed would release this seed's draws again with the band restarted (their "
+                         "difference is the past steps' noise). Save without secrets: the resumed run starts a new "
+                         "band with fresh seeds")
     state = {"format": STATE_FORMAT, "accountant": engine.accountant_name,
              "accountant_state": engine.accountant.state_dict(), "steps": engine.steps, "secure": engine._secure,
              "batches_delivered": engine._counter.delivered,
@@ -29,6 +38,7 @@ def state_dict(engine, include_secrets: bool = False) -> dict:
         # resumed run starts a new band (bpclip_fast.banded: the block-diagonal strategy is sound).
         state["bands"] = engine.bands
         state["partition_seed"] = sampler.partition_seed
+        state["partition_size"] = sampler.num_samples  # the seed cuts other groups from another N
     if not engine.poisson_sampling:
         # Shuffled batches: the rest of the current epoch must come from the same permutation (an
         # example is in one batch per epoch). The zCDP analysis does not need it secret.
@@ -57,6 +67,13 @@ def _check_settings(engine, state) -> None:
         raise RuntimeError("PrivacyEngine.load_state_dict: this engine has already taken steps; loading a "
                            "checkpoint would rewind its accountant (the steps since would not be covered). "
                            "Resume into a fresh make_private set-up")
+    if engine._counter.claimed != getattr(engine, "_claimed_at_load", 0):
+        # A batch drawn here may have been used (its noised gradient in .grad): the checkpoint's accountant
+        # would replace the one that must charge it, and under banded noise its rows and group are this
+        # engine's. Checked before anything is assigned.
+        raise RuntimeError("PrivacyEngine.load_state_dict: this engine's private loader has drawn batches since "
+                           "make_private (or the last load); loading a checkpoint would drop their charge. Load the "
+                           "checkpoint into a fresh make_private set-up before drawing from its loader")
     if state.get("format") != STATE_FORMAT:
         raise ValueError(f"PrivacyEngine.load_state_dict: not a PrivacyEngine state (format "
                          f"{state.get('format')!r}, expected {STATE_FORMAT!r})")
@@ -67,6 +84,12 @@ def _check_settings(engine, state) -> None:
         raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint was trained with bands={state.get('bands', 1)}, "
                          f"this engine has bands={engine.bands}: the loader's groups and the accountant's positions "
                          "would not continue; make_private with the checkpoint's noise and bands")
+    size = state.get("partition_size")
+    if engine.bands != 1 and size is not None and int(size) != engine.data_loader.batch_sampler.num_samples:
+        raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint's groups partition a dataset of size {size}, "
+                         f"this loader's has {engine.data_loader.batch_sampler.num_samples}: the same partition_seed "
+                         "would cut other groups, and an example could change group at the resume (banded noise "
+                         "needs each example in one group for the whole run); resume on the same dataset")
     if state["poisson_sampling"] != engine.poisson_sampling:
         raise ValueError("PrivacyEngine.load_state_dict: the checkpoint used a different sampling "
                          "(poisson_sampling) than this engine")
@@ -145,6 +168,7 @@ def _assign(engine, state, saved, loaded) -> None:
         sampler._perm = (None, None)
     engine._counter.delivered = loaded["delivered"]
     engine._counter.claimed = loaded["claimed"]
+    engine._claimed_at_load = loaded["claimed"]
     engine._delivered_at_step = engine._counter.delivered
     engine._budget_cache = None
     for st in engine._steps_of:

@@ -164,6 +164,13 @@ class _Clipped:
         noise std depend on the data (padding to the longest sampled example). Training forwards
         whose Δ would be larger are then refused."""
         shape = tuple(int(s) for s in shape)
+        step = self.__dict__.get("_step")
+        if step is not None and step.enforce and step.band is not None:
+            # Banded noise's recursion assumes one σΔ for every row: a Δ that shrinks after a row leaves
+            # that row's participation under-noised in the rows after it (bpclip_fast.banded).
+            raise RuntimeError(f"{self.layer_name}: set_max_input_shape after make_private(noise='banded') would "
+                               "change Δ between steps, and the correlated noise rows need one noise scale for the "
+                               "whole run; pass max_input_shape to make_private on a fresh model instead")
         self.sensitivity_for((1, *shape))  # validates the shape
         self._max_shape = shape
 

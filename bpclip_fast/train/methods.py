@@ -247,9 +247,10 @@ class EngineMethod(_Method):
     # The engine's state travels inside the optimizer's state_dict, without the noise seed (a resume
     # draws a fresh one). A run given an explicit, insecure --noise-seed asked for reproducibility:
     # its checkpoint also holds the seeds, so that a resume is bit for bit the uninterrupted run.
+    # Not under banded noise: the engine refuses (a resume restarts the band; checkpoint.state_dict).
     def state_dict(self) -> dict:
         state = super().state_dict()
-        if self.cfg.noise_seed is not None:
+        if self.cfg.noise_seed is not None and self.engine.bands == 1:
             state["insecure_engine_secrets"] = self.engine.state_dict(include_secrets=True)
         return state
 
