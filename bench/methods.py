@@ -79,7 +79,8 @@ def _engine(model, x, y, seed, crit, noise="independent", bands=1):
 
     import bpclip_fast
 
-    data = TensorDataset(x.repeat((bands,) + (1,) * (x.dim() - 1)), y.repeat((bands,) + (1,) * (y.dim() - 1)))
+    xc, yc = x.cpu(), y.cpu()  # the loader collates on the host, as a user's does; the step moves the batch
+    data = TensorDataset(xc.repeat((bands,) + (1,) * (x.dim() - 1)), yc.repeat((bands,) + (1,) * (y.dim() - 1)))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine = bpclip_fast.PrivacyEngine()
     with warnings.catch_warnings():
@@ -98,7 +99,7 @@ def _engine(model, x, y, seed, crit, noise="independent", bands=1):
             batches = iter(loader)
             bx, by = next(batches)
         opt.zero_grad(set_to_none=True)
-        crit(model(bx.to(x.device)), by.to(y.device)).backward()
+        crit(model(bx.to(x.device, non_blocking=True)), by.to(y.device, non_blocking=True)).backward()
         opt.step()
     return step, model
 
