@@ -119,7 +119,7 @@ def _run_sensitivity(args) -> int:
 def _settings_arguments(p, d) -> None:
     """The audited configuration (``empirical.Settings``), shared by one-run and many-run; ``d``: the
     audit's defaults (``empirical.ONE_RUN_DEFAULTS`` / ``MANY_RUN_DEFAULTS``)."""
-    from .empirical import ACCOUNTANTS, LAYERS, LOOPS, MODES
+    from .empirical import ACCOUNTANTS, LAYERS, LOOPS, MODES, NOISES
 
     g = p.add_argument_group("the audited configuration")
     g.add_argument("--mode", choices=MODES, default=d.mode, help="clipping mode")
@@ -144,6 +144,12 @@ def _settings_arguments(p, d) -> None:
                         "zero_grad(set_to_none=False)); micro-batches (two accumulated passes)")
     g.add_argument("--fillers", type=int, default=d.fillers,
                    help="ordinary examples beside the canaries")
+    g.add_argument("--noise", choices=NOISES, default=d.noise,
+                   help="independent (a fresh draw each step) or banded (correlated across --bands steps; the "
+                        "residual check whitens by the engine's band coefficients, the score reads each canary's "
+                        "steps through them). Banded needs rdp/pld, --batch-size <= examples/bands, examples a "
+                        "multiple of bands and --steps >= bands")
+    g.add_argument("--bands", type=int, default=d.bands, help="bands of the banded noise")
     a = p.add_argument_group("the statistics")
     a.add_argument("--delta", type=float, default=d.delta, help="δ of the tested (ε, δ) claim")
     a.add_argument("--confidence", type=float, default=d.confidence,
@@ -159,7 +165,7 @@ def _settings(args, defaults):
     return replace(defaults, mode=args.mode, accountant=args.accountant, noise_multiplier=args.sigma,
                    steps=args.steps, batch_size=args.batch_size, heads=args.heads, layer=args.layer, bias=args.bias,
                    clip=args.clip, loss_reduction=args.loss_reduction, loop=args.loop, fillers=args.fillers,
-                   delta=args.delta, confidence=args.confidence, seed=args.seed)
+                   delta=args.delta, confidence=args.confidence, seed=args.seed, noise=args.noise, bands=args.bands)
 
 
 def _finish(report: dict, args) -> int:

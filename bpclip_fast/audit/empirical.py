@@ -81,6 +81,7 @@ MODES = ("backprop", "flat", "per_layer")
 ACCOUNTANTS = ("rdp", "pld", "zcdp")
 LAYERS = ("linear", "conv")
 LOOPS = ("plain", "inplace-zero", "micro-batches")
+NOISES = ("independent", "banded")
 _OVERSHOOT = 10.0  # canary magnitude over the clipping bounds: every mode clips it to its bound
 
 
@@ -112,7 +113,9 @@ def linear_loss(out: torch.Tensor, v: torch.Tensor, reduction: str) -> torch.Ten
 class Settings:
     """One audited configuration. ``clip`` is flat's ``C``, per_layer's total ``C`` (split as
     ``C/√L``), or backprop's ``input_clip = grad_clip``. ``seed``: makes inclusion, fillers and the
-    noise reproducible (an explicit noise seed: for tests and reruns, never for real training)."""
+    noise reproducible (an explicit noise seed: for tests and reruns, never for real training).
+    ``noise``/``bands``: ``make_private``'s (``"banded"``: correlated noise over ``bands`` steps, cyclic
+    Poisson sampling; :func:`_check_banded` for what it needs of the other settings)."""
 
     mode: str = "flat"
     accountant: str = "rdp"
@@ -132,13 +135,15 @@ class Settings:
     confidence: float = 0.95
     lr: float = 1.0
     seed: int | None = None
+    noise: str = "independent"
+    bands: int = 1
 
     def check(self, what: str) -> None:
         for name, allowed in (("mode", MODES), ("accountant", ACCOUNTANTS), ("loop", LOOPS), ("layer", LAYERS),
-                              ("loss_reduction", ("mean", "sum"))):
+                              ("loss_reduction", ("mean", "sum")), ("noise", NOISES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{what}: {name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("steps", "heads", "width", "classes"):
+        for name in ("steps", "heads", "width", "classes", "bands"):
             value = getattr(self, name)
             if int(value) != value or value < 1:
                 raise ValueError(f"{what}: {name} must be a positive integer, got {value!r}")
@@ -152,6 +157,36 @@ class Settings:
             raise ValueError(f"{what}: delta must be in (0, 1), got {self.delta!r}")
         if not 0 < self.confidence < 1:
             raise ValueError(f"{what}: confidence must be in (0, 1), got {self.confidence!r}")
+        if self.noise == "independent" and self.bands != 1:
+            raise ValueError(f"{what}: bands={self.bands} needs noise='banded' (independent noise has one band)")
+
+
+def _check_banded(s: Settings, what: str, n: int) -> None:
+    """What correlated noise needs of an audit with ``n`` examples (canaries and fillers): the engine's
+    own conditions (rdp/pld, a row drawn once per step), each batch drawn from one of ``bands``
+    groups of ``n/bands`` (so ``bands·batch_size ≤ n``, and ``n`` a multiple of ``bands``: the remainder
+    would never be sampled, a canary among it never scored), and at least ``bands`` steps, so that
+    every group — every canary — has a step of its own (the claim composes ``ceil(steps/bands)``)."""
+    if s.noise != "banded":
+        return
+    b = s.bands
+    why = None
+    if s.accountant == "zcdp":
+        why = "its accounting is the Poisson reduction of the rdp and pld accountants; use accountant='rdp' or 'pld'"
+    elif s.loop == "inplace-zero":
+        why = ("each step's noise row is drawn once, so the engine refuses the inplace-zero loop's second backward "
+               "(banded-redraw); use loop='plain' or 'micro-batches'")
+    elif n % b:
+        why = (f"the {n} examples (canaries and fillers) must be a multiple of bands={b}: cyclic Poisson sampling "
+               f"never samples the remainder; add {b - n % b} fillers")
+    elif (s.batch_size or n) * b > n:
+        why = (f"each batch is drawn from one group of n/bands = {n // b} examples, so batch_size must be at most "
+               f"{n // b}, got {s.batch_size or n}" + (" (the default: the whole dataset)" if not s.batch_size else ""))
+    elif s.steps < b:
+        why = (f"steps must be at least bands={b} (got {s.steps}): step t samples group t mod bands, and a canary "
+               "of a group no step visits has no score")
+    if why is not None:
+        raise ValueError(f"{what}: noise='banded' with bands={b}: {why}")
 
 
 # The defaults of each audit (also the CLI's): one step of the whole dataset. One run at δ = 1e-5 with
@@ -222,7 +257,7 @@ def _private(s: Settings, x: torch.Tensor, v: torch.Tensor, noise_seed, probe: b
         model, optimizer, loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=s.noise_multiplier,
             loss_reduction=s.loss_reduction, poisson_sampling=s.accountant != "zcdp", noise_seed=noise_seed,
-            probe=probe, **clipping)
+            probe=probe, noise=s.noise, bands=s.bands, **clipping)
     return engine, model, optimizer, loader
 
 
@@ -306,27 +341,74 @@ def contributions(shadow: NoiseFree, x: torch.Tensor, v: torch.Tensor) -> torch.
 
 @dataclass
 class _Scorer:
-    """Accumulates each canary's log-likelihood-ratio score over the steps (module docstring)."""
+    """Accumulates each canary's log-likelihood-ratio score over the steps (module docstring).
+
+    Correlated noise (``coefficients`` ``c`` of ``b > 1`` bands, :mod:`bpclip_fast.banded`): the
+    release ``Ĝ = G + w`` is a bijection of ``y_t = Σ_{j<b} c_j Ĝ_{t−j} = Σ_j c_j G_{t−j} + σΔ z_t``
+    (rows from the run's first, where the engine's block starts), in which the noise is i.i.d. and
+    a canary sampled at step ``s`` adds ``c_j·g`` to ``y_{s+j}``, ``j < b`` (fewer at the run's end).
+    So its statistic for step ``s`` is the projection of ``(y_s, …, y_{s+b−1})`` on ``(c_j·w)``:
+    ``Y_s = Σ_j c_j p_{s+j} / n_s`` (``p_t``: the projection of whitened ``y_t``, ``n_s = (Σ_j c_j²)^½``),
+    ``N(μ n_s·[sampled at s], 1)`` under the claim. Only the steps of the canary's group
+    (``s mod b``) can sample it, ``b`` apart, so its windows are disjoint and independent: the score
+    adds ``log(1 − q + q·e^{μ n_s Y_s − (μ n_s)²/2})`` over them (``q``: the group rate), the
+    likelihood ratio of the whole run, and one Poisson Gaussian of sensitivity ``≤ ‖c‖Δ = Δ`` per
+    window, as the accountant charges. ``b = 1``: ``Y_s = p_s``, every step, the independent score."""
 
     rows: torch.Tensor         # canary of each stored coordinate
     cols: torch.Tensor         # its coordinate in the flattened update
     unit: torch.Tensor         # the canary's unit whitened contribution there
     mu: torch.Tensor           # [m] the whitened contributions' norms
     scale: torch.Tensor        # [P] claimed noise std per coordinate of the update
-    rate: float                # the chance a canary is in a step's batch
+    rate: float                # the chance a canary is in a step's batch (banded: its group's step's)
+    coefficients: tuple = (1.0,)       # the claimed band c (engine.band_coefficients)
+    group: torch.Tensor | None = None  # [m] each canary's group (banded; set per run: _train)
     scores: torch.Tensor = field(init=False)
 
     def __post_init__(self):
         self.scores = torch.zeros(len(self.mu), dtype=torch.float64)
+        self.new_run()
 
-    def add(self, update: torch.Tensor) -> None:
-        z = update / self.scale
-        y = torch.zeros_like(self.mu).index_add_(0, self.rows, self.unit * z[self.cols])
-        llr = self.mu * y - self.mu ** 2 / 2
-        if self.rate >= 1:
-            self.scores += llr
-        else:
-            self.scores += torch.logaddexp(torch.full_like(llr, math.log1p(-self.rate)), llr + math.log(self.rate))
+    def new_run(self) -> None:
+        self.scores.zero_()
+        self._past = []    # the last b−1 whitened updates at the canaries' coordinates, newest last
+        self._open = []    # (row, p_row) of the rows whose windows are not complete, oldest first
+
+    def add(self, update: torch.Tensor, row: int = 0) -> None:
+        z = update[self.cols] / self.scale[self.cols]
+        c = self.coefficients
+        if len(c) == 1:
+            self._score(row, torch.zeros_like(self.mu).index_add_(0, self.rows, self.unit * z), 1.0)
+            return
+        y = c[0] * z
+        for j, past in enumerate(reversed(self._past), start=1):
+            y = y + c[j] * past
+        self._past = (self._past + [z])[-(len(c) - 1):]
+        self._open.append((row, torch.zeros_like(self.mu).index_add_(0, self.rows, self.unit * y)))
+        if len(self._open) == len(c):
+            self._window()
+
+    def finish(self) -> None:
+        """The run ended: the windows of its last ``b − 1`` steps, truncated (their later rows were never released)."""
+        while self._open:
+            self._window()
+
+    def _window(self) -> None:
+        row = self._open[0][0]
+        c = self.coefficients
+        y = sum(c[j] * p for j, (_, p) in enumerate(self._open))
+        n = math.sqrt(sum(c[j] ** 2 for j in range(len(self._open))))
+        self._open.pop(0)
+        self._score(row, y / n, n)
+
+    def _score(self, row: int, y: torch.Tensor, n: float) -> None:
+        mu = self.mu * n
+        llr = mu * y - mu ** 2 / 2
+        if self.rate < 1:
+            llr = torch.logaddexp(torch.full_like(llr, math.log1p(-self.rate)), llr + math.log(self.rate))
+        if self.group is not None:
+            llr = torch.where(self.group == row % len(self.coefficients), llr, torch.zeros_like(llr))
+        self.scores += llr
 
 
 def _scorer(s: Settings, engine, model, canary_x, canary_v, batch: int, rate: float):
@@ -353,8 +435,26 @@ def _scorer(s: Settings, engine, model, canary_x, canary_v, batch: int, rate: fl
             return torch.zeros(sum(sizes), dtype=torch.float64)
         return torch.cat(shadow.release(xb, vb)).double() * share
 
-    check = NoiseCheck(expected, scale, params)
-    return _Scorer(rows, cols, whitened / mu[rows], mu, scale, rate), _reach(model, raw), check
+    band = claimed_band(engine)
+    check = NoiseCheck(expected, scale, params, band)
+    return _Scorer(rows, cols, whitened / mu[rows], mu, scale, rate, band), _reach(model, raw), check
+
+
+def claimed_band(engine) -> tuple:
+    """The band the engine claims its noise follows (``(1.0,)``: independent noise): its own
+    ``band_coefficients``, read from the engine as the noise std is read from the layers, so that a
+    recursion that departs from them shows in the whitened residuals."""
+    return tuple(float(v) for v in engine.band_coefficients) if engine.bands != 1 else (1.0,)
+
+
+def _groups(loader, m: int) -> torch.Tensor:
+    """The group of each of the dataset's first ``m`` examples (the canaries) under the loader's cyclic
+    Poisson sampler (public: the analysis gives the adversary every example's group)."""
+    sampler = loader.batch_sampler
+    group = torch.full((len(sampler.group(0)) * sampler.bands,), -1, dtype=torch.long)
+    for g in range(sampler.bands):
+        group[sampler.group(g)] = g
+    return group[:m]
 
 
 def _reach(model, raw: torch.Tensor) -> torch.Tensor:
@@ -378,18 +478,25 @@ def _reach(model, raw: torch.Tensor) -> torch.Tensor:
 def _train(s: Settings, engine, model, optimizer, loader, scorer: _Scorer, check: NoiseCheck) -> None:
     steps = 0
     check.new_run()
+    scorer.new_run()
+    if len(scorer.coefficients) > 1:  # a fresh loader: its partition into groups
+        scorer.group = _groups(loader, len(scorer.mu))
     while steps < s.steps:
         for xb, vb in loader:
+            if len(scorer.coefficients) > 1 and loader.counter.last_t != steps:
+                # the whitening and the groups take step k to be row k of the block begun at row 0
+                raise RuntimeError(f"audit: step {steps} used batch {loader.counter.last_t}, not batch {steps}")
             before = _flat_params(model)
             discarded = _one_step(s, model, optimizer, xb, vb)
             # The released gradient, read exactly (a float32 parameter difference rounds away an
             # update below the parameters' ulp); the check confirms it is what moved the parameters.
             update = _flat_grads(model) * s.lr
             check.applied(before, _flat_params(model), update, torch.finfo(_params(model)[0].dtype).eps)
-            scorer.add(update)
+            scorer.add(update, steps)
             check.add(update, xb, vb, discarded)
             steps += 1
             if steps == s.steps:
+                scorer.finish()
                 return
 
 
@@ -421,6 +528,7 @@ def _common(s: Settings, engine, claimed: float, started: float) -> dict:
             "effective_noise_multiplier": float(engine.effective_noise_multiplier), "steps": s.steps,
             "sample_rate": float(engine.accounting_sample_rate), "loop": s.loop, "loss_reduction": s.loss_reduction,
             "heads": s.heads, "delta": s.delta, "confidence": s.confidence, "claimed_epsilon": claimed,
+            "noise_kind": s.noise, "bands": s.bands, "band_coefficients": list(claimed_band(engine)),
             "settings": asdict(s), "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -437,6 +545,7 @@ def _excluded(s: Settings, cx, cv, keep):
 
 
 _REACH_TOL = 1e-5  # the canaries' contribution is measured in the model's float32
+_BAND_TOL = 1e-12  # ‖c‖₂² of float64 coefficients normalised to 1: b ≤ 64 terms, each rounded by ~1e-16
 
 
 def _verdict(report: dict, reach: torch.Tensor, check: NoiseCheck) -> dict:
@@ -452,7 +561,9 @@ def _verdict(report: dict, reach: torch.Tensor, check: NoiseCheck) -> dict:
         ("correlated noise: " + ", ".join(report["noise"]["correlated"]), bool(report["noise"]["correlated"])),
         ("noise not Gaussian", report["noise"]["not_gaussian"]),
         ("parameters moved by other than the released gradient", bool(report["noise"]["misapplied"])),
-        ("a canary's contribution exceeds its bound", report["canary_reach"] > 1 + _REACH_TOL)) if bad]
+        ("a canary's contribution exceeds its bound", report["canary_reach"] > 1 + _REACH_TOL),
+        # the proof's columns have norm ≤ ‖c‖₂ = 1 (bpclip_fast.banded); more moves y by more than Δ
+        ("the claimed band's norm exceeds 1", sum(v * v for v in report["band_coefficients"]) > 1 + _BAND_TOL)) if bad]
     report["violation"] = bool(report["violation_reasons"])
     return report
 
@@ -486,6 +597,7 @@ def one_run(settings: Settings | None = None, *, canaries: int = 1000, guess_cou
     pairs = _pairs(s, canaries, "one_run")
     cx, cv = zip(*(_canary(s, pair, dtype) for pair in pairs))
     cx, cv = torch.stack(cx), torch.stack(cv)
+    _check_banded(s, "one_run", canaries + s.fillers)
     keep = torch.as_tensor(included)[:, None, None]
     x, v = _excluded(s, cx, cv, keep)
     if s.fillers:
@@ -502,6 +614,8 @@ def one_run(settings: Settings | None = None, *, canaries: int = 1000, guess_cou
                        **_bound(result)}, reach, check)
     if return_scores:
         report.update(scores=scorer.scores.tolist(), included=included.tolist())
+        if scorer.group is not None:
+            report.update(groups=scorer.group.tolist())
     return report
 
 
@@ -516,6 +630,7 @@ def many_run(settings: Settings | None = None, *, runs: int = 4000, split: float
     s, started, (np_seed, gen, noise_seed) = _start("many_run", settings or MANY_RUN_DEFAULTS, overrides,
                                                     "runs", runs, 4)
     dtype = torch.float32
+    _check_banded(s, "many_run", 1 + s.fillers)
     pair = (0, 0)
     cx, cv = _canary(s, pair, dtype)
     scores = {True: [], False: []}
@@ -531,7 +646,6 @@ def many_run(settings: Settings | None = None, *, runs: int = 4000, split: float
         if scorer is None:  # the canary's contribution does not depend on the weights (linear loss)
             scorer, reach, check = _scorer(s, engine, model, cx[None], cv[None], batch,
                                            float(engine.accounting_sample_rate))
-        scorer.scores.zero_()
         _train(s, engine, model, optimizer, loader, scorer, check)
         scores[bool(with_canary)].append(float(scorer.scores[0]))
     claimed = float(engine.get_epsilon(s.delta))
@@ -552,7 +666,8 @@ def line(report: dict) -> str:
                else "consistent with the claim")
     size = (f"{report['canaries']} canaries" if report["audit"] == "one-run" else f"{report['runs']} runs")
     lo, hi = report["noise"]["std_interval"]
-    return (f"{report['audit']} audit ({report['mode']}, {report['accountant']}, σ={report['noise_multiplier']:g}, "
+    band = f", banded b={report['bands']}" if report.get("bands", 1) != 1 else ""
+    return (f"{report['audit']} audit ({report['mode']}, {report['accountant']}{band}, σ={report['noise_multiplier']:g}, "
             f"{report['steps']} step{'s' if report['steps'] != 1 else ''}, q={report['sample_rate']:.3g}): "
             f"ε ≥ {report['epsilon_lower_bound']:.3f} at {report['confidence']:.0%} confidence (δ={report['delta']:g}) "
             f"vs claimed ε = {report['claimed_epsilon']:.3f} (power: {size} certify at most ε = {report['power']:.3f}); "

@@ -26,6 +26,16 @@ and draw — the residual divided by the claimed std is i.i.d. ``N(0, 1)``. The 
   away and the one it releases (a redraw that reuses the discarded draw: whoever logged the first
   gradient could subtract the noise of the second).
 
+**Correlated noise** (``make_private(noise="banded", bands=b)``, :mod:`bpclip_fast.banded`): the
+claim is no longer i.i.d. residuals but ``c_0 w_t = σΔ z_t − Σ_{1≤j<b} c_j w_{t−j}`` with the
+engine's ``band_coefficients`` ``c``, rows ``t`` the batch indices and zeros before the block's
+first row. So the check *whitens* by the known correlation: with ``r_t`` the residual of row ``t``
+over the claimed std, ``y_t = Σ_{j<b, t−j ≥ start} c_j r_{t−j}`` is ``z_t`` exactly under the claim
+(``start``: the run's first row, where the engine's block starts), i.i.d. ``N(0, 1)``, and every test
+below runs on ``y``. Coefficients other than the claimed ones in the recursion (a sign flipped, a
+band dropped) leave ``y_t = Σ_j (c_j − c'_j) w_{t−j}/σΔ + …``: correlated across steps (the lag
+tests) and off in std. ``b = 1``: ``y = r``, the independent check unchanged.
+
 The significance is :data:`SIGNIFICANCE` for the whole check, split over its tests (Bonferroni):
 the check exists to find code that is clearly not the claimed mechanism, not to fluctuate. A std
 significantly *above* the claim is reported, not failed (over-noising costs accuracy, not privacy).
@@ -94,20 +104,36 @@ class NoiseCheck:
     """Accumulates whitened residuals ``(update − expected(batch))/scale`` over steps and runs.
 
     ``expected(xb, vb)`` gives the noise-free update of a batch; ``params`` is ``[(name, slice)]``,
-    the coordinates of each parameter in the flattened update."""
+    the coordinates of each parameter in the flattened update; ``coefficients``: the claimed band
+    ``(c_0, …, c_{b−1})`` the residuals are whitened by (module docstring; ``(1.0,)``: independent
+    noise, no whitening). Each run (:meth:`new_run`) starts the band afresh, as the engine's block."""
 
     expected: callable
     scale: torch.Tensor
     params: list
+    coefficients: tuple = (1.0,)
     pooled: SumOfSquares = field(default_factory=SumOfSquares)
     per_param: dict = field(default_factory=dict)
     pairs: dict = field(default_factory=dict)
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(_BINS, dtype=torch.float64))
     misapplied: int = 0
     _history: list = field(default_factory=list)
+    _raw: list = field(default_factory=list)   # the run's last b−1 residuals before whitening, newest last
 
     def new_run(self) -> None:
         self._history = []
+        self._raw = []
+
+    def _whiten(self, r: torch.Tensor) -> torch.Tensor:
+        """``y_t = Σ_{j<b} c_j r_{t−j}`` over the rows of this run (the block starts at its first)."""
+        c = self.coefficients
+        if len(c) == 1:
+            return r
+        y = c[0] * r
+        for j, past in enumerate(reversed(self._raw), start=1):
+            y = y + c[j] * past
+        self._raw = (self._raw + [r])[-(len(c) - 1):]
+        return y
 
     def _pair(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         self.pairs.setdefault(name, _Pair()).add(a, b)
@@ -124,7 +150,7 @@ class NoiseCheck:
         """One step: its update, its batch, and (``inplace-zero``) the update the discarded
         gradient would have made."""
         base = self.expected(xb, vb)
-        r = (update - base) / self.scale
+        r = self._whiten((update - base) / self.scale)
         self.pooled.add(r)
         self.counts += torch.bincount(torch.bucketize(r, _EDGES), minlength=_BINS).double()
         parts = [(name, r[s]) for name, s in self.params]
