@@ -108,12 +108,13 @@ def test_bands_one_is_the_independent_audit():
 
 
 # ------------------------------------------------------------------------------------ correct code
-@pytest.mark.parametrize("mode, accountant, bands, fillers, batch", [
-    ("flat", "rdp", 4, 0, 125), ("backprop", "pld", 2, 0, 500), ("per_layer", "rdp", 3, 2, 167),
+@pytest.mark.parametrize("mode, accountant, bands, fillers, batch, loop", [
+    ("flat", "rdp", 4, 0, 125, "plain"), ("backprop", "pld", 2, 0, 500, "plain"),
+    ("per_layer", "rdp", 3, 2, 167, "plain"), ("backprop", "rdp", 4, 0, 125, "micro-batches"),
 ])
-def test_one_run_below_claim_under_banded_noise(mode, accountant, bands, fillers, batch):
+def test_one_run_below_claim_under_banded_noise(mode, accountant, bands, fillers, batch, loop):
     report = empirical.one_run(**{**BANDED, "mode": mode, "accountant": accountant, "bands": bands,
-                                  "fillers": fillers, "batch_size": batch, "steps": 2 * bands})
+                                  "fillers": fillers, "batch_size": batch, "steps": 2 * bands, "loop": loop})
     _below_claim(report)
     assert report["canary_reach"] > 0.999
     assert report["band_coefficients"] == pytest.approx(banded.bsr_coefficients(bands), rel=0, abs=0)

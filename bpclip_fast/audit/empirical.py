@@ -36,7 +36,8 @@ through a noise-free copy of the real layers): under the claim, the projection i
 log-likelihood ratio ``log(1 − q + q·exp(μ_j y − μ_j²/2))`` is added to the score (for ``q = 1`` a
 monotone function of the projection). Any score is a valid attack: the bounds of
 :mod:`bpclip_fast.audit.stats` hold whatever it is; this one is the most powerful against the
-claimed mechanism.
+claimed mechanism. Under correlated noise (``noise="banded"``) the score and the residual check
+read the release through the engine's band coefficients (:class:`_Scorer`, :mod:`bpclip_fast.audit.noise`).
 
 Verdict
 -------
