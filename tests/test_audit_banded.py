@@ -161,14 +161,19 @@ def test_coefficients_off_in_the_recursion_are_caught(monkeypatch, bug, change, 
     _violation(empirical.one_run(**BANDED), reason)
 
 
-def test_a_claimed_band_above_unit_norm_is_caught(monkeypatch):
-    """Coefficients doubled in the claim *and* the recursion whiten consistently (the residual check
-    passes), but the columns' norm ‖c‖ = 2 > 1 moves ``y`` by ``2Δ`` against noise ``σΔ``."""
+@pytest.mark.parametrize("claim, reason", [
+    (lambda real, b: tuple(2 * v for v in real(b)), "the claimed band's norm exceeds 1"),
+    (lambda real, b: real(b + 1), "the claimed band is longer than the loader's separation"),
+])
+def test_a_claimed_band_the_proof_does_not_cover_is_caught(monkeypatch, claim, reason):
+    """A band changed in the claim *and* the recursion whitens consistently (the residual check passes),
+    but the proof needs ‖c‖ ≤ 1 (doubled: ``y`` moves by ``2Δ`` against noise ``σΔ``) and at most as many
+    bands as the loader separates an example's steps by (one more: two participations overlap in ``y``)."""
     real = banded.bsr_coefficients
-    monkeypatch.setattr(banded, "bsr_coefficients", lambda *a, **kw: tuple(2 * v for v in real(*a, **kw)))
+    monkeypatch.setattr(banded, "bsr_coefficients", lambda b, momentum=0.0: claim(real, b))
     report = empirical.one_run(**BANDED)
-    assert report["noise"]["ok"]
-    _violation(report, "the claimed band's norm exceeds 1")
+    assert report["noise"]["ok"], report["noise"]
+    _violation(report, reason)
 
 
 def test_unwhitened_check_flags_correct_banded_noise(monkeypatch):
