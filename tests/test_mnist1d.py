@@ -95,10 +95,11 @@ def test_mnist1d_net_shapes_and_default_model():
     assert MODELS["mnist1d"].build is models.mnist1d_net
 
 
-@pytest.mark.parametrize("noise", ["independent", "banded"])
-def test_flat_training_runs_on_mnist1d(noise):
+@pytest.mark.parametrize("method,noise", [("flat", "independent"), ("flat", "banded"),
+                                          ("per-layer", "independent"), ("bpclip", "independent")])
+def test_every_clipping_mode_trains_on_mnist1d(method, noise):
     extra = {"noise": "banded", "bands": 4} if noise == "banded" else {}
-    r = run(Config(data="mnist1d", method="flat", limit=200, epochs=1, batch_size=32, optimizer="sgd", lr=0.01,
+    r = run(Config(data="mnist1d", method=method, limit=200, epochs=1, batch_size=32, optimizer="sgd", lr=0.01,
                    activation="tanh", epsilon=3.0, progress=False, threads=1, **extra))
     assert r["config"]["model"] == "mnist1d" and r["data"]["input_shape"] == [1, 40]
     assert 0.0 <= r["test_accuracy"] <= 1.0 and r["epsilon"] <= 3.0
