@@ -23,7 +23,7 @@ from torch import nn
 
 from .modules import ClassToken, PositionalEmbedding
 
-__all__ = ["mnist_net", "cifar10_net", "digits_net", "papernot_mnist_net", "papernot_cifar10_net",
+__all__ = ["mnist_net", "cifar10_net", "digits_net", "mnist1d_net", "papernot_mnist_net", "papernot_cifar10_net",
            "resnet20_gn", "vit", "SelfAttention", "group_count", "ACTIVATIONS", "activation"]
 
 ActFactory = Callable[[], nn.Module]
@@ -85,6 +85,24 @@ def digits_net(act: ActFactory = nn.ReLU) -> nn.Sequential:
         nn.Linear(16 * 4 * 4, 64),
         act(),
         nn.Linear(64, 10),
+    )
+
+
+def mnist1d_net(act: ActFactory = nn.ReLU, channels: int = 25) -> nn.Sequential:
+    """The convolutional baseline of MNIST-1D (Greydanus 2020, the package's ``ConvBase``); input ``[B,1,40]``.
+
+    Shapes: 40 -> conv(5, s2, p1) 19 -> conv(3, s2, p1) 10 -> conv(3, s2, p1) 5, then
+    Linear(25*5 -> 10). Conv1d and Linear only, so every clipping mode applies. 5,210 parameters.
+    """
+    return nn.Sequential(
+        nn.Conv1d(1, channels, 5, stride=2, padding=1),
+        act(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1),
+        act(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1),
+        act(),
+        nn.Flatten(),
+        nn.Linear(channels * 5, 10),
     )
 
 

@@ -42,7 +42,9 @@ spends at most epsilon at --delta) or --sigma (epsilon is then reported). Withou
 batches (--sampling shuffle) with zcdp.
 
 Data (--data): digits (default: scikit-learn's 8x8 digits resized to 28x28, no download),
-mnist, fmnist, cifar10 (standard files under --data-dir; the error message says which).
+mnist1d / mnist1d-large (MNIST-1D, 5,000 / 20,000 length-40 signals generated offline by the mnist1d
+package with its fixed seed 42), mnist, fmnist, cifar10 (standard files under --data-dir; the error
+message says which).
 Tune hyperparameters on the validation accuracy the run prints, never on the test accuracy."""
 
 EXAMPLES = """\
@@ -66,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fetch missing mnist/fmnist/cifar10 files with torchvision (needs torchvision and network)")
     g.add_argument("--val-size", type=int, default=_D.val_size,
                    help="mnist/fmnist/cifar10: training examples held out for validation (default: %(default)s; "
-                        "digits has a fixed 1167/270/360 split)")
+                        "digits has a fixed 1167/270/360 split, mnist1d 3500/500/1000, mnist1d-large "
+                        "14000/2000/4000)")
     g.add_argument("--limit", type=int, default=None, help="use only the first N examples of each split (quick tries)")
 
     g = p.add_argument_group("model")
@@ -76,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "resnet20-gn: ResNet-20 with GroupNorm, vit: a small vision transformer (1-channel "
                         "28x28 images; --method flat/per-layer/dpsgd/nonprivate only, their norm layers and "
                         "embeddings are not bpclip's Linear/Conv2d); "
-                        "auto: mnist for digits/mnist/fmnist, cifar10 for cifar10 (default: %(default)s)")
+                        "mnist1d: MNIST-1D's Conv1d baseline (5.2k, [1, 40] signals); "
+                        "auto: mnist for digits/mnist/fmnist, mnist1d for mnist1d/mnist1d-large, cifar10 for "
+                        "cifar10 (default: %(default)s)")
     g.add_argument("--activation", choices=models.ACTIVATIONS, default=_D.activation,
                    help="activation of every hidden layer (default: %(default)s)")
     g.add_argument("--pca", type=int, default=None, metavar="K",

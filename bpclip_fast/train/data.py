@@ -2,6 +2,13 @@
 
 * ``digits``: scikit-learn's bundled 8x8 digits (1,797 images, no download), scaled to [0, 1] and
   resized to 28x28 (bilinear) so that the MNIST nets apply; a fixed stratified split.
+* ``mnist1d``, ``mnist1d-large``: MNIST-1D (Greydanus 2020, "Scaling down deep learning"), generated
+  offline by the ``mnist1d`` package (``make_dataset`` with its default arguments, whose fixed seed 42
+  makes every generation the same; never its download). ``mnist1d``: the package's default 5,000
+  examples (4,000 train + 1,000 test, 10 classes, length 40, standardised to mean 0 and std 1 over the
+  set); ``mnist1d-large``: ``num_samples`` 20,000 (16,000 + 4,000), the same generator and seed.
+  Shape ``[N, 1, 40]``. A fixed stratified eighth of the training part is the validation split
+  (3,500 / 500 / 1,000 and 14,000 / 2,000 / 4,000).
 * ``mnist``, ``fmnist``: the idx files of MNIST / Fashion-MNIST (``*-ubyte`` or ``*-ubyte.gz``),
   the format torchvision reads and writes.
 * ``cifar10``: the "python version" of CIFAR-10 (``cifar-10-batches-py/data_batch_1..5`` and
@@ -18,9 +25,11 @@ split is the official test set. Hyperparameters are chosen on the validation spl
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import pickle
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +39,10 @@ from torch.utils.data import TensorDataset
 __all__ = ["DATASETS", "Splits", "DatasetNotFound", "load_dataset", "read_idx", "write_idx",
            "read_cifar10_batch", "write_cifar10_batch"]
 
-DATASETS = ("digits", "mnist", "fmnist", "cifar10")
+DATASETS = ("digits", "mnist1d", "mnist1d-large", "mnist", "fmnist", "cifar10")
+
+#: the number of examples MNIST-1D's generator makes (its ``train_split`` 0.8 of them are the training part)
+MNIST1D_SAMPLES = {"mnist1d": 5000, "mnist1d-large": 20000}
 
 # Where each data set's files are looked for, under --data-dir (torchvision's layouts first).
 _IDX_FILES = {
@@ -55,7 +67,8 @@ class DatasetNotFound(FileNotFoundError):
 
 @dataclass
 class Splits:
-    """Train / validation / test ``TensorDataset`` s of ``(float32 image [C,H,W] in [0,1], int64 label)``."""
+    """Train / validation / test ``TensorDataset`` s of ``(float32 image [C,H,W] in [0,1], int64 label)``
+    (MNIST-1D: ``[1, 40]`` signals, standardised rather than in [0, 1])."""
 
     name: str
     train: TensorDataset
@@ -222,6 +235,43 @@ def _digits(split_seed):
     return {"train": (X[train], y[train]), "val": (X[val], y[val]), "test": (X[test], y[test])}
 
 
+@functools.lru_cache(maxsize=2)
+def _mnist1d_arrays(num_samples):
+    """``(x_train, y_train, x_test, y_test)`` of MNIST-1D with ``num_samples`` examples, read-only.
+
+    Cached: a sweep runs many configurations in one process and generation takes seconds. The
+    generator seeds and draws from numpy's and Python's global generators; their states are put
+    back, so that loading the data does not change the run's own seeding."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as exc:
+        raise DatasetNotFound(f"--data mnist1d needs the mnist1d package (pip install mnist1d==0.0.2.post1, "
+                              f"or pip install -e .[train]); {exc}") from None
+    args = get_dataset_args()
+    args.num_samples = num_samples
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        d = make_dataset(args)
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    out = (d["x"].astype(np.float32)[:, None], d["y"].astype(np.int64),
+           d["x_test"].astype(np.float32)[:, None], d["y_test"].astype(np.int64))
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
+def _mnist1d(name, split_seed):
+    from sklearn.model_selection import train_test_split
+
+    xtr, ytr, xte, yte = _mnist1d_arrays(MNIST1D_SAMPLES[name])
+    # a fixed stratified eighth of the training part for validation (500 of 4,000; 2,000 of 16,000)
+    train, val = train_test_split(np.arange(len(ytr)), test_size=len(ytr) // 8, random_state=split_seed,
+                                  stratify=ytr)
+    return {"train": (xtr[train], ytr[train]), "val": (xtr[val], ytr[val]), "test": (xte.copy(), yte.copy())}
+
+
 def load_dataset(name: str = "digits", data_dir: str = "data", *, val_size: int = 5000, split_seed: int = 0,
                  download: bool = False, limit: int | None = None) -> Splits:
     """The train / validation / test splits of ``name`` (one of :data:`DATASETS`).
@@ -232,6 +282,8 @@ def load_dataset(name: str = "digits", data_dir: str = "data", *, val_size: int 
         raise ValueError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
     if name == "digits":
         parts = _digits(split_seed)
+    elif name in MNIST1D_SAMPLES:
+        parts = _mnist1d(name, split_seed)
     else:
         loader = _load_cifar10 if name == "cifar10" else (lambda d: _load_idx(name, d))
         try:

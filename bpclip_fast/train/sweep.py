@@ -44,6 +44,7 @@ __all__ = ["PRESETS", "expand", "run_sweep", "select_best", "main"]
 _TANH = {"activation": "tanh"}
 _RELU = {"activation": "relu"}
 _ADAPTIVE = {"adaptive": True}  # the default target quantile (0.5) and learning rate (0.2)
+_MNIST1D_LRS = [0.003, 0.01, 0.03, 0.1, 0.3]
 
 PRESETS = {
     # docs/results.md: digits, eps in {1, 3, 8}, delta 1e-5, Poisson sampling, RDP; 3 seeds. Every
@@ -115,6 +116,22 @@ PRESETS = {
              "grid": {"lr": [0.001, 0.003, 0.01, 0.03, 0.1]}},
             {"label": "flat, banded b=16", "settings": {"noise": "banded", "bands": 16},
              "grid": {"lr": [0.001, 0.003, 0.01, 0.03, 0.1]}},
+        ],
+    },
+    # docs/results.md, correlated noise on a second data set (issue 27): MNIST-1D's default set
+    # (3,500 training examples), its conv baseline, the banded-digits set-up otherwise.
+    "banded-mnist1d": {
+        "description": "mnist1d, conv baseline, flat, SGD momentum 0.9, batch 32, 20 epochs: independent vs banded "
+                       "noise (b=4, 16), eps in {1,3,8}, 3 seeds",
+        "base": {"data": "mnist1d", "model": "mnist1d", "delta": 1e-5, "accountant": "rdp", "sampling": "poisson",
+                 "batch_size": 32, "epochs": 20, "optimizer": "sgd", "momentum": 0.9, "method": "flat",
+                 "activation": "tanh", "max_grad_norm": 1.0},
+        "epsilons": [1.0, 3.0, 8.0],
+        "seeds": [0, 1, 2],
+        "arms": [
+            {"label": "flat, independent noise", "settings": {}, "grid": {"lr": _MNIST1D_LRS}},
+            {"label": "flat, banded b=4", "settings": {"noise": "banded", "bands": 4}, "grid": {"lr": _MNIST1D_LRS}},
+            {"label": "flat, banded b=16", "settings": {"noise": "banded", "bands": 16}, "grid": {"lr": _MNIST1D_LRS}},
         ],
     },
     # a few seconds: every method once (tests, trying the command)

@@ -30,10 +30,12 @@ from . import methods as methods_mod
 __all__ = ["Config", "run", "MODELS", "ModelSpec", "expected_calibration_error", "default_model"]
 
 class ModelSpec(NamedTuple):
-    """A ``--model``: its builder (``build(act=...)``) and the image channels it takes."""
+    """A ``--model``: its builder (``build(act=...)``), the image channels it takes and its
+    number of spatial dimensions (2: ``[C, H, W]`` images; 1: ``[C, L]`` signals)."""
 
     build: Callable
     in_channels: int
+    spatial_dims: int = 2
 
 
 #: --model names; "auto" picks by data set (see default_model)
@@ -45,6 +47,7 @@ MODELS = {
     # GroupNorm/LayerNorm, class token, positional embedding: exact per-example clipping only
     "resnet20-gn": ModelSpec(models.resnet20_gn, 1),            # ResNet-20 with GroupNorm (272k)
     "vit": ModelSpec(models.vit, 1),                            # a small vision transformer (139k)
+    "mnist1d": ModelSpec(models.mnist1d_net, 1, 1),             # MNIST-1D's conv baseline (5.2k), [1, 40] signals
 }
 
 #: the methods whose clipping is backpropagation clipping (its bounds cover Linear/Conv2d/Conv1d only)
@@ -237,6 +240,8 @@ def pca_net(c, train_ds, act, state=None) -> torch.nn.Sequential:
 
 
 def default_model(data: str) -> str:
+    if data.startswith("mnist1d"):
+        return "mnist1d"
     return "cifar10" if data == "cifar10" else "mnist"
 
 
@@ -367,6 +372,10 @@ def run(cfg: Config) -> dict:
         net = pca_net(cfg, splits.train, act, state)
     else:
         spec = MODELS[cfg.model]
+        if len(splits.input_shape) - 1 != spec.spatial_dims:
+            kind = {1: "1-D signals [C, L]", 2: "2-D images [C, H, W]"}
+            raise ValueError(f"--model {cfg.model} takes {kind[spec.spatial_dims]} but {cfg.data} has "
+                             f"{kind.get(len(splits.input_shape) - 1, list(splits.input_shape))}; use --model auto")
         if splits.input_shape[0] != spec.in_channels:
             raise ValueError(f"--model {cfg.model} takes {spec.in_channels}-channel images but {cfg.data} has "
                              f"{splits.input_shape[0]}; use --model auto")
