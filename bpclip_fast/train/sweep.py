@@ -100,7 +100,7 @@ PRESETS = {
         ],
     },
     # docs/results.md, correlated noise (issue 27): the many-epoch, small-batch regime where it should
-    # help (730 steps, n/B = 36); flat clipping, SGD with momentum 0.9 (the strategy is the square root
+    # help (720 steps, n/B = 36); flat clipping, SGD with momentum 0.9 (the strategy is the square root
     # of its workload); the same grid for every arm.
     "banded-digits": {
         "description": "digits, flat, SGD momentum 0.9, batch 32, 20 epochs: independent vs banded noise (b=4, 16), "
