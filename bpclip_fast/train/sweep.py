@@ -134,6 +134,24 @@ PRESETS = {
             {"label": "flat, banded b=16", "settings": {"noise": "banded", "bands": 16}, "grid": {"lr": _MNIST1D_LRS}},
         ],
     },
+    # docs/results.md, the private PCA input layer (Abadi et al. 2016; issue 27): the digits set-up of
+    # the "digits" preset's flat arm, with and without a 60-component private PCA (σ_p 8 or 16) and an
+    # MLP of 256 tanh units on top; the PCA's charge is part of each budget. Same grid for every arm.
+    "pca-digits": {
+        "description": "digits, flat, Adam, batch 256, 15 epochs: the MNIST net against private PCA (60 components, "
+                       "sigma_p 8 or 16) + MLP, eps in {1,3,8}, 3 seeds",
+        "base": {"data": "digits", "delta": 1e-5, "accountant": "rdp", "sampling": "poisson", "batch_size": 256,
+                 "epochs": 15, "optimizer": "adam", "method": "flat", "activation": "tanh", "max_grad_norm": 1.0},
+        "epsilons": [1.0, 3.0, 8.0],
+        "seeds": [0, 1, 2],
+        "arms": [
+            {"label": "flat, MNIST net", "settings": {"model": "mnist"}, "grid": {"lr": [0.003, 0.01, 0.03, 0.1]}},
+            {"label": "flat, PCA 60 (sigma_p 16) + MLP", "settings": {"pca": 60, "pca_noise": 16.0},
+             "grid": {"lr": [0.003, 0.01, 0.03, 0.1]}},
+            {"label": "flat, PCA 60 (sigma_p 8) + MLP", "settings": {"pca": 60, "pca_noise": 8.0},
+             "grid": {"lr": [0.003, 0.01, 0.03, 0.1]}},
+        ],
+    },
     # a few seconds: every method once (tests, trying the command)
     "smoke": {
         "description": "every method (flat also adaptive), 1 epoch on 200 digits, eps in {1, 8}, 2 seeds",
