@@ -497,13 +497,17 @@ class LayerStep:
         return self.band.row(row, std, params[0], sum(p.numel() for p in params))
 
     def add_band(self, grads, w) -> None:
-        """Adds the flat row ``w`` (all of the layer's parameters, in ``params`` order) to ``grads``."""
-        at = 0
+        """Adds the flat row ``w`` (all of the layer's parameters, in ``params`` order) to ``grads``
+        (one foreach launch for the weight and the bias)."""
+        at, targets, pieces = 0, [], []
         for p, g in zip(self.params, grads):
             n = p.numel()
             if g is not None:
-                g.add_(w[at:at + n].view(g.shape))
+                targets.append(g)
+                pieces.append(w[at:at + n].view(g.shape))
             at += n
+        if targets:
+            torch._foreach_add_(targets, pieces)
 
     def take_draw(self):
         """``(seed, offset)`` of the next draw of this step: the step's own for the first, then a fresh
