@@ -493,8 +493,12 @@ class LayerStep:
                        "step, or micro-batches without clearing the gradient between them")
             self.refuse("banded-redraw", details)
             raise RuntimeError(details)
+        return self.band.row(row, std, *self.band_layout())
+
+    def band_layout(self):
+        """``(like, numel)`` of the layer's flat noise row: all of its parameters, in ``params`` order."""
         params = self.params
-        return self.band.row(row, std, params[0], sum(p.numel() for p in params))
+        return params[0], sum(p.numel() for p in params)
 
     def add_band(self, grads, w) -> None:
         """Adds the flat row ``w`` (all of the layer's parameters, in ``params`` order) to ``grads``

@@ -87,18 +87,13 @@ def std(engine, st) -> float:
     return s / st.mean_loss_batch if st.mean_loss_batch is not None else s
 
 
-def _flat(st):
-    params = st.params
-    return params[0], sum(p.numel() for p in params)
-
-
 def commit(engine, row: int) -> None:
     """The step charged for batch ``row`` ended (released or refused): every layer's rows through it
     become history, rows never made (no backward reached the layer, a skipped batch) made now."""
     if engine._band is None:
         return
     for st in engine._steps_of:
-        like, numel = _flat(st)
+        like, numel = st.band_layout()
         st.band.commit_through(row, std(engine, st), like, numel)
 
 
@@ -109,7 +104,7 @@ def fallback(engine, st) -> bool:
     row = _row(engine)
     if st.band.made(row):
         return False
-    like, numel = _flat(st)
+    like, numel = st.band_layout()
     w = st.band.row(row, std(engine, st), like, numel)
     grads = []
     for p in st.params:
