@@ -6,6 +6,8 @@ argument defaults, so that every op can be traced and checked by ``torch.library
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -57,6 +59,10 @@ if _LOAD_ERROR is None:
 
     @torch.library.register_fake("bpclip_fast::philox_noise2_")
     def _philox_noise2_fake(w, b, seed, offset, std, accumulate_w, accumulate_b):
+        return None
+
+    @torch.library.register_fake("bpclip_fast::banded_row_")
+    def _banded_row_fake(ring, outs, starts, newest, weights, seed, offset, std):
         return None
 
     @torch.library.register_fake("bpclip_fast::scale_rows2")
@@ -260,6 +266,82 @@ def _spans_cross(a, b) -> bool:
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
+
+
+#: banded_row_'s limits (csrc/include/bpclip_fast/band.h): ring slots (bands − 1) and outs per call
+BAND_MAX_SLOTS = 63
+BAND_MAX_OUTS = 4
+
+
+def banded_row_outs_problem(ring_like, numel, outs, starts):
+    """Why ``outs`` (with their flat ``starts``) cannot take a row of ``numel`` elements in the dtype and
+    on the device of ``ring_like`` in :func:`banded_row_`'s one pass, or ``None``. The caller that gets a
+    reason makes the row without outs and adds it itself."""
+    if len(outs) != len(starts):
+        return f"starts needs one entry per out ({len(outs)}), got {len(starts)}"
+    if len(outs) > BAND_MAX_OUTS:
+        return f"at most {BAND_MAX_OUTS} outs per call, got {len(outs)}"
+    spans = []
+    for k, (o, s) in enumerate(zip(outs, starts)):
+        if not isinstance(o, torch.Tensor):
+            return f"out {k} is a {type(o).__name__}, not a tensor"
+        if o.dtype != ring_like.dtype or o.device != ring_like.device:
+            return f"out {k} is {o.dtype} on {o.device}; the ring is {ring_like.dtype} on {ring_like.device}"
+        if not o.is_contiguous():
+            return f"out {k} is not contiguous (its elements would not be the row's consecutive ones)"
+        s, n = int(s), o.numel()
+        if s < 0 or s + n > numel:
+            return f"out {k} covers elements [{s}, {s + n}) outside the row's [0, {numel})"
+        for j, (q, sq, nq) in enumerate(spans):
+            if n and nq and s < sq + nq and sq < s + n:
+                return f"outs {j} and {k} cover the same elements of the row"
+            if _spans_cross(q, o):
+                return f"outs {j} and {k} share memory"
+        spans.append((o, s, n))
+    return None
+
+
+def banded_row_(ring, outs, starts, newest, weights, seed, offset, std):
+    """One row of the banded mechanism's correlated noise (:mod:`bpclip_fast.banded`) in one pass:
+    with ``z`` the stream of ``philox_noise_(flat buffer of P, seed, offset, 1.0)``,
+
+        ``w_i = std·z_i + Σ_{a=1..b−1} weights[a−1]·ring[(newest − a + 1) mod (b−1), i]``
+
+    in the ring's dtype (fp32 or fp64), stored into the oldest slot ``(newest + 1) mod (b−1)`` (read
+    before it is overwritten) and added to ``outs[k]`` where ``starts[k] ≤ i < starts[k] + outs[k].numel()``.
+    ``ring``: contiguous float32/float64 ``[b−1, P]``; ``weights``: ``b−1`` floats (``−c_a/c_0``);
+    ``outs``: contiguous, the ring's dtype and device, at most :data:`BAND_MAX_OUTS`, disjoint from
+    the ring and from each other. The caller advances its newest slot. Returns the slot written."""
+    op = "bpclip_fast.banded_row_"
+    if not isinstance(ring, torch.Tensor) or ring.dim() != 2 or ring.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: ring must be a float32 or float64 [bands − 1, P] tensor, got "
+                         f"{getattr(ring, 'dtype', type(ring).__name__)} {tuple(getattr(ring, 'shape', ()))}")
+    if not ring.is_contiguous():
+        raise ValueError(f"{op}: ring must be contiguous (its rows are the flat noise rows)")
+    slots, numel = ring.shape
+    if not 1 <= slots <= BAND_MAX_SLOTS:
+        raise ValueError(f"{op}: ring needs 1 to {BAND_MAX_SLOTS} slots (bands 2 to {BAND_MAX_SLOTS + 1}), got {slots}")
+    newest = int(newest)
+    if not 0 <= newest < slots:
+        raise ValueError(f"{op}: newest must be a ring slot in [0, {slots}), got {newest}")
+    weights = [float(v) for v in weights]
+    if len(weights) != slots:
+        raise ValueError(f"{op}: weights needs one entry per ring slot ({slots}: −c_a/c_0 for a = 1..{slots}), "
+                         f"got {len(weights)}")
+    if not all(math.isfinite(v) for v in weights):
+        raise ValueError(f"{op}: weights must be finite, got {weights}")
+    std = float(std)
+    if not (0.0 <= std < 1e30):
+        raise ValueError(f"{op}: std must be finite and >= 0, got {std}")
+    outs, starts = list(outs), [int(s) for s in starts]
+    why = banded_row_outs_problem(ring, numel, outs, starts)
+    if why is None:
+        why = next((f"out {k} shares memory with the ring" for k, o in enumerate(outs) if _spans_cross(o, ring)), None)
+    if why is not None:
+        raise ValueError(f"{op}: {why}; pass contiguous, separate outs of the ring's dtype, or make the row "
+                         "without outs and add the returned slot yourself")
+    torch.ops.bpclip_fast.banded_row_(ring, outs, starts, newest, weights, int(seed), int(offset), std)
+    return ring[(newest + 1) % slots]
 
 
 def scale_rows2(x, x_factor, y, y_factor, mask_y=False):

@@ -59,6 +59,16 @@ TORCH_LIBRARY(bpclip_fast, m) {
   m.def(
       "philox_noise2_(Tensor(a!) w, Tensor(b!) b, int seed, int offset, float std, bool accumulate_w,"
       " bool accumulate_b) -> ()");
+  // One row of the banded mechanism's correlated noise (bpclip_fast/banded.py) in one pass: with
+  // z = philox_noise_'s stream at (seed, offset) over the P elements of a ring row,
+  //   w_i = std z_i + sum_{a = 1..bands-1} weights[a-1] ring[(newest - a + 1) mod (bands-1), i],
+  // stored into the ring's oldest slot (newest + 1) mod (bands-1) and added to outs[k] where
+  // starts[k] <= i < starts[k] + outs[k].numel(). ring [bands-1, P] float32/float64, contiguous; outs
+  // contiguous, the ring's dtype and device, disjoint from it and from each other; at most 63 slots
+  // and 4 outs (bpclip_fast/band.h).
+  m.def(
+      "banded_row_(Tensor(a!) ring, Tensor(b!)[] outs, int[] starts, int newest, float[] weights, int seed,"
+      " int offset, float std) -> ()");
   // Layer forward: clip the input per example (L2), then ATen's linear / convolution.
   // Returns (out, x_factor, x_norm): the clipped input itself stays inside, the backward rebuilds it
   // from x and x_factor (csrc/layers.cpp, reclip).

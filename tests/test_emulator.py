@@ -200,6 +200,32 @@ def test_philox_noise2_grid_stride_and_misaligned(sim, request, blocks, threads,
                                   accumulate_b=True, blocks=blocks, threads=threads, misalign=misalign) == []
 
 
+# banded_row_: one correlated-noise row (band_kernels.cuh) vs the CPU op, ring and outs bit for bit.
+# Rows under one group, of one tile exactly, a tile + a partial group, several tiles + a tail; b = 2
+# (one slot, read then overwritten), 3 and 16 (several ages, the slot walk wrapping from every
+# newest); outs covering all of the row, part of it (gaps, an element at each end uncovered), none.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("P", [5, 256, 263, 2063])
+@pytest.mark.parametrize("bands,newest", [(2, 0), (3, 0), (3, 1), (16, 0), (16, 9), (16, 14)])
+@pytest.mark.parametrize("covers", ["all", "part", "none"])
+def test_banded_row_matches_cpu_bit_for_bit(sim, request, dtype, P, bands, newest, covers):
+    _schedule(sim, request)
+    cov = {"all": ((0, P - P // 3), (P - P // 3, P // 3)), "part": ((1, P // 2), (P // 2 + 2, P - P // 2 - 3)),
+           "none": ()}[covers]
+    cov = tuple((s, n) for s, n in cov if n > 0)
+    assert harness.compare_banded_row(sim, P, bands, dtype, newest, cov, seed=2**62 + P, offset=(5 << 33) | 3,
+                                      std=0.7) == []
+
+
+@pytest.mark.parametrize("blocks,threads", [(1, 32), (3, 64), (2, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_banded_row_grid_stride_loop(sim, request, blocks, threads, dtype):
+    # grids far smaller than the row: every warp strides over several tiles
+    _schedule(sim, request)
+    assert harness.compare_banded_row(sim, 10007, 4, dtype, 2, ((3, 9000), (9003, 1000)), seed=11, offset=2**63 + 5,
+                                      std=1.3, blocks=blocks, threads=threads) == []
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("shape", [(0, 5), (1, 1), (3, 31), (4, 33), (2, 4097), (9, 100)], ids=str)
 @pytest.mark.parametrize("mask_y", [False, True])
@@ -297,7 +323,7 @@ def test_every_global_kernel_is_launched(sim):
     assert {"row_partial_kernel", "finalize_rows_kernel", "scale_rows_kernel", "clip_jvp_kernel",
             "philox_noise_kernel", "philox_noise2_kernel", "scale_rows2_kernel", "ln_affine_partial_kernel",
             "gn_affine_partial_kernel", "affine_finalize_kernel", "examples_bound_kernel",
-            "examples_release_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
+            "examples_release_kernel", "banded_row_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
     sim.schedule("random", 7)
     assert harness.sweep(sim) == []
     launched = {harness.kernel_base_name(name) for name in sim.stats()}
@@ -607,6 +633,13 @@ MUTANTS = {
     "noise2_bias_tiles_on_the_weight_length": ("noise_kernels.cuh",
                                                "philox_noise_tiles<T, kAccB, false>(b, nb,",
                                                "philox_noise_tiles<T, kAccB, false>(b, nb < nw ? nb : nw,"),
+    # banded_row_: the ages walked toward newer slots (wrong slot for every age past 1 once b > 2);
+    # the row stored over the newest slot instead of the oldest; an age's sign lost.
+    "band_ages_walk_the_wrong_way": ("band_kernels.cuh", "s = s == 0 ? a.slots - 1 : s - 1;",
+                                     "s = s + 1 == a.slots ? 0 : s + 1;"),
+    "band_row_stored_over_the_newest": ("band_kernels.cuh", "ring + static_cast<int64_t>((a.newest + 1) % a.slots) * P",
+                                        "ring + static_cast<int64_t>(a.newest % a.slots) * P"),
+    "band_age_sign_lost": ("band_kernels.cuh", "v = v + a.weights[k] * ring", "v = v - a.weights[k] * ring"),
     "scale_rows2_mask_ignored": ("clip_kernels.cuh", "scale_tile(y, fy, Ny, tiles_y, t - x_blocks, mask_y != 0, oy);",
                                  "scale_tile(y, fy, Ny, tiles_y, t - x_blocks, mask_y < 0, oy);"),
     "affine_finalize_skips_last_chunk": ("norm_affine_kernels.cuh", "for (int64_t k = 0; k < K; ++k) s += p[k * O];",

@@ -322,6 +322,98 @@ def test_noise_cpu_and_cuda_streams_agree():
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-5)
 
 
+# ---------------------------------------------------------------- banded_row_
+
+def _band_case(dtype, device, bands, P, newest, seed):
+    from bpclip_fast.banded import bsr_coefficients
+
+    c = bsr_coefficients(bands)
+    gen = torch.Generator().manual_seed(seed)
+    ring = (torch.randn(bands - 1, P, generator=gen, dtype=torch.float64) * 3).to(dtype).to(device)
+    return c, [-c[a] / c[0] for a in range(1, bands)], ring
+
+
+def _gamma(k, dtype):
+    u = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -53
+    return k * u / (1 - k * u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bands,P,newest", [(2, 1, 0), (2, 300, 0), (3, 1031, 1), (16, 4099, 4), (16, 263, 14)])
+def test_banded_row_matches_float64_recursion(device, dtype, bands, P, newest):
+    """The row is std·z + Σ_a (−c_a/c_0)·w_{t−a} with z philox_noise_'s stream (regenerated here) and
+    w_{t−a} in slot (newest − a + 1) mod (b−1); it lands in the oldest slot (the others untouched), and
+    each out gets exactly out + that slot (one rounding in the out's dtype, as torch's add)."""
+    c, weights, ring = _band_case(dtype, device, bands, P, newest, seed=bands * 1000 + P)
+    sigma = 1.7
+    std = sigma / c[0]
+    before = ring.clone()
+    outs = [torch.randn(P // 2, dtype=dtype, device=device), torch.randn(P - P // 2 - (P > 3), dtype=dtype,
+                                                                         device=device)]
+    starts = [0, P // 2 + (P > 3)]  # element P // 2 covered by no out when P > 3
+    outs_before = [o.clone() for o in outs]
+    seed, offset = 2**40 + 17, (3 << 33) | 5
+    slot = _ops.banded_row_(ring, outs, starts, newest, weights, seed, offset, std)
+    z = torch.empty(P, device=device)
+    _ops.philox_noise_(z, seed, offset, 1.0)
+    terms = [std * z.double()] + [weights[a - 1] * before[(newest - a + 1) % (bands - 1)].double()
+                                  for a in range(1, bands)]
+    truth = sum(terms)
+    # fp rounding of std and each weight to the dtype (1 u each), each product (1 u), b − 1 additions:
+    # |ŵ − w| ≤ γ_{b+2} Σ|terms| (Higham's bound for a recursive sum of rounded products)
+    bound = _gamma(bands + 2, dtype) * sum(t.abs() for t in terms)
+    assert bool(((slot.double() - truth).abs() <= bound).all())
+    written = (newest + 1) % (bands - 1)
+    assert slot.data_ptr() == ring[written].data_ptr()
+    for s in range(bands - 1):
+        if s != written:
+            assert torch.equal(ring[s], before[s])
+    for o, o0, st in zip(outs, outs_before, starts):
+        assert torch.equal(o, o0 + slot[st:st + o.numel()])
+
+
+def test_banded_row_rejects_bad_arguments(device):
+    ring = torch.zeros(2, 10, device=device)
+    good = dict(outs=[torch.zeros(4, device=device)], starts=[0], newest=0, weights=[0.5, 0.25])
+
+    def call(**kw):
+        a = {**good, **kw}
+        _ops.banded_row_(kw.get("ring", ring), a["outs"], a["starts"], a["newest"], a["weights"], 1, 2,
+                         kw.get("std", 1.0))
+
+    with pytest.raises(ValueError, match="ring must be a float32 or float64"):
+        call(ring=ring.half())
+    with pytest.raises(ValueError, match="ring must be contiguous"):
+        call(ring=torch.zeros(10, 2, device=device).t())
+    with pytest.raises(ValueError, match="weights needs one entry per ring slot"):
+        call(weights=[0.5])
+    with pytest.raises(ValueError, match="newest must be a ring slot"):
+        call(newest=2)
+    with pytest.raises(ValueError, match="std must be finite"):
+        call(std=float("nan"))
+    with pytest.raises(ValueError, match="outside the row"):
+        call(starts=[7])
+    with pytest.raises(ValueError, match="is torch.float64"):
+        call(outs=[torch.zeros(4, dtype=torch.float64, device=device)])
+    with pytest.raises(ValueError, match="not contiguous"):
+        call(outs=[torch.zeros(4, 2, device=device).t()], starts=[0])
+    with pytest.raises(ValueError, match="cover the same elements"):
+        call(outs=[torch.zeros(4, device=device), torch.zeros(4, device=device)], starts=[0, 3])
+    shared = torch.zeros(8, device=device)
+    with pytest.raises(ValueError, match="share memory"):
+        call(outs=[shared[:5], shared[3:]], starts=[0, 5])
+    with pytest.raises(ValueError, match="shares memory with the ring"):
+        call(outs=[ring[1, :4]], starts=[0])
+    with pytest.raises(ValueError, match="at most 4 outs"):
+        call(outs=[torch.zeros(1, device=device) for _ in range(5)], starts=list(range(5)))
+    # the C++ checks behind a direct torch.ops call
+    with pytest.raises(RuntimeError, match="shares memory with the ring"):
+        torch.ops.bpclip_fast.banded_row_(ring, [ring[1, :4]], [0], 0, [0.5, 0.25], 1, 2, 1.0)
+    with pytest.raises(RuntimeError, match="outside the row"):
+        torch.ops.bpclip_fast.banded_row_(ring, [torch.zeros(4, device=device)], [8], 0, [0.5, 0.25], 1, 2, 1.0)
+    assert bool((ring == 0).all())  # nothing refused wrote anything
+
+
 # ---------------------------------------------------------------- argument checks
 
 
@@ -424,6 +516,10 @@ def _opcheck_cases(device):
         (OPS.examples_release, (torch.randn(4, 3, 2, device=device), torch.randn(4, 6, device=device), f, [3, 4], 0.1,
                                 0.5)),
         (OPS.examples_release, (torch.randn(4, 7, device=device), None, f, [0, 0], 0.0, 1.0)),
+        (OPS.banded_row_, (torch.randn(3, 50, device=device), [torch.randn(5, 8, device=device),
+                                                               torch.randn(7, device=device)], [2, 43], 1,
+                           [-0.5, 0.25, -0.125], 5, 6, 0.7)),
+        (OPS.banded_row_, (torch.randn(1, 9, dtype=torch.float64, device=device), [], [], 0, [-0.5], 5, 6, 0.7)),
     ]
 
 

@@ -26,6 +26,7 @@
 #include "../common.h"
 #include "bpclip_fast/philox.h"
 
+#include "noise_cpu.h"
 #include "vector_clones.h"
 
 namespace bpclip {
@@ -292,6 +293,26 @@ void philox_noise2_cpu(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t offse
 }
 
 }  // namespace
+
+void philox_normals(uint64_t seed, uint64_t offset, uint64_t first_group, int64_t groups, float* z) {
+  static const PhiloxBatchFn philox_batch = choose_philox_batch();
+  float zb[kNormalsPerGroup][kLanes];
+  for (int64_t g0 = 0; g0 < groups; g0 += kLanes) {
+    const int64_t lanes = std::min<int64_t>(kLanes, groups - g0);
+    const uint64_t first = first_group + static_cast<uint64_t>(g0);
+    if (lanes == kLanes) {
+      normals_batch(philox_batch, seed, offset, first, zb);
+    } else {
+      for (int64_t l = 0; l < lanes; ++l) {
+        float q[kNormalsPerGroup];
+        philox_normal8(seed, offset, first + static_cast<uint64_t>(l), q);
+        for (int k = 0; k < kNormalsPerGroup; ++k) zb[k][l] = q[k];
+      }
+    }
+    for (int64_t l = 0; l < lanes; ++l)
+      for (int k = 0; k < kNormalsPerGroup; ++k) z[kNormalsPerGroup * (g0 + l) + k] = zb[k][l];
+  }
+}
 
 TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
   m.impl("philox_noise_", &philox_noise_cpu);

@@ -25,6 +25,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 }  // namespace cuda
 }  // namespace bpclip
 
+#include "band_launch.cuh"
 #include "bound_launch.cuh"
 #include "clip_launch.cuh"
 #include "examples_launch.cuh"
@@ -122,6 +123,37 @@ int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t o
       launch_philox_noise<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0, blocks, threads);
     }
   });
+}
+
+// banded_row_ over a caller ring [slots, P] and n_outs caller outs (outs[k] covering starts[k] onward,
+// lens[k] elements); blocks as simt_philox_noise.
+int simt_banded_row(int dtype, void* ring, int64_t slots, int64_t P, void* const* outs, const int64_t* starts,
+                    const int64_t* lens, int n_outs, int newest, const double* weights, uint64_t seed, uint64_t offset,
+                    double stdv, int64_t blocks, int threads, int sm_count) {
+  if (slots < 1 || slots > kBandMaxSlots || n_outs < 0 || n_outs > kBandMaxOuts) return 2;
+  auto run = [&]<typename T>() {
+    BandRowArgs<T> a{};
+    for (int k = 0; k < slots; ++k) a.weights[k] = static_cast<T>(weights[k]);
+    a.n_outs = n_outs;
+    for (int k = 0; k < n_outs; ++k) {
+      a.outs[k] = static_cast<T*>(outs[k]);
+      a.starts[k] = starts[k];
+      a.ends[k] = starts[k] + lens[k];
+    }
+    a.stdv = static_cast<T>(stdv);
+    a.slots = static_cast<int>(slots);
+    a.newest = newest;
+    banded_row_device<T>(static_cast<T*>(ring), P, seed, offset, a, sm_count, blocks, threads);
+  };
+  // float32 and float64 only, as the op's AT_DISPATCH_FLOATING_TYPES
+  if (dtype == kF32) {
+    run.template operator()<float>();
+  } else if (dtype == kF64) {
+    run.template operator()<double>();
+  } else {
+    return 2;
+  }
+  return simt::has_error() ? 1 : 0;
 }
 
 // philox_noise2_ over two caller buffers; blocks as simt_philox_noise.

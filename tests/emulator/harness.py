@@ -156,6 +156,7 @@ class Simt:
         lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
         lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32, i32]
         lib.simt_philox_noise2.argtypes = [i32, vp, i64, vp, i64, u64, u64, ctypes.c_float, i32, i32, i64, i32, i32]
+        lib.simt_banded_row.argtypes = [i32, vp, i64, i64, vp, vp, vp, i32, i32, vp, u64, u64, dbl, i64, i32, i32]
         lib.simt_scale_rows2.argtypes = [i32, vp, vp, i64, vp, vp, vp, i64, i32, i64, vp]
         lib.simt_clip_rows_rescale.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp, vp, vp,
                                                i64, vp]
@@ -461,6 +462,47 @@ def compare_noise2(sim: Simt, nw: int, nb: int, dtype, seed: int, offset: int, s
             problems.append(f"{name}: noise written past the end of the buffer")
         if not torch.equal(_bits(view), _bits(ref)):
             problems.append(f"{name}: noise differs at {(view != ref).sum().item()} of {n} elements")
+    return problems
+
+
+def compare_banded_row(sim: Simt, P: int, bands: int, dtype, newest: int, covers, seed: int, offset: int,
+                       std: float, blocks: int = 0, threads: int = 256, sm_count: int = H100_SMS):
+    """Emulated banded_row_ vs the CPU op on the same ring and outs: the whole ring (the written slot
+    and the untouched ones) and every out bit for bit, nothing written past any buffer. ``covers``:
+    (start, length) of each out within the row."""
+    gen = torch.Generator().manual_seed(P * 131 + bands)
+    slots = bands - 1
+    ring0 = (torch.randn(slots, P, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    # -c_a/c_0 of a BSR-like strategy: decreasing, of both signs here so that a lost sign shows
+    weights = [(-1) ** a * 0.9 / (a + 1) for a in range(1, bands)]
+    outs0 = [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype) for _, n in covers]
+    starts = [s for s, _ in covers]
+    ring_buf, ring = guarded(slots * P, dtype, fill=7.0)
+    ring.copy_(ring0.reshape(-1))
+    out_bufs, outs = zip(*[guarded(o.numel(), dtype, fill=7.0) for o in outs0]) if covers else ((), ())
+    for o, o0 in zip(outs, outs0):
+        o.copy_(o0)
+    ptrs = (ctypes.c_void_p * max(1, len(covers)))(*[o.data_ptr() for o in outs])
+    st = (ctypes.c_int64 * max(1, len(covers)))(*starts)
+    ln = (ctypes.c_int64 * max(1, len(covers)))(*[n for _, n in covers])
+    wt = (ctypes.c_double * slots)(*weights)
+    sim.call("simt_banded_row", DTYPES[dtype], _ptr(ring), slots, P, ptrs, st, ln, len(covers), newest, wt, seed,
+             offset, std, blocks, threads, sm_count)
+    ref_ring = ring0.clone()
+    ref_outs = [o.clone() for o in outs0]
+    torch.ops.bpclip_fast.banded_row_(ref_ring, ref_outs, starts, newest, weights, seed,
+                                      offset - 2 ** 64 if offset >= 2 ** 63 else offset, std)
+    problems = []
+    if not _guard_intact(ring_buf, slots * P, 7.0):
+        problems.append("banded_row: written past the end of the ring")
+    if not torch.equal(_bits(ring), _bits(ref_ring.reshape(-1))):
+        bad = (ring.view(slots, P) != ref_ring).sum(1).tolist()
+        problems.append(f"banded_row: ring differs (elements per slot {bad}, slot {(newest + 1) % slots} written)")
+    for k, (buf, o, ref) in enumerate(zip(out_bufs, outs, ref_outs)):
+        if not _guard_intact(buf, ref.numel(), 7.0):
+            problems.append(f"banded_row: written past the end of out {k}")
+        if not torch.equal(_bits(o), _bits(ref)):
+            problems.append(f"banded_row: out {k} differs at {(o != ref).sum().item()} of {ref.numel()} elements")
     return problems
 
 
@@ -807,6 +849,15 @@ def sweep(sim: Simt) -> list[str]:
                          for p in compare_noise2(sim, n, 37, dtype, 9, 3, 1.3, False, True, blocks, misalign=mis)]
             problems += [f"noise2+ {label}: {p}"
                          for p in compare_noise2(sim, 300, n, dtype, 4, 8, 0.7, True, False, blocks, misalign=mis)]
+        if dtype in (torch.float32, torch.float64):
+            # a row of 2 tiles + a partial group, outs covering part of it; b = 2, 3, 16; a grid far
+            # smaller than the row (the tile stride)
+            for P, bands, newest, covers, blocks in ((533, 2, 0, ((0, 500), (500, 30)), 0),
+                                                     (533, 3, 0, ((10, 300),), 0),
+                                                     (4099, 16, 6, ((0, 4000), (4003, 96)), 1)):
+                problems += [f"banded_row {dtype} P={P} b={bands}: {p}"
+                             for p in compare_banded_row(sim, P, bands, dtype, newest, covers, 77, 1 << 40, 0.6,
+                                                         blocks, 64 if blocks else 256)]
         for B, ws, bs in ((9, (40,), (40,)), (3, (13, 21), None), (2, None, (300,))):
             w, b, factor = examples_inputs(dtype, B, ws, bs, gen, nonfinite=True)
             problems += [f"examples {dtype} B={B}: {p}"

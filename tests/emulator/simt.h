@@ -44,6 +44,7 @@
 // valid after `extern` too, unlike `static`.
 #define __shared__ thread_local
 #define __constant__
+#define __grid_constant__
 #define warpSize 32
 
 struct uint3 {

@@ -1,0 +1,12 @@
+// The CPU Philox stream as normals, for ops that use the draw without storing it first (banded_row_).
+#pragma once
+
+#include <stdint.h>
+
+namespace bpclip {
+
+// z[8 (g - first_group) + q] = normal q of group g, for groups first_group .. first_group + groups - 1:
+// element 8g + q of philox_noise_(buf, seed, offset, 1.0), bit for bit (the same batches as its kernel).
+void philox_normals(uint64_t seed, uint64_t offset, uint64_t first_group, int64_t groups, float* z);
+
+}  // namespace bpclip
