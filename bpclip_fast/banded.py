@@ -45,7 +45,8 @@ any ``state_dict``).
 
 **Where the noise is added.** At the release point, as the independent draw is
 (:class:`bpclip_fast.boundary.LayerStep`): the layer's backward releases its clipped sum without
-noise and :meth:`LayerBand.add_to` adds ``w_t`` to the returned gradients before they leave the
+noise and ``LayerStep.produced`` makes ``w_t`` straight into the returned gradients (one
+``banded_row_`` launch: the row, its store into the ring, the add) before they leave the
 backward, so no un-noised or partly-noised gradient is ever visible. Row ``t`` of the noise is
 the index of the step's batch (``BatchCounter.last_t``), as the loader's group is: a batch claimed
 and never used (prefetched when a loop stopped) is a row with no release, whose noise row is
@@ -101,100 +102,99 @@ class BandedNoise:
         self.c = tuple(float(v) for v in coefficients)
         if not self.c or self.c[0] <= 0:
             raise ValueError("BandedNoise: c_0 must be > 0")
+        if len(self.c) < 2:
+            raise ValueError("BandedNoise: needs bands >= 2 (one band is independent noise: no rows to keep)")
         self.bands = len(self.c)
+        # the recursion's weights for _ops.banded_row_: weights[a − 1] = −c_a/c_0 multiplies w_{t−a}
+        self.weights = tuple(-v / self.c[0] for v in self.c[1:])
 
     def layer(self, key_of_row) -> "LayerBand":
         return LayerBand(self, key_of_row)
 
 
 class LayerBand:
-    """One layer's noise rows: the last ``b−1`` committed ``w`` (a ring ``[b−1, P]``) and the current one.
+    """One layer's noise rows: the last ``b−1`` made ``w`` in a ring ``[b−1, P]``.
 
     ``key_of_row(t)`` is the Philox ``(seed, offset)`` of row ``t`` for this layer. Rows are made in
     increasing order; a row already made is never made again (its noise may have been seen), and a
-    request for it after its gradient was discarded is refused by the caller. A row is one draw and
-    one ``addmv`` over the ring (the recursion's ``b−1`` terms in one launch, whatever ``b``).
+    request for it after its gradient was discarded is refused by the caller.
+
+    **The slots.** A row is made IN PLACE: one :func:`bpclip_fast._ops.banded_row_` launch reads the
+    ``b−1`` slots, writes ``w_t`` over the oldest one (``w_{t−b+1}``, read first, element by element)
+    and, given ``outs``, adds ``w_t`` to the gradients in the same pass. Then ``newest`` (the slot
+    of the newest made row) advances and ``next_row = t + 1``. So the ring always holds the
+    ``b−1`` newest MADE rows (``ring[newest]`` = ``w_{next_row−1}``, the slot of age ``a`` is
+    ``(newest − a + 1) mod (b−1)``, zeros for rows before the block began); there is no separate
+    current row and no copy at commit: a made row is history at once, which is what it becomes
+    anyway when its step is charged (:meth:`commit_through` only makes, each from its own draw,
+    the rows never made). ``next_row is None``: nothing made since the start or a restart (the
+    block begins at the next row made; the ring is zeros, or ``None`` before first use).
     """
 
-    __slots__ = ("noise", "key_of_row", "ring", "newest", "weights", "next_row", "current", "current_row")
+    __slots__ = ("noise", "key_of_row", "ring", "newest", "next_row")
 
     def __init__(self, noise: BandedNoise, key_of_row):
         self.noise = noise
         self.key_of_row = key_of_row
-        self.ring = None         # [b−1, P] committed rows (zeros before the block began), allocated at first use
-        self.newest = 0          # the ring slot of the newest committed row
-        self.weights = None      # [b−1, b−1] on the ring's device: row k, the −c_j/c_0 of each slot when k is newest
+        self.ring = None         # [b−1, P] the newest made rows (zeros before the block began), allocated at first use
+        self.newest = 0          # the ring slot of the newest made row
         self.next_row = None     # the first row not yet made (None: none made since the start/restart)
-        self.current = None      # w made and not yet committed, and its row
-        self.current_row = None
 
     def made(self, row: int) -> bool:
         """Whether row ``row`` (or a later one) was already made."""
-        return self.current_row is not None and row <= self.current_row or (
-            self.next_row is not None and row < self.next_row)
+        return self.next_row is not None and row < self.next_row
 
     def newest_row(self) -> torch.Tensor:
-        """The newest committed row (``w_{t}`` after the step of batch ``t`` was charged)."""
+        """The newest made row (``w_t`` once the step of batch ``t`` was charged)."""
         return self.ring[self.newest]
 
-    def row(self, row: int, std: float, like: torch.Tensor, numel: int) -> torch.Tensor:
-        """``w_row`` as one flat vector of ``numel`` values (dtype and device of ``like``), made now:
-        rows skipped since the last one are made first (each from its own draw), then this one."""
+    def row(self, row: int, std: float, like: torch.Tensor, numel: int, outs=(), starts=()) -> torch.Tensor:
+        """Makes ``w_row`` (rows skipped since the last one first, each from its own draw), adds it to
+        ``outs`` (tensors covering the flat elements from ``starts``; see ``_ops.banded_row_`` for what
+        they must be) in the same launch, and returns its ring slot: the flat ``numel`` values, dtype
+        and device of ``like`` (a view: valid until ``b−1`` more rows are made)."""
         if self.made(row):
             raise RuntimeError(f"banded noise: row {row} was already made")
         self._catch_up(row, std, like, numel)
-        w = self._make(row, std, like, numel)
-        self.current, self.current_row = w, row
-        return w
+        return self._make(row, std, like, numel, outs, starts)
 
     def commit_through(self, row: int, std: float, like: torch.Tensor, numel: int) -> None:
-        """Rows up to ``row`` become history (the step charged for batch ``row`` ended): the current
-        row is pushed, and any row not made (a layer no backward reached in a refused step, a skipped
-        batch) is made from its own draw and pushed."""
+        """Rows up to ``row`` are history (the step charged for batch ``row`` ended): any row not made
+        (a layer no backward reached in a refused step, a pass that never returned its gradient, a
+        skipped batch) is made now from its own draw."""
         self._catch_up(row + 1, std, like, numel)
 
     def _catch_up(self, row, std, like, numel):
-        """Pushes every row before ``row``: the current one, and rows never made."""
-        if self.current is not None and self.current_row < row:
-            self._push(self.current_row, self.current)
-            self.current, self.current_row = None, None
+        """Makes every row before ``row`` not made yet (none before the block began)."""
         if self.next_row is None:  # nothing made since the start or a restart: the block begins at `row`
             return
         for r in range(self.next_row, row):
-            self._push(r, self._make(r, std, like, numel))
-
-    def _push(self, row, w):
-        self.newest = (self.newest + 1) % self.ring.shape[0]
-        self.ring[self.newest].copy_(w)
-        self.next_row = row + 1
+            self._make(r, std, like, numel)
 
     def _ring(self, like, numel):
         if self.ring is None:
-            c = self.noise.c
-            b1 = len(c) - 1
+            b1 = self.noise.bands - 1
             self.ring = torch.zeros(b1, numel, dtype=like.dtype, device=like.device)
-            # slot s holds the row of age ((k − s) mod (b−1)) + 1 when slot k is the newest
-            self.weights = torch.tensor([[-c[(k - s) % b1 + 1] / c[0] for s in range(b1)] for k in range(b1)],
-                                        dtype=like.dtype).to(like.device)
             self.newest = b1 - 1
         elif self.ring.shape[1] != numel or self.ring.dtype != like.dtype or self.ring.device != like.device:
             raise RuntimeError("banded noise: a layer's parameters changed size, dtype or device during the run")
         return self.ring
 
-    def _make(self, row, std, like, numel) -> torch.Tensor:
-        """``w_row = (std·z_row − Σ_j c_j w_{row−j}) / c_0`` from the committed rows (rows before the
-        start or a restart are the ring's zeros: the block-diagonal strategy, module docstring).
-        _catch_up has pushed every row before ``row`` since the block began, so the slot of age j
-        holds ``w_{row−j}``."""
+    def _make(self, row, std, like, numel, outs=(), starts=()) -> torch.Tensor:
+        """``w_row = (std·z_row − Σ_j c_j w_{row−j}) / c_0`` into the oldest slot, which becomes the
+        newest (rows before the start or a restart are the ring's zeros: the block-diagonal strategy,
+        module docstring). _catch_up has made every row before ``row`` since the block began, so the
+        slot of age j holds ``w_{row−j}``."""
         ring = self._ring(like, numel)
         seed, offset = self.key_of_row(row)
-        w = torch.empty(numel, dtype=like.dtype, device=like.device)
-        _ops.philox_noise_(w, seed, offset, std / self.noise.c[0])
-        return w.addmv_(ring.t(), self.weights[self.newest])
+        w = _ops.banded_row_(ring, outs, starts, self.newest, self.noise.weights, seed, offset,
+                             std / self.noise.c[0])
+        self.newest = (self.newest + 1) % ring.shape[0]
+        self.next_row = row + 1
+        return w
 
     def restart(self) -> None:
         """Forget every row (a resumed run: the strategy's next block)."""
         if self.ring is not None:
             self.ring.zero_()
         self.next_row = None
-        self.current = self.current_row = None

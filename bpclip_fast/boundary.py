@@ -49,6 +49,7 @@ import weakref
 
 import torch
 
+from . import _ops
 from .data import derive_seed
 
 __all__ = ["StepRefused", "LayerStep", "PassGate", "DistributedRecorder", "RULES"]
@@ -474,26 +475,48 @@ class LayerStep:
         seed, offset = self.take_draw()
         if std == 0:
             return 0, 0, 0.0, d, scale
-        if self.band is not None:  # the release goes out un-noised from the op; produced() adds w_t
+        if self.band is not None:  # the release goes out un-noised from the op; produced() makes w_t into it
             self._band_due = self._band_noise(std * scale / d)
             return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
 
-    def _band_noise(self, std: float) -> torch.Tensor:
-        """Row ``t`` of this layer's correlated noise (``bpclip_fast.banded``), made once: a second
-        draw within the step (the gradient that held the first was discarded) is refused, since a
-        fresh row would release the past rows' noise once more and the same row would be the same
-        noise on other data."""
+    def _band_noise(self, std: float):
+        """``(row, std)`` of this layer's correlated noise (``bpclip_fast.banded``) for the gradients this
+        pass returns: :meth:`produced` makes the row straight into them. Made once: a second draw
+        within the step (the gradient that held the first was discarded) is refused, since a fresh
+        row would release the past rows' noise once more and the same row would be the same noise on
+        other data. A pass that never returns its gradients leaves the row unmade (never seen): the
+        charge's ``commit_through`` makes it from its own draw, as for a layer no backward reached."""
         row = self.band_row()
         if self.band.made(row):
-            details = (f"{self.name}: the gradient that held this step's correlated noise (row {row}) was discarded "
-                       "(zero_grad, or a backward pass whose gradient never landed) and a later backward pass needs "
-                       "the noise again; banded noise draws each row once (a new row would release the noise of the "
-                       "past steps again, the same row would be the same noise on other data). Take one backward per "
-                       "step, or micro-batches without clearing the gradient between them")
-            self.refuse("banded-redraw", details)
-            raise RuntimeError(details)
-        return self.band.row(row, std, *self.band_layout())
+            self._refuse_redraw(row)
+        return row, std
+
+    def _refuse_redraw(self, row: int) -> None:
+        details = (f"{self.name}: the gradient that held this step's correlated noise (row {row}) was discarded "
+                   "(zero_grad, or a backward pass whose gradient never landed) and a later backward pass needs "
+                   "the noise again; banded noise draws each row once (a new row would release the noise of the "
+                   "past steps again, the same row would be the same noise on other data). Take one backward per "
+                   "step, or micro-batches without clearing the gradient between them")
+        self.refuse("banded-redraw", details)
+        raise RuntimeError(details)
+
+    def make_band(self, row: int, std: float, grads) -> None:
+        """Makes row ``row`` of the layer's noise and adds it to ``grads`` (one per parameter, in ``params``
+        order, ``None`` where none): in the op's own pass where the gradients can take it (contiguous,
+        the row's dtype and device, at most ``_ops.BAND_MAX_OUTS``), else made alone and added by
+        :meth:`add_band` (a generic unit's odd gradient, a user's ``p.grad``)."""
+        like, numel = self.band_layout()
+        outs, starts, at = [], [], 0
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                outs.append(g)
+                starts.append(at)
+            at += p.numel()
+        if _ops.banded_row_outs_problem(like, numel, outs, starts) is None:
+            self.band.row(row, std, like, numel, outs, starts)
+        else:
+            self.add_band(grads, self.band.row(row, std, like, numel))
 
     def band_layout(self):
         """``(like, numel)`` of the layer's flat noise row: all of its parameters, in ``params`` order."""
@@ -535,11 +558,14 @@ class LayerStep:
 
     def produced(self, grads) -> None:
         """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check;
-        under correlated noise, first adds the row this pass drew to them."""
+        under correlated noise, first makes the row this pass drew into them."""
         due = self._band_due
         if due is not None:
             self._band_due = None
-            self.add_band(grads, due)
+            row, std = due
+            if self.band.made(row):  # made meanwhile (a fallback or a charge): never release it un-noised
+                self._refuse_redraw(row)
+            self.make_band(row, std, grads)
         if not self.enforce:
             return
         for i, g in enumerate(grads):

@@ -104,14 +104,12 @@ def fallback(engine, st) -> bool:
     row = _row(engine)
     if st.band.made(row):
         return False
-    like, numel = st.band_layout()
-    w = st.band.row(row, std(engine, st), like, numel)
     grads = []
     for p in st.params:
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad if p.requires_grad else None)
-    st.add_band(grads, w)
+    st.make_band(row, std(engine, st), grads)
     st.noised = True
     return True
 
