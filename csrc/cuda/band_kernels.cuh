@@ -41,7 +41,7 @@ struct BandRowArgs {
 };
 
 template <typename T>
-__device__ __forceinline__ T band_value(float z, const T* __restrict__ ring, int64_t P, int64_t i,
+__device__ __forceinline__ T band_value(float z, const T* ring, int64_t P, int64_t i,
                                         const BandRowArgs<T>& a) {
   T v = a.stdv * static_cast<T>(z);
   int s = a.newest;
