@@ -90,3 +90,69 @@ def test_a_row_the_op_cannot_add_to_is_added_by_the_caller():
     assert _ops.banded_row_outs_problem(ring, 12, [g.contiguous()], [0]) is None
     assert "float64" in _ops.banded_row_outs_problem(ring, 12, [torch.zeros(12, dtype=torch.float64)], [0])
     assert "at most" in _ops.banded_row_outs_problem(ring, 12, [torch.zeros(1)] * 5, list(range(5)))
+
+
+def test_engine_gradients_are_the_same_whether_the_op_or_the_caller_adds_the_row(monkeypatch):
+    """The backward's gradients get the row inside the op (LayerStep.make_band's fused path) or, where the op
+    cannot take them, from the returned slot by add_band: the same one rounding of g + w either way, so a
+    run is bit for bit the same; a layer no backward reached (the fallback at step()) gets its row too."""
+    import warnings
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import bpclip_fast
+    from bpclip_fast import boundary
+    from bpclip_fast.engine._common import InsecureSeedWarning
+
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(64, 12, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = nn.Linear(12, 24), nn.Linear(24, 3), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    def released(calls):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = bpclip_fast.PrivacyEngine("rdp")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", InsecureSeedWarning)
+            model, opt, loader = engine.make_private(
+                module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(X, Y), batch_size=4),
+                noise_multiplier=0.7, clipping="flat", noise="banded", bands=3, noise_seed=99, max_grad_norm=1.0)
+        out = []
+        it = iter(loader)
+        for _ in range(5):
+            x, y = next(it)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+        calls.append(engine)
+        return torch.stack(out)
+
+    fused_calls, fused = [], None
+    original = boundary.LayerStep.add_band
+    added = []
+
+    def counting_add_band(self, grads, w):
+        added.append(self.name)
+        return original(self, grads, w)
+
+    monkeypatch.setattr(boundary.LayerStep, "add_band", counting_add_band)
+    fused = released(fused_calls)
+    assert added == []  # every row went in through the op
+    monkeypatch.setattr(_ops, "banded_row_outs_problem", lambda like, numel, outs, starts: "refused here" if outs else None)
+    separate = released([])
+    assert len(added) == 5 * 3  # three layers (one reached by no backward), five steps
+    assert torch.equal(fused, separate)
+    # the unused layer's released gradient is its row alone: zeros + w
+    engine = fused_calls[0]
+    st = next(s for s in engine._steps_of if s.params[0].shape == (2, 5))
+    assert torch.equal(fused[-1][-12:], st.band.newest_row())
