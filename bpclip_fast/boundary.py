@@ -51,6 +51,8 @@ import torch
 
 from .data import derive_seed
 
+EPS64 = float(torch.finfo(torch.float64).eps)
+
 __all__ = ["StepRefused", "LayerStep", "PassGate", "DistributedRecorder", "RULES"]
 
 # rule -> what it protects and what to do instead (the second half of every message).
@@ -215,6 +217,7 @@ class LayerStep:
         # step's batch, and the row made by this pass's draw until the backward returns it.
         self.band = None
         self.band_row = None
+        self.band_std = None
         self._band_due = None
         self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
 
@@ -475,9 +478,21 @@ class LayerStep:
         if std == 0:
             return 0, 0, 0.0, d, scale
         if self.band is not None:  # the release goes out un-noised from the op; produced() adds w_t
-            self._band_due = self._band_noise(std * scale / d)
+            self._band_due = self._band_noise(self._band_std(std * scale / d))
             return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
+
+    def _band_std(self, std: float) -> float:
+        """The layer's one std for every row, ``band_std`` (set by the engine; rows made outside a
+        backward use it too), once this path's own std is seen to be it to float64 rounding: rows of
+        unequal scale would not be ``C⁻¹`` of i.i.d. draws, and a smaller one would leak through the
+        band the data of the rows before it. The two are ``σ·Δ·(d/B̄)/d`` and ``σ·Δ/B̄`` in float64:
+        six roundings of relative size ≤ ε₆₄/2, so they differ by ≤ 3ε₆₄ (4ε₆₄ allowed)."""
+        if not abs(std - self.band_std) <= 4 * EPS64 * self.band_std:
+            raise RuntimeError(f"{self.name}: this backward's noise std {std!r} is not the layer's correlated-noise "
+                               f"std {self.band_std!r}; every row of a layer must have one scale (a bug: please "
+                               "report it)")
+        return self.band_std
 
     def _band_noise(self, std: float) -> torch.Tensor:
         """Row ``t`` of this layer's correlated noise (``bpclip_fast.banded``), made once: a second

@@ -67,6 +67,7 @@ def prepare(engine, bands: int, optimizer) -> None:
     for index, st in enumerate(engine._steps_of):
         st.band = engine._band.layer(functools.partial(_key_of_row, engine, index))
         st.band_row = functools.partial(_row, engine)
+        st.band_std = std(engine, st)
 
 
 def _key_of_row(engine, index, row):
@@ -83,7 +84,9 @@ def _row(engine) -> int:
 
 def std(engine, st) -> float:
     """The std of the layer's draws in the released gradient's units (what the independent draw
-    has: ``σΔ``, divided by the expected batch under ``loss_reduction="mean"``)."""
+    has: ``σΔ``, divided by the expected batch under ``loss_reduction="mean"``), fixed at
+    make_private as ``LayerStep.band_std``: every row of the layer has it, made in a backward (which
+    checks its own std is this one) or here."""
     s = engine.gradient_noise_multiplier * st.layer.sensitivity
     return s / st.mean_loss_batch if st.mean_loss_batch is not None else s
 
@@ -95,7 +98,7 @@ def commit(engine, row: int) -> None:
         return
     for st in engine._steps_of:
         like, numel = st.band_layout()
-        st.band.commit_through(row, std(engine, st), like, numel)
+        st.band.commit_through(row, st.band_std, like, numel)
 
 
 def fallback(engine, st) -> bool:
@@ -106,7 +109,7 @@ def fallback(engine, st) -> bool:
     if st.band.made(row):
         return False
     like, numel = st.band_layout()
-    w = st.band.row(row, std(engine, st), like, numel)
+    w = st.band.row(row, st.band_std, like, numel)
     grads = []
     for p in st.params:
         if p.requires_grad and p.grad is None:
