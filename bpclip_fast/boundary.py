@@ -77,6 +77,10 @@ RULES = {
     "captured": ("a private parameter's gradient leaves the backward only through .grad, which step() verifies",
                  "use backward() and let step() release the gradients; torch.autograd.grad is fine with respect to "
                  "inputs (adversarial examples), not to private parameters"),
+    "converted": ("each private parameter's gradient is verified at the tensor make_private hooked",
+                  "convert or move the model (model.to(dtype or device), .half(), .double(), .cuda()) before "
+                  "make_private, not after, and do not assign a tensor of another dtype or device to a "
+                  "parameter's .data"),
     "unclipped-param": ("only parameters of clipped layers are trained",
                         "freeze the parameter (requires_grad_(False)) or make the model private with it trainable "
                         "so that its layer is clipped"),
@@ -286,11 +290,25 @@ class LayerStep:
                 lands = False
             if not lands:
                 self.check_budget("torch.autograd.grad of a private parameter")
+                if self._replaced(i, node):
+                    p = self.params[i]
+                    self.refuse("converted", f"{self._param_name(i)} is now {p.dtype} on {p.device}: its tensor was "
+                                "replaced after make_private, and the gradient goes to the new tensor's .grad, which "
+                                "the engine did not hook")
                 self.refuse("captured", f"torch.autograd.grad asked for {self._param_name(i)}'s gradient")
                 from_step = "a private parameter's gradient requested from torch.autograd.grad"
                 raise StepRefused("captured", from_step, [self.name], charged=False)
             return None
         return tensorhook
+
+    def _replaced(self, i, node) -> bool:
+        """Whether parameter ``i`` accumulates into another node than the hooked one: torch gives a
+        parameter a new AccumulateGrad node when its data changes dtype or device (``module.to``,
+        ``.half()``, ``.cuda()``, a ``.data`` assignment), so its gradient no longer reaches the
+        hooked node, which looks like a capture from inside the backward."""
+        p = self.params[i]
+        with torch.enable_grad():
+            return p.view_as(p).grad_fn.next_functions[0][0] is not node
 
     def _make_prehook(self, i):
         def prehook(grad_outputs):
