@@ -198,3 +198,22 @@ class LayerBand:
         if self.ring is not None:
             self.ring.zero_()
         self.next_row = None
+
+    def export_rows(self):
+        """``(rows, next_row)``: the committed rows oldest first (``[b−1, P]``, a copy; zeros for rows
+        before the block began), ``None`` if none was ever made, and the first row not yet made."""
+        if self.ring is None:
+            return None, self.next_row
+        b1 = self.ring.shape[0]
+        order = [(self.newest + 1 + k) % b1 for k in range(b1)]
+        return self.ring[order].clone(), self.next_row
+
+    def import_rows(self, rows, next_row, like, numel) -> None:
+        """Continues the block of :meth:`export_rows` (the caller checked sizes, dtype and pairing)."""
+        self.restart()
+        self.next_row = next_row
+        if rows is None:
+            return
+        ring = self._ring(like, numel)
+        ring.copy_(rows)
+        self.newest = ring.shape[0] - 1

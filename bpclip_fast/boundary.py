@@ -52,6 +52,8 @@ import torch
 from . import _ops
 from .data import derive_seed
 
+EPS64 = float(torch.finfo(torch.float64).eps)
+
 __all__ = ["StepRefused", "LayerStep", "PassGate", "DistributedRecorder", "RULES"]
 
 # rule -> what it protects and what to do instead (the second half of every message).
@@ -76,6 +78,10 @@ RULES = {
     "captured": ("a private parameter's gradient leaves the backward only through .grad, which step() verifies",
                  "use backward() and let step() release the gradients; torch.autograd.grad is fine with respect to "
                  "inputs (adversarial examples), not to private parameters"),
+    "converted": ("each private parameter's gradient is verified at the tensor make_private hooked",
+                  "convert or move the model (model.to(dtype or device), .half(), .double(), .cuda()) before "
+                  "make_private, not after, and do not assign a tensor of another dtype or device to a "
+                  "parameter's .data"),
     "unclipped-param": ("only parameters of clipped layers are trained",
                         "freeze the parameter (requires_grad_(False)) or make the model private with it trainable "
                         "so that its layer is clipped"),
@@ -216,6 +222,7 @@ class LayerStep:
         # step's batch, and the row made by this pass's draw until the backward returns it.
         self.band = None
         self.band_row = None
+        self.band_std = None
         self._band_due = None
         self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
 
@@ -284,11 +291,25 @@ class LayerStep:
                 lands = False
             if not lands:
                 self.check_budget("torch.autograd.grad of a private parameter")
+                if self._replaced(i, node):
+                    p = self.params[i]
+                    self.refuse("converted", f"{self._param_name(i)} is now {p.dtype} on {p.device}: its tensor was "
+                                "replaced after make_private, and the gradient goes to the new tensor's .grad, which "
+                                "the engine did not hook")
                 self.refuse("captured", f"torch.autograd.grad asked for {self._param_name(i)}'s gradient")
                 from_step = "a private parameter's gradient requested from torch.autograd.grad"
                 raise StepRefused("captured", from_step, [self.name], charged=False)
             return None
         return tensorhook
+
+    def _replaced(self, i, node) -> bool:
+        """Whether parameter ``i`` accumulates into another node than the hooked one: torch gives a
+        parameter a new AccumulateGrad node when its data changes dtype or device (``module.to``,
+        ``.half()``, ``.cuda()``, a ``.data`` assignment), so its gradient no longer reaches the
+        hooked node, which looks like a capture from inside the backward."""
+        p = self.params[i]
+        with torch.enable_grad():
+            return p.view_as(p).grad_fn.next_functions[0][0] is not node
 
     def _make_prehook(self, i):
         def prehook(grad_outputs):
@@ -476,9 +497,21 @@ class LayerStep:
         if std == 0:
             return 0, 0, 0.0, d, scale
         if self.band is not None:  # the release goes out un-noised from the op; produced() makes w_t into it
-            self._band_due = self._band_noise(std * scale / d)
+            self._band_due = self._band_noise(self._band_std(std * scale / d))
             return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
+
+    def _band_std(self, std: float) -> float:
+        """The layer's one std for every row, ``band_std`` (set by the engine; rows made outside a
+        backward use it too), once this path's own std is seen to be it to float64 rounding: rows of
+        unequal scale would not be ``C⁻¹`` of i.i.d. draws, and a smaller one would leak through the
+        band the data of the rows before it. The two are ``σ·Δ·(d/B̄)/d`` and ``σ·Δ/B̄`` in float64:
+        six roundings of relative size ≤ ε₆₄/2, so they differ by ≤ 3ε₆₄ (4ε₆₄ allowed)."""
+        if not abs(std - self.band_std) <= 4 * EPS64 * self.band_std:
+            raise RuntimeError(f"{self.name}: this backward's noise std {std!r} is not the layer's correlated-noise "
+                               f"std {self.band_std!r}; every row of a layer must have one scale (a bug: please "
+                               "report it)")
+        return self.band_std
 
     def _band_noise(self, std: float):
         """``(row, std)`` of this layer's correlated noise (``bpclip_fast.banded``) for the gradients this

@@ -258,3 +258,52 @@ def test_resume_keeps_the_groups_and_restarts_the_band():
     e3 = make(X, Y, bands=2, seed=None)
     with pytest.raises(ValueError, match="bands=4"):
         e3[2].load_state_dict(state)
+
+
+class _Scale(nn.Module):
+    """A module no fused layer covers (a trainable per-feature scale): trained by the generic path."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer", "backprop", "generic"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_every_row_of_a_layer_has_its_one_std(mode, reduction, monkeypatch):
+    """Rows made in a backward (each path passes its own std) and rows made at the charge or the
+    fallback use one number per layer, ``LayerStep.band_std``: the backward's own std is checked to
+    be it, and a path whose std differed is refused rather than released at another scale."""
+    X, Y = data()
+    kw = {}
+    if mode == "generic":
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(X.shape[1], 24), _Scale(24), nn.ReLU(), nn.Linear(24, 3))
+        kw["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.0)
+        mode = "flat"
+    seen = []
+    real = banded.LayerBand.row
+    monkeypatch.setattr(banded.LayerBand, "row", lambda self, row, std, *a, **k: (
+        seen.append((self, std)), real(self, row, std, *a, **k))[1])
+    if kw:
+        engine = bpclip_fast.PrivacyEngine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = engine.make_private(
+                module=model, optimizer=kw["optimizer"], data_loader=DataLoader(TensorDataset(X, Y), batch_size=BATCH),
+                noise_multiplier=0.7, clipping=mode, max_grad_norm=1.0, noise="banded", bands=4, noise_seed=SEED,
+                loss_reduction=reduction)
+        assert any("_bp_slots" in st.layer.__dict__ for st in engine._steps_of)
+    else:
+        engine, model, opt, loader = make(X, Y, mode=mode, bands=4, loss_reduction=reduction)
+    run(engine, model, opt, loader, 3)
+    one = {st.band: st.band_std for st in engine._steps_of}
+    assert len(seen) == 3 * len(one) and all(std == one[band] for band, std in seen)
+    st = engine._steps_of[0]
+    st.band_std *= 1 + 1e-9  # what a path computing another std would meet: refused, never released
+    x, y = next(iter(loader))
+    with pytest.raises(Exception, match="one scale"):
+        nn.functional.cross_entropy(model(x), y).backward()

@@ -1308,6 +1308,29 @@ def test_review2_autograd_grad_of_private_parameters_is_refused(after_backward):
     assert exc.charged and len(engine.accountant) == 1
 
 
+@pytest.mark.parametrize("convert", ["to(float64)", "double()", "data of another dtype"])
+def test_a_model_converted_after_make_private_is_refused_with_what_to_do(convert):
+    """``model.to(dtype)`` after ``make_private`` gives each parameter a new AccumulateGrad node, so its
+    gradient misses the engine's hooks; it was refused as a capture by ``torch.autograd.grad``, a
+    misleading message. Refused (never released) with its own rule, naming the parameter and the fix."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y)
+    if convert == "to(float64)":
+        model.to(torch.float64)
+    elif convert == "double()":
+        model.double()
+    else:
+        for p in model.parameters():
+            p.data = p.data.double()
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    before = [p.grad for p in model.parameters()]
+    exc = expect_refused(lambda: F.cross_entropy(model(x.to(next(model.parameters()).dtype)), y).backward(),
+                         "converted", "a model converted to float64 after make_private")
+    assert "before make_private" in str(exc) and "float64" in str(exc)
+    assert all(p.grad is None for p in model.parameters()) and before == [None] * len(before)
+
+
 def test_review2_autograd_grad_with_respect_to_the_input_stays_allowed():
     """The adversarial-example pattern through ``torch.autograd.grad(loss, x)``: no parameter gradient leaves."""
     X, Y = data()

@@ -545,3 +545,20 @@ def test_banded_noise_run_reports_the_banded_accountants_epsilon():
                                           math.ceil(r["steps"] / 4)))
     assert r["epsilons"]["rdp"] == pytest.approx(truth.get_epsilon(1e-5), rel=1e-9)
     assert r["epsilon"] == pytest.approx(r["epsilons"]["rdp"], rel=1e-12)
+
+
+def test_banded_resume_continues_the_band_from_the_checkpoints_rows(tmp_path, monkeypatch):
+    """--checkpoint under --noise banded holds the secret noise rows (through the last step), and
+    --resume loads them after the optimizer state, so that the band continues."""
+    ck = str(tmp_path / "ck.pt")
+    common = dict(method="flat", sigma=1.5, noise="banded", bands=4, optimizer="sgd", lr=0.01, seed=3)
+    first = tiny(epochs=1, checkpoint=ck, **common)
+    rows = torch.load(ck, weights_only=False)["method"]["secret_noise_rows"]
+    assert rows["steps"] == first["steps"] and all(
+        layer["next_row"] == rows["charged"] and layer["rows"].shape[0] == 3 for layer in rows["layers"].values())
+    loaded = []
+    real = bpclip_fast.PrivacyEngine.load_noise_state_dict
+    monkeypatch.setattr(bpclip_fast.PrivacyEngine, "load_noise_state_dict",
+                        lambda self, state: (loaded.append(self.steps), real(self, state)))
+    resumed = tiny(epochs=2, checkpoint=ck, resume=True, **common)
+    assert loaded == [first["steps"]] and resumed["steps"] == 2 * first["steps"]

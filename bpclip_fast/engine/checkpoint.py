@@ -17,14 +17,14 @@ OPT_KEY = "bpclip_fast_privacy_engine"
 def state_dict(engine, include_secrets: bool = False) -> dict:
     """The engine's state (``PrivacyEngine.state_dict``)."""
     if include_secrets and engine.bands != 1:
-        # A resume restarts the band (the rows are never saved): with the same seed its first row is
-        # σΔz_t/c_0 where the run that went on released (σΔz_t − Σ_j c_j w_{t−j})/c_0 on the same batch,
-        # so the two differ by the past rows' secret noise, and the promised bit-for-bit resume fails.
+        # A resume that does not load the rows (noise_state_dict) restarts the band: with the same seed its
+        # first row is σΔz_t/c_0 where the run that went on released (σΔz_t − Σ_j c_j w_{t−j})/c_0 on the
+        # same batch, so the two differ by the past rows' secret noise.
         raise ValueError("PrivacyEngine.state_dict: include_secrets=True is not available with noise='banded': a "
-                         "bit-for-bit resume needs the secret noise rows, which are never saved, and a resume with "
-                         "the same seed would release this seed's draws again with the band restarted (their "
-                         "difference is the past steps' noise). Save without secrets: the resumed run starts a new "
-                         "band with fresh seeds")
+                         "resume with the same seed that did not also load the noise rows would release this "
+                         "seed's draws again with the band restarted (their difference is the past steps' noise). "
+                         "Save without secrets, and noise_state_dict() apart (secret) to continue the band: the "
+                         "resumed run draws fresh seeds")
     state = {"format": STATE_FORMAT, "accountant": engine.accountant_name,
              "accountant_state": engine.accountant.state_dict(), "steps": engine.steps, "secure": engine._secure,
              "batches_delivered": engine._counter.delivered,
@@ -34,8 +34,9 @@ def state_dict(engine, include_secrets: bool = False) -> dict:
     sampler = engine.data_loader.batch_sampler
     if engine.bands != 1:
         # The groups must stay the groups (b-min-separation across the resume); the partition is not
-        # secret (the analysis gives the adversary every example's group). The noise rows are: a
-        # resumed run starts a new band (bpclip_fast.banded: the block-diagonal strategy is sound).
+        # secret (the analysis gives the adversary every example's group). The noise rows are: they go
+        # in noise_state_dict() apart; without them a resumed run starts a new band (bpclip_fast.banded:
+        # the block-diagonal strategy is sound).
         state["bands"] = engine.bands
         state["partition_seed"] = sampler.partition_seed
         state["partition_size"] = sampler.num_samples  # the seed cuts other groups from another N

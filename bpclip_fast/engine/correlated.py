@@ -1,6 +1,7 @@
 """The engine's side of correlated noise (``make_private(noise="banded", bands=b)``; the
 mechanism and its proof: :mod:`bpclip_fast.banded`): the arguments it takes, each layer's rows, the
-commit of a charged row, the fallback draw, and the restart of a resumed run."""
+commit of a charged row, the fallback draw, and a resumed run's rows (restarted, or continued from
+:func:`noise_state_dict`)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def prepare(engine, bands: int, optimizer) -> None:
     for index, st in enumerate(engine._steps_of):
         st.band = engine._band.layer(functools.partial(_key_of_row, engine, index))
         st.band_row = functools.partial(_row, engine)
+        st.band_std = std(engine, st)
 
 
 def _key_of_row(engine, index, row):
@@ -82,7 +84,9 @@ def _row(engine) -> int:
 
 def std(engine, st) -> float:
     """The std of the layer's draws in the released gradient's units (what the independent draw
-    has: ``σΔ``, divided by the expected batch under ``loss_reduction="mean"``)."""
+    has: ``σΔ``, divided by the expected batch under ``loss_reduction="mean"``), fixed at
+    make_private as ``LayerStep.band_std``: every row of the layer has it, made in a backward (which
+    checks its own std is this one) or here."""
     s = engine.gradient_noise_multiplier * st.layer.sensitivity
     return s / st.mean_loss_batch if st.mean_loss_batch is not None else s
 
@@ -94,7 +98,7 @@ def commit(engine, row: int) -> None:
         return
     for st in engine._steps_of:
         like, numel = st.band_layout()
-        st.band.commit_through(row, std(engine, st), like, numel)
+        st.band.commit_through(row, st.band_std, like, numel)
 
 
 def fallback(engine, st) -> bool:
@@ -109,13 +113,89 @@ def fallback(engine, st) -> bool:
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad if p.requires_grad else None)
-    st.make_band(row, std(engine, st), grads)
+    st.make_band(row, st.band_std, grads)
     st.noised = True
     return True
 
 
 def restart(engine) -> None:
-    """A resumed run starts a new block of the strategy (sound: :mod:`bpclip_fast.banded`)."""
+    """A resumed run starts a new block of the strategy (sound: :mod:`bpclip_fast.banded`), unless
+    :func:`load_noise_state_dict` then continues the old one."""
     if engine._band is not None:
         for st in engine._steps_of:
             st.band.restart()
+
+
+NOISE_STATE_FORMAT = "bpclip_fast.BandedNoiseRows/1"
+
+
+def noise_state_dict(engine) -> dict:
+    """Every layer's last ``b−1`` noise rows, for a resume that continues the band
+    (``PrivacyEngine.noise_state_dict``). Secret: with the released models they give the
+    un-noised gradients of the last ``b−1`` steps. No seed is in it: the resumed run draws the
+    next rows' ``z`` from a fresh one, which is the same mechanism (``C⁻¹z`` with ``z`` i.i.d.)."""
+    if engine._band is None:
+        raise ValueError("PrivacyEngine.noise_state_dict: this engine adds independent noise (noise='independent'), "
+                         "which keeps no rows; its state_dict alone resumes it")
+    charged = len(engine.accountant)
+    layers = {}
+    for st in engine._steps_of:
+        band = st.band
+        if getattr(band, "current", None) is not None or (band.next_row is not None and band.next_row > charged):
+            raise RuntimeError("PrivacyEngine.noise_state_dict: a step is in progress (a backward pass has made its "
+                               "noise row and optimizer.step() has not charged it); save between steps, after "
+                               "optimizer.step()")
+        rows, next_row = band.export_rows()
+        layers[st.name] = {"rows": None if rows is None else rows.cpu(), "next_row": next_row,
+                           "numel": st.band_layout()[1]}
+    return {"format": NOISE_STATE_FORMAT, "bands": engine.bands, "coefficients": list(engine.band_coefficients),
+            "charged": charged, "claimed": engine._counter.claimed, "steps": engine.steps, "layers": layers}
+
+
+def load_noise_state_dict(engine, state: dict) -> None:
+    """``PrivacyEngine.load_noise_state_dict``: every field checked, then the rows assigned."""
+    what = "PrivacyEngine.load_noise_state_dict"
+    if engine._band is None:
+        raise ValueError(f"{what}: this engine adds independent noise; make_private with noise='banded' and the "
+                         "checkpoint's bands")
+    fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if fmt != NOISE_STATE_FORMAT:
+        raise ValueError(f"{what}: not a banded noise state (format {fmt!r}, expected {NOISE_STATE_FORMAT!r}); pass "
+                         "what noise_state_dict() returned")
+    if int(state["bands"]) != engine.bands or [float(c) for c in state["coefficients"]] != list(
+            engine.band_coefficients):
+        # Rows made with other coefficients would give the strategy a column of norm above 1 at the seam.
+        raise ValueError(f"{what}: the rows were made with bands={state['bands']} and coefficients "
+                         f"{state['coefficients']}, this engine has bands={engine.bands} and "
+                         f"{list(engine.band_coefficients)} (its optimizer's momentum sets them); resume with the same "
+                         "bands and optimizer")
+    if engine._taken_here or engine._counter.claimed != getattr(engine, "_claimed_at_load", 0):
+        raise RuntimeError(f"{what}: this engine has drawn batches or taken steps since make_private (or the last "
+                           "load_state_dict); load the noise rows right after the checkpoint, before training")
+    pairing = {"claimed": engine._counter.claimed, "steps": engine.steps, "charged": len(engine.accountant)}
+    if any(int(state[k]) != v for k, v in pairing.items()):
+        raise ValueError(f"{what}: the rows belong to a checkpoint at "
+                         f"{ {k: int(state[k]) for k in pairing} }, this engine was loaded at {pairing}; load the "
+                         "optimizer state saved together with these rows first")
+    saved = state["layers"]
+    if list(saved) != [st.name for st in engine._steps_of]:
+        raise ValueError(f"{what}: the rows are for the layers {list(saved)}, this model's are "
+                         f"{[st.name for st in engine._steps_of]}")
+    checked = []
+    for st in engine._steps_of:
+        entry, (like, numel) = saved[st.name], st.band_layout()
+        rows, next_row = entry["rows"], entry["next_row"]
+        if int(entry["numel"]) != numel or (next_row is not None and not 0 <= int(next_row) <= pairing["charged"]):
+            raise ValueError(f"{what}: {st.name}'s saved rows do not fit it (its parameters have {numel} values, "
+                             f"the rows {entry['numel']}, through row {next_row})")
+        if rows is not None:
+            if (not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (engine.bands - 1, numel)
+                    or rows.dtype != like.dtype or not torch.isfinite(rows).all()):
+                raise ValueError(f"{what}: {st.name}'s rows must be a finite {like.dtype} tensor of shape "
+                                 f"[{engine.bands - 1}, {numel}]")
+            if next_row is None:
+                raise ValueError(f"{what}: {st.name} has rows but no next row")
+            rows = rows.to(like.device)
+        checked.append((st, rows, None if next_row is None else int(next_row), like, numel))
+    for st, rows, next_row, like, numel in checked:
+        st.band.import_rows(rows, next_row, like, numel)

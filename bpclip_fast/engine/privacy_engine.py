@@ -106,7 +106,8 @@ class PrivacyEngine:
         :mod:`bpclip_fast.banded`; the loader becomes cyclic Poisson over ``bands`` groups, each example
         in at most one of every ``bands`` consecutive batches, and the accountant composes
         ``ceil(T/bands)`` steps at the group's rate). Exact or backprop clipping, fixed thresholds, one
-        process, float32/float64 parameters; a resumed run starts a new band.
+        process, float32/float64 parameters; a resumed run continues the band if it loads
+        ``noise_state_dict()`` (secret) after the checkpoint, else starts a new one.
 
         In phases: arguments, then every problem of the model at once (nothing is changed before
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
@@ -427,6 +428,21 @@ class PrivacyEngine:
         seed is fresh from the OS unless the state holds secrets (``state_dict(include_secrets=True)``)."""
         self._require_private("load_state_dict")
         checkpoint.load_state_dict(self, state)
+
+    def noise_state_dict(self) -> dict:
+        """Under ``noise="banded"``: every layer's last ``bands − 1`` noise rows, so that a resume
+        continues the correlation (:func:`bpclip_fast.engine.correlated.noise_state_dict`). SECRET: keep
+        it apart from the checkpoint and private like the training data, and delete it when the run is
+        done (with the released models it gives the un-noised gradients of the last steps). Never in
+        ``state_dict``; no seed in it."""
+        self._require_private("noise_state_dict")
+        return correlated.noise_state_dict(self)
+
+    def load_noise_state_dict(self, state: dict) -> None:
+        """Continues the band of the run whose checkpoint was just loaded (``load_state_dict`` first,
+        before any batch is drawn). Without it a resumed run starts a new band (sound, less accurate)."""
+        self._require_private("load_noise_state_dict")
+        correlated.load_noise_state_dict(self, state)
 
     def _require_private(self, what):
         if not self._made_private:

@@ -161,10 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default=None, metavar="DIR", help="write DIR/run.json and DIR/curves.png")
     g.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="save model, optimizer and privacy state to PATH after every epoch; it holds the secret "
-                        "noise seed, so keep it as private as the data")
+                        "noise seed (with --noise-seed) or noise rows (--noise banded), so keep it as private as "
+                        "the data")
     g.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint (same settings; --epochs may be larger): spent epsilon, noise "
-                        "and batch counters carry on")
+                        "and batch counters carry on, and banded noise continues its band")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 

@@ -246,18 +246,23 @@ class EngineMethod(_Method):
 
     # The engine's state travels inside the optimizer's state_dict, without the noise seed (a resume
     # draws a fresh one). A run given an explicit, insecure --noise-seed asked for reproducibility:
-    # its checkpoint also holds the seeds, so that a resume is bit for bit the uninterrupted run.
-    # Not under banded noise: the engine refuses (a resume restarts the band; checkpoint.state_dict).
+    # its checkpoint also holds the seeds, so that a resume is bit for bit the uninterrupted run (not
+    # under banded noise: the engine refuses, checkpoint.state_dict). Under banded noise the checkpoint
+    # holds the secret noise rows, so that a resume continues the band (the file is private: --checkpoint).
     def state_dict(self) -> dict:
         state = super().state_dict()
         if self.cfg.noise_seed is not None and self.engine.bands == 1:
             state["insecure_engine_secrets"] = self.engine.state_dict(include_secrets=True)
+        if self.engine.bands != 1:
+            state["secret_noise_rows"] = self.engine.noise_state_dict()
         return state
 
     def load_state_dict(self, state) -> None:
         super().load_state_dict(state)
         if "insecure_engine_secrets" in state:
             self.engine.load_state_dict(state["insecure_engine_secrets"])
+        if "secret_noise_rows" in state:
+            self.engine.load_noise_state_dict(state["secret_noise_rows"])
 
 
 class DPSGD(_Method):
