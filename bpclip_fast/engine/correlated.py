@@ -141,7 +141,7 @@ def noise_state_dict(engine) -> dict:
     layers = {}
     for st in engine._steps_of:
         band = st.band
-        if getattr(band, "current", None) is not None or (band.next_row is not None and band.next_row > charged):
+        if band.next_row is not None and band.next_row > charged:  # made rows are history at once (LayerBand)
             raise RuntimeError("PrivacyEngine.noise_state_dict: a step is in progress (a backward pass has made its "
                                "noise row and optimizer.step() has not charged it); save between steps, after "
                                "optimizer.step()")
