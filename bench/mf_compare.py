@@ -33,6 +33,7 @@ same RDP or PLD for every row, so the comparison is like for like; a single Gaus
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import warnings
 
@@ -116,10 +117,19 @@ def fixed_separation_sensitivity(c: np.ndarray, T: int, sep: int) -> float:
     return float(np.linalg.norm(v))
 
 
+@functools.lru_cache(maxsize=None)
+def noise_multiplier(eps: float, delta: float, sample_rate: float, steps: int, bands: int, accountant: str) -> float:
+    """Our accountant's calibration (cached: the momentum does not change it), its warnings about
+    the σ it tries silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=sample_rate,
+                                    steps=steps, accountant=accountant, bands=bands)
+
+
 def gaussian_sigma(eps: float, delta: float, accountant: str) -> float:
     """The noise multiplier of one Gaussian mechanism of sensitivity 1 at ``(ε, δ)``."""
-    return get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=1.0, steps=1,
-                                accountant=accountant)
+    return noise_multiplier(eps, delta, 1.0, 1, 1, accountant)
 
 
 def rmse(sigma: float, sens: float, a_cinv: np.ndarray, T: int) -> float:
@@ -134,10 +144,7 @@ def compare(n: int, B: int, T: int, beta: float, eps: float, delta: float = DELT
     exceeds 1 has ``sigma = rmse = None``."""
     a = workload_series(T, beta)
     rows = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        sigma = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=B / n, steps=T,
-                                     accountant=accountant)
+    sigma = noise_multiplier(eps, delta, B / n, T, 1, accountant)
     rows.append(dict(mechanism="DP-SGD", b=1, sigma=sigma, sens=1.0, rows=0, draws=1,
                      rmse=rmse(sigma, 1.0, a, T)))
     for b in bands:
@@ -147,10 +154,7 @@ def compare(n: int, B: int, T: int, beta: float, eps: float, delta: float = DELT
         if q > 1:
             rows.append(dict(mechanism="BandMF (BSR)", b=b, sigma=None, sens=sens, rows=b - 1, draws=1, rmse=None))
             continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sigma = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=T,
-                                         accountant=accountant, bands=b)
+        sigma = noise_multiplier(eps, delta, q, T, b, accountant)
         a_cinv = np.convolve(a, series_inverse(c, T))[:T]
         rows.append(dict(mechanism="BandMF (BSR)", b=b, sigma=sigma, sens=sens, rows=b - 1, draws=1,
                          rmse=rmse(sigma, sens, a_cinv, T)))
