@@ -25,9 +25,11 @@ subsampled Gaussians at the group's rate (Theorem 4 of Choquette-Choo et al. 202
 cyclic-Poisson accountant does the same reduction). ``b = 1`` is DP-SGD exactly.
 
 **Restarting the band is sound.** A run that starts the recursion afresh at some step (a resumed
-checkpoint: the last ``b−1`` noise rows are secret and are never saved) uses the block-diagonal
+checkpoint without its secret rows) uses the block-diagonal
 strategy ``diag(C_1, C_2)``: still lower-triangular, b-banded, with columns of norm ≤ 1, so the
-argument above holds unchanged; only the noise at the boundary is not cancelled.
+argument above holds unchanged; only the noise at the boundary is not cancelled. A resume that
+loads the rows (``PrivacyEngine.noise_state_dict``) continues the band instead: the same ``C``, the
+next rows' ``z`` from a fresh seed.
 
 **The strategy** (chosen): the banded square root of the workload (BSR; Kalinin & Lampert,
 "Banded Square Root Matrix Factorization for Differentially Private Model Training", NeurIPS 2024):
@@ -41,7 +43,8 @@ regenerable from the Philox keys with no stored rows): with a banded inverse, ``
 example's participations overlap in ``y``, and Poisson amplification no longer reduces to
 independent mechanisms (it needs the MMCC analysis of Choquette-Choo et al. 2024). We keep the
 exact, simple accounting and pay ``b−1`` stored noise rows per parameter (secret state, never in
-any ``state_dict``).
+any ``state_dict``). Measured against the zero-buffer alternative without amplification (BISR on
+fixed batches): ``docs/design.md`` §1e, ``python -m bench.mf_compare``.
 
 **Where the noise is added.** At the release point, as the independent draw is
 (:class:`bpclip_fast.boundary.LayerStep`): the layer's backward releases its clipped sum without
