@@ -1,0 +1,76 @@
+"""How the probes call a model, and :func:`probe`, the forward the engine runs on one example.
+
+Apart from the probe batch's passes because the engine runs this one on the model itself (not a
+copy), without gradients, at every make_private: it restores buffers and random number generators
+on its own. Rule *reuse* lives here, shared with probe 5 of the dynamic probes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .. import registry
+
+
+def _call(model: nn.Module, example_input):
+    """``model`` called the way a training loop would: tuple/list -> ``model(*x)``, dict -> ``model(**x)``."""
+    if isinstance(example_input, (tuple, list)):
+        return model(*example_input)
+    if isinstance(example_input, Mapping):
+        return model(**example_input)
+    return model(example_input)
+
+
+def _reuse_problems(calls: dict[str, int], model: nn.Module) -> list[str]:
+    modules = dict(model.named_modules())
+    return [f"{registry.label(name, modules[name], model)}: reached {k} times in one forward pass (rule: reuse); one example "
+            f"would then move its gradient by {k}·Δ while the noise is scaled to Δ; use a separate layer per use"
+            for name, k in calls.items() if k > 1]
+
+
+@contextlib.contextmanager
+def _preserved_state(model: nn.Module):
+    """Restores the model's buffers and the random number generators after a probe forward."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+
+def probe(model: nn.Module, example_input) -> tuple[list[str], dict[str, tuple]]:
+    """One forward pass of ``example_input``: (problems: modules with trainable parameters called more
+    than once, {qualified name: input shape} of every clipped layer)."""
+    calls: dict[str, int] = {}
+    shapes: dict[str, tuple] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if not registry.owns_trainable(m):
+            continue
+
+        def hook(mod, args, _name=name):
+            calls[_name] = calls.get(_name, 0) + 1
+            if args and isinstance(args[0], torch.Tensor):
+                shapes[_name] = tuple(args[0].shape)
+
+        handles.append(m.register_forward_pre_hook(hook))
+    try:
+        with _preserved_state(model), torch.no_grad():
+            _call(model, example_input)
+    finally:
+        for h in handles:
+            h.remove()
+    return _reuse_problems(calls, model), shapes
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    return sorted({t.device.index for t in list(model.parameters()) + list(model.buffers())
+                   if t.device.type == "cuda" and t.device.index is not None})
