@@ -98,7 +98,8 @@ def commit(engine, row: int) -> None:
         return
     for st in engine._steps_of:
         like, numel = st.band_layout()
-        st.band.commit_through(row, st.band_std, like, numel)
+        if st.band.fits(like, numel):  # else converted: refused until it fits again, then caught up from here
+            st.band.commit_through(row, st.band_std, like, numel)
 
 
 def fallback(engine, st) -> bool:

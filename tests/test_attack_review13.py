@@ -1,0 +1,44 @@
+"""Found by the thirteenth attack review (correlated noise: the fused row op, the resumed band, one
+std per layer, the 'converted' rule)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import bpclip_fast
+from test_banded_noise import data, make, run
+
+
+def _backward(model, x, y):
+    dtype = next(model.parameters()).dtype
+    nn.functional.cross_entropy(model(x.to(dtype)), y).backward()
+
+
+@pytest.mark.parametrize("convert", ["double()", "data of another dtype"])
+def test_a_banded_model_converted_after_its_first_step_is_refused_as_converted(convert):
+    """Under banded noise a layer's ring of noise rows is allocated at its first row, in the parameters'
+    dtype. A model converted after that (model.double(), p.data = ...) crashed inside the backward with
+    a bare RuntimeError naming no layer and no fix, before the 'converted' rule could refuse it; the
+    refusal's charge then crashed too (the charge makes the rows of the refused batch in the ring's
+    dtype). It must be refused as 'converted', charged, with nothing released, step after step."""
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, bands=3)
+    run(engine, model, opt, loader, 2)
+    if convert == "double()":
+        model.double()
+    else:
+        for p in model.parameters():
+            p.data = p.data.double()
+    it = iter(loader)
+    for attempt in range(2):
+        x, y = next(it)
+        opt.zero_grad()
+        with pytest.raises(bpclip_fast.StepRefused) as info:
+            _backward(model, x, y)
+        exc = info.value
+        assert exc.rule == "converted" and exc.charged, (exc.rule, str(exc))
+        assert "before make_private" in str(exc) and "float64" in str(exc)
+        assert len(engine.accountant) == 3 + attempt
+        assert all(p.grad is None for p in model.parameters())
