@@ -42,3 +42,27 @@ def test_a_banded_model_converted_after_its_first_step_is_refused_as_converted(c
         assert "before make_private" in str(exc) and "float64" in str(exc)
         assert len(engine.accountant) == 3 + attempt
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_rows_of_another_run_are_refused():
+    """``load_noise_state_dict`` paired the rows with the checkpoint by its counters alone, so the rows of
+    another run at the same step were continued. That run's groups are another partition of the data:
+    an example in its last batches and in this run's first batches after the seam would have
+    overlapping columns of ``C`` (b-min-separation broken across the seam), and this run's releases would
+    carry the other run's secret rows. Refused: the rows belong to the run whose groups (partition
+    seed) the checkpoint restored."""
+    X, Y = data()
+    first = make(X, Y, bands=4, seed=None)
+    run(*first, 5, zero_loss=True)
+    other = make(X, Y, bands=4, seed=None)
+    run(*other, 5, zero_loss=True)
+    state, foreign = other[2].state_dict(), first[0].noise_state_dict()
+    assert first[0].data_loader.batch_sampler.partition_seed != other[0].data_loader.batch_sampler.partition_seed
+    resumed = make(X, Y, bands=4, seed=None)
+    resumed[2].load_state_dict(state)
+    with pytest.raises(ValueError, match="another run|partition"):
+        resumed[0].load_noise_state_dict(foreign)
+    assert all(st.band.next_row is None for st in resumed[0]._steps_of)
+    # the check can pass: the other run's own rows continue its band
+    resumed[0].load_noise_state_dict(other[0].noise_state_dict())
+    assert all(st.band.next_row == 5 for st in resumed[0]._steps_of)
