@@ -66,3 +66,25 @@ def test_the_rows_of_another_run_are_refused():
     # the check can pass: the other run's own rows continue its band
     resumed[0].load_noise_state_dict(other[0].noise_state_dict())
     assert all(st.band.next_row == 5 for st in resumed[0]._steps_of)
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer", "backprop"])
+def test_micro_batches_get_the_row_once(mode):
+    """Checked and found sound (a regression test, passes on the reviewed code): with two backward passes
+    per step, the row is made into the first pass's gradients and the second pass accumulates onto
+    them without a draw, so the released gradient (zero loss: the noise alone) is exactly the stored
+    row, never twice it or none of it."""
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, bands=3, mode=mode)
+    it = iter(loader)
+    for _ in range(4):
+        x, y = next(it)
+        opt.zero_grad()
+        h = len(x) // 2
+        for part in (slice(0, h), slice(h, None)):
+            (nn.functional.cross_entropy(model(x[part]), y[part], reduction="sum") * 0).backward()
+        released = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        stored = torch.cat([st.band.newest_row() for st in engine._steps_of])
+        assert torch.equal(released, stored) and bool(stored.ne(0).any())
+        opt.step()
+    assert len(engine.accountant) == 4
