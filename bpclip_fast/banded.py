@@ -174,6 +174,12 @@ class LayerBand:
         for r in range(self.next_row, row):
             self._make(r, std, like, numel)
 
+    def fits(self, like, numel) -> bool:
+        """Whether rows of ``numel`` values in ``like``'s dtype and device continue this ring (no ring yet:
+        any); not after a model converted or moved since the first row (the 'converted' refusal)."""
+        r = self.ring
+        return r is None or (r.shape[1] == numel and r.dtype == like.dtype and r.device == like.device)
+
     def _ring(self, like, numel):
         if self.ring is None:
             b1 = self.noise.bands - 1

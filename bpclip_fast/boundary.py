@@ -540,6 +540,13 @@ class LayerStep:
         the row's dtype and device, at most ``_ops.BAND_MAX_OUTS``), else made alone and added by
         :meth:`add_band` (a generic unit's odd gradient, a user's ``p.grad``)."""
         like, numel = self.band_layout()
+        if not self.band.fits(like, numel):  # else the ring's own check raises, naming no layer and no fix
+            ring = self.band.ring
+            details = (f"{self.name}'s parameters are now {like.dtype} on {like.device} ({numel} values), its "
+                       f"correlated-noise rows {ring.dtype} on {ring.device} ({ring.shape[1]}): the model was "
+                       "converted or moved after make_private")
+            self.refuse("converted", details)
+            raise RuntimeError(details)
         outs, starts, at = [], [], 0
         for p, g in zip(self.params, grads):
             if g is not None:

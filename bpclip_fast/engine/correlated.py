@@ -98,7 +98,8 @@ def commit(engine, row: int) -> None:
         return
     for st in engine._steps_of:
         like, numel = st.band_layout()
-        st.band.commit_through(row, st.band_std, like, numel)
+        if st.band.fits(like, numel):  # else converted: refused until it fits again, then caught up from here
+            st.band.commit_through(row, st.band_std, like, numel)
 
 
 def fallback(engine, st) -> bool:
@@ -148,8 +149,11 @@ def noise_state_dict(engine) -> dict:
         rows, next_row = band.export_rows()
         layers[st.name] = {"rows": None if rows is None else rows.cpu(), "next_row": next_row,
                            "numel": st.band_layout()[1]}
+    # the groups' seed (public): rows continue only the run whose groups the checkpoint restores
+    partition_seed = engine.data_loader.batch_sampler.partition_seed
     return {"format": NOISE_STATE_FORMAT, "bands": engine.bands, "coefficients": list(engine.band_coefficients),
-            "charged": charged, "claimed": engine._counter.claimed, "steps": engine.steps, "layers": layers}
+            "partition_seed": partition_seed, "charged": charged, "claimed": engine._counter.claimed,
+            "steps": engine.steps, "layers": layers}
 
 
 def load_noise_state_dict(engine, state: dict) -> None:
@@ -177,6 +181,14 @@ def load_noise_state_dict(engine, state: dict) -> None:
         raise ValueError(f"{what}: the rows belong to a checkpoint at "
                          f"{ {k: int(state[k]) for k in pairing} }, this engine was loaded at {pairing}; load the "
                          "optimizer state saved together with these rows first")
+    partition_seed = engine.data_loader.batch_sampler.partition_seed
+    if state.get("partition_seed") != partition_seed:
+        # Another run's rows: its groups are another partition, so an example in its last batches and in
+        # this run's first ones could be closer than b batches (overlapping columns of C across the seam),
+        # and this run's releases would carry that run's secret noise.
+        raise ValueError(f"{what}: the rows were made by another run (its groups come from partition seed "
+                         f"{state.get('partition_seed')!r}, this engine's checkpoint from {partition_seed}); load the "
+                         "noise rows saved together with this checkpoint, or none (a new band)")
     saved = state["layers"]
     if list(saved) != [st.name for st in engine._steps_of]:
         raise ValueError(f"{what}: the rows are for the layers {list(saved)}, this model's are "
