@@ -534,6 +534,20 @@ class LayerStep:
         self.refuse("banded-redraw", details)
         raise RuntimeError(details)
 
+    def _reaches_grad(self) -> bool:
+        """Whether the gradients this pass returns can reach anyone. Not where autograd says that none of
+        the layer's AccumulateGrad nodes will run (``torch.autograd.grad(loss, x)`` or
+        ``backward(inputs=[x])``: an adversarial example's input gradient before the step's backward):
+        autograd drops them unseen, so the row is left for the pass that lands. A capture of the
+        parameters (``torch.autograd.grad(loss, params)``, where torch refuses the question) gets the
+        row all the same, and the tensor hook refuses it (``captured``)."""
+        if not self._nodes:
+            return True
+        try:
+            return any(torch._C._will_engine_execute_node(node) for node in self._nodes)
+        except RuntimeError:
+            return True
+
     def make_band(self, row: int, std: float, grads) -> None:
         """Makes row ``row`` of the layer's noise and adds it to ``grads`` (one per parameter, in ``params``
         order, ``None`` where none): in the op's own pass where the gradients can take it (contiguous,
@@ -605,7 +619,8 @@ class LayerStep:
             row, std = due
             if self.band.made(row):  # made meanwhile (a fallback or a charge): never release it un-noised
                 self._refuse_redraw(row)
-            self.make_band(row, std, grads)
+            if self._reaches_grad():
+                self.make_band(row, std, grads)
         if not self.enforce:
             return
         for i, g in enumerate(grads):

@@ -307,3 +307,48 @@ def test_every_row_of_a_layer_has_its_one_std(mode, reduction, monkeypatch):
     x, y = next(iter(loader))
     with pytest.raises(Exception, match="one scale"):
         nn.functional.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer", "backprop"])
+@pytest.mark.parametrize("input_pass", ["autograd.grad", "backward(inputs=[x])"])
+def test_an_input_gradient_pass_before_the_backward_leaves_the_row_to_it(mode, input_pass):
+    """Adversarial training: the input's gradient first (its parameter gradients never reach .grad,
+    autograd drops them unseen), then the step's backward on the perturbed batch. The first pass
+    makes no row; the backward gets row t, whose release solves the recursion with the regenerated
+    draws as in any step; a capture of the parameters' gradients stays refused."""
+    X, Y = data()
+    engine, model, opt, loader = make(X, Y, mode=mode, bands=3)
+    W = []
+    it = iter(loader)
+    for _ in range(4):
+        x, y = next(it)
+        t = engine._counter.last_t
+        opt.zero_grad()
+        x = x.clone().requires_grad_(True)
+        loss = nn.functional.cross_entropy(model(x), y) if len(x) else model(x).sum()
+        if input_pass == "autograd.grad":
+            (gx,) = torch.autograd.grad(loss, x)
+        else:
+            loss.backward(inputs=[x])
+            gx = x.grad
+        assert not any(st.band.made(t) for st in engine._steps_of)
+        x_adv = (x + 0.1 * gx.sign()).detach()
+        out = model(x_adv)
+        (out.sum() * 0).backward()  # zero loss: the release is the noise row alone
+        W.append(flat_grads(model))
+        opt.step()
+    W = torch.stack(W)
+    c = engine.band_coefficients
+    from bpclip_fast.engine import correlated
+    stds = torch.cat([torch.full((st.band_layout()[1],), correlated.std(engine, st), dtype=torch.float64)
+                      for st in engine._steps_of])
+    for t in range(4):
+        y = sum(c[j] * W[t - j] for j in range(len(c)) if t - j >= 0)
+        z = layer_rows(engine, t)
+        scale = stds * z.abs() + sum(abs(c[j]) * W[t - j].abs() for j in range(1, len(c)) if t - j >= 0)
+        assert ((y - stds * z).abs() <= 2 * len(c) * EPS32 * scale + 1e-30).all()
+    x, y = next(it)
+    opt.zero_grad()
+    with pytest.raises(bpclip_fast.StepRefused) as info:
+        torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+    assert info.value.rule == "captured"
