@@ -49,72 +49,11 @@ import weakref
 
 import torch
 
-from . import _ops
+from .band_step import BandRelease
 from .data import derive_seed
+from .rules import RULES, StepRefused
 
-EPS64 = float(torch.finfo(torch.float64).eps)
-
-__all__ = ["StepRefused", "LayerStep", "PassGate", "DistributedRecorder", "RULES"]
-
-# rule -> what it protects and what to do instead (the second half of every message).
-RULES = {
-    "rows": ("each example reaches each clipped layer's backward exactly once per step",
-             "run one backward per micro-batch of the step's batch (no retain_graph second loss, no batch fed "
-             "twice), use a separate layer for each use, and keep every layer on all rows of the batch in the "
-             "example dimension (no masking, flatten(0, 1) or sequence-first [T, B, d] layouts)"),
-    "grad-edit": ("a clipped layer's gradient is exactly the sum of its own backward passes plus one noise draw",
-                  "do not edit .grad of a private model except by zeroing it or setting it to None (zero_grad); "
-                  "transform gradients inside the optimizer instead"),
-    "weight-reuse": ("a clipped parameter receives gradient only from its own clipped layer",
-                     "do not use a clipped layer's weight in other code (tied weights: use separate layers) and do "
-                     "not register tensor hooks on private parameters"),
-    "batches": ("each step uses exactly one batch of the private loader (the accountant charges one sampled "
-                "batch per step)",
-                "call optimizer.step() once per batch drawn; split a batch into micro-batches for accumulation"),
-    "param-edit": ("the parameters do not change within a step: every backward pass of a step sees the same "
-                   "weights, and only DPOptimizer.step() updates them",
-                   "update the weights only through the private optimizer's step() (no manual updates, no stepping "
-                   "optimizer.original_optimizer, no SAM/lookahead-style perturbation between backward passes)"),
-    "captured": ("a private parameter's gradient leaves the backward only through .grad, which step() verifies",
-                 "use backward() and let step() release the gradients; torch.autograd.grad is fine with respect to "
-                 "inputs (adversarial examples), not to private parameters"),
-    "converted": ("each private parameter's gradient is verified at the tensor make_private hooked",
-                  "convert or move the model (model.to(dtype or device), .half(), .double(), .cuda()) before "
-                  "make_private, not after, and do not assign a tensor of another dtype or device to a "
-                  "parameter's .data"),
-    "unclipped-param": ("only parameters of clipped layers are trained",
-                        "freeze the parameter (requires_grad_(False)) or make the model private with it trainable "
-                        "so that its layer is clipped"),
-    "max-shape": ("the sensitivity Δ (and the noise std) is fixed at make_private and does not depend on the data",
-                  "pad or truncate inputs to at most the declared max_input_shape, or make the model private with "
-                  "a larger max_input_shape"),
-    "bounds": ("the clipping bounds are the ones the noise is scaled to (fixed at make_private)",
-               "do not change the clipping after make_private (attach_flat, thresholds); make a fresh model "
-               "private with the bounds you want"),
-    "grad-scaler": ("each example's gradient is clipped at max_grad_norm under noise σ·max_grad_norm, and no step is "
-                    "skipped because of the data",
-                    "use torch.autocast(dtype=torch.bfloat16), which needs no scaler (non-finite examples get clip "
-                    "factor 0 with nonfinite='drop'), and call optimizer.step() without a GradScaler"),
-    "banded-redraw": ("under correlated noise each step's noise row is drawn once per layer and released once",
-                      "take one backward per step (or micro-batches without zero_grad between them), and do not "
-                      "clear a layer's gradient between its backward and step()"),
-    "nonfinite": ("strict non-finite mode: no example may be non-finite",
-                  "clean the data, or use nonfinite='drop' (the default), which gives such examples clip factor 0"),
-}
-
-
-class StepRefused(RuntimeError):
-    """A private step that could not be released. ``rule`` names the broken assumption (see
-    :data:`RULES`), ``layers`` the layers or parameters concerned, ``charged`` whether the accountant
-    was stepped for it (module docstring: every StepRefused is charged when an accountant exists)."""
-
-    def __init__(self, rule: str, details: str, layers=(), charged: bool = True):
-        why, instead = RULES[rule]
-        names = ", ".join(layers) if layers else "the model"
-        super().__init__(f"step refused ({rule}): {details} [{names}]. The privacy guarantee assumes that {why}; "
-                         f"{instead}. Nothing was released"
-                         + (" and the step was charged to the accountant." if charged else "."))
-        self.rule, self.details, self.layers, self.charged = rule, details, list(layers), charged
+__all__ = ["StepRefused", "LayerStep", "PassGate", "DistributedRecorder", "RULES"]  # the rules: .rules
 
 
 def _same_tensor(record, t) -> bool:
@@ -169,7 +108,7 @@ class PassGate:
         self.task = None
 
 
-class LayerStep:
+class LayerStep(BandRelease):
     """One clipped layer's part of the current step (see the module docstring).
 
     ``enforce=False`` (layers armed by :func:`bpclip_fast.nn.arm_noise` without the engine): only
@@ -500,95 +439,6 @@ class LayerStep:
             self._band_due = self._band_noise(self._band_std(std * scale / d))
             return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
-
-    def _band_std(self, std: float) -> float:
-        """The layer's one std for every row, ``band_std`` (set by the engine; rows made outside a
-        backward use it too), once this path's own std is seen to be it to float64 rounding: rows of
-        unequal scale would not be ``C⁻¹`` of i.i.d. draws, and a smaller one would leak through the
-        band the data of the rows before it. The two are ``σ·Δ·(d/B̄)/d`` and ``σ·Δ/B̄`` in float64:
-        six roundings of relative size ≤ ε₆₄/2, so they differ by ≤ 3ε₆₄ (4ε₆₄ allowed)."""
-        if not abs(std - self.band_std) <= 4 * EPS64 * self.band_std:
-            raise RuntimeError(f"{self.name}: this backward's noise std {std!r} is not the layer's correlated-noise "
-                               f"std {self.band_std!r}; every row of a layer must have one scale (a bug: please "
-                               "report it)")
-        return self.band_std
-
-    def _band_noise(self, std: float):
-        """``(row, std)`` of this layer's correlated noise (``bpclip_fast.banded``) for the gradients this
-        pass returns: :meth:`produced` makes the row straight into them. Made once: a second draw
-        within the step (the gradient that held the first was discarded) is refused, since a fresh
-        row would release the past rows' noise once more and the same row would be the same noise on
-        other data. A pass that never returns its gradients leaves the row unmade (never seen): the
-        charge's ``commit_through`` makes it from its own draw, as for a layer no backward reached."""
-        row = self.band_row()
-        if self.band.made(row):
-            self._refuse_redraw(row)
-        return row, std
-
-    def _refuse_redraw(self, row: int) -> None:
-        details = (f"{self.name}: the gradient that held this step's correlated noise (row {row}) was discarded "
-                   "(zero_grad, or a backward pass whose gradient never landed) and a later backward pass needs "
-                   "the noise again; banded noise draws each row once (a new row would release the noise of the "
-                   "past steps again, the same row would be the same noise on other data). Take one backward per "
-                   "step, or micro-batches without clearing the gradient between them")
-        self.refuse("banded-redraw", details)
-        raise RuntimeError(details)
-
-    def _reaches_grad(self) -> bool:
-        """Whether the gradients this pass returns can reach anyone. Not where autograd says that none of
-        the layer's AccumulateGrad nodes will run (``torch.autograd.grad(loss, x)`` or
-        ``backward(inputs=[x])``: an adversarial example's input gradient before the step's backward):
-        autograd drops them unseen, so the row is left for the pass that lands. A capture of the
-        parameters (``torch.autograd.grad(loss, params)``, where torch refuses the question) gets the
-        row all the same, and the tensor hook refuses it (``captured``)."""
-        if not self._nodes:
-            return True
-        try:
-            return any(torch._C._will_engine_execute_node(node) for node in self._nodes)
-        except RuntimeError:
-            return True
-
-    def make_band(self, row: int, std: float, grads) -> None:
-        """Makes row ``row`` of the layer's noise and adds it to ``grads`` (one per parameter, in ``params``
-        order, ``None`` where none): in the op's own pass where the gradients can take it (contiguous,
-        the row's dtype and device, at most ``_ops.BAND_MAX_OUTS``), else made alone and added by
-        :meth:`add_band` (a generic unit's odd gradient, a user's ``p.grad``)."""
-        like, numel = self.band_layout()
-        if not self.band.fits(like, numel):  # else the ring's own check raises, naming no layer and no fix
-            ring = self.band.ring
-            details = (f"{self.name}'s parameters are now {like.dtype} on {like.device} ({numel} values), its "
-                       f"correlated-noise rows {ring.dtype} on {ring.device} ({ring.shape[1]}): the model was "
-                       "converted or moved after make_private")
-            self.refuse("converted", details)
-            raise RuntimeError(details)
-        outs, starts, at = [], [], 0
-        for p, g in zip(self.params, grads):
-            if g is not None:
-                outs.append(g)
-                starts.append(at)
-            at += p.numel()
-        if _ops.banded_row_outs_problem(like, numel, outs, starts) is None:
-            self.band.row(row, std, like, numel, outs, starts)
-        else:
-            self.add_band(grads, self.band.row(row, std, like, numel))
-
-    def band_layout(self):
-        """``(like, numel)`` of the layer's flat noise row: all of its parameters, in ``params`` order."""
-        params = self.params
-        return params[0], sum(p.numel() for p in params)
-
-    def add_band(self, grads, w) -> None:
-        """Adds the flat row ``w`` (all of the layer's parameters, in ``params`` order) to ``grads``
-        (one foreach launch for the weight and the bias)."""
-        at, targets, pieces = 0, [], []
-        for p, g in zip(self.params, grads):
-            n = p.numel()
-            if g is not None:
-                targets.append(g)
-                pieces.append(w[at:at + n].view(g.shape))
-            at += n
-        if targets:
-            torch._foreach_add_(targets, pieces)
 
     def take_draw(self):
         """``(seed, offset)`` of the next draw of this step: the step's own for the first, then a fresh
