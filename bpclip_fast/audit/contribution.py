@@ -145,6 +145,12 @@ from .sensitivity_report import NoiseRow, SensitivityReport, SensitivityRow
 
 __all__ = ["sensitivity", "SensitivityReport", "SensitivityRow", "NoiseRow"]
 
+# One concern a module: the report's records (sensitivity_report), the argument checks (sensitivity_args),
+# the release with noise off (noise_free; also the empirical audit's measure), the noise drawn
+# (drawn_noise), the adversarial search (adversarial). Patch a name where it is defined: a patch of its
+# import here reaches only the calls made from this module.
+
+
 # ------------------------------------------------------------------------------ the audit
 
 

@@ -1,6 +1,6 @@
-"""The noise drawn: the std of the noise the training path actually draws on a copy of the model, per clipped layer
-(and each weight and bias alone), against the claimed ``σ·Δ_l``, with its χ² interval, and the draws' structure tests
-(:class:`bpclip_fast.audit.noise.NoiseCheck`).
+"""The noise drawn: the std of the noise the training path actually draws on a copy of the model, per clipped
+layer (and each weight and bias alone), against the claimed ``σ·Δ_l``, with its χ² interval, and the draws'
+structure tests (:class:`bpclip_fast.audit.noise.NoiseCheck`).
 
 Apart from the contributions because it measures the other half of the release — the noise, not the sensitivity —
 with its own statistics. Its derivation: the "Noise" section of :mod:`.contribution`'s docstring, which "module

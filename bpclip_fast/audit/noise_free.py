@@ -3,8 +3,9 @@ release a batch's gradient with no noise drawn, in bound units, each pass from o
 (:class:`_Generators`); and the units the releases are checked in (:func:`_units`, :func:`_delta`, :func:`_norms`).
 
 Apart from the sensitivity audit because two audits measure through it: the sensitivity audit (:mod:`.contribution`)
-and the empirical audit's canaries (:mod:`.empirical`). "Module docstring" below means :mod:`.contribution`'s
-(units, arithmetic and tolerance, training mode), where the measurement is derived.
+and the empirical audit's canaries (:mod:`.empirical`, whose function ``noise_free(model)`` builds its copy).
+"Module docstring" below means :mod:`.contribution`'s (units, arithmetic and tolerance, training mode), where the
+measurement is derived.
 """
 
 from __future__ import annotations
