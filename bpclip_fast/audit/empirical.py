@@ -77,7 +77,7 @@ from .. import nn as bnn
 from . import stats
 from .noise import NoiseCheck
 from .score import Scorer as _Scorer, groups as _groups
-from .contribution import NoiseFree
+from .noise_free import NoiseFree
 
 MODES = ("backprop", "flat", "per_layer")
 ACCOUNTANTS = ("rdp", "pld", "zcdp")

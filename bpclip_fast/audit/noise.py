@@ -3,7 +3,7 @@
 The auditor of :mod:`bpclip_fast.audit.empirical` is white-box: it knows every example of every
 batch the loader drew and, because its canary model's gradients do not depend on the weights,
 the noise-free release of that batch (through the real layers with the noise off,
-:class:`bpclip_fast.audit.contribution.NoiseFree`). Subtracting it from the released gradient
+:class:`bpclip_fast.audit.noise_free.NoiseFree`). Subtracting it from the released gradient
 leaves the noise the step actually released (the gradient read after ``step()``, which must be
 the one the parameters moved by: :meth:`NoiseCheck.applied`). Under the claim — each layer ``l`` adds
 ``N(0, σ_l²Δ_l²)`` to every coordinate, independently of every other coordinate, parameter, step
