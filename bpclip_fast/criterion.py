@@ -76,22 +76,6 @@ _ADVICE = ("the per-example bound assumes each example's loss depends on that ex
            "memory bank of public examples), never from the other examples of the batch")
 
 
-def _rows_of(obj, rows: torch.Tensor, seed: int):
-    """``obj``'s tensors at ``rows`` of their first dimension, floating-point values replaced by seeded
-    normals (the verdict must not depend on the private values), integer tensors kept."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def take(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        if t.shape[0] == 0:
-            raise ValueError(f"the first batch has a tensor of shape {tuple(t.shape)} without rows")
-        t = t[rows.to(t.device) % t.shape[0]]
-        return _v._random_like(t.shape, t, generator) if t.is_floating_point() else t
-
-    return _v._map_tensors(obj, take)
-
-
 def _random_classes(targets, output, seed: int):
     """``targets`` with every integer tensor shaped like class labels of one of ``output``'s
     floating-point tensors replaced by seeded random classes: the labels of the loader's first batch
@@ -264,9 +248,10 @@ def criterion_problems(model: nn.Module, first_batch, criterion, loss_reduction:
         work.train()
         _v._seed(_v._cuda_devices(work))
         try:
-            probe_input = _rows_of(example_input, index, _v._SEED)
+            probe_input = _v._rows_of(example_input, index, _v._SEED, "the first batch")
             base_output = _outputs(work, probe_input)
-            probe_targets = _random_classes(_rows_of(targets, index, _v._SEED + 101), base_output, _v._SEED + 151)
+            probe_targets = _random_classes(_v._rows_of(targets, index, _v._SEED + 101, "the first batch"), base_output,
+                                           _v._SEED + 151)
             points = [(base_output, probe_targets, "")]
             for row in (0, batch - 1):
                 changed_input = _change_row(probe_input, row, _v._SEED + 1 + row)

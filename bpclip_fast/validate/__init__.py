@@ -87,7 +87,7 @@ from .. import broadcast_probes, registry
 from .fix import fix_model
 from .forward import _cuda_devices, _reuse_problems, probe
 from .isolation import _as_torch_layers, _isolated, _unpacked
-from .probe_input import _has_rows_to_perturb, _probe_batch, _probe_input
+from .probe_input import _has_rows_to_perturb, _probe_batch, _probe_input, _rows_of  # noqa: F401  (_rows_of: criterion)
 from .probe_pass import _SHARED_UNITS, _Pass, _run, _shared_index_layer, _trainable_layers
 from .probes import _buffer_problems, _buffer_snapshot, _example_rows_problems, _mixing_problems, \
     _ownership_problems, _restore_buffers

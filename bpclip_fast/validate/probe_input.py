@@ -41,20 +41,25 @@ def _random_like(shape, like: torch.Tensor, generator: torch.Generator) -> torch
 
 
 def _probe_input(example_input, batch: int):
-    """``batch`` rows: the given rows repeated along the first dimension, floating-point values replaced
-    by seeded normals (the outcome must not depend on the private values), integer tensors (indices,
-    masks) kept as they are."""
-    generator = torch.Generator().manual_seed(_SEED)
+    """``batch`` rows: the given rows repeated along the first dimension (:func:`_rows_of`)."""
+    return _rows_of(example_input, torch.arange(batch), _SEED, "the example input")
 
-    def rows(t: torch.Tensor) -> torch.Tensor:
+
+def _rows_of(obj, rows: torch.Tensor, seed: int, what: str):
+    """``obj``'s tensors at ``rows`` of their first dimension (taken modulo its length),
+    floating-point values replaced by seeded normals (the outcome must not depend on the private
+    values), integer tensors (indices, masks) kept as they are; ``what`` names ``obj`` in errors."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0:
             return t
         if t.shape[0] == 0:
-            raise ValueError(f"the example input has a tensor of shape {tuple(t.shape)} without rows")
-        t = t[torch.arange(batch, device=t.device) % t.shape[0]]
+            raise ValueError(f"{what} has a tensor of shape {tuple(t.shape)} without rows")
+        t = t[rows.to(t.device) % t.shape[0]]
         return _random_like(t.shape, t, generator) if t.is_floating_point() else t
 
-    return _map_tensors(example_input, rows)
+    return _map_tensors(obj, take)
 
 
 def _perturbed(probe_input, row: int):
