@@ -214,6 +214,24 @@ def test_philox_matches_known_answer_via_uniforms():
     torch.testing.assert_close(buf.double(), torch.tensor(expect[:n], dtype=torch.float64), rtol=2e-6, atol=2e-6)
 
 
+def test_the_cpu_noise_kernels_inline_box_muller():
+    """The CPU noise kernel's AVX-512/AVX2 clones vectorise only with Box-Muller inlined into them
+    (csrc/include/bpclip_fast/macros.h, BPCLIP_HD_INLINE): an out-of-line ``bpclip::box_muller`` in
+    the built extension is GCC's inliner having given up, which made ``philox_noise_`` 7x slower on the
+    CPU once without any test failing (the bits were the same). Checked on the symbols, not timed."""
+    import shutil
+    import subprocess
+
+    import bpclip_fast._C as ext
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    symbols = subprocess.run([nm, "-C", ext.__file__], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "box_muller_batch" in symbols  # the check reads the right binary
+    assert not [line for line in symbols.splitlines() if line.split(" ", 2)[-1].startswith("bpclip::box_muller(")]
+
+
 def test_cpu_noise_is_the_same_for_every_philox_version(tmp_path):
     """The AVX-512 and AVX2 Philox rounds (the best one the CPU has is chosen at load time) and the
     portable lane loops (BPCLIP_PHILOX=portable, or BPCLIP_NO_AVX512=1) must give the same bits: a

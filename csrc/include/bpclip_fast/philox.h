@@ -65,7 +65,7 @@ BPCLIP_HD inline U4 philox_block(uint64_t seed, uint64_t offset, uint64_t block)
 // that a compiler can vectorise a loop of them, and shared by both backends so that the CPU and
 // CUDA streams agree to rounding (the only difference left is FMA contraction).
 // log(x) for a positive normal float x.
-BPCLIP_HD inline float log_pos(float x) {
+BPCLIP_HD_INLINE float log_pos(float x) {
   const uint32_t bits = float_bits(x);
   float e = static_cast<float>(static_cast<int>((bits >> 23) & 0xffu) - 126);
   float m = bits_float((bits & 0x007fffffu) | 0x3f000000u);  // x = m * 2^e, m in [0.5, 1)
@@ -90,7 +90,7 @@ BPCLIP_HD inline float log_pos(float x) {
 
 // (cos, sin) of 2*pi*u for u in [0, 1): u*4 splits exactly into a quadrant j and a remainder r in
 // [-1/2, 1/2], so the polynomials only ever see |phi| <= pi/4.
-BPCLIP_HD inline void cos_sin_2pi(float u, float* c_out, float* s_out) {
+BPCLIP_HD_INLINE void cos_sin_2pi(float u, float* c_out, float* s_out) {
   const float q = u * 4.0f;
   const float j = static_cast<float>(static_cast<int>(q + 0.5f));
   const float phi = (q - j) * 1.57079632679489662f;
@@ -118,7 +118,7 @@ BPCLIP_HD inline void cos_sin_2pi(float u, float* c_out, float* s_out) {
 // a signed int32 of its upper 31 bits (exact in float's range; the vectorised conversion) plus its
 // low bit; the small terms are added first, so near 0 (hi = 0) u1 keeps full relative precision,
 // and u1 = 2^-65 exactly for hi = lo = 0.
-BPCLIP_HD inline float radius_uniform(uint32_t hi, uint32_t lo) {
+BPCLIP_HD_INLINE float radius_uniform(uint32_t hi, uint32_t lo) {
   const float a = static_cast<float>(static_cast<int32_t>(hi >> 1)) * 0x1p-31f +
                   static_cast<float>(hi & 1u) * 0x1p-32f;
   const float b = static_cast<float>(static_cast<int32_t>(lo >> 1)) * 0x1p-63f +
@@ -128,7 +128,7 @@ BPCLIP_HD inline float radius_uniform(uint32_t hi, uint32_t lo) {
 
 // Box-Muller on a 64-bit radius word (hi, lo) and an angle word, of which 24 bits are used (the
 // angle needs no more): z0 = r cos(2 pi u2), z1 = r sin(2 pi u2), r = sqrt(-2 ln u1).
-BPCLIP_HD inline void box_muller(uint32_t hi, uint32_t lo, uint32_t angle, float* z0, float* z1) {
+BPCLIP_HD_INLINE void box_muller(uint32_t hi, uint32_t lo, uint32_t angle, float* z0, float* z1) {
   const float u1 = radius_uniform(hi, lo);
   const float u2 = static_cast<float>(static_cast<int32_t>(angle >> 8)) * 0x1p-24f;
   const float l = log_pos(u1 < 1.0f ? u1 : 1.0f);
@@ -147,7 +147,7 @@ BPCLIP_HD inline uint64_t group_block(uint64_t group, int j) { return group + (s
 
 // The eight normals of a group from its three blocks: pairs (b0.x b0.y | b2.x), (b0.z b0.w | b2.y),
 // (b1.x b1.y | b2.z), (b1.z b1.w | b2.w) as (radius hi lo | angle), each giving (cos, sin).
-BPCLIP_HD inline void normals_of_group(const U4& b0, const U4& b1, const U4& b2, float z[8]) {
+BPCLIP_HD_INLINE void normals_of_group(const U4& b0, const U4& b1, const U4& b2, float z[8]) {
   box_muller(b0.x, b0.y, b2.x, &z[0], &z[1]);
   box_muller(b0.z, b0.w, b2.y, &z[2], &z[3]);
   box_muller(b1.x, b1.y, b2.z, &z[4], &z[5]);
