@@ -112,30 +112,32 @@ if _LOAD_ERROR is None:
         return _layer_backward_fake(x, weight, output_mask)
 
 
-    def _norms_fake(grad_out, x, T, d, p, groups, params, method, keep):
+    def _norms_fake(grad_out, x, T, d, p, groups, params, method, keep, keep_extra):
         """Mirrors csrc/exact.cpp (parse_method, keep_instantiated); opcheck compares the two."""
         b = x.shape[0]
         ghost = T == 1 or T * (d + p) < d * p
         inst = method == "instantiate" or (method == "auto" and not ghost)
+        acc_size = _acc_dtype(x).itemsize
         kept = (keep and inst and params[0] and T > 1 and b > 0
-                and 4 * groups * p * d <= grad_out.element_size() * (grad_out.numel() // b))
+                and (4 * groups * p * d <= grad_out.element_size() * (grad_out.numel() // b)
+                     or b * groups * p * (d + (1 if params[1] else 0)) * acc_size <= keep_extra))
         sq = x.new_empty((b,), dtype=torch.float64)
         kw = x.new_empty((b, groups * p * d), dtype=_acc_dtype(x)) if kept else x.new_empty((0,))
         kb = x.new_empty((b, groups * p), dtype=_acc_dtype(x)) if kept and params[1] else x.new_empty((0,))
         return sq, torch.empty_like(sq), kw, kb
 
     @torch.library.register_fake("bpclip_fast::linear_grad_norms")
-    def _linear_grad_norms_fake(grad_out, x, params, method, workspace, keep, nonfinite=None):
+    def _linear_grad_norms_fake(grad_out, x, params, method, workspace, keep, nonfinite=None, keep_extra=0):
         b, d, p = x.shape[0], x.shape[-1], grad_out.shape[-1]
         T = x.numel() // (b * d) if b and d else 1
-        return _norms_fake(grad_out, x, T, d, p, 1, params, method, keep)
+        return _norms_fake(grad_out, x, T, d, p, 1, params, method, keep, keep_extra)
 
     @torch.library.register_fake("bpclip_fast::conv2d_grad_norms")
     def _conv2d_grad_norms_fake(grad_out, x, kernel_size, stride, padding, dilation, groups, params, method,
-                                workspace, keep, nonfinite=None):
+                                workspace, keep, nonfinite=None, keep_extra=0):
         d = x.shape[1] // groups * kernel_size[0] * kernel_size[1]
         return _norms_fake(grad_out, x, grad_out.shape[2] * grad_out.shape[3], d, grad_out.shape[1] // groups,
-                           groups, params, method, keep)
+                           groups, params, method, keep, keep_extra)
 
     @torch.library.register_fake("bpclip_fast::conv_patches")
     def _conv_patches_fake(x, kernel_size, stride, padding, dilation):

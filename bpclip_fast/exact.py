@@ -42,6 +42,15 @@ from .modes import EXACT as EXACT_MODES, NAMES as MODES  # noqa: F401  (the mode
 
 NORM_METHODS = ("auto", "ghost", "instantiate")
 WORKSPACE_BYTES = 64 << 20  # temporaries of the norms (instantiated gradients, Gram matrices) per layer
+# On the CPU less: glibc serves a block above its mmap threshold (32 MB at most) by a fresh mmap
+# each time, whose pages fault on first touch, ~0.25 ms per MB written; a 64 MB chunk's patches of
+# CIFAR-10's 32 -> 64 conv (b32) paid it every step (that conv's norms 25.4 ms, 12.6 at 24 MB).
+CPU_WORKSPACE_BYTES = 24 << 20
+# Kept instantiated per-example gradients (csrc/exact.cpp, keep_instantiated) beyond the ones that
+# cost no memory, per backward pass: under flat clipping they live until the collector's release, so
+# the pass's total is bounded (the book counts them); under per_layer each is released at once.
+# Keeping saves the release's second GEMM over the positions (CIFAR-10 b32's two deep convs).
+KEPT_BYTES = 64 << 20
 # Factors below this are set to 0: the bounds of csrc/exact.cpp cover the absolute (subnormal)
 # rounding of the release only for factors >= 1/K, K = 2^60 (kFloorInverse there). It drops only
 # examples whose bound exceeds 2^60·C; they are not counted as non-finite (no finite example is).
@@ -164,6 +173,7 @@ class _Book:
         self.group = group
         self.tokens = dict(zip((id(layer) for layer in group.layers), tokens))
         self.entries: list[_Entry] = []
+        self.kept_bytes = 0  # the entries' kept per-example gradients (KEPT_BYTES)
 
 
 class _Collector(torch.autograd.Function):
@@ -277,7 +287,7 @@ class FlatClipping:
         # retained graph releases its own (and the row count refuses it).
         task = torch._C._current_graph_task_id()
         entries = [e for e in book.entries if e.task == task]
-        book.entries = []
+        book.entries, book.kept_bytes = [], 0
         if not entries:
             return {}
         # One pass over the entries for the refusals below (in their order: rows, then bounds).
@@ -370,21 +380,27 @@ def _as_dtype(t, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _norms(layer, x, g, geometry, mask, counter=None):
+def _norms(layer, x, g, geometry, mask, counter=None, book=None):
     """``(bound, kept)``: the norm bounds, and the kept per-example gradients (or ``None``).
     ``counter``: flat clipping's per-layer non-finite count, added to by the norms op's own kernel
-    (:func:`bpclip_fast.examples._count_nonfinite` does it for the embeddings, in its own launch)."""
-    method, ws = layer.norm_method, WORKSPACE_BYTES
+    (:func:`bpclip_fast.examples._count_nonfinite` does it for the embeddings, in its own launch).
+    ``book``: a flat book, whose pass's kept gradients share :data:`KEPT_BYTES`."""
+    method, ws = layer.norm_method, CPU_WORKSPACE_BYTES if x.is_cpu else WORKSPACE_BYTES
+    extra = KEPT_BYTES if book is None else max(0, KEPT_BYTES - book.kept_bytes)
     if geometry is None:
-        _, bound, kw, kb = torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws, True, counter)
+        _, bound, kw, kb = torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws, True, counter, extra)
     else:
         stride, padding, dilation, groups = geometry
         kernel = list(layer.kernel_size)
         if len(kernel) == 1:  # nn.Conv1d as a Conv2d of kernel height 1 (HEIGHT_ONE)
             kernel = [1, *kernel]
-        _, bound, kw, kb = torch.ops.bpclip_fast.conv2d_grad_norms(g, x, kernel, stride, padding,
-                                                                   dilation, groups, mask, method, ws, True, counter)
-    return bound, ((kw, kb) if kw.numel() else None)
+        _, bound, kw, kb = torch.ops.bpclip_fast.conv2d_grad_norms(g, x, kernel, stride, padding, dilation,
+                                                                   groups, mask, method, ws, True, counter, extra)
+    if not kw.numel():
+        return bound, None
+    if book is not None:
+        book.kept_bytes += kw.numel() * kw.element_size() + kb.numel() * kb.element_size()
+    return bound, (kw, kb)
 
 
 def _input_grad(layer, x, g, weight, geometry):
@@ -439,7 +455,7 @@ def clip_params(layer, x, g, geometry, mask, book, sensitivity, own_inputs=False
     ``g`` (a compiled graph reuses their buffers once the op returns, and the release would scale
     other data by factors computed from these norms)."""
     step_args = _step_args(layer, g.shape[0], sensitivity)
-    bound, kept = _norms(layer, x, g, geometry, mask, layer._nonfinite[1:2] if book is not None else None)
+    bound, kept = _norms(layer, x, g, geometry, mask, layer._nonfinite[1:2] if book is not None else None, book)
     held = (None, None) if kept is not None else (x, g)
     if own_inputs and book is not None and kept is None:
         held = (x.clone(), g.clone())

@@ -102,17 +102,17 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // params = [weight, bias], and an upper bound on the norm of what the release can hold of it at
   // factor 1 (rounding included); method 'auto' (the cost rule), 'ghost' or 'instantiate'; at most
   // about `workspace` bytes of temporaries (the batch is chunked). With keep, and where the
-  // instantiated per-example gradients are no larger than grad_out, they are returned too
-  // ([B, weight numel] and the bias sums [B, out], fp32; fp64 for fp64 data), for the clipped_grads ops;
-  // otherwise those two are empty. nonfinite (when given, int64 [1]) += the examples whose bound is
+  // instantiated per-example gradients are no larger than grad_out or take at most keep_extra bytes
+  // with the bias sums, they are returned too ([B, weight numel] and the bias sums [B, out], fp32;
+  // fp64 for fp64 data), for the clipped_grads ops; otherwise those two are empty. nonfinite (when given, int64 [1]) += the examples whose bound is
   // not finite (flat clipping's per-layer count: its factors come later, from all layers' bounds).
   m.def(
       "linear_grad_norms(Tensor grad_out, Tensor x, bool[2] params, str method, int workspace, bool keep,"
-      " Tensor(a!)? nonfinite=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      " Tensor(a!)? nonfinite=None, int keep_extra=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "conv2d_grad_norms(Tensor grad_out, Tensor x, int[2] kernel_size, int[2] stride, int[2] padding,"
       " int[2] dilation, int groups, bool[2] params, str method, int workspace, bool keep,"
-      " Tensor(a!)? nonfinite=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      " Tensor(a!)? nonfinite=None, int keep_extra=0) -> (Tensor, Tensor, Tensor, Tensor)");
   // The zero-padded patches of a Conv2d's input, [B, C kh kw, T] (im2col's layout) in the
   // accumulation dtype, read through the input's own strides (bpclip_fast/patches.h): the input the
   // exact norms' GEMMs and position norms read (csrc/exact.cpp).

@@ -313,7 +313,7 @@ void exact_bound_(at::Tensor& sq, at::Tensor& bound, const at::Tensor& x, const 
 // the kept per-example gradients, and what every chunk shares.
 struct NormsOut {
   at::Tensor sq, bound;
-  std::vector<at::Tensor> kept_w, kept_b;
+  at::Tensor kept_w, kept_b;  // [B, G p d] and [B, G p] when kept (each chunk's GEMM writes its rows)
   Method method;
   Dims dims;
   std::vector<double> consts;
@@ -335,20 +335,22 @@ void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::T
     if (out.method == Method::kGhost) {
       wa = at::bmm(x3, x3.transpose(1, 2)).reshape({n, -1});
       wb = at::bmm(g3, g3.transpose(1, 2)).reshape({n, -1});
-    } else {
+    } else if (!keep) {
       const at::Tensor inst = at::bmm(g3.transpose(1, 2), x3);  // [n, p, d]: the weight's layout per group
       wa = wb = inst.reshape({n, -1});
-      if (keep) {
-        out.kept_w.push_back(inst.reshape({n / per, -1}));
-        // Conv2d: a channel's bias gradient is over the positions of its own group only, so the
-        // per-(example, group) sums concatenate to the example's bias gradient. Summed in the
-        // accumulation dtype (the dtype examples_release takes with the weight's) and normed by the
-        // kernel from these very values (kBoundBiasSummed): a sum that overflows is +Inf there too.
-        if (dims.bias) {
-          gb = g3.sum({1}, true);  // [n, 1, p]
-          summed = true;
-          out.kept_b.push_back(gb.reshape({n / per, -1}));
-        }
+    } else {  // straight into the kept rows (no concatenation of the chunks after)
+      const int64_t rows = n / per;
+      at::Tensor inst = out.kept_w.narrow(0, offset, rows).view({n, dims.p, dims.d});
+      at::bmm_out(inst, g3.transpose(1, 2), x3);
+      wa = wb = inst.view({n, -1});
+      // Conv2d: a channel's bias gradient is over the positions of its own group only, so the
+      // per-(example, group) sums concatenate to the example's bias gradient. Summed in the
+      // accumulation dtype (the dtype examples_release takes with the weight's) and normed by the
+      // kernel from these very values (kBoundBiasSummed): a sum that overflows is +Inf there too.
+      if (dims.bias) {
+        gb = out.kept_b.narrow(0, offset, rows).view({n, 1, dims.p});  // [n, 1, p]
+        at::sum_out(gb, g3, {1}, true);
+        summed = true;
       }
     }
   }
@@ -377,33 +379,41 @@ void check_norm_inputs(const at::Tensor& grad_out, const at::Tensor& x, int64_t 
 using Norms = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Whether to keep the instantiated per-example gradients (the accumulation dtype) for the release
-// instead of the upstream gradient and the input: only where they are no larger than the upstream
-// gradient the release would otherwise keep, so keeping them never costs memory, and saves the
-// release's GEMM over the positions (the per-example sums are one examples_release launch).
-bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t groups, const at::Tensor& grad_out) {
+// instead of the upstream gradient and the input; keeping saves the release's GEMM over the
+// positions (the per-example sums are one examples_release launch). Always where they are no larger
+// than the upstream gradient the release would otherwise keep (keeping them never costs memory);
+// beyond that where all of them, [B, G p d] and the bias sums [B, G p], fit in `extra` bytes (the
+// caller's allowance: exact.py's KEPT_BYTES for one backward pass). Which path releases changes no
+// bound: the kept release's is the norms' own (kept_release).
+bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t groups, const at::Tensor& grad_out,
+                       at::ScalarType acc, int64_t extra) {
   const int64_t B = grad_out.size(0);
-  return keep && method == Method::kInstantiate && dims.weight && dims.T > 1 && B > 0 &&
-         4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B);
+  if (!(keep && method == Method::kInstantiate && dims.weight && dims.T > 1 && B > 0)) return false;
+  if (4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B)) return true;
+  const double bytes = static_cast<double>(B) * groups * dims.p * (dims.d + (dims.bias ? 1 : 0)) *
+                       static_cast<double>(at::elementSize(acc));
+  return bytes <= static_cast<double>(extra);
 }
 
-NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, int64_t groups) {
-  const at::TensorOptions f64 = x.options().dtype(at::kDouble);
-  return NormsOut{at::empty({B}, f64), at::empty({B}, f64), {}, {}, method, dims,
+NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& dims, int64_t groups, bool kept) {
+  const at::TensorOptions f64 = x.options().dtype(at::kDouble), acc = x.options().dtype(acc_dtype(x));
+  at::Tensor kw, kb;
+  if (kept) {
+    kw = at::empty({B, groups * dims.p * dims.d}, acc);
+    if (dims.bias) kb = at::empty({B, groups * dims.p}, acc);
+  }
+  return NormsOut{at::empty({B}, f64), at::empty({B}, f64), kw, kb, method, dims,
                   bound_consts(dims, method, acc_dtype(x), groups), c10::nullopt};
 }
 
-at::Tensor joined(const std::vector<at::Tensor>& parts, const at::Tensor& x) {
-  if (parts.empty()) return x.new_empty({0});
-  return parts.size() == 1 ? parts[0] : at::cat(parts);
-}
-
 Norms finish(const NormsOut& out, const at::Tensor& x) {
-  return {out.sq, out.bound, joined(out.kept_w, x), joined(out.kept_b, x)};
+  const auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : x.new_empty({0}); };
+  return {out.sq, out.bound, or_empty(out.kept_w), or_empty(out.kept_b)};
 }
 
 Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::array<bool, 2> params,
                         c10::string_view method_name, int64_t workspace, bool keep,
-                        const c10::optional<at::Tensor>& nonfinite) {
+                        const c10::optional<at::Tensor>& nonfinite, int64_t keep_extra) {
   check_norm_inputs(grad_out, x, workspace, "linear_grad_norms");
   TORCH_CHECK(x.dim() >= 2 && grad_out.dim() == x.dim(), "bpclip_fast.linear_grad_norms: input and grad_out must be "
               "[B, *, features] with the same number of dims");
@@ -417,10 +427,10 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   // + the double copies the position norms may make of x and g
   const int64_t rows = chunk_rows(elt * (T * (d + p) + temps) + 8 * T * (d + p), workspace, B);
   const at::Tensor x3 = x.reshape({B, T, d}), g3 = grad_out.reshape({B, T, p});
-  const bool kept = keep_instantiated(keep, method, dims, 1, grad_out);
+  const bool kept = keep_instantiated(keep, method, dims, 1, grad_out, acc, keep_extra);
   // The kernel sums the rows' squares itself: four launches per layer fewer than the accumulation
   // dtype's (x * x).sum(2) and (g * g).sum(2), and exact squares.
-  NormsOut out = start_norms(x, B, method, dims, 1);
+  NormsOut out = start_norms(x, B, method, dims, 1, kept);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
@@ -449,7 +459,7 @@ at::Tensor patches(const at::Tensor& x, at::IntArrayRef k, at::IntArrayRef strid
 Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::IntArrayRef kernel_size,
                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                         std::array<bool, 2> params, c10::string_view method_name, int64_t workspace, bool keep,
-                        const c10::optional<at::Tensor>& nonfinite) {
+                        const c10::optional<at::Tensor>& nonfinite, int64_t keep_extra) {
   check_norm_inputs(grad_out, x, workspace, "conv2d_grad_norms");
   TORCH_CHECK(x.dim() == 4 && grad_out.dim() == 4, "bpclip_fast.conv2d_grad_norms: input and grad_out must be "
               "[B, C, H, W]");
@@ -467,8 +477,8 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
   // copy for fp16/bf16 or a layout reshape cannot view), and the GEMMs' temporaries. The kernel's
   // position sums take no workspace of their own (per thread, 2 T doubles on the CPU).
   const int64_t rows = chunk_rows(elt * G * (T * (d + p) + temps), workspace, B);
-  const bool kept = keep_instantiated(keep, method, dims, G, grad_out);
-  NormsOut out = start_norms(x, B, method, dims, G);
+  const bool kept = keep_instantiated(keep, method, dims, G, grad_out, acc, keep_extra);
+  NormsOut out = start_norms(x, B, method, dims, G, kept);
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);

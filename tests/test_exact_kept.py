@@ -14,6 +14,8 @@ Linear or Conv2d with T > 1 positions whose norms are taken by instantiation kee
 
 from __future__ import annotations
 
+import copy
+import math
 from fractions import Fraction
 
 import pytest
@@ -212,3 +214,123 @@ def test_a_kept_bias_sum_that_overflows_is_in_the_bound():
     assert factor[1] == 0 and counter.item() == 1
     gw, gb = case.release(factor, kw, kb)
     assert torch.isfinite(gw).all() and torch.isfinite(gb).all()
+
+
+# ------------------------------------------------------------------------------ beyond the memory-neutral rule
+
+
+def _wide_case(kind, dtype, B, bias):
+    """Kept gradients larger than grad_out (4 p d > elt T p): Linear T = 2, d = 8, p = 3 (by
+    instantiation); Conv2d 3x3 on 4x4 from 4 channels, T = 4, d = 36, p = 2."""
+    gen = torch.Generator().manual_seed(3)
+    case = Case("linear" if kind == "linear" else "conv", dtype, B, bias)
+    if kind == "linear":
+        case.T, shapes = 2, ((B, 2, 8), (B, 2, 3), (3, 8))
+    else:
+        case.T, shapes = 4, ((B, 4, 4, 4), (B, 2, 2, 2), (2, 4, 3, 3))
+    x, g, w = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes)
+    case.x, case.g, case.weight = x, g, w
+    return case
+
+
+def _norms_with(case, extra):
+    mask = [True, case.bias]
+    if case.geometry is None:
+        return OPS.linear_grad_norms(case.g, case.x, mask, "instantiate", WS, True, None, extra)
+    stride, padding, dilation, groups = case.geometry
+    return OPS.conv2d_grad_norms(case.g, case.x, [3, 3], stride, padding, dilation, groups, mask, "instantiate",
+                                 WS, True, None, extra)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_keep_extra_keeps_beyond_the_memory_neutral_rule_up_to_its_bytes(kind, bias, dtype):
+    """keep_extra (exact.KEPT_BYTES' share): a layer whose kept gradients are larger than grad_out is
+    kept when they and the bias sums fit in it, byte for byte, and not otherwise; the fake agrees."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B = 3
+    case = _wide_case(kind, dtype, B, bias)
+    p, T = case.g.shape[-1] if kind == "linear" else case.g.shape[1], case.T
+    d = case.weight[0].numel()
+    assert 4 * p * d > case.g.element_size() * T * p, "the case must be beyond the memory-neutral rule"
+    need = B * p * (d + (1 if bias else 0)) * _acc(dtype).itemsize
+    for extra, kept in ((0, False), (need - 1, False), (need, True), (10 * need, True)):
+        _, _, kw, kb = _norms_with(case, extra)
+        assert (kw.numel() > 0) == kept, (extra, need)
+        assert (kb.numel() > 0) == (kept and bias)
+        with FakeTensorMode() as mode:
+            fake = copy.copy(case)
+            fake.x, fake.g = mode.from_tensor(case.x), mode.from_tensor(case.g)
+            _, _, fw, fb = _norms_with(fake, extra)
+        assert fw.shape == kw.shape and fb.shape == kb.shape, "the fake must mirror keep_instantiated"
+    # What the wider rule keeps is released as the kept path is: the clipped sum within its rounding.
+    _, bound, kw, kb = _norms_with(case, need)
+    factor = _factor(B, _acc(dtype))
+    gw, gb = case.release(factor, kw, kb)
+    tw, tb = case.per_example(case.x.double(), case.g.double())
+    aw, ab = case.per_example(case.x.double().abs(), case.g.double().abs())
+    u = _unit(dtype)
+    e = (1 + _gamma(case.T, u)) * (1 + 2 * u) * (1 + _gamma(B, u)) - 1
+    c = factor.double()
+    for got, truth, a in ((gw, tw, aw),) + (((gb, tb, ab),) if bias else ()):
+        want = (c.view(-1, *[1] * (truth.dim() - 1)) * truth).sum(0)
+        tol = e * (c.view(-1, *[1] * (a.dim() - 1)) * a).sum(0)
+        assert ((got.double() - want).abs() <= tol).all()
+
+
+def _wide_net():
+    """Two 3x3 convs 16 -> 16 on 6x6 (T = 36, d = 144, p = 16: instantiated, kept gradients twice
+    grad_out's size in float64), then a Linear: only KEPT_BYTES decides what the convs keep."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1, dtype=torch.float64), torch.nn.Tanh(),
+                               torch.nn.Conv2d(16, 16, 3, padding=1, dtype=torch.float64), torch.nn.Flatten(),
+                               torch.nn.Linear(16 * 36, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_backward_pass_keeps_at_most_kept_bytes_beyond_the_memory_neutral_rule(mode, monkeypatch):
+    """With KEPT_BYTES one conv's kept gradients: flat keeps the first conv its backward reaches and
+    recomputes the other (the book holds both until the collector), per_layer keeps both (each is
+    released at once); the releases equal the clipped sums of torch.func's per-example gradients."""
+    from torch.func import functional_call, grad, vmap
+
+    from bpclip_fast import nn as bnn
+
+    B, C = 3, 0.9
+    x = torch.randn(B, 16, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 3, 1])
+    net = _wide_net()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(ps, xi, yi):
+        out = functional_call(net, ps, (xi.unsqueeze(0),))
+        return torch.nn.functional.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    model = copy.deepcopy(net)
+    bnn.convert_model(model, clipping=mode, max_grad_norm=C)
+    monkeypatch.setattr(exact, "KEPT_BYTES", B * 16 * (144 + 1) * 8)
+    seen = []
+    norms = exact._norms
+
+    def recording(layer, *args, **kwargs):
+        bound, kept = norms(layer, *args, **kwargs)
+        seen.append((layer.layer_name, kept is not None))
+        return bound, kept
+
+    monkeypatch.setattr(exact, "_norms", recording)
+    torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    assert seen == [("4", False), ("2", True), ("0", mode == "per_layer")]
+    groups = {}
+    for k in per:
+        groups.setdefault(k.rsplit(".", 1)[0], []).append(k)
+    parts = [list(per)] if mode == "flat" else list(groups.values())
+    for keys in parts:
+        c = C if mode == "flat" else C / math.sqrt(len(groups))
+        norm = sum(per[k].flatten(1).square().sum(1) for k in keys).sqrt()
+        f = torch.clamp(c / norm, max=1.0)
+        for k in keys:
+            want = (f.view(-1, *[1] * (per[k].dim() - 1)) * per[k]).sum(0)
+            torch.testing.assert_close(model.get_parameter(k).grad, want, rtol=1e-10, atol=1e-12, msg=k)
