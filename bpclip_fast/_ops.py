@@ -119,7 +119,7 @@ if _LOAD_ERROR is None:
         inst = method == "instantiate" or (method == "auto" and not ghost)
         acc_size = _acc_dtype(x).itemsize
         kept = (keep and inst and params[0] and T > 1 and b > 0
-                and (4 * groups * p * d <= grad_out.element_size() * (grad_out.numel() // b)
+                and (acc_size * groups * p * d <= grad_out.element_size() * (grad_out.numel() // b)
                      or b * groups * p * (d + (1 if params[1] else 0)) * acc_size <= keep_extra))
         sq = x.new_empty((b,), dtype=torch.float64)
         kw = x.new_empty((b, groups * p * d), dtype=_acc_dtype(x)) if kept else x.new_empty((0,))

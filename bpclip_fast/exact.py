@@ -47,8 +47,9 @@ WORKSPACE_BYTES = 64 << 20  # temporaries of the norms (instantiated gradients, 
 # CIFAR-10's 32 -> 64 conv (b32) paid it every step (that conv's norms 25.4 ms, 12.6 at 24 MB).
 CPU_WORKSPACE_BYTES = 24 << 20
 # Kept instantiated per-example gradients (csrc/exact.cpp, keep_instantiated) beyond the ones that
-# cost no memory, per backward pass: under flat clipping they live until the collector's release, so
-# the pass's total is bounded (the book counts them); under per_layer each is released at once.
+# cost no memory: under flat clipping they live until the collector's release, so a forward's book
+# counts them against this (entries of a pass that never reached the collector count until the next
+# release; two forwards summed into one backward have a book each); per_layer releases each at once.
 # Keeping saves the release's second GEMM over the positions (CIFAR-10 b32's two deep convs).
 KEPT_BYTES = 64 << 20
 # Factors below this are set to 0: the bounds of csrc/exact.cpp cover the absolute (subnormal)

@@ -383,15 +383,16 @@ using Norms = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // positions (the per-example sums are one examples_release launch). Always where they are no larger
 // than the upstream gradient the release would otherwise keep (keeping them never costs memory);
 // beyond that where all of them, [B, G p d] and the bias sums [B, G p], fit in `extra` bytes (the
-// caller's allowance: exact.py's KEPT_BYTES for one backward pass). Which path releases changes no
+// caller's allowance: exact.py's KEPT_BYTES, shared by a flat forward's layers). Which path releases changes no
 // bound: the kept release's is the norms' own (kept_release).
 bool keep_instantiated(bool keep, Method method, const Dims& dims, int64_t groups, const at::Tensor& grad_out,
                        at::ScalarType acc, int64_t extra) {
   const int64_t B = grad_out.size(0);
   if (!(keep && method == Method::kInstantiate && dims.weight && dims.T > 1 && B > 0)) return false;
-  if (4 * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B)) return true;
+  const int64_t acc_size = static_cast<int64_t>(at::elementSize(acc));  // fp64 data keeps fp64
+  if (acc_size * groups * dims.p * dims.d <= grad_out.element_size() * (grad_out.numel() / B)) return true;
   const double bytes = static_cast<double>(B) * groups * dims.p * (dims.d + (dims.bias ? 1 : 0)) *
-                       static_cast<double>(at::elementSize(acc));
+                       static_cast<double>(acc_size);
   return bytes <= static_cast<double>(extra);
 }
 

@@ -196,12 +196,13 @@ def test_fake_and_op_agree_at_the_keep_extra_boundary(kind, G, bias, dtype):
 
 
 def _net():
-    """Conv 24 -> 12 (groups 2, its bias frozen), Tanh, conv 12 -> 6 (groups 3), Flatten, Linear: both
+    """Conv 24 -> 12 (groups 2, its bias frozen), Tanh, conv 12 -> 6 (groups 6), Flatten, Linear: both
     convs instantiate (T = 25); the first's kept gradients (d = 108, p = 6 a group) are larger than
-    grad_out in float64, so KEPT_BYTES decides for it, the second's (d = 36, p = 2) are not (kept always)."""
+    grad_out in float64, so KEPT_BYTES decides for it, the second's (d = 18, p = 1) are not (kept
+    always: 8 bytes an entry, d <= T)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(24, 12, 3, padding=1, groups=2, dtype=torch.float64), torch.nn.Tanh(),
-                              torch.nn.Conv2d(12, 6, 3, padding=1, groups=3, dtype=torch.float64), torch.nn.Flatten(),
+                              torch.nn.Conv2d(12, 6, 3, padding=1, groups=6, dtype=torch.float64), torch.nn.Flatten(),
                               torch.nn.Linear(6 * 25, 3, dtype=torch.float64))
     net[0].bias.requires_grad_(False)
     return net
@@ -249,9 +250,9 @@ def test_release_under_uneven_chunks_equals_float64_truth(mode, allowance, input
     model = copy.deepcopy(net)
     bnn.convert_model(model, clipping=mode, max_grad_norm=C)
     # Per-example bytes (csrc/exact.cpp's chunk_rows, fp64, instantiation): the first conv 8 * 2 *
-    # (25 * 114 + 3 * 648) = 76704, the second 8 * 3 * (25 * 38 + 3 * 72) = 27984, the Linear 13248.
+    # (25 * 114 + 3 * 648) = 76704, the second 8 * 6 * (25 * 19 + 3 * 18) = 25392, the Linear 13248.
     # A workspace of two of the second's: chunks of 1 (first conv), 2 + 2 + 1 (second), 4 + 1 (Linear).
-    monkeypatch.setattr(exact, "CPU_WORKSPACE_BYTES", 2 * 27984 + 1)
+    monkeypatch.setattr(exact, "CPU_WORKSPACE_BYTES", 2 * 25392 + 1)
     monkeypatch.setattr(exact, "KEPT_BYTES", HUGE if allowance == "ample" else 0)
     seen = []
     norms = exact._norms

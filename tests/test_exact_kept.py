@@ -254,7 +254,7 @@ def test_keep_extra_keeps_beyond_the_memory_neutral_rule_up_to_its_bytes(kind, b
     case = _wide_case(kind, dtype, B, bias)
     p, T = case.g.shape[-1] if kind == "linear" else case.g.shape[1], case.T
     d = case.weight[0].numel()
-    assert 4 * p * d > case.g.element_size() * T * p, "the case must be beyond the memory-neutral rule"
+    assert _acc(dtype).itemsize * p * d > case.g.element_size() * T * p, "the case must be beyond the memory-neutral rule"
     need = B * p * (d + (1 if bias else 0)) * _acc(dtype).itemsize
     for extra, kept in ((0, False), (need - 1, False), (need, True), (10 * need, True)):
         _, _, kw, kb = _norms_with(case, extra)
@@ -334,3 +334,16 @@ def test_a_backward_pass_keeps_at_most_kept_bytes_beyond_the_memory_neutral_rule
         for k in keys:
             want = (f.view(-1, *[1] * (per[k].dim() - 1)) * per[k]).sum(0)
             torch.testing.assert_close(model.get_parameter(k).grad, want, rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_fp64_keeps_without_an_allowance_only_what_is_no_larger_than_grad_out():
+    """fp64 data keeps fp64 gradients (8 bytes an entry): the memory-neutral rule must count them so.
+    Linear T = 4, d = 6, p = 2 in fp64: kept 8·p·d = 96 bytes against grad_out's 8·T·p = 64 (kept
+    before 2026-11-27, when the rule counted 4 bytes an entry); d = 4 (64 against 64) is kept."""
+    gen = torch.Generator().manual_seed(5)
+    for d, kept in ((6, False), (4, True)):
+        x = torch.randn(3, 4, d, generator=gen, dtype=torch.float64)
+        g = torch.randn(3, 4, 2, generator=gen, dtype=torch.float64)
+        _, _, kw, _ = OPS.linear_grad_norms(g, x, [True, True], "instantiate", WS, True, None, 0)
+        assert (kw.numel() > 0) == kept, d
+        assert kw.numel() == 0 or kw.dtype == torch.float64
