@@ -153,7 +153,7 @@ def test_norms_cover_only_the_parameters_that_train(case, params):
     torch.testing.assert_close(sq, sq_norms(per_example(layer, x, g)), rtol=1e-12, atol=0)
 
 
-# the release scales c·g toward zero in fp32 for every data dtype (csrc/exact.cpp)
+# the release scales c·g toward zero in fp32 for every data dtype (csrc/exact_release.cpp)
 RZ_UNIT = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -23, torch.bfloat16: 2.0 ** -23}
 
 

@@ -1,4 +1,4 @@
-"""The release of kept per-example gradients (csrc/exact.cpp, keep_instantiated / kept_release): a
+"""The release of kept per-example gradients (csrc/exact.cpp keep_instantiated, csrc/exact_release.cpp kept_release): a
 Linear or Conv2d with T > 1 positions whose norms are taken by instantiation keeps each example's
 [G_W, G_b] in the accumulation dtype and releases sum_i RZ(c_i G_i) from them (examples_release).
 

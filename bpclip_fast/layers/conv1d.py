@@ -4,10 +4,10 @@ padding check.
 A Conv1d is the Conv2d of kernel height 1 on inputs of height 1: input ``[B, C, L] -> [B, C, 1, L]``,
 weight ``[O, C/G, k] -> [O, C/G, 1, k]`` (:data:`bpclip_fast.exact.HEIGHT_ONE`), stride, padding and
 dilation ``(1, s)``, ``(0, p)``, ``(1, d)``. Every product ``g_{o,t} x_{c,t·s−p+j·d}`` of the Conv1d's
-weight gradient is the Conv2d's at height 0, so the fused Conv2d norms and release (csrc/exact.cpp)
-compute its exact per-example clipping, with their proofs unchanged. ``padding='same'`` with an odd
-total ``d·(k−1)`` pads the extra zero on the right, as torch does, explicitly before the kernel:
-zeros add no product.
+weight gradient is the Conv2d's at height 0, so the fused Conv2d norms and release (csrc/exact.cpp,
+csrc/exact_release.cpp) compute its exact per-example clipping, with their proofs unchanged.
+``padding='same'`` with an odd total ``d·(k−1)`` pads the extra zero on the right, as torch does,
+explicitly before the kernel: zeros add no product.
 
 Backpropagation clipping runs the Conv2d's autograd Function (``autograd._ClippedConv2d``) and
 compiled op on that view: they receive the parameter itself, hand the ops ``exact.kernel_weight``'s
