@@ -41,7 +41,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import exact
+from . import exact, exact_examples
 from .amp import autocast_off
 
 # Every op below does its work in Python (the step's draw and rows, the flat book, the budget and
@@ -441,7 +441,7 @@ def backprop_layer(x, layer, padding=None):
 # per-example gradients (LayerNorm, GroupNorm, Embedding, PositionalEmbedding, ClassToken)
 # The layer's own forward (parameters detached) is traced as plain ops, so autograd takes the input
 # gradient from the unclipped upstream gradient; the tap op passes the output on and its backward op
-# clips the parameters' gradients (``exact._Tap``). An op may not return an alias of its input, so the
+# clips the parameters' gradients (``exact_examples._Tap``). An op may not return an alias of its input, so the
 # tap copies the output: one copy per layer, the price of an opaque node on this path.
 
 @torch.library.custom_op("bpclip_fast_compiled::example_tap", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -462,7 +462,7 @@ def _(out, weight, bias, token, saved, layer):
 def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[torch.Tensor],
                      token: torch.Tensor | None, version: torch.Tensor, layer: int,
                      mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(∇W, ∇b, ∇token)`` — ``exact._Tap.backward`` at run time; empty tensors where not returned."""
+    """``(∇W, ∇b, ∇token)`` — ``exact_examples._Tap.backward`` at run time; empty tensors where not returned."""
     lay = _lookup(_LAYERS, layer, "layer")
     lay._check_bounds_version(int(version[0]))
     book = None if token is None else _book(int(token.item()), [lay])
@@ -479,7 +479,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
         g, saved = g.clone(), [t.clone() for t in saved]
     step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
     examples = lay._examples(tuple(saved), g, pmask)
-    bound = exact.example_bound(lay, examples, pmask, book)
+    bound = exact_examples.example_bound(lay, examples, pmask, book)
     out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)
     if out is None:
         return none(), none(), gtoken
@@ -515,7 +515,7 @@ example_tap.register_autograd(_tap_backward, setup_context=_tap_setup)
 
 
 def example_layer(layer, x):
-    """The compiled counterpart of :func:`bpclip_fast.exact.example_layer`."""
+    """The compiled counterpart of :func:`bpclip_fast.exact_examples.example_layer`."""
     _refuse_recomputation()
     needs = torch.is_grad_enabled() and any(exact._trainable(layer))
     weight, bias = layer.weight, layer.bias

@@ -57,7 +57,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from . import exact, examples
+from . import exact, exact_examples, examples
 
 # Examples per vectorised backward: the masked upstream gradients of a chunk are CHUNK copies of
 # the outputs' gradients.
@@ -134,7 +134,7 @@ class _Unit(torch.autograd.Function):
         _release_graph(ctx)
         step_args = exact._step_args(layer, st.rows, st.sensitivity)
         kept = examples.DenseExamples(per_example, None, st.dtype)
-        bound = exact.example_bound(layer, kept, (True, False), book)
+        bound = exact_examples.example_bound(layer, kept, (True, False), book)
         out = exact._clip(layer, book, bound, (None, None), kept, step_args, exact.EXAMPLES, st.dtype)
         if out is None:  # flat: the collector releases the unit with the others
             return (None, None, None, *input_grads, *(None,) * n_params)

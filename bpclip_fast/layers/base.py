@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from .. import compiled, exact, modes
+from .. import compiled, exact, exact_examples, modes
 from ..boundary import StepRefused
 from ..modes.base import check_positive as _check_positive
 
@@ -242,7 +242,7 @@ class _ExactOnly:
 class _ExampleLayer(_ExactOnly, _Clipped):
     """A layer whose per-example gradients are small enough to instantiate (affine parameters of a
     normalisation, an embedding table's rows, an added parameter), clipped exactly by
-    :func:`bpclip_fast.exact.example_layer`; its bound is :class:`bpclip_fast.examples.DenseExamples`'.
+    :func:`bpclip_fast.exact_examples.example_layer`; its bound is :class:`bpclip_fast.examples.DenseExamples`'.
     Exact modes only: backpropagation clipping has no proved bound for these types."""
 
     def _init_exact(self, clipping, max_grad_norm, clip_fn, gamma):
@@ -261,7 +261,7 @@ class _ExampleLayer(_ExactOnly, _Clipped):
         x = self._check_input(x)
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
             return compiled.example_layer(self, x)
-        return exact.example_layer(self, x, self._noise_sensitivity(x))
+        return exact_examples.example_layer(self, x, self._noise_sensitivity(x))
 
     def extra_repr(self):
         return f"{super().extra_repr()}, {self._clip_repr()}"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .. import compiled, examples, exact, modes, registry
+from .. import compiled, examples, exact_examples, modes, registry
 from .base import _ExampleLayer, _exact_kwargs
 from .embedding import _embedding_problem
 
@@ -58,7 +58,7 @@ class EmbeddingBag(_ExampleLayer, nn.EmbeddingBag):
     def _run(self, bags, input):
         if torch.compiler.is_compiling():
             return compiled.example_layer(self, bags)
-        return exact.example_layer(self, bags, self._noise_sensitivity(input))
+        return exact_examples.example_layer(self, bags, self._noise_sensitivity(input))
 
     def _bags(self, input, offsets, per_sample_weights):
         """``(indices [N], offsets [B + 1] ending at N, per-sample weights [N] or None)``, checked: one
