@@ -26,12 +26,12 @@ instead of group-major, or the fake counts 4 bytes an entry for fp64 data."""
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 
 from bpclip_fast import exact
+from test_exact_kept import clipped_release_truth, record_kept
 
 OPS = torch.ops.bpclip_fast
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -208,31 +208,6 @@ def _net():
     return net
 
 
-def _expected(net, x, y, mode, C):
-    from torch.func import functional_call, grad, vmap
-
-    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
-    frozen = {k: v.detach() for k, v in net.named_parameters() if not v.requires_grad}
-
-    def loss(ps, xi, yi):
-        out = functional_call(net, {**ps, **frozen}, (xi.unsqueeze(0),))
-        return torch.nn.functional.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
-
-    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    groups = {}
-    for k in per:
-        groups.setdefault(k.rsplit(".", 1)[0], []).append(k)
-    parts = [list(per)] if mode == "flat" else list(groups.values())
-    want = {}
-    for keys in parts:
-        c = C if mode == "flat" else C / math.sqrt(len(groups))
-        norm = sum(per[k].flatten(1).square().sum(1) for k in keys).sqrt()
-        f = torch.clamp(c / norm, max=1.0)
-        for k in keys:
-            want[k] = (f.view(-1, *[1] * (per[k].dim() - 1)) * per[k]).sum(0)
-    return want
-
-
 @pytest.mark.parametrize("input_grad_first", [False, True], ids=["backward", "grad_x_then_backward"])
 @pytest.mark.parametrize("allowance", ["ample", "spent"])
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
@@ -246,7 +221,7 @@ def test_release_under_uneven_chunks_equals_float64_truth(mode, allowance, input
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.tensor([0, 2, 1, 1, 0])
     net = _net()
-    want = _expected(net, x, y, mode, C)
+    want = clipped_release_truth(net, x, y, mode, C)
     model = copy.deepcopy(net)
     bnn.convert_model(model, clipping=mode, max_grad_norm=C)
     # Per-example bytes (csrc/exact.cpp's chunk_rows, fp64, instantiation): the first conv 8 * 2 *
@@ -254,15 +229,7 @@ def test_release_under_uneven_chunks_equals_float64_truth(mode, allowance, input
     # A workspace of two of the second's: chunks of 1 (first conv), 2 + 2 + 1 (second), 4 + 1 (Linear).
     monkeypatch.setattr(exact, "CPU_WORKSPACE_BYTES", 2 * 25392 + 1)
     monkeypatch.setattr(exact, "KEPT_BYTES", HUGE if allowance == "ample" else 0)
-    seen = []
-    norms = exact._norms
-
-    def recording(layer, *args, **kwargs):
-        bound, kept = norms(layer, *args, **kwargs)
-        seen.append((layer.layer_name, kept is not None))
-        return bound, kept
-
-    monkeypatch.setattr(exact, "_norms", recording)
+    seen = record_kept(monkeypatch)
     xin = x.clone().requires_grad_(input_grad_first)
     loss = torch.nn.functional.cross_entropy(model(xin), y, reduction="sum")
     if input_grad_first:
@@ -296,7 +263,7 @@ def test_two_micro_batches_in_one_backward_release_each_their_own_kept_rows(mode
     y = torch.tensor([0, 2, 1, 1, 0, 2])
     net = _net()
     parts = [(x[:4], y[:4]), (x[4:], y[4:])]  # 4 and 2 rows: different chunkings, different row counts
-    wants = [_expected(net, xb, yb, mode, C) for xb, yb in parts]
+    wants = [clipped_release_truth(net, xb, yb, mode, C) for xb, yb in parts]
     model = copy.deepcopy(net)
     bnn.convert_model(model, clipping=mode, max_grad_norm=C)
     monkeypatch.setattr(exact, "CPU_WORKSPACE_BYTES", 2 * 27984 + 1)

@@ -289,31 +289,9 @@ def _wide_net():
                                torch.nn.Linear(16 * 36, 5, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("mode", ["flat", "per_layer"])
-def test_a_backward_pass_keeps_at_most_kept_bytes_beyond_the_memory_neutral_rule(mode, monkeypatch):
-    """With KEPT_BYTES one conv's kept gradients: flat keeps the first conv its backward reaches and
-    recomputes the other (the book holds both until the collector), per_layer keeps both (each is
-    released at once); the releases equal the clipped sums of torch.func's per-example gradients."""
-    from torch.func import functional_call, grad, vmap
-
-    from bpclip_fast import nn as bnn
-
-    B, C = 3, 0.9
-    x = torch.randn(B, 16, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    y = torch.tensor([0, 3, 1])
-    net = _wide_net()
-    params = {k: v.detach() for k, v in net.named_parameters()}
-
-    def loss(ps, xi, yi):
-        out = functional_call(net, ps, (xi.unsqueeze(0),))
-        return torch.nn.functional.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
-
-    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    model = copy.deepcopy(net)
-    bnn.convert_model(model, clipping=mode, max_grad_norm=C)
-    monkeypatch.setattr(exact, "KEPT_BYTES", B * 16 * (144 + 1) * 8)
-    seen = []
-    norms = exact._norms
+def record_kept(monkeypatch) -> list:
+    """``(layer name, kept?)`` of every norms call from now on (exact._norms wrapped)."""
+    seen, norms = [], exact._norms
 
     def recording(layer, *args, **kwargs):
         bound, kept = norms(layer, *args, **kwargs)
@@ -321,19 +299,55 @@ def test_a_backward_pass_keeps_at_most_kept_bytes_beyond_the_memory_neutral_rule
         return bound, kept
 
     monkeypatch.setattr(exact, "_norms", recording)
-    torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
-    assert seen == [("4", False), ("2", True), ("0", mode == "per_layer")]
+    return seen
+
+
+def clipped_release_truth(net, x, y, mode, C):
+    """``{name: float64 gradient}``: the clipped sum of torch.func's per-example gradients of the
+    summed cross-entropy (flat: one C over all trainable parameters; per_layer: C/√L per layer)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach() for k, v in net.named_parameters() if not v.requires_grad}
+
+    def loss(ps, xi, yi):
+        out = functional_call(net, {**ps, **frozen}, (xi.unsqueeze(0),))
+        return torch.nn.functional.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
     groups = {}
     for k in per:
         groups.setdefault(k.rsplit(".", 1)[0], []).append(k)
-    parts = [list(per)] if mode == "flat" else list(groups.values())
-    for keys in parts:
+    want = {}
+    for keys in [list(per)] if mode == "flat" else list(groups.values()):
         c = C if mode == "flat" else C / math.sqrt(len(groups))
         norm = sum(per[k].flatten(1).square().sum(1) for k in keys).sqrt()
         f = torch.clamp(c / norm, max=1.0)
         for k in keys:
-            want = (f.view(-1, *[1] * (per[k].dim() - 1)) * per[k]).sum(0)
-            torch.testing.assert_close(model.get_parameter(k).grad, want, rtol=1e-10, atol=1e-12, msg=k)
+            want[k] = (f.view(-1, *[1] * (per[k].dim() - 1)) * per[k]).sum(0)
+    return want
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_backward_pass_keeps_at_most_kept_bytes_beyond_the_memory_neutral_rule(mode, monkeypatch):
+    """With KEPT_BYTES one conv's kept gradients: flat keeps the first conv its backward reaches and
+    recomputes the other (the book holds both until the collector), per_layer keeps both (each is
+    released at once); the releases equal the clipped sums of torch.func's per-example gradients."""
+    from bpclip_fast import nn as bnn
+
+    B, C = 3, 0.9
+    x = torch.randn(B, 16, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 3, 1])
+    net = _wide_net()
+    want = clipped_release_truth(net, x, y, mode, C)
+    model = copy.deepcopy(net)
+    bnn.convert_model(model, clipping=mode, max_grad_norm=C)
+    monkeypatch.setattr(exact, "KEPT_BYTES", B * 16 * (144 + 1) * 8)
+    seen = record_kept(monkeypatch)
+    torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    assert seen == [("4", False), ("2", True), ("0", mode == "per_layer")]
+    for k, w in want.items():
+        torch.testing.assert_close(model.get_parameter(k).grad, w, rtol=1e-10, atol=1e-12, msg=k)
 
 
 def test_fp64_keeps_without_an_allowance_only_what_is_no_larger_than_grad_out():
