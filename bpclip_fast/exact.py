@@ -385,7 +385,7 @@ def _norms(layer, x, g, geometry, mask, counter=None, book=None):
     """``(bound, kept)``: the norm bounds, and the kept per-example gradients (or ``None``).
     ``counter``: flat clipping's per-layer non-finite count, added to by the norms op's own kernel
     (:func:`bpclip_fast.examples._count_nonfinite` does it for the embeddings, in its own launch).
-    ``book``: a flat book, whose pass's kept gradients share :data:`KEPT_BYTES`."""
+    ``book``: a flat book, whose forward's kept gradients share :data:`KEPT_BYTES`."""
     method, ws = layer.norm_method, CPU_WORKSPACE_BYTES if x.is_cpu else WORKSPACE_BYTES
     extra = KEPT_BYTES if book is None else max(0, KEPT_BYTES - book.kept_bytes)
     if geometry is None:
