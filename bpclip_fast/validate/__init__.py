@@ -48,7 +48,7 @@ problem message names the module (qualified name and type) and the rule, and say
 
     An Embedding's index of one row in the probe batch (a position index shared by the examples) is
     looked up once per example in every pass, as in private training (:mod:`bpclip_fast.broadcast`),
-    after :mod:`bpclip_fast.broadcast_probes` checked that this keeps the model's output (else it is
+    after :mod:`bpclip_fast.validate.shared_index` checked that this keeps the model's output (else it is
     refused there and the passes look it up as one row) and before it checks that each looked-up row
     reaches its own example only.
 
@@ -83,7 +83,8 @@ import torch
 from torch import nn
 
 from .. import nn as _clipped_layers  # noqa: F401  (registers the clipped layer types in the registry)
-from .. import broadcast_probes, registry
+from .. import registry
+from . import shared_index
 from .fix import fix_model
 from .forward import _cuda_devices, _reuse_problems, probe
 from .isolation import _as_torch_layers, _isolated, _unpacked
@@ -92,8 +93,8 @@ from .probe_pass import _SHARED_UNITS, _Pass, _run, _shared_index_layer, _traina
 from .probes import _buffer_problems, _buffer_snapshot, _example_rows_problems, _mixing_problems, \
     _ownership_problems, _restore_buffers
 
-# Private names that only the neighbours read, through the package (bpclip_fast.broadcast_probes and
-# bpclip_fast.criterion as ``_v.<name>``; batches.py's docs name ``validate._call``), so that they need
+# Private names that only a neighbour reads, through the package (bpclip_fast.criterion as
+# ``_v.<name>``; batches.py's docs name ``validate._call``), so that they need
 # not know the layout. A monkeypatch of one of them here reaches those readers, not this package's own
 # modules, which import from each other.
 from .forward import _call  # noqa: F401
@@ -151,7 +152,7 @@ def _probe(model: nn.Module, example_input) -> list[str]:
     buffers = _buffer_snapshot(model)
     devices = _cuda_devices(model)
 
-    expanding = [True]  # whether the passes expand a shared index row, unless a pass says (broadcast_probes)
+    expanding = [True]  # whether the passes expand a shared index row, unless a pass says (shared_index)
 
     def run(probe_input, batch: int, backward: bool = True, expand: bool | None = None) -> _Pass:
         _restore_buffers(buffers)  # every pass starts from the same buffers (an EMA used in forward)
@@ -160,12 +161,12 @@ def _probe(model: nn.Module, example_input) -> list[str]:
     batch = _probe_batch(example_input, run)
     probe_input = _probe_input(example_input, batch)
     shared = {name for name, m in _trainable_layers(model) if _shared_index_layer(m)}
-    problems, refused = broadcast_probes.equivalence_problems(model, probe_input, batch, run, labels, shared)
+    problems, refused = shared_index.equivalence_problems(model, probe_input, batch, run, labels, shared)
     expanding[0] = not refused  # a refused expansion is reported once; the other probes see the model as today
     reference = run(probe_input, batch)
     buffer_problems = _buffer_problems(buffers, labels)  # before the next pass restores them
     problems += _example_rows_problems(reference, batch, labels, refused)
-    problems += broadcast_probes.row_problems(model, probe_input, reference, batch, run, labels)
+    problems += shared_index.row_problems(model, probe_input, reference, batch, run, labels)
     if _has_rows_to_perturb(probe_input):
         problems += _mixing_problems(probe_input, reference, batch, run, labels)
     problems += buffer_problems

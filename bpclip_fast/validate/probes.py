@@ -69,7 +69,7 @@ def _unit_rows_problems(reference: _Pass, batch: int, labels: dict[str, str]) ->
 
 
 # An index tensor of one row in a batch of B that private training cannot look up per example
-# (bpclip_fast.broadcast: the expansion refused by broadcast_probes, or the call's rows unknown):
+# (bpclip_fast.broadcast: the expansion refused by validate.shared_index, or the call's rows unknown):
 # broadcast after the lookup, its gradient arrives summed over the examples.
 _BROADCAST_HINT = ("; an index of one row broadcast over the batch (Hugging Face's position_ids [1, T]) must be "
                    "given per example: pass it expanded to the batch, e.g. model(input_ids, "

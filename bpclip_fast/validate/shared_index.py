@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import validate as _v
+from .probe_input import _SEED, _map_tensors, _random_like
+from .probes import _BROADCAST_HINT, _ROW_TOLERANCE, _rows_differ
 
 
 def _hint() -> str:
-    return _v._BROADCAST_HINT.lstrip("; ")
+    return _BROADCAST_HINT.lstrip("; ")
 
 
 def _outputs_differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -43,7 +44,7 @@ def _outputs_differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         if x.numel() == 0:
             continue
         finite = torch.cat([x[x.isfinite()].abs().flatten(), y[y.isfinite()].abs().flatten(), x.new_zeros(1)])
-        tolerance = float(_v._ROW_TOLERANCE * torch.finfo(x.dtype).eps * finite.max())
+        tolerance = float(_ROW_TOLERANCE * torch.finfo(x.dtype).eps * finite.max())
         if not bool(torch.isclose(x, y, rtol=0.0, atol=tolerance, equal_nan=True).all()):
             return True
     return False
@@ -100,7 +101,7 @@ def _derived_from_input(probe_input, plain, batch: int, run, names: set[str]) ->
         changed[0] |= not torch.equal(f, t)
         return f
 
-    flipped = _v._map_tensors(probe_input, flip)
+    flipped = _map_tensors(probe_input, flip)
     if not changed[0]:
         return []
     try:
@@ -119,12 +120,12 @@ def row_problems(model: nn.Module, probe_input, reference, batch: int, run, labe
     for name in dict.fromkeys(reference.expanded):
         found = None
         for row in sorted({0, batch - 1}):
-            generator = torch.Generator().manual_seed(_v._SEED + 7 + row)
+            generator = torch.Generator().manual_seed(_SEED + 7 + row)
 
             def perturb(mod, args, out, _row=row, _generator=generator):
                 out = out.clone()
                 scale = 1.0 + float(out.detach().abs().max()) if out.numel() else 1.0
-                out[_row] = out[_row] + scale * _v._random_like(out.shape[1:], out, _generator)
+                out[_row] = out[_row] + scale * _random_like(out.shape[1:], out, _generator)
                 return out
 
             handle = modules[name].register_forward_hook(perturb)
@@ -147,9 +148,9 @@ def _reached(reference, changed, row: int, batch: int, labels: dict[str, str]) -
     for a, b in zip(reference.calls, changed.calls):
         if a.name != b.name:
             return f"control flow (which layers run, from {labels[a.name]} on)"
-        if _v._rows_differ(a.input, b.input, row, batch):
+        if _rows_differ(a.input, b.input, row, batch):
             return f"input of {labels[a.name]}"
     if len(reference.outputs) != len(changed.outputs) or any(
-            _v._rows_differ(a, b, row, batch) for a, b in zip(reference.outputs, changed.outputs)):
+            _rows_differ(a, b, row, batch) for a, b in zip(reference.outputs, changed.outputs)):
         return "model output"
     return None
