@@ -100,7 +100,7 @@ from .probes import _buffer_problems, _buffer_snapshot, _example_rows_problems, 
 from .forward import _call  # noqa: F401
 from .probe_input import _SEED, _map_tensors, _perturbed, _random_like, _tensors  # noqa: F401
 from .probe_pass import _seed  # noqa: F401
-from .probes import _BROADCAST_HINT, _ROW_TOLERANCE, _own_gradients, _rows_differ  # noqa: F401
+from .probes import _own_gradients  # noqa: F401
 
 __all__ = ["static_problems", "probe", "dynamic_problems", "validate", "fix_model"]
 
