@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _ops
+from ._ops import cpu_cache  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -215,6 +215,21 @@ def build_config() -> dict:
     return {"cuda_compiled": fields.get("cuda") == "1", "cuda_archs": archs}
 
 
+def cpu_cache(limit: int | None = None, poison: bool = False) -> dict:
+    """The CPU storages the library's ops keep for reuse (csrc/host_cache.h): the released
+    gradients, the kept per-example gradients and the patches of at least 1 MB, which glibc would
+    otherwise return to the kernel at free and fault back in, zeroed, every step. A storage is reused
+    only while nothing but the cache references it. ``limit`` (bytes, default 1 GiB) caps what it
+    holds, in use or idle; ``limit=0`` frees the idle ones and stops caching. ``poison`` (for the
+    tests) fills the idle storages with 0xFF bytes, NaN in every float dtype. Returns the limit, the
+    bytes held, the idle bytes among them and the number of storages."""
+    require_extension()
+    if limit is not None and int(limit) < 0:
+        raise ValueError(f"bpclip_fast.cpu_cache: limit must be >= 0 bytes (0 stops caching), got {limit}")
+    lim, held, idle, count = torch.ops.bpclip_fast._host_cache(-1 if limit is None else int(limit), bool(poison))
+    return {"limit": lim, "held_bytes": held, "idle_bytes": idle, "storages": count}
+
+
 def clip_rows(x, nonfinite, bound, norm="l2", clip_fn="clip", gamma=0.01):
     """Per-example clipping: returns (clipped, factor, norm)."""
     return torch.ops.bpclip_fast.clip_rows(x, nonfinite, float(bound), norm, clip_fn, float(gamma))

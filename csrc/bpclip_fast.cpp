@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "host_cache.h"
+
 #define BPCLIP_STR_(...) #__VA_ARGS__
 #define BPCLIP_STR(...) BPCLIP_STR_(__VA_ARGS__)
 
@@ -176,6 +178,9 @@ TORCH_LIBRARY(bpclip_fast, m) {
       "examples_release(Tensor? weight, Tensor? bias, Tensor factor, int[2] noise_key, float noise_std,"
       " float scale) -> (Tensor, Tensor)");
   m.def("_build_config() -> str", &build_config);
+  // The CPU storage cache of the ops' outputs and scratch (csrc/host_cache.h): limit >= 0 sets its
+  // bytes (0 empties it), poison fills its idle storages with 0xFF. Returns [limit, held, idle, storages].
+  m.def("_host_cache(int limit, bool poison) -> int[]", &bpclip::host_cache_op);
 }
 
 // Importing bpclip_fast._C loads this library, which runs the registrations above.

@@ -130,6 +130,7 @@
 #include "bpclip_fast/bound.h"
 #include "common.h"
 #include "dispatch.h"
+#include "host_cache.h"
 
 namespace bpclip {
 namespace {
@@ -394,8 +395,8 @@ NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& 
   const at::TensorOptions f64 = x.options().dtype(at::kDouble), acc = x.options().dtype(acc_type_of(x));
   at::Tensor kw, kb;
   if (kept) {
-    kw = at::empty({B, groups * dims.p * dims.d}, acc);
-    if (dims.bias) kb = at::empty({B, groups * dims.p}, acc);
+    kw = host_empty({B, groups * dims.p * dims.d}, acc);
+    if (dims.bias) kb = host_empty({B, groups * dims.p}, acc);
   }
   return NormsOut{at::empty({B}, f64), at::empty({B}, f64), kw, kb, method, dims,
                   bound_consts(dims, method, acc_type_of(x), groups), c10::nullopt};

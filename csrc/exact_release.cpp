@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "dispatch.h"
+#include "host_cache.h"
 
 namespace bpclip {
 namespace {
@@ -98,7 +99,7 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
   at::Tensor gw = at::empty({0}, out), gb = gw;
   if (params[1]) gb = g2.sum(0);  // first, so that its noise goes in with the weight's (one launch)
   if (params[0]) {
-    gw = at::empty(weight.sizes(), out);
+    gw = host_empty(weight.sizes(), out);
     if (noise_std > 0.0) {  // the noise first, the GEMM accumulates into it: one buffer
       add_noise(gw, gb, true, params[1], noise_key, noise_std, false);
       gw.addmm_(g2.t(), x2);

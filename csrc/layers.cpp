@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "dispatch.h"
+#include "host_cache.h"
 
 namespace bpclip {
 namespace {
@@ -114,7 +115,7 @@ Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   // The bias sum first; then the noise, the weight's written and the bias' added (one launch); then
   // the GEMM accumulates into the weight's: one buffer, no extra pass.
   const at::Tensor g2w = widened(g2), x2w = widened(x2);
-  at::Tensor gw = at::empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
+  at::Tensor gw = host_empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
   at::Tensor gb = a.has_bias ? g2w.sum(0) : weight.new_empty({0});
   if (a.noise_std > 0.0) {
     add_layer_noise(gw, gb, a, false);

@@ -6,6 +6,7 @@
 
 #include "bpclip_fast/patches.h"
 #include "common.h"
+#include "host_cache.h"
 
 namespace bpclip {
 
@@ -31,7 +32,7 @@ inline PatchGeometry check_patches_args(const at::Tensor& x, at::IntArrayRef k, 
 
 // The output: [B, C kh kw, T] in the accumulation dtype (fp64 for fp64 input, fp32 otherwise).
 inline at::Tensor patches_output(const at::Tensor& x, const PatchGeometry& g) {
-  return at::empty({g.n, g.c * g.kh * g.kw, g.ho * g.wo},
+  return host_empty({g.n, g.c * g.kh * g.kw, g.ho * g.wo},
                    x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat)
                        .memory_format(at::MemoryFormat::Contiguous));
 }

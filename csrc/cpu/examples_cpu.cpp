@@ -16,6 +16,7 @@
 #include "../bound_args.h"
 #include "../common.h"
 #include "../examples_args.h"
+#include "../host_cache.h"
 #include "bpclip_fast/examples.h"
 #include "bpclip_fast/philox.h"
 #include "noise_cpu.h"
@@ -187,8 +188,8 @@ std::tuple<at::Tensor, at::Tensor> examples_release_cpu(const std::optional<at::
   const ExamplesArgs a = check_examples_args(weight, bias, "examples_release");
   const ReleaseNoise k = check_release_args(a, factor_in, noise_key, noise_std, scale);
   const at::Tensor factor = factor_in.contiguous();
-  at::Tensor ow = a.w.defined() ? at::empty(a.w.sizes().slice(1), a.like.options()) : a.like.new_empty({0});
-  at::Tensor ob = a.b.defined() ? at::empty(a.b.sizes().slice(1), a.like.options()) : a.like.new_empty({0});
+  at::Tensor ow = a.w.defined() ? host_empty(a.w.sizes().slice(1), a.like.options()) : a.like.new_empty({0});
+  at::Tensor ob = a.b.defined() ? host_empty(a.b.sizes().slice(1), a.like.options()) : a.like.new_empty({0});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.like.scalar_type(), "examples_release_cpu", [&] {
     if (a.w.defined())
       release_tensor<scalar_t>(a.w, factor, a.s.B, a.s.Nw, k.seed, k.offset, k.stdv, scale, ow);

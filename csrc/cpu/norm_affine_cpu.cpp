@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "../common.h"
+#include "../host_cache.h"
 
 namespace bpclip {
 namespace {
@@ -85,8 +86,8 @@ std::tuple<at::Tensor, at::Tensor> norm_affine_example_grads_cpu(const at::Tenso
                                                                  int64_t batch, int64_t groups, bool layer_norm) {
   const NormAffineShape s = check_norm_affine_args(grad_out, x_in, mean_in, rstd_in, batch, groups, layer_norm);
   const auto acc = acc_type_of(x_in);
-  at::Tensor gw = at::empty({s.B, s.D}, x_in.options().dtype(acc));
-  at::Tensor gb = at::empty({s.B, s.D}, x_in.options().dtype(acc));
+  at::Tensor gw = host_empty({s.B, s.D}, x_in.options().dtype(acc));
+  at::Tensor gb = host_empty({s.B, s.D}, x_in.options().dtype(acc));
   if (s.B * s.D == 0) return {gw, gb};
   const at::Tensor g = grad_out.contiguous();
   const at::Tensor x = x_in.contiguous();
