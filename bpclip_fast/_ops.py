@@ -266,6 +266,13 @@ def philox_noise2_(w, b, seed, offset, std, accumulate_w=False, accumulate_b=Fal
     return w, b
 
 
+def _storage_start(t) -> int:
+    """The address of ``t``'s storage without ``t.untyped_storage()``: a storage's Python object holds
+    it for as long as anything else does, so a released gradient from the CPU cache that banded noise
+    checks every step would never be reused (csrc/cpu/host_cache.cpp)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
 def _spans_cross(a, b) -> bool:
     """Whether two non-empty tensors' spans of memory (first to last byte they can reach) intersect.
     philox_noise2_'s CUDA kernel takes both buffers ``__restrict__`` in one launch and copies a
@@ -274,7 +281,7 @@ def _spans_cross(a, b) -> bool:
     a layer's weight and bias gradients are always separate buffers)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.is_meta or b.is_meta:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    if _storage_start(a) != _storage_start(b):
         return False
 
     def span(t):
