@@ -219,7 +219,9 @@ def cpu_cache(limit: int | None = None, poison: bool = False) -> dict:
     """The CPU storages the library's ops keep for reuse (csrc/host_cache.h): the released
     gradients, the kept per-example gradients and the patches of at least 1 MB, which glibc would
     otherwise return to the kernel at free and fault back in, zeroed, every step. A storage is reused
-    only while nothing but the cache references it. ``limit`` (bytes, default 1 GiB) caps what it
+    only while nothing but the cache references it; one Python code has seen as a storage
+    (``untyped_storage()``, ``torch.save``, ``copy.deepcopy``, pickling, ``share_memory_``) leaves the
+    cache and is freed by its last user, as at::empty's would be. ``limit`` (bytes, default 1 GiB) caps what it
     holds, in use or idle; ``limit=0`` frees the idle ones and stops caching. ``poison`` (for the
     tests) fills the idle storages with 0xFF bytes, NaN in every float dtype. Returns the limit, the
     bytes held, the idle bytes among them and the number of storages."""

@@ -7,6 +7,14 @@
 // the cache can create a reference to a storage only the cache holds, and it does so under its
 // mutex, so the check and the hand-out are one step. A caller that keeps an old gradient
 // (`old = p.grad`, a view of it, a numpy array of it) keeps its storage out of reuse.
+// A storage Python has seen as a storage (t.untyped_storage(), torch.save, copy.deepcopy, a
+// StorageWeakRef, pickling for torch.multiprocessing, share_memory_; the library's own overlap check
+// runs untyped_storage() on every banded release) has a Python object that holds it strongly for as
+// long as any C++ reference does (PyTorch's PyObject preservation, c10/util/intrusive_ptr.h). With
+// the cache's own reference that is forever: never idle, never evicted, never freed (review 15 found
+// a banded run pinning one released gradient a step). The cache lets go of such a storage at its next
+// look, so the storage lives and dies as at::empty's would; and one Python moved into shared memory,
+// which another process may map, is never written again by a later op.
 // What a handed-out storage contains is whatever its last user wrote, as arbitrary as at::empty's
 // (whose heap blocks hold freed data too): every caller of host_empty writes each entry it reads.
 #include "../host_cache.h"
@@ -14,9 +22,11 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <atomic>
 #include <cstring>
 #include <list>
 #include <mutex>
+#include <vector>
 
 namespace bpclip {
 namespace {
@@ -29,8 +39,24 @@ struct HostCache {
   int64_t limit = kDefaultLimit;
   std::list<c10::intrusive_ptr<c10::StorageImpl>> held;  // most recently handed out first
 
+  using Storages = std::vector<c10::intrusive_ptr<c10::StorageImpl>>;
+
   static bool idle(const c10::intrusive_ptr<c10::StorageImpl>& s) {
     return s.use_count() == 1 && s.weak_use_count() == 1;
+  }
+
+  // Moves the storages Python has seen out of the cache into `out`, which the caller destroys after
+  // the mutex is released: dropping what may be the last C++ reference decrefs the Python object,
+  // which takes the GIL, and a thread holding the GIL may be waiting for the mutex.
+  void let_go_of_seen(Storages& out) {
+    for (auto it = held.begin(); it != held.end();) {
+      if ((*it)->pyobj_slot()->load_pyobj() != nullptr) {
+        out.push_back(std::move(*it));
+        it = held.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
 
   int64_t held_bytes() const {
@@ -52,8 +78,9 @@ struct HostCache {
 
   // The idle storage with the fewest bytes >= nbytes, at most 1.5x nbytes (a Poisson batch's
   // tensors differ by a few percent step to step; a much larger one is left to its own size).
-  c10::intrusive_ptr<c10::StorageImpl> take(int64_t nbytes) {
+  c10::intrusive_ptr<c10::StorageImpl> take(int64_t nbytes, Storages& seen) {
     std::lock_guard<std::mutex> lock(mu);
+    let_go_of_seen(seen);
     auto best = held.end();
     for (auto it = held.begin(); it != held.end(); ++it) {
       const int64_t have = static_cast<int64_t>((*it)->nbytes());
@@ -61,6 +88,8 @@ struct HostCache {
       if (best == held.end() || have < static_cast<int64_t>((*best)->nbytes())) best = it;
     }
     if (best != held.end()) {
+      // The last user's writes (another thread's, its decrement a release) before ours.
+      std::atomic_thread_fence(std::memory_order_acquire);
       held.splice(held.begin(), held, best);
       return held.front();
     }
@@ -85,7 +114,8 @@ at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const int64_t numel = c10::multiply_integers(sizes);
   const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(options.dtype())));
   if (!plain || nbytes < kHostCacheMinBytes) return at::empty(sizes, options);
-  c10::intrusive_ptr<c10::StorageImpl> storage = cache().take(nbytes);
+  HostCache::Storages seen;  // destroyed after take's lock is released
+  c10::intrusive_ptr<c10::StorageImpl> storage = cache().take(nbytes, seen);
   if (!storage) return at::empty(sizes, options);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(storage)),
                                                           c10::DispatchKeySet(c10::DispatchKey::CPU), options.dtype());
@@ -95,7 +125,9 @@ at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
 
 std::vector<int64_t> host_cache_op(int64_t limit, bool poison) {
   HostCache& c = cache();
+  HostCache::Storages seen;  // declared first: destroyed after the lock is released
   std::lock_guard<std::mutex> lock(c.mu);
+  c.let_go_of_seen(seen);
   if (limit >= 0) {
     c.limit = limit;
     c.shrink_to(limit);
