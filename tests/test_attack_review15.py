@@ -11,7 +11,8 @@ What could go wrong there, and what each test pins:
   cache always does: use_count stays 2, the storage is never idle, never reused, never evicted and
   never freed, ``cpu_cache(limit=0)`` included. FOUND: a banded run pins one released weight gradient
   per step until the limit (1 GiB by default) is full of them. Fixed in csrc/cpu/host_cache.cpp (the
-  cache lets go of a storage that has a Python object); these tests fail on ffd44e2's build.
+  cache lets go of a storage that has a Python object; the touch tests fail on ffd44e2's build until
+  it is rebuilt) and in ``_ops._spans_cross`` (no ``untyped_storage()``: the banded test failed before).
 * A storage Python moved into shared memory (``share_memory_``, a torch.multiprocessing queue)
   handed out again while another process maps it: that process would see the next step's kept
   per-example gradients. Pinned: the receiver's copy never changes (on ffd44e2 because the storage is
