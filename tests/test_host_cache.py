@@ -216,3 +216,12 @@ def test_the_limit_caps_what_the_cache_holds():
 def test_a_negative_limit_is_refused():
     with pytest.raises(ValueError, match="cpu_cache: limit must be >= 0"):
         bpclip_fast.cpu_cache(limit=-1)
+
+
+def test_a_size_whose_bytes_overflow_is_refused_not_handed_a_short_storage():
+    """Patches of a 1 x 2^18 kernel over a row padded by 2^43 + 2^17: 2^18 x (2^44 + 2) = 2^62 + 2^19
+    fp32 entries, 2^64 + 2 MB bytes, which wrap in 64 bits to 2 MB. Taken as 2 MB, the storage would
+    have been far shorter than the tensor the kernel then writes; it goes to at::empty, which refuses it."""
+    x = torch.randn(1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.ops.bpclip_fast.conv_patches(x, [1, 1 << 18], [1, 1], [0, (1 << 43) + (1 << 17)], [1, 1])

@@ -22,8 +22,13 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <c10/util/safe_numerics.h>
+#include <pthread.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <list>
 #include <mutex>
 #include <vector>
@@ -45,12 +50,13 @@ struct HostCache {
     return s.use_count() == 1 && s.weak_use_count() == 1;
   }
 
-  // Moves the storages Python has seen out of the cache into `out`, which the caller destroys after
-  // the mutex is released: dropping what may be the last C++ reference decrefs the Python object,
-  // which takes the GIL, and a thread holding the GIL may be waiting for the mutex.
-  void let_go_of_seen(Storages& out) {
+  // Moves out of the cache, into `out`, the storages Python has seen and those a resize emptied; the
+  // caller destroys `out` after the mutex is released: dropping what may be the last C++ reference
+  // decrefs the Python object, which takes the GIL, and a thread holding the GIL may be waiting for
+  // the mutex.
+  void let_go(Storages& out) {
     for (auto it = held.begin(); it != held.end();) {
-      if ((*it)->pyobj_slot()->load_pyobj() != nullptr) {
+      if ((*it)->pyobj_slot()->load_pyobj() != nullptr || (*it)->nbytes() == 0) {
         out.push_back(std::move(*it));
         it = held.erase(it);
       } else {
@@ -80,7 +86,7 @@ struct HostCache {
   // tensors differ by a few percent step to step; a much larger one is left to its own size).
   c10::intrusive_ptr<c10::StorageImpl> take(int64_t nbytes, Storages& seen) {
     std::lock_guard<std::mutex> lock(mu);
-    let_go_of_seen(seen);
+    let_go(seen);
     auto best = held.end();
     for (auto it = held.begin(); it != held.end(); ++it) {
       const int64_t have = static_cast<int64_t>((*it)->nbytes());
@@ -102,7 +108,13 @@ struct HostCache {
 };
 
 HostCache& cache() {
-  static HostCache* c = new HostCache();  // never destroyed: no exit-order dependence on the allocator
+  static HostCache* c = [] {
+    auto* made = new HostCache();  // never destroyed: no exit-order dependence on the allocator
+    // A fork while another thread holds the mutex would leave the child's copy locked for good (a
+    // DataLoader worker that runs an op would hang): the forking thread holds it across the fork.
+    pthread_atfork([] { cache().mu.lock(); }, [] { cache().mu.unlock(); }, [] { cache().mu.unlock(); });
+    return made;
+  }();
   return *c;
 }
 
@@ -111,9 +123,14 @@ HostCache& cache() {
 at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const bool plain = options.device().is_cpu() && !options.pinned_memory() && options.layout() == at::kStrided &&
                      (!options.has_memory_format() || *options.memory_format_opt() == at::MemoryFormat::Contiguous);
-  const int64_t numel = c10::multiply_integers(sizes);
-  const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(options.dtype())));
-  if (!plain || nbytes < kHostCacheMinBytes) return at::empty(sizes, options);
+  uint64_t bytes = 0;  // at::empty checks the sizes and raises on an overflow; an overflow here goes to it
+  const bool overflow = std::any_of(sizes.begin(), sizes.end(), [](int64_t n) { return n < 0; }) ||
+                        c10::safe_multiplies_u64(sizes, &bytes) ||
+                        c10::mul_overflows(bytes, static_cast<uint64_t>(c10::elementSize(
+                                                      c10::typeMetaToScalarType(options.dtype()))), &bytes) ||
+                        bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  const int64_t nbytes = static_cast<int64_t>(bytes);
+  if (!plain || overflow || nbytes < kHostCacheMinBytes) return at::empty(sizes, options);
   HostCache::Storages seen;  // destroyed after take's lock is released
   c10::intrusive_ptr<c10::StorageImpl> storage = cache().take(nbytes, seen);
   if (!storage) return at::empty(sizes, options);
@@ -127,7 +144,7 @@ std::vector<int64_t> host_cache_op(int64_t limit, bool poison) {
   HostCache& c = cache();
   HostCache::Storages seen;  // declared first: destroyed after the lock is released
   std::lock_guard<std::mutex> lock(c.mu);
-  c.let_go_of_seen(seen);
+  c.let_go(seen);
   if (limit >= 0) {
     c.limit = limit;
     c.shrink_to(limit);
