@@ -13,9 +13,10 @@
 namespace bpclip {
 
 // at::empty(sizes, options), contiguous, whose bytes are as arbitrary as at::empty's: every caller
-// writes each entry before reading it. A CPU tensor of at least kHostCacheMinBytes comes from a
-// kept storage that nothing else references; anything else is at::empty's.
-at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+// writes each entry before reading it. A CPU tensor of at least 1 MB comes from a kept storage that
+// nothing else references; anything else is at::empty's. `scratch`: a buffer its op drops before it
+// returns, in the usual case (the patches), which may take any larger idle scratch storage.
+at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options, bool scratch = false);
 
 // The op _host_cache(limit, poison): limit >= 0 sets the bytes the cache may hold (0 empties it);
 // poison fills every storage no tensor holds with 0xFF bytes (NaN in every float dtype), so that the

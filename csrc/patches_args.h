@@ -30,11 +30,13 @@ inline PatchGeometry check_patches_args(const at::Tensor& x, at::IntArrayRef k, 
                        (w + 2 * padding[1] - ew) / stride[1] + 1, x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
 }
 
-// The output: [B, C kh kw, T] in the accumulation dtype (fp64 for fp64 input, fp32 otherwise).
+// The output: [B, C kh kw, T] in the accumulation dtype (fp64 for fp64 input, fp32 otherwise); the
+// norms ops' scratch, dropped once a chunk's GEMM has read it.
 inline at::Tensor patches_output(const at::Tensor& x, const PatchGeometry& g) {
   return host_empty({g.n, g.c * g.kh * g.kw, g.ho * g.wo},
-                   x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat)
-                       .memory_format(at::MemoryFormat::Contiguous));
+                    x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat)
+                        .memory_format(at::MemoryFormat::Contiguous),
+                    /*scratch=*/true);
 }
 
 }  // namespace bpclip

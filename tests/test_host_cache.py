@@ -225,3 +225,20 @@ def test_a_size_whose_bytes_overflow_is_refused_not_handed_a_short_storage():
     x = torch.randn(1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="overflow"):
         torch.ops.bpclip_fast.conv_patches(x, [1, 1 << 18], [1, 1], [0, (1 << 43) + (1 << 17)], [1, 1])
+
+
+def test_the_patches_of_a_step_share_one_scratch_storage():
+    """The patches are scratch the norms op drops before it returns: a larger request replaces the
+    idle scratch storages, a smaller one takes the larger storage, so a step's layers of every size
+    hold one (an output keeps to storages near its own size: a weight gradient idle between
+    zero_grad and its release must stay free for it)."""
+    base = bpclip_fast.cpu_cache(limit=0)
+    bpclip_fast.cpu_cache(limit=1 << 30)
+    sizes = {}
+    for channels in (16, 48, 32):  # patches of 16 x (C 9) x 256 fp32: 2.4, 7.1 and 4.7 MB
+        out = torch.ops.bpclip_fast.conv_patches(torch.randn(16, channels, 16, 16), [3, 3], [1, 1], [1, 1], [1, 1])
+        sizes[channels] = out.numel() * out.element_size()
+        del out
+    stats = bpclip_fast.cpu_cache()
+    assert stats["storages"] == base["storages"] + 1
+    assert stats["idle_bytes"] == sizes[48]

@@ -40,15 +40,18 @@ constexpr int64_t kHostCacheMinBytes = 1 << 20;  // smaller blocks come from gli
 constexpr int64_t kDefaultLimit = int64_t{1} << 30;
 
 struct HostCache {
-  std::mutex mu;
-  int64_t limit = kDefaultLimit;
-  std::list<c10::intrusive_ptr<c10::StorageImpl>> held;  // most recently handed out first
-
+  struct Held {
+    c10::intrusive_ptr<c10::StorageImpl> storage;
+    bool scratch;  // host_empty's `scratch`: reused by scratch requests only, at any larger size
+  };
   using Storages = std::vector<c10::intrusive_ptr<c10::StorageImpl>>;
 
-  static bool idle(const c10::intrusive_ptr<c10::StorageImpl>& s) {
-    return s.use_count() == 1 && s.weak_use_count() == 1;
-  }
+  std::mutex mu;
+  int64_t limit = kDefaultLimit;
+  std::list<Held> held;  // most recently handed out first
+
+  static bool idle(const Held& h) { return h.storage.use_count() == 1 && h.storage.weak_use_count() == 1; }
+  static int64_t bytes_of(const Held& h) { return static_cast<int64_t>(h.storage->nbytes()); }
 
   // Moves out of the cache, into `out`, the storages Python has seen and those a resize emptied; the
   // caller destroys `out` after the mutex is released: dropping what may be the last C++ reference
@@ -56,8 +59,8 @@ struct HostCache {
   // the mutex.
   void let_go(Storages& out) {
     for (auto it = held.begin(); it != held.end();) {
-      if ((*it)->pyobj_slot()->load_pyobj() != nullptr || (*it)->nbytes() == 0) {
-        out.push_back(std::move(*it));
+      if (it->storage->pyobj_slot()->load_pyobj() != nullptr || it->storage->nbytes() == 0) {
+        out.push_back(std::move(it->storage));
         it = held.erase(it);
       } else {
         ++it;
@@ -67,7 +70,7 @@ struct HostCache {
 
   int64_t held_bytes() const {
     int64_t total = 0;
-    for (const auto& s : held) total += static_cast<int64_t>(s->nbytes());
+    for (const auto& h : held) total += bytes_of(h);
     return total;
   }
 
@@ -77,33 +80,38 @@ struct HostCache {
     for (auto it = held.end(); total > target && it != held.begin();) {
       --it;
       if (!idle(*it)) continue;
-      total -= static_cast<int64_t>((*it)->nbytes());
+      total -= bytes_of(*it);
       it = held.erase(it);
     }
   }
 
-  // The idle storage with the fewest bytes >= nbytes, at most 1.5x nbytes (a Poisson batch's
-  // tensors differ by a few percent step to step; a much larger one is left to its own size).
-  c10::intrusive_ptr<c10::StorageImpl> take(int64_t nbytes, Storages& seen) {
+  // An output: the idle output storage with the fewest bytes >= nbytes, at most 1.5x nbytes (a
+  // Poisson batch's tensors differ by a few percent step to step; a much larger one, such as a
+  // weight gradient idle between zero_grad and its release, is left to its own size). Scratch: the
+  // smallest idle scratch storage >= nbytes at any size, and a new one replaces the idle scratch
+  // storages (all smaller), so an op's chunks and the layers' patches of a step share one.
+  c10::intrusive_ptr<c10::StorageImpl> take(int64_t nbytes, bool scratch, Storages& seen) {
     std::lock_guard<std::mutex> lock(mu);
     let_go(seen);
     auto best = held.end();
     for (auto it = held.begin(); it != held.end(); ++it) {
-      const int64_t have = static_cast<int64_t>((*it)->nbytes());
-      if (have < nbytes || have > nbytes + nbytes / 2 || !idle(*it)) continue;
-      if (best == held.end() || have < static_cast<int64_t>((*best)->nbytes())) best = it;
+      const int64_t have = bytes_of(*it);
+      if (it->scratch != scratch || have < nbytes || (!scratch && have > nbytes + nbytes / 2) || !idle(*it)) continue;
+      if (best == held.end() || have < bytes_of(*best)) best = it;
     }
     if (best != held.end()) {
       // The last user's writes (another thread's, its decrement a release) before ours.
       std::atomic_thread_fence(std::memory_order_acquire);
       held.splice(held.begin(), held, best);
-      return held.front();
+      return held.front().storage;
     }
+    if (scratch) held.remove_if([](const Held& h) { return h.scratch && idle(h); });
     shrink_to(limit - nbytes);
     if (held_bytes() + nbytes > limit) return {};
-    held.push_front(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
-                                                          c10::GetCPUAllocator(), /*resizable=*/true));
-    return held.front();
+    held.push_front({c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                                           c10::GetCPUAllocator(), /*resizable=*/true),
+                     scratch});
+    return held.front().storage;
   }
 };
 
@@ -120,7 +128,7 @@ HostCache& cache() {
 
 }  // namespace
 
-at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options, bool scratch) {
   const bool plain = options.device().is_cpu() && !options.pinned_memory() && options.layout() == at::kStrided &&
                      (!options.has_memory_format() || *options.memory_format_opt() == at::MemoryFormat::Contiguous);
   uint64_t bytes = 0;  // at::empty checks the sizes and raises on an overflow; an overflow here goes to it
@@ -132,7 +140,7 @@ at::Tensor host_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const int64_t nbytes = static_cast<int64_t>(bytes);
   if (!plain || overflow || nbytes < kHostCacheMinBytes) return at::empty(sizes, options);
   HostCache::Storages seen;  // destroyed after take's lock is released
-  c10::intrusive_ptr<c10::StorageImpl> storage = cache().take(nbytes, seen);
+  c10::intrusive_ptr<c10::StorageImpl> storage = cache().take(nbytes, scratch, seen);
   if (!storage) return at::empty(sizes, options);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(storage)),
                                                           c10::DispatchKeySet(c10::DispatchKey::CPU), options.dtype());
@@ -150,10 +158,10 @@ std::vector<int64_t> host_cache_op(int64_t limit, bool poison) {
     c.shrink_to(limit);
   }
   int64_t idle_bytes = 0;
-  for (auto& s : c.held) {
-    if (!HostCache::idle(s)) continue;
-    idle_bytes += static_cast<int64_t>(s->nbytes());
-    if (poison) std::memset(s->mutable_data(), 0xFF, s->nbytes());
+  for (auto& h : c.held) {
+    if (!HostCache::idle(h)) continue;
+    idle_bytes += HostCache::bytes_of(h);
+    if (poison) std::memset(h.storage->mutable_data(), 0xFF, h.storage->nbytes());
   }
   return {c.limit, c.held_bytes(), idle_bytes, static_cast<int64_t>(c.held.size())};
 }
