@@ -51,6 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, TensorDataset
 
 import bpclip_fast
+from test_host_cache import Net  # the cached sites at batch 8 (here with a grouped conv2)
 
 OPS = torch.ops.bpclip_fast
 MB = 1 << 20
@@ -299,25 +300,9 @@ def test_norm_layer_rows_read_no_poisoned_entry(dtype, layer_norm, groups):
 
 # --------------------------------------------------------------------- end to end
 
-class Net(nn.Module):
-    """The cached sites at batch 8 (test_host_cache.Net): conv patches 4.7 MB, kept rows, fc 2 MB."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(16, 64, 3, padding=1)
-        self.conv2 = nn.Conv2d(64, 64, 3, padding=1, groups=2)
-        self.fc = nn.Linear(1024, 512)
-        self.head = nn.Linear(512, 3)
-
-    def forward(self, x):
-        h = torch.relu(self.conv2(torch.relu(self.conv1(x))))
-        h = nn.functional.avg_pool2d(h, 4).flatten(1)
-        return self.head(torch.tanh(self.fc(h)))
-
-
 def _private(mode, dtype=torch.float32, batch=8, freeze_bias=False):
     torch.manual_seed(0)
-    model = Net().to(dtype)
+    model = Net(groups=2).to(dtype)
     if freeze_bias:
         model.fc.bias.requires_grad_(False)
         model.conv2.bias.requires_grad_(False)
