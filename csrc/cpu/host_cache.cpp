@@ -8,8 +8,8 @@
 // mutex, so the check and the hand-out are one step. A caller that keeps an old gradient
 // (`old = p.grad`, a view of it, a numpy array of it) keeps its storage out of reuse.
 // A storage Python has seen as a storage (t.untyped_storage(), torch.save, copy.deepcopy, a
-// StorageWeakRef, pickling for torch.multiprocessing, share_memory_; the library's own overlap check
-// runs untyped_storage() on every banded release) has a Python object that holds it strongly for as
+// StorageWeakRef, pickling for torch.multiprocessing, share_memory_; until review 15 the library's own
+// overlap check ran untyped_storage() on every banded release) has a Python object that holds it strongly for as
 // long as any C++ reference does (PyTorch's PyObject preservation, c10/util/intrusive_ptr.h). With
 // the cache's own reference that is forever: never idle, never evicted, never freed (review 15 found
 // a banded run pinning one released gradient a step). The cache lets go of such a storage at its next
@@ -21,7 +21,6 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
-
 #include <c10/util/safe_numerics.h>
 #include <pthread.h>
 
