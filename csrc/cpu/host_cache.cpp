@@ -5,16 +5,17 @@
 // made from it, or a view of that tensor, or anything sharing the storage holds a strong reference;
 // a weak reference (StorageWeakRef) is refused too, since it could be promoted later. Nothing but
 // the cache can create a reference to a storage only the cache holds, and it does so under its
-// mutex, so the check and the hand-out are one step. A caller that keeps an old gradient
-// (`old = p.grad`, a view of it, a numpy array of it) keeps its storage out of reuse.
+// mutex, so the check and the hand-out are one step. A caller that keeps an old gradient (`old =
+// p.grad`, a view of it, a numpy array of it) keeps its storage out of reuse.
 // A storage Python has seen as a storage (t.untyped_storage(), torch.save, copy.deepcopy, a
-// StorageWeakRef, pickling for torch.multiprocessing, share_memory_; until review 15 the library's own
-// overlap check ran untyped_storage() on every banded release) has a Python object that holds it strongly for as
-// long as any C++ reference does (PyTorch's PyObject preservation, c10/util/intrusive_ptr.h). With
-// the cache's own reference that is forever: never idle, never evicted, never freed (review 15 found
-// a banded run pinning one released gradient a step). The cache lets go of such a storage at its next
-// look, so the storage lives and dies as at::empty's would; and one Python moved into shared memory,
-// which another process may map, is never written again by a later op.
+// StorageWeakRef, pickling for torch.multiprocessing, share_memory_; until review 15 the library's
+// own overlap check ran untyped_storage() on every banded release) has a Python object that holds
+// it strongly for as long as any C++ reference does (PyTorch's PyObject preservation,
+// c10/util/intrusive_ptr.h). With the cache's own reference that is forever: never idle, never
+// evicted, never freed (review 15 found a banded run pinning one released gradient a step). The
+// cache lets go of such a storage at its next look, so the storage lives and dies as at::empty's
+// would; and one that Python moved into shared memory, which another process may map, is never
+// written again by a later op.
 // What a handed-out storage contains is whatever its last user wrote, as arbitrary as at::empty's
 // (whose heap blocks hold freed data too): every caller of host_empty writes each entry it reads.
 #include "../host_cache.h"
