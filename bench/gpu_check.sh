@@ -16,6 +16,9 @@
 #   step_bench   bench.step, batch 128, models mnist, cifar10, vit, resnet20-gn, methods
 #                nonprivate, bpclip_fast, flat, opacus_ghost; one child each (~10 s of CUDA
 #                start-up per child, so this is the step the budget cuts first)          ~140 s
+#   norms_choice bench.step, batch 128, vit and resnet20-gn, flat_instantiate: every layer's
+#                per-example gradients instantiated and kept (fewer launches, more memory
+#                traffic than ghost norms), against step_bench's flat                     ~30 s
 # GPU_CHECK_ONLY="build pytest_cuda step_bench" runs only the steps named (a re-check inside what is
 # left of a lease after a full run); GPU_CHECK_MODELS / GPU_CHECK_METHODS replace step_bench's grid and
 # GPU_CHECK_PROFILE the profile's model:method specs.
@@ -100,6 +103,11 @@ step step_bench "$PY" -m bench.step --device cuda --models "${GPU_CHECK_MODELS:-
 # shellcheck disable=SC2086  # the specs are words
 step profile "$PY" -m bench.profile --device cuda --batch 128 ${GPU_CHECK_PROFILE:-cifar10:nonprivate cifar10:flat resnet20-gn:flat vit:flat}
 grep -E "^###" "$OUT/profile.log" | tee -a "$OUT/summary.txt"
+# Whether the cost rule should prefer kept instantiation on a GPU (2026-11-27, CPU: leaf ops of the
+# ViT's flat step 370 -> 320 at b2, host time and b32 step time unchanged; docs/benchmarks.md).
+step norms_choice "$PY" -m bench.step --device cuda --models vit,resnet20-gn --batch-sizes 128 --reps 1 \
+  --warmup-time 0.5 --min-time 1 --timeout 60 --methods flat_instantiate --md "$OUT/norms_choice.md"
+[[ -f "$OUT/norms_choice.md" ]] && cat "$OUT/norms_choice.md"
 tail -n 3 "$OUT"/pytest_*.log >>"$OUT/summary.txt" 2>/dev/null
 echo "total $((SECONDS - START)) s of a ${BUDGET} s budget" | tee -a "$OUT/summary.txt"
 echo "results in $OUT (summary.txt)"

@@ -80,7 +80,9 @@ def _bench_models():
 
 MODELS.update(_bench_models())
 DEFAULT_MODELS = ("vit", "resnet20-gn", "digits", "mnist", "cifar10")
-METHODS = ("nonprivate", "backprop", "flat", "per_layer", "opacus_ghost", "opacus_hooks", "flat_generic", "flat_banded")
+METHODS = ("nonprivate", "backprop", "flat", "per_layer", "opacus_ghost", "opacus_hooks", "flat_generic", "flat_banded",
+           "flat_instantiate")
+ON_REQUEST = 3  # the last three: the generic path, banded noise, instantiated norms (bench.methods)
 
 _ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
           "lift_fresh", "detach", "detach_", "result_type", "is_same_size", "sym_size", "sym_stride",
@@ -227,7 +229,7 @@ def build(method: str, name: str, seed: int = 0):
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
     if method == "nonprivate":
         opt, crit = torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss()
-    elif method in ("backprop", "flat", "per_layer", "flat_generic", "flat_banded"):
+    elif method in ("backprop", "flat", "per_layer", "flat_generic", "flat_banded", "flat_instantiate"):
         from bpclip_fast import PrivacyEngine
         noise = {}
         if method == "flat_banded":  # 4 bands; the data set is 4 copies of the batch: the group's rate is 1
@@ -238,7 +240,9 @@ def build(method: str, name: str, seed: int = 0):
 
             _generic_everywhere(model)
         clip = (dict(input_clip=CLIP, grad_clip=CLIP) if method == "backprop"
-                else dict(clipping=method.removesuffix("_generic").removesuffix("_banded"), max_grad_norm=CLIP))
+                else dict(clipping=method.split("_")[0] if method.startswith("flat") else method, max_grad_norm=CLIP))
+        if method == "flat_instantiate":  # every layer's per-example gradients instantiated (kept where they fit)
+            clip["norm_method"] = "instantiate"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, opt, loader = PrivacyEngine().make_private(
@@ -316,7 +320,7 @@ def table(rows: list) -> str:
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    p.add_argument("--methods", default=",".join(METHODS[:-2]))  # flat_generic, flat_banded on request
+    p.add_argument("--methods", default=",".join(METHODS[:-ON_REQUEST]))
     p.add_argument("--reps", type=int, default=30, help="timed steps per cell (median reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="print each cell's op histogram")

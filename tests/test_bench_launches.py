@@ -132,3 +132,28 @@ def test_per_layer_makes_an_instantiated_layers_bound_and_factors_in_one_launch(
     _, _, hist = _counted(lambda: step(batch), launches.inner_leaves(prof.events()))
     assert "bpclip_fast::examples_bound" not in hist
     assert hist["bpclip_fast::examples_factors"] == 1 and hist["bpclip_fast::exact_factors"] == 2
+
+
+def test_flat_instantiate_keeps_the_per_example_gradients_and_releases_them_in_one_launch():
+    """``--methods flat_instantiate``: the ViT's Linears over 17 positions instantiate their
+    per-example gradients and release them by ``examples_release`` instead of the release GEMM
+    (``linear_clipped_grads``' scale, bias sum, noise and ``addmm_``), so the step counts fewer
+    leaf ops than flat by the cost rule (ghost norms at these shapes)."""
+    from bpclip_fast import _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    counts = {}
+    for method in ("flat", "flat_instantiate"):
+        fetch, step = launches.build(method, "vit")
+        step(fetch())
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(fetch())
+        batch = fetch()
+        counts[method] = _counted(lambda: step(batch), launches.inner_leaves(prof.events()))
+    (flat, _, flat_hist), (inst, _, inst_hist) = counts["flat"], counts["flat_instantiate"]
+    # Per Linear over 17 positions: 4 launches of the release from the upstream gradient become 1.
+    assert flat_hist["bpclip_fast::linear_clipped_grads"] - inst_hist["bpclip_fast::linear_clipped_grads"] == 3 * 16
+    assert inst < flat

@@ -165,3 +165,24 @@ def test_flat_generic_trains_every_layer_by_the_generic_path():
     trained = [m for m in wrapped.modules() if registry.owns_trainable(m)]
     assert len(trained) == 2 and all(registry.is_generic(m) and registry.layer_type(m) is None for m in trained)
     assert all(not torch.equal(a, p) for a, p in zip(before, wrapped.parameters()))
+
+
+def test_flat_instantiate_trains_with_every_layers_gradients_instantiated():
+    # bench's flat_instantiate measures kept instantiation against the cost rule's choice (issue 25's
+    # GPU question): every exact layer must take norm_method "instantiate", and the step must train.
+    import torch
+
+    from bench.methods import build_step
+    from bench.models import MODELS
+    from bpclip_fast import nn as bnn
+
+    factory, shape, classes = MODELS["vit"]
+    torch.manual_seed(0)
+    model = factory()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(3, *shape), torch.randint(0, classes, (3,))
+    step, wrapped = build_step("flat_instantiate", model, x, y, seed=1)
+    step()
+    fused = [layer for _, layer in bnn.clipped_layers(wrapped) if type(layer).__name__ in ("Linear", "Conv2d")]
+    assert len(fused) == 18 and all(layer.norm_method == "instantiate" and layer.clipping == "flat" for layer in fused)
+    assert all(not torch.equal(a, p) for a, p in zip(before, wrapped.parameters()))
