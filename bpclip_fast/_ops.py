@@ -171,6 +171,10 @@ if _LOAD_ERROR is None:
         return _clipped_grads_fake(weight, params)
 
 
+    @torch.library.register_fake("bpclip_fast::word_checksum")
+    def _word_checksum_fake(words):
+        return words.new_empty((), dtype=torch.int64)
+
     def _layer_norm_row_size(x, mean):
         """Mirrors layer_norm_row_size in csrc/common.h."""
         if mean.numel() > 0:

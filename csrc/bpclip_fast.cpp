@@ -177,6 +177,10 @@ TORCH_LIBRARY(bpclip_fast, m) {
   m.def(
       "examples_release(Tensor? weight, Tensor? bias, Tensor factor, int[2] noise_key, float noise_std,"
       " float scale) -> (Tensor, Tensor)");
+  // The step boundary's bit checksum (bpclip_fast/boundary.py, _fingerprint; bpclip_fast/checksum.h):
+  // over int64 words (a tensor's bytes, in logical order), the sum of w + (w >> 33) (arithmetic
+  // shift) modulo 2^64, as an int64 scalar on the words' device. One pass; the same bits in any order.
+  m.def("word_checksum(Tensor words) -> Tensor");
   m.def("_build_config() -> str", &build_config);
   // The CPU storage cache of the ops' outputs and scratch (csrc/host_cache.h): limit >= 0 sets its
   // bytes (0 empties it), poison fills its idle storages with 0xFF. Returns [limit, held, idle, storages].

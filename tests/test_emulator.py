@@ -712,3 +712,31 @@ def test_planted_bug_in_real_kernels_is_caught(sim, mutant, tmp_path):
     sim.schedule("random", 11)
     assert harness.sweep(sim) == []
 
+
+
+# ---- word_checksum (csrc/cuda/checksum_kernels.cuh, bpclip_fast/checksum.h) ----------------------------
+
+EXTREME_WORDS = [0, -1, 1, -(1 << 63), (1 << 63) - 1, -(1 << 33), (1 << 33) - 1, -(1 << 32)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 255, 256, 257, 4097, 70000])
+@pytest.mark.parametrize("blocks", [0, 1, 3])
+def test_word_checksum_matches_the_exact_sum(sim, request, n, blocks):
+    """Every lane, warp and block share of the grid-stride loop, the atomics in a random order, and
+    the words whose arithmetic shift sign-extends: the exact sum modulo 2^64, to the bit."""
+    _schedule(sim, request)
+    gen = torch.Generator().manual_seed(n)
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=gen, dtype=torch.int64)
+    words[: min(n, len(EXTREME_WORDS))] = torch.tensor(EXTREME_WORDS[: min(n, len(EXTREME_WORDS))])
+    assert harness.compare_word_checksum(sim, words, blocks) == []
+
+
+def test_word_checksum_sees_two_sign_flips_in_the_high_halves(sim):
+    """abs_ of two negative fp32 in the words' high halves moves each word by -2^63: the words' own
+    sum cancels, the shifted part does not (emulated kernel and CPU op alike)."""
+    words = torch.tensor([-(1 << 63) + 5, -(1 << 63) + 7, 11], dtype=torch.int64)
+    flipped = words.clone()
+    flipped[:2] += 1 << 63  # the sign bit of each word's high half cleared
+    assert int(words.sum()) == int(flipped.sum())  # the plain word sum is blind to it
+    assert int(sim.word_checksum(words)) != int(sim.word_checksum(flipped))
+    assert int(torch.ops.bpclip_fast.word_checksum(words)) != int(torch.ops.bpclip_fast.word_checksum(flipped))

@@ -47,3 +47,32 @@ def test_fingerprint_depends_on_the_bits_in_order_only(dtype):
             before = _fingerprint(z)
             z.view(-1)[i] = -0.0
             assert _fingerprint(z) != before, (dtype, tuple(t.shape), i)
+
+
+def _exact(words):
+    total = sum(w + (w >> 33) for w in words.reshape(-1).tolist()) % (1 << 64)
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_word_sum_is_exact_and_independent_of_the_threads(threads):
+    """``word_checksum`` (one pass, split across threads above 2^16 words) against Python's exact
+    integers, at sizes below and above one thread's share, extreme words included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        for n in (0, 1, 7, (1 << 16) + 3, 3 * (1 << 16) + 1):
+            words = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=gen, dtype=torch.int64)
+            words[:min(n, 3)] = torch.tensor([-(1 << 63), -1, (1 << 63) - 1])[:min(n, 3)]
+            got = torch.ops.bpclip_fast.word_checksum(words)
+            assert got.dtype == torch.int64 and got.dim() == 0 and int(got) == _exact(words), n
+        strided = torch.arange(40, dtype=torch.int64).view(5, 8).t()  # logical order, not storage order
+        assert int(torch.ops.bpclip_fast.word_checksum(strided)) == _exact(strided.contiguous())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_word_sum_refuses_other_dtypes():
+    with pytest.raises(RuntimeError, match="words must be int64"):
+        torch.ops.bpclip_fast.word_checksum(torch.zeros(4, dtype=torch.float64))

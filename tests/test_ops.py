@@ -538,6 +538,8 @@ def _opcheck_cases(device):
                                                                torch.randn(7, device=device)], [2, 43], 1,
                            [-0.5, 0.25, -0.125], 5, 6, 0.7)),
         (OPS.banded_row_, (torch.randn(1, 9, dtype=torch.float64, device=device), [], [], 0, [-0.5], 5, 6, 0.7)),
+        (OPS.word_checksum, (torch.randint(-(1 << 62), 1 << 62, (37,), dtype=torch.int64, device=device),)),
+        (OPS.word_checksum, (torch.zeros(0, dtype=torch.int64, device=device),)),
     ]
 
 

@@ -27,6 +27,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 
 #include "band_launch.cuh"
 #include "bound_launch.cuh"
+#include "checksum_launch.cuh"
 #include "clip_launch.cuh"
 #include "examples_launch.cuh"
 #include "noise_launch.cuh"
@@ -287,6 +288,20 @@ int simt_exact_factors(const double* bounds, int64_t L, int64_t B, double inflat
   } else {
     exact_factors_device<float>(bounds, L, B, inflate, bound_eff, fn, gamma, static_cast<float*>(factor), total,
                                 counter);
+  }
+  return simt::has_error() ? 1 : 0;
+}
+
+// word_checksum of n int64 words into *out (zeroed by the caller, as the launcher does); blocks <= 0:
+// the launcher's grid for a device of sm_count multiprocessors, otherwise this grid (the grid-stride
+// loop on small inputs).
+int simt_word_checksum(const int64_t* words, int64_t n, uint64_t* out, int64_t blocks, int sm_count) {
+  const auto* w = reinterpret_cast<const long long*>(words);
+  auto* o = reinterpret_cast<unsigned long long*>(out);
+  if (blocks <= 0) {
+    word_checksum_device(w, n, o, sm_count);
+  } else {
+    launch(word_checksum_kernel, blocks, kChecksumThreads, w, n, o);
   }
   return simt::has_error() ? 1 : 0;
 }

@@ -168,6 +168,7 @@ class Simt:
         lib.simt_examples_factors.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp, i32, vp, dbl, i32, dbl]
         lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, ctypes.c_float, dbl, vp, vp]
         lib.simt_conv_patches.argtypes = [i32, vp, vp, vp]
+        lib.simt_word_checksum.argtypes = [vp, i64, vp, i64, i32]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
             getattr(lib, name).argtypes = [vp, vp, i64, i32]
@@ -270,6 +271,14 @@ class Simt:
         w = words.to(torch.int64).to(torch.int32).contiguous()  # the bit patterns, 32 bits each
         out = torch.full((w.shape[0], 2), float("nan"))
         self.call("simt_box_muller_probe", _ptr(w), w.shape[0], _ptr(out))
+        return out
+
+    def word_checksum(self, words, blocks=0, sm_count=H100_SMS):
+        """word_checksum of int64 ``words`` as emulated device code (an int64 scalar); blocks=0: the
+        launcher's grid for a device of ``sm_count`` SMs, else that grid."""
+        w = words.contiguous()
+        out = torch.zeros((), dtype=torch.int64)
+        self.call("simt_word_checksum", _ptr(w), w.numel(), _ptr(out), blocks, sm_count)
         return out
 
     def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256, sm_count=H100_SMS):
@@ -795,10 +804,32 @@ def compare_exact_factors(sim: Simt, bounds, max_norm, clip_fn, gamma, fp64):
     return problems
 
 
+def checksum_truth(words: torch.Tensor) -> int:
+    """bpclip_fast/checksum.h's sum in Python's exact integers: Σ w + (w >> 33) (floor shift, as
+    C++20's arithmetic one) modulo 2^64, as a signed 64-bit value."""
+    total = sum(w + (w >> 33) for w in words.reshape(-1).tolist()) % (1 << 64)
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def compare_word_checksum(sim: Simt, words: torch.Tensor, blocks: int = 0) -> list[str]:
+    """The emulated kernel and the CPU op against the exact sum: equal, to the bit."""
+    want = checksum_truth(words)
+    problems = []
+    got = int(sim.word_checksum(words, blocks))
+    if got != want:
+        problems.append(f"emulated {got} != exact {want} (n={words.numel()}, blocks={blocks})")
+    cpu = int(torch.ops.bpclip_fast.word_checksum(words))
+    if cpu != want:
+        problems.append(f"CPU {cpu} != exact {want} (n={words.numel()})")
+    return problems
+
+
 def sweep(sim: Simt) -> list[str]:
     """A small run of every op, dtype and kernel path; the problems it finds, labelled."""
     problems = []
     gen = torch.Generator().manual_seed(5)
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (1000,), generator=gen, dtype=torch.int64)
+    problems += [f"word_checksum: {p}" for p in compare_word_checksum(sim, words)]
     for dtype in (torch.float32, torch.float64):
         for T, ghost, per, conv in ((1, False, 1, False), (5, True, 2, True), (40, False, 1, True), (40, True, 1, False)):
             xs, gs, gb, wa, wb = bound_inputs(dtype, 6, T, 7, 3, per, ghost, gen, conv_layout=conv)
