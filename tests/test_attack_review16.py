@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -443,3 +444,25 @@ def test_finding_a_strided_zeroed_grad_between_micro_batches_is_still_checked(ed
         assert exc.value.rule == "grad-edit"
     else:
         opt.step()
+
+
+# ------------------------------------------------------------------------------------ the emulated CUDA kernel
+
+@pytest.mark.parametrize("sm_count", [1, 0])
+@pytest.mark.parametrize("n", [8 * 256 * 3 + 5, 8 * 256])
+def test_the_emulated_launch_at_its_grid_cap_is_exact(n, sm_count):
+    """Probe: the launcher's own grid when it is capped (8 blocks per SM; sm_count 0 read as 1), so
+    every thread loops over several words and the last block's tail threads hold none but still join
+    the full-mask shuffle; extremes planted at both ends. The emulated kernel against the exact sum."""
+    sys.path.insert(0, str(Path(__file__).parent / "emulator"))
+    import harness  # noqa: E402  (as tests/test_emulator.py imports it)
+
+    sim = harness.Simt(harness.build_library())
+    sim.schedule("random", n + sm_count)
+    gen = torch.Generator().manual_seed(n)
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=gen, dtype=torch.int64)
+    k = len(EXTREMES)
+    words[:k] = torch.tensor(EXTREMES)
+    words[-k:] = torch.tensor(EXTREMES[::-1])
+    want = _signed(sum(w + (w >> 33) for w in words.tolist()))
+    assert int(sim.word_checksum(words, 0, sm_count)) == want
