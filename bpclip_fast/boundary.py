@@ -84,12 +84,14 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     positive and one negative fp32; each word is summed with itself shifted right by 33 bits, so two
     sign flips in the words' high halves, e.g. ``abs_``, do not cancel) — it catches an ordinary
     in-place write, not a forgery. The value depends on the bits in logical order only (a
-    misaligned view is copied first), so equal tensors fingerprint equal whatever their layout."""
+    misaligned or strided view is copied first), so equal tensors fingerprint equal whatever their layout."""
     flat = t.detach().reshape(-1)
     size = flat.element_size()
     if (flat.numel() * size) % 8 == 0:
-        if (flat.storage_offset() * size) % 8:
-            flat = flat.clone()
+        # view(int64) of 2- or 4-byte elements needs stride 1, and reshape(-1) keeps a stepped or
+        # expanded 1-D view's stride (a .grad assigned as one raised out of backward()).
+        if (flat.storage_offset() * size) % 8 or not flat.is_contiguous():
+            flat = flat.clone(memory_format=torch.contiguous_format)
         # Σ w + (w >> 33) in one pass (csrc/include/bpclip_fast/checksum.h): the shifted part keeps two
         # sign flips in the words' high halves (abs_ of two negative fp32 there) from cancelling.
         return torch.ops.bpclip_fast.word_checksum(flat.view(torch.int64))
