@@ -95,7 +95,7 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
         # Σ w + (w >> 33) in one pass (csrc/include/bpclip_fast/checksum.h): the shifted part keeps two
         # sign flips in the words' high halves (abs_ of two negative fp32 there) from cancelling.
         return torch.ops.bpclip_fast.word_checksum(flat.view(torch.int64))
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[size]
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[size]
     return flat.view(bits).sum(dtype=torch.int64)
 
 

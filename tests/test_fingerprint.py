@@ -76,3 +76,13 @@ def test_the_word_sum_is_exact_and_independent_of_the_threads(threads):
 def test_the_word_sum_refuses_other_dtypes():
     with pytest.raises(RuntimeError, match="words must be int64"):
         torch.ops.bpclip_fast.word_checksum(torch.zeros(4, dtype=torch.float64))
+
+
+def test_one_byte_elements_of_an_odd_count_are_fingerprinted():
+    """bool/uint8 tensors whose bytes do not fill whole words: summed as 1-byte words (review 16)."""
+    t = torch.tensor([True, False, True], dtype=torch.bool)
+    before = _fingerprint(t)
+    t[1] = True
+    assert _fingerprint(t) != before
+    u = torch.arange(5, dtype=torch.uint8)
+    assert int(_fingerprint(u)) == sum(range(5))

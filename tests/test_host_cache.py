@@ -184,8 +184,12 @@ def test_a_weak_reference_to_a_gradient_storage_keeps_it_out_of_reuse():
         refs["w"] = StorageWeakRef(g.untyped_storage())
         return None
 
-    _, _, reused = _grad_storage_reuse(weak)
-    assert not reused
+    _, _, same_address = _grad_storage_reuse(weak)
+    # Python saw this storage (untyped_storage()), so the cache lets go of it: it is freed and the weak
+    # reference expires, and malloc may then give its address to the next gradient (seen in a full
+    # run, after other tests had raised glibc's mmap threshold), which is no reuse. A weak reference
+    # still alive must not reach the new gradient's storage.
+    assert refs["w"].expired() or not same_address
 
 
 def test_limit_zero_frees_the_idle_storages_and_stops_caching():
