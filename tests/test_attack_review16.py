@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bpclip_fast import PrivacyEngine, StepRefused, boundary
 from bpclip_fast.boundary import _fingerprint
+from test_attack_review3 import _private_plain_use  # review 3's weight used in plain code
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 OP = torch.ops.bpclip_fast.word_checksum
@@ -110,6 +111,17 @@ def test_the_fingerprint_is_the_exact_sum_for_every_layout(dtype, layout, thread
 EXTREMES = [-(1 << 63), -1, (1 << 63) - 1, 0, 1, -(1 << 33), (1 << 33) - 1, 1 << 33, -(1 << 33) - 1]
 
 
+def _planted_words(n):
+    """``n`` random words with the extremes at both ends (each thread's first and last share), and
+    their exact sum."""
+    gen = torch.Generator().manual_seed(n)
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=gen, dtype=torch.int64)
+    k = len(EXTREMES)
+    words[:k] = torch.tensor(EXTREMES)
+    words[-k:] = torch.tensor(EXTREMES[::-1])
+    return words, _signed(sum(w + (w >> 33) for w in words.tolist()))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [len(EXTREMES), (1 << 16) - 1, 1 << 16, (1 << 16) + 1, 5 * (1 << 16) + 7])
 def test_extreme_words_and_thread_splits_are_exact(n, threads):
@@ -119,12 +131,7 @@ def test_extreme_words_and_thread_splits_are_exact(n, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        gen = torch.Generator().manual_seed(n)
-        words = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=gen, dtype=torch.int64)
-        k = len(EXTREMES)
-        words[:k] = torch.tensor(EXTREMES)
-        words[-k:] = torch.tensor(EXTREMES[::-1])
-        want = _signed(sum(w + (w >> 33) for w in words.tolist()))
+        words, want = _planted_words(n)
         assert int(OP(words)) == want
         assert int(_fingerprint(words.view(torch.float64))) == want
         assert int(_fingerprint(words.view(torch.float32))) == want  # 2n fp32, whole words
@@ -320,6 +327,16 @@ def _private_mlp(batch=4, mode="flat", model=None):
             noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode, noise_seed=1, probe=False)
 
 
+def _step_refused_iff(opt, edit):
+    """The step is refused as grad-edit exactly when the loop edited a gradient."""
+    if edit:
+        with pytest.raises(StepRefused) as exc:
+            opt.step()
+        assert exc.value.rule == "grad-edit"
+    else:
+        opt.step()
+
+
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_an_edit_through_data_between_micro_batches_is_refused(mode, autocast, monkeypatch):
@@ -339,22 +356,8 @@ def test_an_edit_through_data_between_micro_batches_is_refused(mode, autocast, m
             d.view(torch.int32)[1, 2] += 1
         with ctx:
             F.cross_entropy(model(x[2:]), y[2:]).backward()
-        if edit:
-            with pytest.raises(StepRefused) as exc:
-                opt.step()
-            assert exc.value.rule == "grad-edit"
-        else:
-            opt.step()
+        _step_refused_iff(opt, edit)
     assert spy.calls > 0
-
-
-class _WeightAlsoInPlainCode(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.a(x) * (1 + 0.5 * self.a.weight.square().sum())
 
 
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
@@ -365,16 +368,7 @@ def test_compiled_weight_reuse_is_refused_and_the_checksum_runs_only_at_run_time
     torch._dynamo.reset()
     spy = _Spy(monkeypatch)
     try:
-        torch.manual_seed(0)
-        model = _WeightAlsoInPlainCode()
-        g = torch.Generator().manual_seed(1)
-        data = TensorDataset(torch.randn(20, 4, generator=g), torch.randint(0, 4, (20,), generator=g))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, opt, loader = PrivacyEngine().make_private(
-                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                data_loader=DataLoader(data, 5), noise_multiplier=1.0, clipping=mode, noise_seed=1,
-                probe=False, max_grad_norm=1.0)
+        model, opt, loader = _private_plain_use(mode, "linear")
         run = torch.compile(model, backend="inductor")
         x, y = next(iter(loader))
         opt.zero_grad()
@@ -416,15 +410,7 @@ def test_finding_a_strided_zeroed_grad_between_micro_batches_is_still_checked(ed
     zeroed pass is discarded) where a bias's zeros are a stepped view: the next partial pass's
     fingerprint raised a RuntimeError out of ``backward()``. Now it is fingerprinted, and a one-ulp
     edit through ``.data`` before the last pass is refused (grad-edit); without it the step goes through."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, loader = PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 6),
-            noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat", noise_seed=1, probe=False)
+    model, opt, loader = _private_mlp(batch=6)
     x, y = next(iter(loader))
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -438,12 +424,7 @@ def test_finding_a_strided_zeroed_grad_between_micro_batches_is_still_checked(ed
             assert bias.grad.stride() == (2,)
             bias.grad.data.view(torch.int32)[::2][0] += 1  # one ulp of element 0
         F.cross_entropy(model(x[3:]), y[3:]).backward()
-    if edit:
-        with pytest.raises(StepRefused) as exc:
-            opt.step()
-        assert exc.value.rule == "grad-edit"
-    else:
-        opt.step()
+    _step_refused_iff(opt, edit)
 
 
 # ------------------------------------------------------------------------------------ the emulated CUDA kernel
@@ -459,10 +440,5 @@ def test_the_emulated_launch_at_its_grid_cap_is_exact(n, sm_count):
 
     sim = harness.Simt(harness.build_library())
     sim.schedule("random", n + sm_count)
-    gen = torch.Generator().manual_seed(n)
-    words = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=gen, dtype=torch.int64)
-    k = len(EXTREMES)
-    words[:k] = torch.tensor(EXTREMES)
-    words[-k:] = torch.tensor(EXTREMES[::-1])
-    want = _signed(sum(w + (w >> 33) for w in words.tolist()))
+    words, want = _planted_words(n)
     assert int(sim.word_checksum(words, 0, sm_count)) == want
