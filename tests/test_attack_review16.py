@@ -384,8 +384,8 @@ def test_compiled_weight_reuse_is_refused_and_the_checksum_runs_only_at_run_time
 # ------------------------------------------------------------------------------------ findings
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["stepped_1d", "expanded_1d", "expanded_1d_odd_offset", "stepped_1d_offset_8_elements",
-                                    "stepped_1d_odd_offset"])
+@pytest.mark.parametrize("layout", ["stepped_1d", "expanded_1d", "expanded_1d_odd_offset",
+                                    "stepped_1d_offset_8_elements", "stepped_1d_odd_offset"])
 def test_finding_a_stepped_or_expanded_1d_tensor_is_fingerprinted(dtype, layout):
     """Finding 1 (low, before 77867a9 too). ``reshape(-1)`` keeps a 1-D view's stride, and ``view(int64)``
     of a 2- or 4-byte dtype needs stride 1: ``_fingerprint`` of a stepped or expanded 1-D tensor
