@@ -153,6 +153,8 @@ class LayerStep(BandRelease):
         self._nodes = []
         self._handles = []
         self._ours = frozenset()  # ids of our hook handles (foreign hooks are any others)
+        # param index -> weak reference to its AccumulateGrad node's pre-hook dict (ours and any other)
+        self._node_prehooks: dict[int, object] = {}
         self._hooked = None
         self._draws = 0           # draws of this step handed out so far (take_draw)
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
@@ -202,7 +204,10 @@ class LayerStep(BandRelease):
     def install_hooks(self) -> None:
         """Post-accumulate hooks (record what .grad holds) and AccumulateGrad pre-hooks (check what
         is accumulated is our own output). The AccumulateGrad nodes are kept alive here: autograd
-        reuses a live node for every later graph, so the hooks stay attached."""
+        reuses a live node for every later graph, so the hooks stay attached — and so does any
+        pre-hook the loop adds to such a node after ours, which runs after ours and before the
+        accumulation, where it could replace or edit what is accumulated; the node's pre-hook dict
+        (shared by every Python pre-hook of the node) is kept to see those (``_foreign_hooks_on``)."""
         self.remove_hooks()
         self._hooked = self._trainable()
         for i, p in enumerate(self.params):
@@ -212,7 +217,9 @@ class LayerStep(BandRelease):
                 node = p.view_as(p).grad_fn.next_functions[0][0]
             self._nodes.append(node)
             self._handles.append(p.register_hook(self._make_tensorhook(i, node)))
-            self._handles.append(node.register_prehook(self._make_prehook(i)))
+            prehook = node.register_prehook(self._make_prehook(i))
+            self._handles.append(prehook)
+            self._node_prehooks[i] = prehook.hooks_dict_ref
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_posthook(i)))
         self._ours = frozenset(h.id for h in self._handles)
 
@@ -220,6 +227,7 @@ class LayerStep(BandRelease):
         for h in self._handles:
             h.remove()
         self._handles, self._nodes, self._ours = [], [], frozenset()
+        self._node_prehooks = {}
 
     def _make_tensorhook(self, i, node):
         """Runs whenever this parameter's gradient is computed. If it is not going to be accumulated
@@ -297,11 +305,15 @@ class LayerStep(BandRelease):
 
     def _foreign_hooks_on(self, i, p=None) -> bool:
         # Set containment over the hook dicts' keys (their handle ids): one C-level pass each, asked
-        # per parameter per backward pass and again at step().
+        # per parameter per backward pass and again at step(). The AccumulateGrad node's pre-hooks:
+        # the dict our pre-hook went into (one per node; gone with the node, and then so are its hooks).
         p = self._param(i) if p is None else p
         ours = self._ours
+        node_ref = self._node_prehooks.get(i)
+        node_hooks = node_ref() if node_ref is not None else None
         return not (ours.issuperset(getattr(p, "_post_accumulate_grad_hooks", None) or ())
-                    and ours.issuperset(getattr(p, "_backward_hooks", None) or ()))
+                    and ours.issuperset(getattr(p, "_backward_hooks", None) or ())
+                    and ours.issuperset(node_hooks or ()))
 
     def _make_posthook(self, i):
         def posthook(p):

@@ -52,8 +52,8 @@ def _layer_records(engine):
         st.close_pass(params)
         hooked = st.foreign_hooks(params)
         if hooked:
-            problems.append(("grad-edit", f"gradient hooks on {', '.join(hooked)} (tensor or post-accumulate "
-                             "hooks can rewrite a private gradient); remove them", [st.name]))
+            problems.append(("grad-edit", f"gradient hooks on {', '.join(hooked)} (tensor, post-accumulate or "
+                             "AccumulateGrad pre-hooks can rewrite a private gradient); remove them", [st.name]))
         if st.params_moved(params):
             problems.append(("param-edit", f"{st.name}'s parameters changed since the step's first backward pass",
                              [st.name]))
