@@ -7,6 +7,8 @@ count of each backward, and learns which gradient tensors the backward returned.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -114,11 +116,36 @@ def _outputs(layer, ctx, gw, gb, scale):
     return gw, gb
 
 
+@contextlib.contextmanager
+def _saves_without_hooks():
+    """The loop's ``saved_tensors_hooks`` (every level of their stack) set aside while one of these
+    Functions is applied, so that what it saves is packed by no hook and unpacked as it was saved.
+    Why: the backward rebuilds the clipped input ``x̃ = RZ(s·x)`` from the saved ``x`` and the
+    forward's factor ``s`` (``reclip``, csrc/layers.cpp), and the bound ``‖x̃‖ ≤ C_x`` holds only for the
+    ``x`` that ``s`` was computed from: an unpack hook returning ``1000·x`` moved a release 14× past
+    its ``2BΔ`` (review 17). The exact modes need no such care: their backward computes every norm
+    from the tensors it unpacks. The cost: ``save_on_cpu`` and activation checkpointing do not offload
+    or drop these layers' saved inputs."""
+    hooks = []
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while top is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        hooks.append(top)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 def clipped_linear(x, weight, bias, layer, sensitivity):
     _ops.require_extension()
-    return _ClippedLinear.apply(x, weight, bias, layer, sensitivity)
+    with _saves_without_hooks():
+        return _ClippedLinear.apply(x, weight, bias, layer, sensitivity)
 
 
 def clipped_conv2d(x, weight, bias, layer, sensitivity, padding):
     _ops.require_extension()
-    return _ClippedConv2d.apply(x, weight, bias, layer, sensitivity, padding)
+    with _saves_without_hooks():
+        return _ClippedConv2d.apply(x, weight, bias, layer, sensitivity, padding)

@@ -243,8 +243,6 @@ def test_register_hook_dict_on_the_accumulate_node_never_runs():
 
 
 # ------------------------------------------------------------------ saved tensor hooks
-@pytest.mark.xfail(strict=True, reason="review 17, not fixed: a saved-tensor unpack hook feeds backprop's "
-                   "backward another x than the forward clipped (one batch's release moved by 14x its 2BΔ bound)")
 def test_saved_tensor_hooks_cannot_scale_a_backprop_layers_clipped_input():
     """``saved_tensors_hooks`` whose unpack returns another tensor than the pack got (a lossy
     activation-compression hook, or a malicious one): backprop mode rebuilds the clipped input from

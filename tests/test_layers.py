@@ -609,14 +609,25 @@ def test_clipped_model_saves_no_more_for_backward_than_the_plain_one():
     from bpclip_fast import models
 
     def saved_bytes(model, x):
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x).sum()
+        # Walked in the graph, not through saved_tensors_hooks, which the clipped layers save past
+        # (bpclip_fast.autograd._saves_without_hooks): every node's saved tensors, by storage.
+        storages, stack, seen, kept = {}, [model(x).sum().grad_fn], set(), []
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            kept.append(fn)  # alive, so that no later node's wrapper reuses its id
+            held = list(fn.saved_tensors) if hasattr(fn, "saved_tensors") else []  # our Functions
+            for name in dir(fn):
+                if name.startswith("_saved_"):
+                    v = getattr(fn, name)
+                    held += [v] if isinstance(v, torch.Tensor) else [t for t in v if isinstance(t, torch.Tensor)] \
+                        if isinstance(v, (list, tuple)) else []
+            for t in held:
+                if t is not None:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            stack += [n for n, _ in fn.next_functions]
         return sum(storages.values())
 
     torch.manual_seed(0)
