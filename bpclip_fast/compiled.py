@@ -340,6 +340,15 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``(out, x_factor, x_norm, meta)``: the clipped layer's forward (the extension's op, which also
     counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ]``."""
     lay = _lookup(_LAYERS, layer, "layer")
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # Eager backprop layers save past the hooks (autograd._saves_without_hooks); here the compiled
+        # graph's own Function saves x and the factor through them, and the backward rebuilds the
+        # clipped input from what the unpack returns: an unpack scaling x broke the bound (review 17).
+        raise RuntimeError(
+            f"{lay.layer_name}: a compiled model with backpropagation clipping cannot run inside "
+            "torch.autograd.graph.saved_tensors_hooks (save_on_cpu, a custom pack/unpack): the backward "
+            "rebuilds the clipped input from the saved input, which the hooks may change; run the compiled "
+            "model outside the hooks, run it eagerly, or use clipping='flat' or 'per_layer'")
     # its budget check and max-shape refusal, as the eager forward's, on the shape of the layer's own
     # input (nn.Conv1d: x is the kernels' view of it, exact.HEIGHT_ONE)
     own = lay._layer_input(x) if lay._weight_layout == exact.HEIGHT_ONE else x

@@ -90,3 +90,36 @@ def test_an_unpack_hook_cannot_change_what_the_backward_clips():
         return model[2].weight.grad.clone()
 
     assert torch.equal(grads(True), grads(False))
+
+
+def test_a_compiled_backprop_model_inside_saved_tensor_hooks_is_refused_before_anything_is_saved():
+    """Compiled, the graph's own Function saves the layer's input through the hooks, out of the
+    layers' reach: an unpack scaling it moved the release 200× (review 17). The forward refuses."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bpclip_fast import PrivacyEngine
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 8),
+                noise_multiplier=1.0, clipping="backprop", noise_seed=1, probe=False, input_clip=1.0, grad_clip=1.0)
+        compiled = torch.compile(model)
+        x, y = next(iter(loader))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t * 1000.0):
+            with pytest.raises(RuntimeError, match="cannot run inside torch.autograd.graph.saved_tensors_hooks"):
+                compiled(x)
+        opt.zero_grad()
+        F.cross_entropy(compiled(x), y).backward()  # outside the hooks: the same compiled model trains
+        opt.step()
+    finally:
+        torch._dynamo.reset()
