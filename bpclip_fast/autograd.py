@@ -116,6 +116,12 @@ def _outputs(layer, ctx, gw, gb, scale):
     return gw, gb
 
 
+_HOOKS_INSIDE = (
+    "bpclip_fast: saved_tensors_hooks were entered inside a backpropagation-clipping layer's autograd "
+    "Function (code run by its forward, such as a tensor subclass's __torch_function__): they would pack "
+    "the input its backward clips; enter the hooks around the model's call instead, or pass a plain tensor")
+
+
 @contextlib.contextmanager
 def _saves_without_hooks():
     """The loop's ``saved_tensors_hooks`` (every level of their stack) set aside while one of these
@@ -125,7 +131,10 @@ def _saves_without_hooks():
     ``x`` that ``s`` was computed from: an unpack hook returning ``1000·x`` moved a release 14× past
     its ``2BΔ`` (review 17). The exact modes need no such care: their backward computes every norm
     from the tensors it unpacks. The cost: ``save_on_cpu`` and activation checkpointing do not offload
-    or drop these layers' saved inputs."""
+    or drop these layers' saved inputs. While the Function runs, the hooks are also disabled: code
+    running inside it (a tensor subclass's ``__torch_function__`` on the extension's op) pushed a
+    hook that then packed the saved ``x``, and its unpack scaled the clipped input 2500× (review 18);
+    now that push raises."""
     hooks = []
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     while top is not None:
@@ -133,7 +142,8 @@ def _saves_without_hooks():
         hooks.append(top)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     try:
-        yield
+        with torch.autograd.graph.disable_saved_tensors_hooks(_HOOKS_INSIDE):
+            yield
     finally:
         for pack, unpack in reversed(hooks):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)

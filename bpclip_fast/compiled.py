@@ -251,6 +251,9 @@ def flat_collect(params: list[torch.Tensor], group: int) -> torch.Tensor:
     """A new book of ``group`` for this forward; one token per flat layer whose value is its serial."""
     grp = _lookup(_GROUPS, group, "flat clipping")
     book = exact._Book(grp, ())
+    # the parameters themselves, by position: the backward's ``params`` are what the graph saved, and
+    # an unpack (save_on_cpu) returns copies, which no release is keyed by (an IndexError, review 18)
+    book.compiled_params = list(params)
     _BOOKS[book.serial] = book
     while len(_BOOKS) > _MAX_BOOKS:
         _BOOKS.popitem(last=False)
@@ -274,6 +277,11 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
     _RELEASED[book.serial] = None
     while len(_RELEASED) > _MAX_BOOKS:
         _RELEASED.popitem(last=False)
+    own = book.compiled_params
+    if len(own) != len(params) or any(o.shape != p.shape for o, p in zip(own, params)):
+        raise RuntimeError("bpclip_fast.compiled: a flat release received other parameters than its forward "
+                           "collected (a saved_tensors_hooks unpack changed them); unpack what was packed")
+    params = own
     grads = grp.release(book)
     missing = [p for p in params if id(p) not in grads]
     if missing:
