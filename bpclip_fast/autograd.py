@@ -135,18 +135,29 @@ def _saves_without_hooks():
     running inside it (a tensor subclass's ``__torch_function__`` on the extension's op) pushed a
     hook that then packed the saved ``x``, and its unpack scaled the clipped input 2500× (review 18);
     now that push raises."""
+    hooks = _pop_saved_tensor_hooks()
+    try:
+        with torch.autograd.graph.disable_saved_tensors_hooks(_HOOKS_INSIDE):
+            yield
+    finally:
+        _push_saved_tensor_hooks(hooks)
+
+
+def _pop_saved_tensor_hooks():
+    """Every level of the thread's ``saved_tensors_hooks`` stack, popped: ``[(pack, unpack)]``, top first."""
     hooks = []
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     while top is not None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
         hooks.append(top)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    try:
-        with torch.autograd.graph.disable_saved_tensors_hooks(_HOOKS_INSIDE):
-            yield
-    finally:
-        for pack, unpack in reversed(hooks):
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return hooks
+
+
+def _push_saved_tensor_hooks(hooks):
+    """The levels :func:`_pop_saved_tensor_hooks` returned, pushed back in their order."""
+    for pack, unpack in reversed(hooks):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def clipped_linear(x, weight, bias, layer, sensitivity):

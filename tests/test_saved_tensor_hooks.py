@@ -22,14 +22,8 @@ def _model():
 
 def _stack():
     """The hook stack as (pack, unpack) pairs, top first, left as found."""
-    out = []
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    while top is not None:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        out.append(top)
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    for pack, unpack in reversed(out):
-        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    out = bautograd._pop_saved_tensor_hooks()
+    bautograd._push_saved_tensor_hooks(out)
     return out
 
 
