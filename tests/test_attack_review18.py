@@ -79,7 +79,8 @@ def test_a_hook_pushed_inside_the_layers_function_never_packs_its_saves():
     x = torch.randn(4, 6).as_subclass(_Pushing)
     _Pushing.pushed.clear()
     try:
-        with pytest.raises(RuntimeError, match="saved_tensors_hooks were entered inside a backpropagation-clipping layer"):
+        with pytest.raises(RuntimeError,
+                           match="saved_tensors_hooks were entered inside a backpropagation-clipping layer"):
             out = model(x)
             out.as_subclass(torch.Tensor)[:, 0].sum().backward()
         assert _Pushing.pushed, "the probe never ran inside the Function"
@@ -218,7 +219,8 @@ def test_a_compiled_backprop_forward_inside_hooks_raises_before_anything_is_char
         x, y = next(iter(loader))
         opt.zero_grad()
         with torch.autograd.graph.save_on_cpu():
-            with pytest.raises(RuntimeError, match=r"cannot run inside torch\.autograd\.graph\.saved_tensors_hooks") as e:
+            with pytest.raises(RuntimeError,
+                               match=r"cannot run inside torch\.autograd\.graph\.saved_tensors_hooks") as e:
                 F.cross_entropy(compiled(x), y).backward()
         assert "0" in str(e.value).split(":")[0] or "Linear" in str(e.value) or "layer" in str(e.value)
         assert len(engine.accountant) == 0
