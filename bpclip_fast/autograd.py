@@ -7,13 +7,13 @@ count of each backward, and learns which gradient tensors the backward returned.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _ops, exact
 from .amp import autocast_off
+
+_C_AUTOGRAD = torch._C._autograd  # the saved-tensor hook stack's private controls
 
 
 class _ClippedLinear(torch.autograd.Function):
@@ -122,10 +122,9 @@ _HOOKS_INSIDE = (
     "the input its backward clips; enter the hooks around the model's call instead, or pass a plain tensor")
 
 
-@contextlib.contextmanager
-def _saves_without_hooks():
-    """The loop's ``saved_tensors_hooks`` (every level of their stack) set aside while one of these
-    Functions is applied, so that what it saves is packed by no hook and unpacked as it was saved.
+def _apply_without_hooks(fn, *args):
+    """``fn(*args)`` (one of these Functions' ``apply``) with the loop's ``saved_tensors_hooks`` (every
+    level of their stack) set aside, so that what it saves is packed by no hook and unpacked as saved.
     Why: the backward rebuilds the clipped input ``x̃ = RZ(s·x)`` from the saved ``x`` and the
     forward's factor ``s`` (``reclip``, csrc/layers.cpp), and the bound ``‖x̃‖ ≤ C_x`` holds only for the
     ``x`` that ``s`` was computed from: an unpack hook returning ``1000·x`` moved a release 14× past
@@ -136,37 +135,40 @@ def _saves_without_hooks():
     hook that then packed the saved ``x``, and its unpack scaled the clipped input 2500× (review 18);
     now that push raises."""
     hooks = _pop_saved_tensor_hooks()
-    try:
-        with torch.autograd.graph.disable_saved_tensors_hooks(_HOOKS_INSIDE):
-            yield
+    prev = _C_AUTOGRAD._saved_tensors_hooks_get_disabled_error_message()
+    try:  # torch.autograd.graph.disable_saved_tensors_hooks' calls, without its generator per layer call
+        _C_AUTOGRAD._saved_tensors_hooks_disable(_HOOKS_INSIDE)
+        return fn(*args)
     finally:
+        if prev is None:
+            _C_AUTOGRAD._saved_tensors_hooks_enable()
+        else:
+            _C_AUTOGRAD._saved_tensors_hooks_disable(prev)
         _push_saved_tensor_hooks(hooks)
 
 
 def _pop_saved_tensor_hooks():
     """Every level of the thread's ``saved_tensors_hooks`` stack, popped: ``[(pack, unpack)]``, top first."""
     hooks = []
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = _C_AUTOGRAD._top_saved_tensors_default_hooks(False)
     while top is not None:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+        _C_AUTOGRAD._pop_saved_tensors_default_hooks()
         hooks.append(top)
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = _C_AUTOGRAD._top_saved_tensors_default_hooks(False)
     return hooks
 
 
 def _push_saved_tensor_hooks(hooks):
     """The levels :func:`_pop_saved_tensor_hooks` returned, pushed back in their order."""
     for pack, unpack in reversed(hooks):
-        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        _C_AUTOGRAD._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def clipped_linear(x, weight, bias, layer, sensitivity):
     _ops.require_extension()
-    with _saves_without_hooks():
-        return _ClippedLinear.apply(x, weight, bias, layer, sensitivity)
+    return _apply_without_hooks(_ClippedLinear.apply, x, weight, bias, layer, sensitivity)
 
 
 def clipped_conv2d(x, weight, bias, layer, sensitivity, padding):
     _ops.require_extension()
-    with _saves_without_hooks():
-        return _ClippedConv2d.apply(x, weight, bias, layer, sensitivity, padding)
+    return _apply_without_hooks(_ClippedConv2d.apply, x, weight, bias, layer, sensitivity, padding)

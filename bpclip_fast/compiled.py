@@ -349,7 +349,7 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ]``."""
     lay = _lookup(_LAYERS, layer, "layer")
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-        # Eager backprop layers save past the hooks (autograd._saves_without_hooks); here the compiled
+        # Eager backprop layers save past the hooks (autograd._apply_without_hooks); here the compiled
         # graph's own Function saves x and the factor through them, and the backward rebuilds the
         # clipped input from what the unpack returns: an unpack scaling x broke the bound (review 17).
         raise RuntimeError(

@@ -1,5 +1,5 @@
 """Review 18: attacks on review 17's fix, backprop layers saving past the loop's ``saved_tensors_hooks``
-(``autograd._saves_without_hooks``) and the compiled refusal (``compiled.backprop_forward``).
+(``autograd._apply_without_hooks``) and the compiled refusal (``compiled.backprop_forward``).
 
 Probed: the stack is restored by identity and order at every nesting; hooks pushed from module hooks;
 hooks pushed *inside* the layer's Function by a tensor subclass's ``__torch_function__``; activation
@@ -32,7 +32,7 @@ def test_three_levels_are_restored_by_identity_and_hooks_pushed_by_module_hooks_
     extra = (lambda t: t, lambda t: t)
     seen = {}
 
-    def pre(mod, args):  # runs before the layer's Function, outside _saves_without_hooks
+    def pre(mod, args):  # runs before the layer's Function, outside _apply_without_hooks
         seen["pre"] = _stack()
         torch._C._autograd._push_saved_tensors_default_hooks(*extra)
 
@@ -57,7 +57,7 @@ def test_three_levels_are_restored_by_identity_and_hooks_pushed_by_module_hooks_
 
 class _Pushing(torch.Tensor):
     """An input whose ``__torch_function__`` pushes a scaling hook when the layer's own op runs and
-    leaves it on the stack: inside ``_ClippedLinear.forward``, after ``_saves_without_hooks`` emptied
+    leaves it on the stack: inside ``_ClippedLinear.forward``, after ``_apply_without_hooks`` emptied
     the stack and before ``save_for_backward``."""
 
     pushed = []

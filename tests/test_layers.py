@@ -610,7 +610,7 @@ def test_clipped_model_saves_no_more_for_backward_than_the_plain_one():
 
     def saved_bytes(model, x):
         # Walked in the graph, not through saved_tensors_hooks, which the clipped layers save past
-        # (bpclip_fast.autograd._saves_without_hooks): every node's saved tensors, by storage.
+        # (bpclip_fast.autograd._apply_without_hooks): every node's saved tensors, by storage.
         storages, stack, seen, kept = {}, [model(x).sum().grad_fn], set(), []
         while stack:
             fn = stack.pop()

@@ -1,6 +1,6 @@
 """Backpropagation clipping's layers save past the loop's ``saved_tensors_hooks`` (review 17): their
 backward rebuilds the clipped input from the saved ``x`` and the forward's factor, and the bound holds
-only for the ``x`` the factor came from (``autograd._saves_without_hooks``). The loop's hooks are set
+only for the ``x`` the factor came from (``autograd._apply_without_hooks``). The loop's hooks are set
 aside for those layers alone and restored, level by level, whatever happens; every other op of the
 model still goes through them."""
 
