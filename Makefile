@@ -1,7 +1,9 @@
 # bpclip_fast developer entry points. On a fresh clone `make test` / `make demo` do everything:
 # create .venv, install the pinned dependencies, build the extension, run.
 #
-#   make venv       .venv + requirements-dev.txt (stamp file: re-runs are instant)
+#   make venv       .venv + requirements-dev.txt (stamp file: re-runs are instant). No pip cache:
+#                   the CUDA build of torch and its libraries are several GB, and a second copy in
+#                   ~/.cache/pip once filled a CI machine's disk.
 #   make build      build bpclip_fast._C (incremental; rebuilt when csrc/, setup.py,
 #                   tools/cuda_archs.py or switches change)
 #   make test       build, pytest, then the C++ tests (cmake + ctest in build/cmake)
@@ -49,7 +51,7 @@ venv: $(VENV_STAMP)
 
 $(VENV_STAMP): requirements-dev.txt
 	@test -x $(PY) || { echo "creating $(VENV) with $$($(PYTHON) --version)"; $(PYTHON) -m venv $(VENV); }
-	$(PY) -m pip install -r requirements-dev.txt
+	$(PY) -m pip install --no-cache-dir -r requirements-dev.txt
 	@touch $@
 
 # The switches that change what setup.py builds; the file is rewritten only when they change,
