@@ -164,7 +164,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     lay = _lookup(_LAYERS, layer, "layer")
     lay._check_bounds_version(int(version[0]))
     geometry = _geometry(stride, padding, dilation, groups)
-    book = None if token is None else _book(int(token.item()), [lay])
+    book = _layer_book(token, lay)
     g = grad_out.contiguous()
     gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
     pmask = exact._trainable(lay) if book is not None else list(mask[1:])
@@ -240,9 +240,24 @@ def _book(serial: int, layers=None) -> "exact._Book":
         exact._refuse_release(layers, "a second backward pass reached a compiled flat forward whose release was "
                               "already made (backward(retain_graph=True) run twice)", "run one backward per forward")
     if book is None:
-        raise RuntimeError("bpclip_fast.compiled: a flat layer's backward reached a forward whose book was dropped "
-                           f"(more than {_MAX_BOOKS} compiled forwards ran without their backward); run the backward "
-                           "of each forward, or run the forward under torch.no_grad()")
+        raise RuntimeError("bpclip_fast.compiled: a flat layer's backward reached a forward whose book is gone "
+                           f"(more than {_MAX_BOOKS} compiled forwards ran without their backward, or a "
+                           "saved_tensors_hooks unpack changed its token); run the backward of each forward, or run "
+                           "the forward under torch.no_grad(), and unpack what was packed")
+    return book
+
+
+def _layer_book(token, lay):
+    """The book a flat layer's backward op adds its entry to: the one its saved token names (``None``
+    for a layer that is not flat), refused unless the layer is one of that book's."""
+    if token is None:
+        return None
+    book = _book(int(token.item()), [lay])
+    if not any(m is lay for m in book.group.layers):
+        # The serial is data (a saved token): one changed by an unpack hook can name another group's book.
+        exact._refuse_release([lay], "a compiled flat layer's backward received a token naming a forward of "
+                              "another model's flat clipping (a saved_tensors_hooks unpack changed it)",
+                              "unpack what was packed")
     return book
 
 
@@ -272,7 +287,11 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
     grp = _lookup(_GROUPS, group, "flat clipping")
-    book = _book(int(tokens[0].item()), grp.layers)
+    serials = tokens.tolist()
+    if len(set(serials)) != 1:  # one forward's tokens all carry its book's serial (flat_collect)
+        exact._refuse_release(grp.layers, "a compiled flat release received tokens of several forwards (a "
+                              "saved_tensors_hooks unpack changed them)", "unpack what was packed")
+    book = _book(int(serials[0]), grp.layers)
     del _BOOKS[book.serial]
     _RELEASED[book.serial] = None
     while len(_RELEASED) > _MAX_BOOKS:
@@ -482,7 +501,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     """``(∇W, ∇b, ∇token)`` — ``exact_examples._Tap.backward`` at run time; empty tensors where not returned."""
     lay = _lookup(_LAYERS, layer, "layer")
     lay._check_bounds_version(int(version[0]))
-    book = None if token is None else _book(int(token.item()), [lay])
+    book = _layer_book(token, lay)
     pmask = exact._trainable(lay) if book is not None else list(mask)
 
     def none():

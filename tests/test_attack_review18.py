@@ -280,3 +280,58 @@ def test_compiled_flat_under_save_on_cpu_trains_or_refuses_clearly():
         assert len(engine.accountant) == 1
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ compiled flat: tokens are data
+def _retoken(change):
+    """An unpack that passes ``change`` every saved float64 CPU tensor (the compiled flat tokens are
+    the only ones in these models) and everything else unchanged."""
+    def unpack(t):
+        return change(t) if t.dtype == torch.float64 and t.device.type == "cpu" else t
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack)
+
+
+def _compiled_flat_refused(run):
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _private("flat")
+        compiled = torch.compile(model)
+        x, y = next(iter(loader))
+        with pytest.raises((StepRefused, RuntimeError)) as exc:
+            run(engine, compiled, x, y)
+            opt.step()
+        assert all(p.grad is None for p in model.parameters())
+        return str(exc.value)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_flat_release_refuses_tokens_of_several_forwards():
+    """The release reads its book from the tokens it saved; an unpack that makes them disagree (one
+    forward's layers pointing at another forward's book) is refused by name, not released."""
+    def spread(t):
+        return t + torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape) if t.dim() == 1 else t
+
+    def run(engine, compiled, x, y):
+        with _retoken(spread):
+            out = compiled(x)
+        later = compiled(x)  # the next serial: the second layer's token names this open book, of the same model
+        F.cross_entropy(out, y, reduction="sum").backward()
+        del later
+    assert "tokens of several forwards" in _compiled_flat_refused(run)
+
+
+def test_compiled_flat_layer_refuses_a_token_naming_another_models_book():
+    """The saved tokens rewritten to the serial of another private model's open book: the layers'
+    entries would join that model's release. Refused by the layers' own backward op."""
+    from bpclip_fast import compiled as compiled_mod
+
+    def run(engine, compiled, x, y):
+        _, other, _, other_loader = _private("flat")
+        other_out = torch.compile(other)(next(iter(other_loader))[0])  # its book stays open
+        theirs = next(reversed(compiled_mod._BOOKS))
+        with _retoken(lambda t: torch.full_like(t, float(theirs))):
+            out = compiled(x)
+        F.cross_entropy(out, y, reduction="sum").backward()
+        del other_out
+    assert "another model's flat clipping" in _compiled_flat_refused(run)
