@@ -60,7 +60,7 @@ class _ClippedConv2d(torch.autograd.Function):
 def _backward(ctx, grad_out, op, *geometry):
     """``(grad_x, grad_weight, grad_bias)`` from a layer's backward op: the forward's saved tensors,
     the layer's own arguments (``geometry``: Conv2d's) and the arguments both ops end with."""
-    ctx.layer._check_bounds_version(ctx.bounds_version)  # before the saved tensors: their own check is less clear
+    ctx.layer._check_forward(ctx, ctx.bounds_version)  # before the saved tensors: their own check is less clear
     x, factor, norm, weight = ctx.saved_tensors
     args, scale = _backward_args(ctx, grad_out.shape[0])
     _count_unclipped(ctx.layer, norm, grad_out, args[0])

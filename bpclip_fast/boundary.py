@@ -420,6 +420,40 @@ class LayerStep(BandRelease):
         self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
         self._pass_counts = None
 
+    def first_landing(self, ctx) -> None:
+        """A forward's examples land in ``.grad`` in one backward pass at most. A second pass over a
+        retained graph (``backward(retain_graph=True)`` run again, two losses of one forward, a retained
+        graph's backward in a later step) would release them again, and the row count misses it where
+        the forward saw part of the batch (4 + 4 rows of a batch of 8, review 19). ``ctx``: the
+        forward's autograd context, marked (never reused, unlike an id) by the first pass whose
+        gradients reach this layer's ``AccumulateGrad`` nodes; a pass that does not
+        (``torch.autograd.grad`` with respect to the input) leaves it unmarked. A later pass is a
+        violation: ``step()`` refuses and charges, as for the row count."""
+        if not self.enforce:
+            return
+        task = torch._C._current_graph_task_id()
+        landed = getattr(ctx, "_bp_landed", None)
+        if landed is None:
+            if self._lands():
+                ctx._bp_landed = task
+            return
+        if landed != task:  # refused at step(), as the row count's own violations, naming every such layer
+            self.violations.append(("rows", "a second backward pass reached one forward (backward(retain_graph=True) "
+                                    "run again, or a retained graph's backward after its step): its examples were "
+                                    "released twice"))
+
+    def _lands(self) -> bool:
+        """Whether this backward pass accumulates into the layer's ``.grad`` (its AccumulateGrad nodes
+        run); torch refuses the question inside ``torch.autograd.grad`` of a parameter (a capture,
+        refused by the tensor hooks)."""
+        for node in self._nodes:
+            try:
+                if torch._C._will_engine_execute_node(node):
+                    return True
+            except RuntimeError:
+                return False
+        return False
+
     def begin_backward(self, rows: int, sensitivity: float):
         """``(seed, offset, std, d, scale)`` for one backward pass over ``rows`` example rows:
         clip at ``C/d``, add noise of std ``std`` (0: none), multiply ``[∇W, ∇b]`` by ``scale``."""

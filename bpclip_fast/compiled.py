@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import weakref
 
 import torch
@@ -240,11 +241,23 @@ def _book(serial: int, layers=None) -> "exact._Book":
         exact._refuse_release(layers, "a second backward pass reached a compiled flat forward whose release was "
                               "already made (backward(retain_graph=True) run twice)", "run one backward per forward")
     if book is None:
-        raise RuntimeError("bpclip_fast.compiled: a flat layer's backward reached a forward whose book is gone "
-                           f"(more than {_MAX_BOOKS} compiled forwards ran without their backward, or a "
-                           "saved_tensors_hooks unpack changed its token); run the backward of each forward, or run "
-                           "the forward under torch.no_grad(), and unpack what was packed")
+        details = ("a compiled flat backward reached a forward whose book is gone (more than "
+                   f"{_MAX_BOOKS} compiled forwards ran without their backward, or a saved_tensors_hooks unpack "
+                   "changed its token)")
+        instead = "run the backward of each forward, or the forward under torch.no_grad(), and unpack what was packed"
+        if layers:  # refused through the layers' step, as every other refusal of a backward
+            exact._refuse_release(layers, details, instead)
+        raise RuntimeError(f"bpclip_fast.compiled: {details}; {instead}")
     return book
+
+
+def _serial(value: float, layers) -> int:
+    """A token's value as a book serial: a whole number ``>= 0`` (flat_collect writes serials below
+    2^53, exact in float64); anything else was written by an unpack hook, refused before ``int()``."""
+    if not (math.isfinite(value) and value >= 0 and value == math.floor(value)):
+        exact._refuse_release(layers, f"a compiled flat token holds {value!r}, not a book's serial (a "
+                              "saved_tensors_hooks unpack changed it)", "unpack what was packed")
+    return int(value)
 
 
 def _layer_book(token, lay):
@@ -252,7 +265,7 @@ def _layer_book(token, lay):
     for a layer that is not flat), refused unless the layer is one of that book's."""
     if token is None:
         return None
-    book = _book(int(token.item()), [lay])
+    book = _book(_serial(token.item(), [lay]), [lay])
     if not any(m is lay for m in book.group.layers):
         # The serial is data (a saved token): one changed by an unpack hook can name another group's book.
         exact._refuse_release([lay], "a compiled flat layer's backward received a token naming a forward of "
@@ -287,11 +300,15 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
     grp = _lookup(_GROUPS, group, "flat clipping")
-    serials = tokens.tolist()
-    if len(set(serials)) != 1:  # one forward's tokens all carry its book's serial (flat_collect)
+    serials = {_serial(v, grp.layers) for v in tokens.tolist()}
+    if len(serials) != 1:  # one forward's tokens all carry its book's serial (flat_collect)
         exact._refuse_release(grp.layers, "a compiled flat release received tokens of several forwards (a "
                               "saved_tensors_hooks unpack changed them)", "unpack what was packed")
-    book = _book(int(serials[0]), grp.layers)
+    book = _book(serials.pop(), grp.layers)
+    if book.group is not grp:  # checked before the book is consumed: it is another model's, still open
+        exact._refuse_release(grp.layers, "a compiled flat release received tokens naming a forward of another "
+                              "model's flat clipping (a saved_tensors_hooks unpack changed them)",
+                              "unpack what was packed")
     del _BOOKS[book.serial]
     _RELEASED[book.serial] = None
     while len(_RELEASED) > _MAX_BOOKS:
@@ -308,7 +325,7 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
         # whose output never reached the loss. Zeros would land as a gradient without a draw.
         names = [layer.layer_name for layer in grp.layers
                  if any(q is p for p in missing for q in (layer.weight, layer.bias))]
-        exact._refuse_release([layer for layer in grp.layers if layer.layer_name in names],
+        exact._refuse_release([layer for layer in grp.layers if layer.layer_name in names] or grp.layers,
                               "under torch.compile every flat layer's output must reach the loss (no gradient "
                               "can be left out of a compiled backward)", "run that layer eagerly or freeze it")
     _seal(*grp.layers)

@@ -343,7 +343,7 @@ class FlatClipping:
 
 def _refuse_release(layers, details, instead, rule="rows"):
     names = ", ".join(dict.fromkeys(layer.layer_name for layer in layers))
-    step = layers[0]._step
+    step = layers[0]._step if layers else None
     if step is not None:
         step.refuse(rule, f"{details} [{names}]")
     raise RuntimeError(f"{details} [{names}]; {instead}")
@@ -435,7 +435,7 @@ class _ExactLayer(torch.autograd.Function):
     @once_differentiable
     @autocast_off
     def backward(ctx, grad_out):
-        ctx.layer._check_bounds_version(ctx.bounds_version)  # before the saved tensors: their own check is less clear
+        ctx.layer._check_forward(ctx, ctx.bounds_version)  # before the saved tensors: their own check is less clear
         x, weight = ctx.saved_tensors
         layer, geometry, book = ctx.layer, ctx.geometry, ctx.book
         g = grad_out.contiguous()

@@ -47,7 +47,7 @@ class _Tap(torch.autograd.Function):
     @once_differentiable
     @autocast_off
     def backward(ctx, grad_out):
-        ctx.layer._check_bounds_version(ctx.bounds_version)
+        ctx.layer._check_forward(ctx, ctx.bounds_version)
         saved = ctx.saved_tensors
         layer, book = ctx.layer, ctx.book
         nones = (None,) * (4 + len(saved))

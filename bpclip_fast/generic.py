@@ -107,7 +107,7 @@ class _Unit(torch.autograd.Function):
     def backward(ctx, *grads):
         st = ctx.state
         layer = st.layer
-        layer._check_bounds_version(st.bounds_version)
+        layer._check_forward(ctx, st.bounds_version)
         n_params = len(ctx.needs_input_grad) - 3 - ctx.n_inputs
         nones = (None,) * (3 + ctx.n_inputs + n_params)
         pairs = [(o, g, d) for o, g, d in zip(st.outs, grads, st.dims) if g is not None]

@@ -104,6 +104,13 @@ class _Clipped:
             nn.Module.__setattr__(self, name, _check_positive(value, name, self.layer_name))
         self._bounds_version += 1
 
+    def _check_forward(self, ctx, version: int) -> None:
+        """An eager backward's checks against its forward (``ctx``, its autograd context): the bounds it
+        clipped with, and no earlier pass over it landed (``boundary.LayerStep.first_landing``)."""
+        self._check_bounds_version(version)
+        if self._step is not None:
+            self._step.first_landing(ctx)
+
     def _check_bounds_version(self, version: int) -> None:
         """Refuses a backward whose forward ran before the bounds last changed."""
         if version != self._bounds_version:

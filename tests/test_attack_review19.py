@@ -1,0 +1,202 @@
+"""Review 19: attacks on compiled flat's tokens (a book's serial carried as data) and a second backward
+pass over one retained forward.
+
+* Compiled flat: a token an unpack hook rewrote — to NaN, infinity, a fraction, a serial no book has,
+  or another model's open book — is refused through the layers' step, never an ``OverflowError`` or
+  ``IndexError``, and another model's book is not consumed by the refusal.
+* Every eager mode: ``backward(retain_graph=True)`` run again over a forward of half the batch
+  released those examples twice (4 + 4 rows fit a batch of 8, so the row count passed); a retained
+  graph backwarded after the step of its forward likewise. Refused at ``step()`` now
+  (``first_landing``), while a pass with respect to the input followed by the training backward
+  still trains."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bpclip_fast import PrivacyEngine, StepRefused
+from bpclip_fast import compiled as compiled_mod
+from test_accumulate_prehook import _inner, _private
+from test_attack_review18 import _retoken
+
+REFUSED = (StepRefused, RuntimeError)
+
+
+class _Broken(nn.Module):
+    """Two flat layers with a graph break between them: the collector's tokens and each layer's token
+    are saved by different compiled graphs, so an unpack can change the collector's alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _first_save_only(change):
+    """An unpack that passes ``change`` only the first float64 CPU tensor saved (``_Broken``: the
+    collector's tokens)."""
+    packed = [0]
+
+    def pack(t):
+        if t.dtype == torch.float64 and t.device.type == "cpu":
+            packed[0] += 1
+            return packed[0] == 1, t
+        return False, t
+
+    def unpack(saved):
+        first, t = saved
+        return change(t) if first else t
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _refused(run, model=None):
+    """``run(compiled, x, y)`` then ``step()``: refused, with no gradient left; returns the message."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _private("flat", model)
+        compiled = torch.compile(model)
+        x, y = next(iter(loader))
+        with pytest.raises(REFUSED) as exc:
+            run(compiled, x, y)
+            opt.step()
+        assert all(p.grad is None for p in model.parameters())
+        return str(exc.value)
+    finally:
+        torch._dynamo.reset()
+
+
+def _backward(out, y):
+    F.cross_entropy(out, y, reduction="sum").backward()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 3.5, 2.0 ** 60])
+def test_compiled_flat_token_that_is_no_open_serial_is_refused_naming_a_layer(value):
+    def run(compiled, x, y):
+        with _retoken(lambda t: torch.full_like(t, value)):
+            out = compiled(x)
+        _backward(out, y)
+    message = _refused(run)
+    assert "[0" in message or "[2" in message, message  # the Sequential's layer names
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_compiled_flat_release_token_that_is_no_serial_is_refused(value):
+    def run(compiled, x, y):
+        with _first_save_only(lambda t: torch.full_like(t, value)):
+            out = compiled(x)
+        _backward(out, y)
+    assert "not a book's serial" in _refused(run, _Broken())
+
+
+def test_compiled_flat_release_naming_another_models_book_is_refused_and_leaves_that_book():
+    """The collector's tokens rewritten to another private model's open book (the same architecture,
+    so the parameters' shapes agree): refused by name before that book is consumed, so the other
+    model's own backward and step still go through."""
+    torch._dynamo.reset()
+    try:
+        _, other, other_opt, other_loader = _private("flat", _Broken())
+        ox, oy = next(iter(other_loader))
+        other_out = torch.compile(other)(ox)
+        theirs = next(reversed(compiled_mod._BOOKS))
+
+        def run(compiled, x, y):
+            with _first_save_only(lambda t: torch.full_like(t, float(theirs))):
+                out = compiled(x)
+            _backward(out, y)
+        assert "another model's flat clipping" in _refused(run, _Broken())
+        _backward(other_out, oy)
+        other_opt.step()
+        assert all(p.grad is not None for p in other.parameters())
+    finally:
+        torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ eager: one landing pass per forward
+def _fixed(mode, model=None):
+    """As ``_private``, with batches of exactly 8 (no Poisson sampling): halves of 4 rows."""
+    torch.manual_seed(0)
+    model = model if model is not None else nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
+    bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
+    engine = PrivacyEngine(accountant="zcdp")  # the accountant of shuffled fixed-size batches
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 8),
+            noise_multiplier=1.0, clipping=mode, noise_seed=1, probe=False, poisson_sampling=False, **bounds)
+    return engine, model, opt, loader
+
+
+def _half_batch_twice(model, x, y, retain_first=True):
+    out = model(x[: len(x) // 2])
+    loss = F.cross_entropy(out, y[: len(x) // 2])
+    loss.backward(retain_graph=retain_first)
+    loss.backward()
+
+
+def _norm_model():
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+@pytest.mark.parametrize("net", ["linear", "layernorm"])
+def test_a_second_backward_over_one_forward_of_half_the_batch_is_refused_and_charged(mode, net):
+    """The two passes' rows (4 + 4) fit the batch of 8, so the row count alone let the four examples
+    be released twice under one draw."""
+    if mode == "backprop" and net == "layernorm":
+        pytest.skip("backpropagation clipping trains Linear and Conv layers only")
+    engine, model, opt, loader = _fixed(mode, _norm_model() if net == "layernorm" else None)
+    x, y = next(iter(loader))
+    assert len(x) == 8
+    charged = len(engine.accountant)
+    _half_batch_twice(model, x, y)
+    with pytest.raises(StepRefused) as exc:
+        opt.step()
+    assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+    assert all(p.grad is None for p in _inner(model).parameters())
+    assert len(engine.accountant) == charged + 1  # the sampled batch is charged, as every refusal
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_a_retained_graph_backwarded_after_its_step_is_refused(mode):
+    """A forward's graph kept across ``step()`` and backwarded in the next step, on that step's own
+    batch of the same size: the old batch's examples in a new release."""
+    engine, model, opt, loader = _fixed(mode)
+    batches = iter(loader)
+    x, y = next(batches)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward(retain_graph=True)
+    opt.step()
+    opt.zero_grad()
+    next(batches)  # the next step's batch is drawn; its forward never runs
+    with pytest.raises(REFUSED):
+        loss.backward()
+        opt.step()
+    assert all(p.grad is None for p in _inner(model).parameters())
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_an_input_gradient_pass_then_the_training_backward_still_trains(mode):
+    """``torch.autograd.grad(loss, x, retain_graph=True)`` lands nothing in ``.grad``: the training
+    backward after it is the forward's first landing pass."""
+    engine, model, opt, loader = _private(mode)
+    x, y = next(iter(loader))
+    x = x.clone().requires_grad_(True)
+    loss = F.cross_entropy(model(x), y)
+    (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
+    loss.backward()
+    opt.step()
+    assert gx.shape == x.shape
+    assert len(engine.accountant) == 1
