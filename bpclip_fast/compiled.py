@@ -163,7 +163,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     bias] gradients wanted (fixed at trace time). Empty tensors stand for gradients not returned
     (flat: the collector releases W and b; the token's gradient is a zero that orders the release)."""
     lay = _lookup(_LAYERS, layer, "layer")
-    lay._check_bounds_version(int(version[0]))
+    lay._check_forward(_ForwardMark(version), int(version[0]))
     geometry = _geometry(stride, padding, dilation, groups)
     book = _layer_book(token, lay)
     g = grad_out.contiguous()
@@ -432,7 +432,7 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
 
     lay = _lookup(_LAYERS, layer, "layer")
     version, sens = meta.tolist()
-    ctx = _BackpropCtx(lay, sens, int(version), mask, padding)
+    ctx = _BackpropCtx(lay, sens, int(version), mask, padding, meta)
     ctx.saved_tensors = (x, factor, norm, weight)
     if padding is None:
         gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.linear_backward)
@@ -443,10 +443,34 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
     return tuple(t if t is not None else weight.new_empty(0) for t in (gx, gw, gb))
 
 
-class _BackpropCtx:
-    """What ``autograd._backward`` reads of an autograd context, rebuilt from the ops' arguments."""
+class _ForwardMark:
+    """The mark ``boundary.LayerStep.first_landing`` sets on a forward, for a compiled layer: kept on
+    the tensor the forward op returned for its backward (the graph saves that very tensor, a leaf,
+    and every pass over the retained graph unpacks it; the op's own arguments are rebuilt per call)."""
 
-    def __init__(self, layer, sensitivity, version, mask, padding):
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    @property
+    def _bp_landed(self):
+        return getattr(self._tensor, "_bp_landed", None)
+
+    @_bp_landed.setter
+    def _bp_landed(self, task):
+        self._tensor._bp_landed = task
+
+
+class _BackpropCtx(_ForwardMark):
+    """What ``autograd._backward`` reads of an autograd context, rebuilt from the ops' arguments;
+    the forward's mark on ``meta`` (:class:`_ForwardMark`)."""
+
+    __slots__ = ("layer", "sensitivity", "bounds_version", "needs_input_grad", "has_bias", "padding",
+                 "saved_tensors")
+
+    def __init__(self, layer, sensitivity, version, mask, padding, meta):
+        super().__init__(meta)
         self.layer, self.sensitivity, self.bounds_version = layer, sensitivity, version
         self.needs_input_grad = (mask[0], mask[1], mask[2])
         self.has_bias = layer.bias is not None
@@ -517,7 +541,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
                      mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(∇W, ∇b, ∇token)`` — ``exact_examples._Tap.backward`` at run time; empty tensors where not returned."""
     lay = _lookup(_LAYERS, layer, "layer")
-    lay._check_bounds_version(int(version[0]))
+    lay._check_forward(_ForwardMark(version), int(version[0]))
     book = _layer_book(token, lay)
     pmask = exact._trainable(lay) if book is not None else list(mask)
 

@@ -200,3 +200,21 @@ def test_an_input_gradient_pass_then_the_training_backward_still_trains(mode):
     opt.step()
     assert gx.shape == x.shape
     assert len(engine.accountant) == 1
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_a_second_backward_over_one_compiled_forward_of_half_the_batch_is_refused(mode):
+    """Compiled, the backward ops rebuild their context per call: the forward's mark lives on the
+    tensor its forward op returned for the backward (``compiled._ForwardMark``)."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed(mode)
+        compiled = torch.compile(model)
+        x, y = next(iter(loader))
+        with pytest.raises(REFUSED) as exc:
+            _half_batch_twice(compiled, x, y)
+            opt.step()
+        assert "second backward pass" in str(exc.value), exc.value
+        assert all(p.grad is None for p in _inner(model).parameters())
+    finally:
+        torch._dynamo.reset()
