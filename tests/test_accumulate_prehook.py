@@ -20,18 +20,20 @@ from bpclip_fast import PrivacyEngine, StepRefused
 MODES = ["flat", "per_layer", "backprop"]
 
 
-def _private(mode, model=None):
+def _private(mode, model=None, fixed=False):
+    """``fixed``: batches of exactly 8 (shuffled, no Poisson sampling; the zCDP accountant's case)."""
     torch.manual_seed(0)
     model = model if model is not None else nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
     bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
-    engine = PrivacyEngine()
+    engine = PrivacyEngine(accountant="zcdp") if fixed else PrivacyEngine()
+    sampling = dict(poisson_sampling=False) if fixed else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 8),
-            noise_multiplier=1.0, clipping=mode, noise_seed=1, probe=False, **bounds)
+            noise_multiplier=1.0, clipping=mode, noise_seed=1, probe=False, **bounds, **sampling)
     return engine, model, opt, loader
 
 

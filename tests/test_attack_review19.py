@@ -12,15 +12,12 @@ pass over one retained forward.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from bpclip_fast import PrivacyEngine, StepRefused
+from bpclip_fast import StepRefused
 from bpclip_fast import compiled as compiled_mod
 from test_accumulate_prehook import _inner, _private
 from test_attack_review18 import _retoken
@@ -124,19 +121,8 @@ def test_compiled_flat_release_naming_another_models_book_is_refused_and_leaves_
 
 # ------------------------------------------------------------------ eager: one landing pass per forward
 def _fixed(mode, model=None):
-    """As ``_private``, with batches of exactly 8 (no Poisson sampling): halves of 4 rows."""
-    torch.manual_seed(0)
-    model = model if model is not None else nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
-    bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
-    engine = PrivacyEngine(accountant="zcdp")  # the accountant of shuffled fixed-size batches
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 8),
-            noise_multiplier=1.0, clipping=mode, noise_seed=1, probe=False, poisson_sampling=False, **bounds)
-    return engine, model, opt, loader
+    """Batches of exactly 8: halves of 4 rows."""
+    return _private(mode, model, fixed=True)
 
 
 def _half_batch_twice(model, x, y, retain_first=True):
