@@ -427,17 +427,21 @@ class LayerStep(BandRelease):
         the forward saw part of the batch (4 + 4 rows of a batch of 8, review 19). ``ctx``: the
         forward's autograd context, marked (never reused, unlike an id) by the first pass whose
         gradients reach this layer's ``AccumulateGrad`` nodes; a pass that does not
-        (``torch.autograd.grad`` with respect to the input) leaves it unmarked. A later pass is a
-        violation: ``step()`` refuses and charges, as for the row count."""
+        (``torch.autograd.grad`` or ``backward(inputs=...)`` with respect to the input or to other
+        layers' parameters), before or after, is neither marked nor refused. A later landing pass is
+        a violation: ``step()`` refuses and charges, as for the row count. Not seen: a forward run
+        again inside the backward (activation checkpointing recomputes a fresh context each pass)."""
         if not self.enforce:
             return
+        if self._hooked != self._trainable():  # unfrozen since the step armed: the nodes _lands asks about
+            self.install_hooks()
         task = torch._C._current_graph_task_id()
         landed = getattr(ctx, "_bp_landed", None)
-        if landed is None:
-            if self._lands():
-                ctx._bp_landed = task
+        if landed == task or not self._lands():  # a pass that lands nothing releases nothing, before or after
             return
-        if landed != task:  # refused at step(), as the row count's own violations, naming every such layer
+        if landed is None:
+            ctx._bp_landed = task
+        else:  # refused at step(), as the row count's own violations, naming every such layer
             self.violations.append(("rows", "a second backward pass reached one forward (backward(retain_graph=True) "
                                     "run again, or a retained graph's backward after its step): its examples were "
                                     "released twice"))

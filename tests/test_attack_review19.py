@@ -204,3 +204,67 @@ def test_a_second_backward_over_one_compiled_forward_of_half_the_batch_is_refuse
         assert all(p.grad is None for p in _inner(model).parameters())
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ review 20: passes that land nothing
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+@pytest.mark.parametrize("second", ["input_grad", "backward_inputs_x", "other_layers_params"])
+def test_a_pass_that_lands_nothing_after_the_training_backward_still_trains(mode, second):
+    """Saliency after the training backward, ``backward(inputs=[x])``, or a split backward by layer
+    groups (the GAN / two-optimizer pattern): the later pass runs through a layer's backward but does
+    not reach its ``AccumulateGrad`` nodes, so it releases nothing there and is no second landing."""
+    engine, model, opt, loader = _fixed(mode)
+    inner = _inner(model)
+    x, y = next(iter(loader))
+    x = x.clone().requires_grad_(True)
+    loss = F.cross_entropy(model(x), y)
+    if second == "other_layers_params":
+        loss.backward(inputs=list(inner[2].parameters()), retain_graph=True)
+        loss.backward(inputs=list(inner[0].parameters()))
+    else:
+        loss.backward(retain_graph=True)
+        if second == "input_grad":
+            torch.autograd.grad(loss, x)
+        else:
+            loss.backward(inputs=[x])
+    opt.step()
+    assert len(engine.accountant) == 1
+    assert all(p.grad is not None for p in inner.parameters())
+
+
+class _Gradual(nn.Module):
+    """A body and a head that one step trains alone (gradual unfreezing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x, head=True):
+        out = self.body(x)
+        return self.head(out) if head else out
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_layers_unfrozen_after_the_step_armed_them_are_marked_on_their_first_pass(mode):
+    """Frozen when ``step()`` re-armed them (no hooked ``AccumulateGrad`` nodes), unfrozen before the
+    next forward: the first pass must hook them before asking whether it lands, or it leaves the
+    forward unmarked and the second pass over half the batch counts as the first."""
+    engine, model, opt, loader = _fixed(mode, _Gradual())
+    inner = _inner(model)
+    batches = iter(loader)
+    inner.body.requires_grad_(False)
+    x, y = next(batches)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    inner.body.requires_grad_(True)
+    inner.head.requires_grad_(False)
+    x, y = next(batches)
+    loss = F.cross_entropy(model(x[:4], head=False), y[:4])
+    loss.backward(retain_graph=True)
+    loss.backward()
+    with pytest.raises(StepRefused) as exc:
+        opt.step()
+    assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+    assert all(p.grad is None for p in inner.parameters())
