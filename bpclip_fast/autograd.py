@@ -11,6 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _ops, exact
+from .boundary import forward_origin
 from .amp import autocast_off
 
 _C_AUTOGRAD = torch._C._autograd  # the saved-tensor hook stack's private controls
@@ -23,7 +24,7 @@ class _ClippedLinear(torch.autograd.Function):
             x, weight, bias, layer._nonfinite[0:1], float(layer.input_clip), layer.clip_fn, float(layer.gamma))
         ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias = layer, sensitivity, bias is not None
-        ctx.bounds_version = layer._bounds_version
+        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
         return out
 
     @staticmethod
@@ -45,7 +46,7 @@ class _ClippedConv2d(torch.autograd.Function):
             layer.groups, float(layer.input_clip), layer.clip_fn, float(layer.gamma))
         ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias, ctx.padding = layer, sensitivity, bias is not None, padding
-        ctx.bounds_version = layer._bounds_version
+        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
         return out
 
     @staticmethod

@@ -99,6 +99,22 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return flat.view(bits).sum(dtype=torch.int64)
 
 
+def forward_origin():
+    """What identifies a forward run again inside a backward pass, or ``None`` for a forward run outside
+    one. Activation checkpointing that recomputes the forward in each pass (reentrant
+    ``torch.utils.checkpoint``, or non-reentrant under ``torch.compile``) makes a fresh autograd
+    context every time, so the context cannot say that two passes released the same examples; the
+    node whose backward recomputes them (``CheckpointFunctionBackward``, ``CompiledFunctionBackward``)
+    is the same object in every pass over a retained graph. Only a Python node can carry the mark
+    (:meth:`LayerStep.first_landing`); under any other (a C++ node's saved-tensor unpack, where
+    eager non-reentrant checkpointing recomputes into contexts whose backward never runs) the
+    context itself is marked, as for a forward run outside a backward."""
+    if torch._C._current_graph_task_id() == -1:
+        return None
+    node = torch._C._current_autograd_node()
+    return node if hasattr(node, "__dict__") else None
+
+
 class PassGate:
     """The backward pass (autograd graph task) whose once-per-pass checks (``LayerStep.on_new_pass``)
     already ran, shared by one engine's layers: the later layers of the pass skip the call. Written
@@ -429,18 +445,26 @@ class LayerStep(BandRelease):
         gradients reach this layer's ``AccumulateGrad`` nodes; a pass that does not
         (``torch.autograd.grad`` or ``backward(inputs=...)`` with respect to the input or to other
         layers' parameters), before or after, is neither marked nor refused. A later landing pass is
-        a violation: ``step()`` refuses and charges, as for the row count. Not seen: a forward run
-        again inside the backward (activation checkpointing recomputes a fresh context each pass)."""
+        a violation: ``step()`` refuses and charges, as for the row count. A forward recomputed inside
+        each pass (activation checkpointing) is marked on the node that recomputes it instead,
+        ``ctx._bp_origin`` (:func:`forward_origin`), per layer: that node recomputes several layers.
+        Not seen: checkpointing nested inside reentrant checkpointing, whose inner node is itself
+        recomputed afresh in each pass of the outer one."""
         if not self.enforce:
             return
         if self._hooked != self._trainable():  # unfrozen since the step armed: the nodes _lands asks about
             self.install_hooks()
         task = torch._C._current_graph_task_id()
-        landed = getattr(ctx, "_bp_landed", None)
+        origin = getattr(ctx, "_bp_origin", None)
+        holder, key = (ctx, None) if origin is None else (origin, self.layer._handle)
+        marks = getattr(holder, "_bp_landed", None)
+        landed = marks.get(key) if marks is not None else None
         if landed == task or not self._lands():  # a pass that lands nothing releases nothing, before or after
             return
         if landed is None:
-            ctx._bp_landed = task
+            if marks is None:
+                holder._bp_landed = marks = {}
+            marks[key] = task
         else:  # refused at step(), as the row count's own violations, naming every such layer
             self.violations.append(("rows", "a second backward pass reached one forward (backward(retain_graph=True) "
                                     "run again, or a retained graph's backward after its step): its examples were "

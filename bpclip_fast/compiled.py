@@ -12,8 +12,9 @@ backward node, so the graph-task id, draws and records are those of the real pas
 
 Python objects cannot be op arguments, so the ops name them by integer handles:
 
-* a layer by ``id(layer)``, registered (weakly) in :data:`_LAYERS` when the forward is traced
-  (``torch._dynamo.assume_constant_result``: evaluated at trace time, a constant of the graph);
+* a layer by ``layer._handle`` and a flat group by ``group.handle``, integers given when they are
+  made (:mod:`bpclip_fast.handles`), and a flat layer's place in its group by ``layer._flat_position``:
+  plain attributes, which dynamo reads as constants of the trace;
 * a flat book by its serial, carried as the *value* of the collector's tokens (float64 on the
   CPU, exact below 2^53): the collector op creates the book at run time and the layers' backward
   ops read the serial from the token they saved (a host read, never a device sync).
@@ -37,13 +38,13 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-from . import exact, exact_examples
+from . import exact, exact_examples, handles
 from .amp import autocast_off
+from .boundary import forward_origin
 
 # Every op below does its work in Python (the step's draw and rows, the flat book, the budget and
 # bounds checks), which the replay of a CUDA graph (mode="reduce-overhead") never runs: a replayed step
@@ -51,8 +52,6 @@ from .amp import autocast_off
 # (graph partition) or does not capture the graph at all.
 _NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
 
-_LAYERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 # Books of compiled flat forwards, by serial, until their release. A forward whose backward never
 # runs leaves its (empty) book here; the oldest are dropped past _MAX_BOOKS, and a backward reaching
 # a dropped book is refused (its norms could not be paired with the others').
@@ -91,29 +90,14 @@ def _raise_recomputation(setting):
                            "bookkeeping; compile it with the default recomputation settings")
 
 
-@torch._dynamo.assume_constant_result
-def _layer_handle(layer) -> int:
-    _LAYERS[id(layer)] = layer
-    return id(layer)
-
-
-@torch._dynamo.assume_constant_result
-def _group_handle(group) -> int:
-    _GROUPS[id(group)] = group
-    return id(group)
-
-
-@torch._dynamo.assume_constant_result
-def _position(group, layer) -> int:
-    return [id(m) for m in group.layers].index(id(layer))
-
-
-def _lookup(table, handle, what):
-    obj = table.get(handle)
-    if obj is None:
-        raise RuntimeError(f"bpclip_fast.compiled: the {what} this compiled graph was traced for no longer exists; "
-                           "compile the model again")
-    return obj
+def _stamped(mark: torch.Tensor) -> torch.Tensor:
+    """The tensor a forward op returns for its backward (:class:`_ForwardMark`), carrying the node
+    that recomputes this forward when it runs inside a backward pass (``boundary.forward_origin``:
+    non-reentrant checkpointing under ``torch.compile`` recomputes the forward ops in each pass)."""
+    origin = forward_origin()
+    if origin is not None:
+        mark._bp_origin = origin
+    return mark
 
 
 def _seal(*layers):
@@ -135,8 +119,8 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   layer: int, stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None,
                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: the layer's output and the bounds' version of this forward (CPU int64)."""
-    lay = _lookup(_LAYERS, layer, "layer")
-    version = torch.tensor([lay._bounds_version], dtype=torch.int64)
+    lay = handles.lookup(layer, torch.nn.Module, "layer")
+    version = _stamped(torch.tensor([lay._bounds_version], dtype=torch.int64))
     weight = exact.kernel_weight(lay, weight)
     if stride is None:
         return F.linear(x, weight, bias), version
@@ -145,7 +129,7 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @exact_forward.register_fake
 def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
-    weight = exact.kernel_weight(_lookup(_LAYERS, layer, "layer"), weight)
+    weight = exact.kernel_weight(handles.lookup(layer, torch.nn.Module, "layer"), weight)
     if stride is None:
         out = F.linear(x, weight, bias)
     else:
@@ -162,7 +146,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     """``(∇x, ∇W, ∇b, ∇token)`` — ``_ExactLayer.backward`` at run time. ``mask``: [input, weight,
     bias] gradients wanted (fixed at trace time). Empty tensors stand for gradients not returned
     (flat: the collector releases W and b; the token's gradient is a zero that orders the release)."""
-    lay = _lookup(_LAYERS, layer, "layer")
+    lay = handles.lookup(layer, torch.nn.Module, "layer")
     lay._check_forward(_ForwardMark(version), int(version[0]))
     geometry = _geometry(stride, padding, dilation, groups)
     book = _layer_book(token, lay)
@@ -189,7 +173,7 @@ def _(grad_out, x, weight, token, version, layer, mask, stride, padding, dilatio
     gx = torch.empty_like(x) if mask[0] else x.new_empty(0)
     flat = token is not None
     gw = weight.new_empty(weight.shape) if mask[1] and not flat else weight.new_empty(0)  # the parameter's layout
-    out_features = exact.kernel_weight(_lookup(_LAYERS, layer, "layer"), weight).shape[0]  # HF Conv1D: [in, out]
+    out_features = exact.kernel_weight(handles.lookup(layer, torch.nn.Module, "layer"), weight).shape[0]  # HF Conv1D: [in, out]
     gb = weight.new_empty(out_features) if mask[2] and not flat else weight.new_empty(0)
     gtoken = token.new_empty(()) if flat else weight.new_empty(0)
     return gx, gw, gb, gtoken
@@ -228,7 +212,7 @@ def exact_layer(x, layer, geometry=None):
         token = _flat_token(layer)
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
     stride, padding, dilation, groups = geometry if geometry is not None else (None, None, None, 1)
-    return exact_forward(x, weight, bias, token, _layer_handle(layer), stride, padding, dilation, groups)[0]
+    return exact_forward(x, weight, bias, token, layer._handle, stride, padding, dilation, groups)[0]
 
 
 # ------------------------------------------------------------------------------ flat: collector and release
@@ -277,7 +261,7 @@ def _layer_book(token, lay):
 @torch.library.custom_op("bpclip_fast_compiled::flat_collect", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def flat_collect(params: list[torch.Tensor], group: int) -> torch.Tensor:
     """A new book of ``group`` for this forward; one token per flat layer whose value is its serial."""
-    grp = _lookup(_GROUPS, group, "flat clipping")
+    grp = handles.lookup(group, exact.FlatClipping, "flat clipping")
     book = exact._Book(grp, ())
     # the parameters themselves, by position: the backward's ``params`` are what the graph saved, and
     # an unpack (save_on_cpu) returns copies, which no release is keyed by (an IndexError, review 18)
@@ -290,7 +274,7 @@ def flat_collect(params: list[torch.Tensor], group: int) -> torch.Tensor:
 
 @flat_collect.register_fake
 def _(params, group):
-    n = len(_lookup(_GROUPS, group, "flat clipping").layers)
+    n = len(handles.lookup(group, exact.FlatClipping, "flat clipping").layers)
     return torch.empty(n, dtype=torch.float64, device="cpu")
 
 
@@ -299,7 +283,7 @@ def _(params, group):
 def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[torch.Tensor],
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
-    grp = _lookup(_GROUPS, group, "flat clipping")
+    grp = handles.lookup(group, exact.FlatClipping, "flat clipping")
     serials = {_serial(v, grp.layers) for v in tokens.tolist()}
     if len(serials) != 1:  # one forward's tokens all carry its book's serial (flat_collect)
         exact._refuse_release(grp.layers, "a compiled flat release received tokens of several forwards (a "
@@ -360,7 +344,7 @@ class CompiledBook:
 
 def begin_flat(group, params) -> CompiledBook:
     _refuse_recomputation()
-    return CompiledBook(flat_collect(params, _group_handle(group)))
+    return CompiledBook(flat_collect(params, group.handle))
 
 
 def _flat_token(layer):
@@ -370,7 +354,7 @@ def _flat_token(layer):
         exact._flat_book(layer)  # its refusal (no book: the layer ran outside its model's forward)
         raise RuntimeError(f"{layer.layer_name}: a flat layer traced by torch.compile inside a forward that was not "
                            "(the model's forward pre-hook ran eagerly); compile the whole model")
-    return book.tokens[_position(group, layer)]
+    return book.tokens[layer._flat_position]
 
 
 # ------------------------------------------------------------------------------ backprop clipping (the default)
@@ -383,7 +367,7 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, x_factor, x_norm, meta)``: the clipped layer's forward (the extension's op, which also
     counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ]``."""
-    lay = _lookup(_LAYERS, layer, "layer")
+    lay = handles.lookup(layer, torch.nn.Module, "layer")
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         # Eager backprop layers save past the hooks (autograd._apply_without_hooks); here the compiled
         # graph's own Function saves x and the factor through them, and the backward rebuilds the
@@ -397,7 +381,7 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     # input (nn.Conv1d: x is the kernels' view of it, exact.HEIGHT_ONE)
     own = lay._layer_input(x) if lay._weight_layout == exact.HEIGHT_ONE else x
     sens = lay._noise_sensitivity(own)
-    meta = torch.tensor([float(lay._bounds_version), float(sens)], dtype=torch.float64)
+    meta = _stamped(torch.tensor([float(lay._bounds_version), float(sens)], dtype=torch.float64))
     weight = exact.kernel_weight(lay, weight)
     if padding is None:
         out, factor, norm = torch.ops.bpclip_fast.linear_forward(
@@ -411,7 +395,7 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @backprop_forward.register_fake
 def _(x, weight, bias, layer, padding):
-    lay = _lookup(_LAYERS, layer, "layer")
+    lay = handles.lookup(layer, torch.nn.Module, "layer")
     nonfinite = torch.empty(1, dtype=torch.int64, device=x.device)
     weight = exact.kernel_weight(lay, weight)
     if padding is None:
@@ -430,7 +414,7 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
     """``autograd._backward`` at run time; ``mask``: [input, weight, bias] gradients wanted."""
     from . import autograd
 
-    lay = _lookup(_LAYERS, layer, "layer")
+    lay = handles.lookup(layer, torch.nn.Module, "layer")
     version, sens = meta.tolist()
     ctx = _BackpropCtx(lay, sens, int(version), mask, padding, meta)
     ctx.saved_tensors = (x, factor, norm, weight)
@@ -458,8 +442,12 @@ class _ForwardMark:
         return getattr(self._tensor, "_bp_landed", None)
 
     @_bp_landed.setter
-    def _bp_landed(self, task):
-        self._tensor._bp_landed = task
+    def _bp_landed(self, marks):
+        self._tensor._bp_landed = marks
+
+    @property
+    def _bp_origin(self):
+        return getattr(self._tensor, "_bp_origin", None)
 
 
 class _BackpropCtx(_ForwardMark):
@@ -510,7 +498,7 @@ backprop_forward.register_autograd(_backprop_backward, setup_context=_backprop_s
 def backprop_layer(x, layer, padding=None):
     """The compiled counterpart of ``autograd.clipped_linear`` / ``clipped_conv2d``."""
     _refuse_recomputation()
-    return backprop_forward(x, layer.weight, layer.bias, _layer_handle(layer),
+    return backprop_forward(x, layer.weight, layer.bias, layer._handle,
                             list(padding) if padding is not None else None)[0]
 
 
@@ -525,7 +513,8 @@ def backprop_layer(x, layer, padding=None):
 def example_tap(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
                 saved: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: a copy of the layer's output and the bounds' version of this forward."""
-    version = torch.tensor([_lookup(_LAYERS, layer, "layer")._bounds_version], dtype=torch.int64)
+    version = _stamped(torch.tensor([handles.lookup(layer, torch.nn.Module, "layer")._bounds_version],
+                                    dtype=torch.int64))
     return out.clone(), version
 
 
@@ -540,7 +529,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
                      token: torch.Tensor | None, version: torch.Tensor, layer: int,
                      mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(∇W, ∇b, ∇token)`` — ``exact_examples._Tap.backward`` at run time; empty tensors where not returned."""
-    lay = _lookup(_LAYERS, layer, "layer")
+    lay = handles.lookup(layer, torch.nn.Module, "layer")
     lay._check_forward(_ForwardMark(version), int(version[0]))
     book = _layer_book(token, lay)
     pmask = exact._trainable(lay) if book is not None else list(mask)
@@ -603,4 +592,4 @@ def example_layer(layer, x):
     if token is not None:
         weight, bias = detached
     out, saved = layer._forward(x, *detached, True)
-    return example_tap(out, weight, bias, token, list(saved), _layer_handle(layer))[0]
+    return example_tap(out, weight, bias, token, list(saved), layer._handle)[0]

@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _ops
+from . import _ops, handles
 from .amp import autocast_off
+from .boundary import forward_origin
 from .modes import EXACT as EXACT_MODES, NAMES as MODES  # noqa: F401  (the modes' names live in bpclip_fast.modes)
 
 NORM_METHODS = ("auto", "ghost", "instantiate")
@@ -228,8 +229,13 @@ class FlatClipping:
         self._stack: list = []
         self._handles = [module.register_forward_pre_hook(self._begin),
                          module.register_forward_hook(self._end, always_call=True)]
-        for layer in self.layers:
-            layer._flat = self
+        self.handle = handles.register(self)  # the compiled ops' name for it (bpclip_fast.handles)
+        for i, layer in enumerate(self.layers):
+            layer._flat, layer._flat_position = self, i
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.handle = handles.register(self)  # a copy's own, not the original's
 
     @property
     def max_grad_norm(self) -> float:
@@ -428,7 +434,7 @@ class _ExactLayer(torch.autograd.Function):
             out = F.conv2d(x, kernel, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.sensitivity, ctx.geometry, ctx.book = layer, sensitivity, geometry, book
-        ctx.bounds_version = layer._bounds_version
+        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
         return out
 
     @staticmethod

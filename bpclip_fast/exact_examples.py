@@ -11,6 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _ops
 from .amp import autocast_off
+from .boundary import forward_origin
 from .exact import EXAMPLES, PendingBound, _clip, _flat_book, _step_args, _trainable, _weight_bias
 
 
@@ -35,7 +36,7 @@ class _Tap(torch.autograd.Function):
     def forward(ctx, out, weight, bias, token, layer, sensitivity, book, *saved):
         ctx.save_for_backward(*saved)
         ctx.layer, ctx.sensitivity, ctx.book = layer, sensitivity, book
-        ctx.bounds_version = layer._bounds_version
+        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
         ctx.dtype = out.dtype
         # Not out.view_as(out): torch refuses in-place ops on a view made inside a custom Function, so
         # ReLU(inplace=True) after a GroupNorm would fail. The detached alias shares out's storage and

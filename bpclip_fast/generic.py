@@ -58,6 +58,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from . import exact, exact_examples, examples
+from .boundary import forward_origin
 
 # Examples per vectorised backward: the masked upstream gradients of a chunk are CHUNK copies of
 # the outputs' gradients.
@@ -97,8 +98,7 @@ class _Unit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state, token, n_inputs, *tensors):
-        ctx.state = state
-        ctx.n_inputs = n_inputs
+        ctx.state, ctx.n_inputs, ctx._bp_origin = state, n_inputs, forward_origin()
         ctx.set_materialize_grads(False)
         return tuple(o.detach() for o in state.outs)
 

@@ -246,3 +246,30 @@ def test_flat_second_backward_over_a_retained_graph_is_refused_as_rows(compiled)
         loss.backward()
         opt.step()
     assert exc.value.rule == "rows"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_copied_model_compiles_against_its_own_layers(mode):
+    """The compiled ops name layers and flat groups by integer handles copied with their attributes
+    (``bpclip_fast.handles``): a deep copy must get its own, or its compiled backward would count the
+    copy's non-finite inputs in (and clip with the state of) the original's layers."""
+    from bpclip_fast import handles
+    from bpclip_fast.nn import convert_model
+
+    bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
+    original = convert_model(_base(), clipping=mode, **bounds)
+    clone = copy.deepcopy(original)
+    pairs = [(a, b) for a, b in zip(original.modules(), clone.modules()) if hasattr(a, "_nonfinite")]
+    assert pairs
+    for a, b in pairs:
+        assert a._handle != b._handle
+        assert handles.lookup(b._handle, torch.nn.Module, "layer") is b
+    if mode == "flat":
+        assert pairs[0][1]._flat is not pairs[0][0]._flat
+        assert handles.lookup(pairs[0][1]._flat.handle, object, "flat clipping") is pairs[0][1]._flat
+    x, y = _data()
+    x = x[:6].clone()
+    x[1] = float("nan")
+    F.cross_entropy(torch.compile(clone, backend="aot_eager")(x), y[:6], reduction="none").nan_to_num(0.0).mean().backward()
+    assert all(int(a._nonfinite.sum()) == 0 for a, _ in pairs)
+    assert any(int(b._nonfinite.sum()) > 0 for _, b in pairs)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from .. import compiled, exact, exact_examples, modes
+from .. import compiled, exact, exact_examples, handles, modes
 from ..boundary import StepRefused
 from ..modes.base import check_positive as _check_positive
 
@@ -78,6 +78,7 @@ class _Clipped:
         self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
         self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
         self._bounds_version = 0  # bumped by _set_bounds: a backward must clip with its forward's bounds
+        self._handle = handles.register(self)  # the compiled ops' name for it (bpclip_fast.handles)
 
     # What the noise of an engine-armed layer is scaled to (and the noise itself): changing it afterwards
     # would clip to one bound and noise to another. The engine's adaptive thresholds go through
@@ -140,6 +141,10 @@ class _Clipped:
         state["_step"] = None
         state["_nonfinite"] = torch.zeros_like(self._nonfinite)
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._handle = handles.register(self)  # a copy's own: the copied one names the original
 
     def _apply(self, fn, recurse=True):
         # The counter follows the layer across devices, as a buffer would.
