@@ -94,6 +94,10 @@ step norm_cost "$PY" -m bench.norm_cost --device cuda --reps 3
 step compile timeout 100 "$PY" -m bench.compile --device cuda --compile-mode reduce-overhead --models mlp,mnist \
   --modes none,flat --batch 128 --steps 20 --warmup 3
 [[ -f "$OUT/compile.log" ]] && grep -v Warning "$OUT/compile.log" | tail -n 6 | tee -a "$OUT/summary.txt"
+# What dynamo could not trace, if anything (2026-11-27, device torch 2.11: a builtin in the private
+# forward, whose name the tail above cut off).
+[[ -f "$OUT/compile.log" ]] && grep -m 6 -E "does not know how|Explanation:|Hint:|Developer debug context|from user code" -A 3 \
+  "$OUT/compile.log" | tee -a "$OUT/summary.txt"
 # One child per cell and short timing windows: each child spends ~10 s starting CUDA.
 step step_bench "$PY" -m bench.step --device cuda --models "${GPU_CHECK_MODELS:-mnist,cifar10,vit,resnet20-gn}" \
   --batch-sizes 128 --reps 1 --warmup-time 0.5 --min-time 1 --timeout 60 \
