@@ -111,6 +111,12 @@ def forward_origin():
     context itself is marked, as for a forward run outside a backward."""
     if torch._C._current_graph_task_id() == -1:
         return None
+    return current_python_node()
+
+
+def current_python_node():
+    """The autograd node the engine is running now if it is a Python node (an ``autograd.Function``'s,
+    which can carry a mark), else ``None``."""
     node = torch._C._current_autograd_node()
     return node if hasattr(node, "__dict__") else None
 

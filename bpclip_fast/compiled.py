@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import exact, exact_examples, handles
 from .amp import autocast_off
-from .boundary import forward_origin
+from .boundary import current_python_node, forward_origin
 
 # Every op below does its work in Python (the step's draw and rows, the flat book, the budget and
 # bounds checks), which the replay of a CUDA graph (mode="reduce-overhead") never runs: a replayed step
@@ -428,14 +428,21 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
 
 
 class _ForwardMark:
-    """The mark ``boundary.LayerStep.first_landing`` sets on a forward, for a compiled layer: kept on
-    the tensor the forward op returned for its backward (the graph saves that very tensor, a leaf,
-    and every pass over the retained graph unpacks it; the op's own arguments are rebuilt per call)."""
+    """Where ``boundary.LayerStep.first_landing`` marks a compiled layer's forward. The backward ops run
+    inside the compiled graph's own autograd node (``CompiledFunctionBackward``), which its forward
+    call made and which is the same object in every pass over the retained graph, whatever a
+    ``saved_tensors_hooks`` unpack returns: the mark is set there, per layer, as for a forward
+    recomputed in the backward (``boundary.forward_origin``). Only where the backward op runs under
+    no Python node (compiled autograd) is the mark kept on the tensor the forward op returned for
+    its backward (the graph saves that very tensor and every pass unpacks it, unless an unpack
+    hook copies it)."""
 
-    __slots__ = ("_tensor",)
+    __slots__ = ("_tensor", "_bp_origin")
 
     def __init__(self, tensor):
         self._tensor = tensor
+        node = current_python_node()
+        self._bp_origin = node if node is not None else getattr(tensor, "_bp_origin", None)
 
     @property
     def _bp_landed(self):
@@ -444,10 +451,6 @@ class _ForwardMark:
     @_bp_landed.setter
     def _bp_landed(self, marks):
         self._tensor._bp_landed = marks
-
-    @property
-    def _bp_origin(self):
-        return getattr(self._tensor, "_bp_origin", None)
 
 
 class _BackpropCtx(_ForwardMark):

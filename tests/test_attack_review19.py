@@ -356,3 +356,24 @@ def test_half_the_batch_backwarded_twice_through_nested_reentrant_checkpoints(mo
     with pytest.raises(StepRefused) as exc:
         opt.step()
     assert exc.value.rule == "rows", exc.value
+
+
+@pytest.mark.parametrize("net", ["linear", "layernorm"])
+def test_half_the_batch_backwarded_twice_compiled_under_a_copying_unpack(net):
+    """A ``saved_tensors_hooks`` unpack that returns copies hands each pass of a compiled backward a new
+    tensor for what the forward op returned, so a mark kept on that tensor was lost between passes
+    (per_layer; flat's release is refused by its serial, backprop's compiled forward refuses the hooks);
+    the mark is on the ``CompiledFunctionBackward`` node that runs the layer's backward op instead."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed("per_layer", _norm_model() if net == "layernorm" else None)
+        run = torch.compile(model, backend="aot_eager")
+        x, y = next(iter(loader))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.clone()):
+            _half_batch_twice(run, x, y)
+        with pytest.raises(StepRefused) as exc:
+            opt.step()
+        assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+        assert all(p.grad is None for p in _inner(model).parameters())
+    finally:
+        torch._dynamo.reset()
