@@ -293,6 +293,13 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
         exact._refuse_release(grp.layers, "a compiled flat release received tokens naming a forward of another "
                               "model's flat clipping (a saved_tensors_hooks unpack changed them)",
                               "unpack what was packed")
+    task = torch._C._current_graph_task_id()
+    if not any(e.task == task for e in book.entries):
+        # The release runs after the layers' backward ops (it consumes their token gradients), so an
+        # honest one finds their entries; tokens naming an older open book of this model find none.
+        exact._refuse_release(grp.layers, "a compiled flat release received tokens naming a forward whose book has "
+                              "no entry of this pass: no layer of that forward ran its backward in this pass (a "
+                              "saved_tensors_hooks unpack changed them)", "unpack what was packed")
     del _BOOKS[book.serial]
     _RELEASED[book.serial] = None
     while len(_RELEASED) > _MAX_BOOKS:

@@ -81,6 +81,30 @@ def _backward(out, y):
     F.cross_entropy(out, y, reduction="sum").backward()
 
 
+def test_compiled_flat_release_naming_an_older_open_book_of_the_same_model_is_refused_by_name():
+    """Review 19, finding 4: the collector's tokens rewritten to an older open book of the same model
+    (a forward never backwarded) had been refused as a layer missing the loss, after that book was
+    consumed. Refused now because no layer of that book ran its backward in this pass, and the book
+    is left as it was."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _private("flat", _Broken())
+        compiled = torch.compile(model)
+        x, y = next(iter(loader))
+        compiled(x)  # a forward whose backward never runs: its book stays open
+        older = next(reversed(compiled_mod._BOOKS))
+        with pytest.raises(REFUSED) as exc:
+            with _first_save_only(lambda t: torch.full_like(t, float(older))):
+                out = compiled(x)
+            _backward(out, y)
+            opt.step()
+        assert "no layer of that forward ran its backward in this pass" in str(exc.value), exc.value
+        assert older in compiled_mod._BOOKS
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 3.5, 2.0 ** 60])
 def test_compiled_flat_token_that_is_no_open_serial_is_refused_naming_a_layer(value):
     def run(compiled, x, y):
