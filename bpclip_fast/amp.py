@@ -22,17 +22,25 @@ import torch
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
-@functools.cache
-def _autocast_types() -> tuple[str, ...]:
-    """The device types autocast exists for in this build (asked once: it is per backward otherwise)."""
-    return tuple(t for t in _DEVICE_TYPES if torch.amp.is_autocast_available(t))
+# Whether autocast exists for a device type, asked once (per backward and per forward otherwise).
+_AVAILABLE = {t: torch.amp.is_autocast_available(t) for t in _DEVICE_TYPES}
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``. Whether it exists for that type is asked once:
+    torch 2.11's dynamo cannot trace ``torch._C._is_autocast_available`` (a graph break in every
+    compiled layer's forward), and the answer is fixed by the build."""
+    available = _AVAILABLE.get(device_type)
+    if available is None:
+        available = _AVAILABLE[device_type] = torch.amp.is_autocast_available(device_type)
+    return available and torch.is_autocast_enabled(device_type)
 
 
 def autocast_off(backward):
     """``backward`` run with autocast disabled for every device type that has it on (module docstring)."""
     @functools.wraps(backward)
     def wrapped(*args, **kwargs):
-        on = [t for t in _autocast_types() if torch.is_autocast_enabled(t)]
+        on = [t for t in _DEVICE_TYPES if _AVAILABLE[t] and torch.is_autocast_enabled(t)]
         if not on:
             return backward(*args, **kwargs)
         with contextlib.ExitStack() as stack:

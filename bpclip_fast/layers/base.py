@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import compiled, exact, exact_examples, handles, modes
+from ..amp import autocast_on
 from ..boundary import StepRefused
 from ..modes.base import check_positive as _check_positive
 
@@ -31,8 +32,7 @@ def _in_parameter_dtype(forward):
     and proved bounds are then those of that dtype; the ops around the layer keep autocast's."""
     @functools.wraps(forward)
     def wrapped(self, x):
-        if (isinstance(x, torch.Tensor) and torch.amp.is_autocast_available(x.device.type)
-                and torch.is_autocast_enabled(x.device.type)):
+        if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
             dtype = self.weight.dtype
             if x.is_floating_point() and x.dtype != dtype:
                 x = x.to(dtype)

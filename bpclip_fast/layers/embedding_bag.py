@@ -16,6 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .. import compiled, examples, exact_examples, modes, registry
+from ..amp import autocast_on
 from .base import _ExampleLayer, _exact_kwargs
 from .embedding import _embedding_problem
 
@@ -46,7 +47,7 @@ class EmbeddingBag(_ExampleLayer, nn.EmbeddingBag):
     def forward(self, input, offsets=None, per_sample_weights=None):
         bags = self._bags(input, offsets, per_sample_weights)
         dev = input.device.type
-        if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        if autocast_on(dev):
             # As base._in_parameter_dtype: the layer computes in its parameters' dtype.
             idx, offs, psw = bags
             if psw is not None and psw.dtype != self.weight.dtype:

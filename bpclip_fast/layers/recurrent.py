@@ -62,6 +62,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .. import registry
+from ..amp import autocast_on
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _VF_FN = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
@@ -159,7 +160,7 @@ class _Recurrent:
                              f"or [T, B, {self.input_size}]; got {shape} (an unbatched sequence: add a batch "
                              "dimension of one)")
         param = next(self.parameters())
-        if (torch.amp.is_autocast_available(input.device.type) and torch.is_autocast_enabled(input.device.type)):
+        if autocast_on(input.device.type):
             # As every fused layer (layers.base._in_parameter_dtype): computed in the parameters' dtype.
             with torch.autocast(input.device.type, enabled=False):
                 return self._forward(input.to(param.dtype) if input.is_floating_point() else input, hx, kind)
