@@ -446,14 +446,21 @@ class LayerStep(BandRelease):
         """A forward's examples land in ``.grad`` in one backward pass at most. A second pass over a
         retained graph (``backward(retain_graph=True)`` run again, two losses of one forward, a retained
         graph's backward in a later step) would release them again, and the row count misses it where
-        the forward saw part of the batch (4 + 4 rows of a batch of 8, review 19). ``ctx``: the
-        forward's autograd context, marked (never reused, unlike an id) by the first pass whose
-        gradients reach this layer's ``AccumulateGrad`` nodes; a pass that does not
-        (``torch.autograd.grad`` or ``backward(inputs=...)`` with respect to the input or to other
-        layers' parameters), before or after, is neither marked nor refused. A later landing pass is
-        a violation: ``step()`` refuses and charges, as for the row count. A forward recomputed inside
-        each pass (activation checkpointing) is marked on the node that recomputes it instead,
-        ``ctx._bp_origin`` (:func:`forward_origin`), per layer: that node recomputes several layers.
+        the forward saw part of the batch (4 + 4 rows of a batch of 8, review 19).
+
+        The first pass whose gradients reach this layer's ``AccumulateGrad`` nodes marks every object
+        that stands for the forward, and a later landing pass that finds any of them marked is a
+        violation: ``step()`` refuses and charges, as for the row count. A pass that does not land
+        (``torch.autograd.grad`` or ``backward(inputs=...)`` of the input or of other layers'
+        parameters), before or after, is neither marked nor refused. The objects, each of which one
+        forward alone can mark: ``ctx``, its autograd context (never reused, unlike an id); the node
+        whose backward recomputed the forward, ``ctx._bp_origin`` (:func:`forward_origin`:
+        checkpointing that recomputes the forward in each pass makes a fresh context every time);
+        and for a compiled layer the compiled graph's node that runs the backward op,
+        ``ctx._bp_node`` (``compiled._ForwardMark``). The nodes are marked per layer: one recomputes
+        or runs several. Any one of them can be lost where another holds (a compiled forward
+        recomputed by reentrant checkpointing runs in a fresh compiled node each pass, and a tensor
+        attribute does not survive an unpack that copies), so all are checked and all are marked.
         Not seen: checkpointing nested inside reentrant checkpointing, whose inner node is itself
         recomputed afresh in each pass of the outer one."""
         if not self.enforce:
@@ -461,20 +468,27 @@ class LayerStep(BandRelease):
         if self._hooked != self._trainable():  # unfrozen since the step armed: the nodes _lands asks about
             self.install_hooks()
         task = torch._C._current_graph_task_id()
-        origin = getattr(ctx, "_bp_origin", None)
-        holder, key = (ctx, None) if origin is None else (origin, self.layer._handle)
-        marks = getattr(holder, "_bp_landed", None)
-        landed = marks.get(key) if marks is not None else None
-        if landed == task or not self._lands():  # a pass that lands nothing releases nothing, before or after
+        key = self.layer._handle
+        holders = [(ctx, None)]
+        for attr in ("_bp_origin", "_bp_node"):
+            node = getattr(ctx, attr, None)
+            if node is not None:
+                holders.append((node, key))
+        marks = [getattr(holder, "_bp_landed", None) for holder, _ in holders]
+        tasks = {m.get(k) for m, (_, k) in zip(marks, holders) if m is not None}
+        if tasks == {task} or not self._lands():  # a pass that lands nothing releases nothing, before or after
             return
-        if landed is None:
-            if marks is None:
-                holder._bp_landed = marks = {}
-            marks[key] = task
-        else:  # refused at step(), as the row count's own violations, naming every such layer
+        tasks.discard(None)
+        tasks.discard(task)
+        if tasks:  # refused at step(), as the row count's own violations, naming every such layer
             self.violations.append(("rows", "a second backward pass reached one forward (backward(retain_graph=True) "
                                     "run again, or a retained graph's backward after its step): its examples were "
                                     "released twice"))
+            return
+        for m, (holder, k) in zip(marks, holders):
+            if m is None:
+                holder._bp_landed = m = {}
+            m[k] = task
 
     def _lands(self) -> bool:
         """Whether this backward pass accumulates into the layer's ``.grad`` (its AccumulateGrad nodes

@@ -90,14 +90,14 @@ def _raise_recomputation(setting):
                            "bookkeeping; compile it with the default recomputation settings")
 
 
-def _stamped(mark: torch.Tensor) -> torch.Tensor:
-    """The tensor a forward op returns for its backward (:class:`_ForwardMark`), carrying the node
-    that recomputes this forward when it runs inside a backward pass (``boundary.forward_origin``:
-    non-reentrant checkpointing under ``torch.compile`` recomputes the forward ops in each pass)."""
+def _forward_meta(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """The CPU tensor a forward op returns for its backward: ``values`` and, last, the handle of the
+    node that recomputes this forward when it runs inside a backward pass (``boundary.forward_origin``:
+    reentrant checkpointing around a compiled model, or non-reentrant under ``torch.compile``), else 0.
+    Carried as data, not as an attribute of the tensor: the graph may hand the backward a copy (an
+    unpack, a saved output, aot_eager's detach)."""
     origin = forward_origin()
-    if origin is not None:
-        mark._bp_origin = origin
-    return mark
+    return torch.tensor([*values, handles.register(origin) if origin is not None else 0], dtype=dtype)
 
 
 def _seal(*layers):
@@ -118,9 +118,10 @@ def _geometry(stride, padding, dilation, groups):
 def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
                   layer: int, stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None,
                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, version)``: the layer's output and the bounds' version of this forward (CPU int64)."""
+    """``(out, version)``: the layer's output and ``[bounds' version, origin]`` of this forward (CPU int64,
+    :func:`_forward_meta`)."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    version = _stamped(torch.tensor([lay._bounds_version], dtype=torch.int64))
+    version = _forward_meta([lay._bounds_version], torch.int64)
     weight = exact.kernel_weight(lay, weight)
     if stride is None:
         return F.linear(x, weight, bias), version
@@ -134,7 +135,7 @@ def _(x, weight, bias, token, layer, stride, padding, dilation, groups):
         out = F.linear(x, weight, bias)
     else:
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    return out, torch.empty(1, dtype=torch.int64, device="cpu")
+    return out, torch.empty(2, dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("bpclip_fast_compiled::exact_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -373,7 +374,8 @@ def _flat_token(layer):
 def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
                      padding: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, x_factor, x_norm, meta)``: the clipped layer's forward (the extension's op, which also
-    counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ]``."""
+    counts non-finite inputs in the layer's own counter); ``meta = [bounds' version, Δ, origin]``
+    (:func:`_forward_meta`)."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         # Eager backprop layers save past the hooks (autograd._apply_without_hooks); here the compiled
@@ -388,7 +390,7 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     # input (nn.Conv1d: x is the kernels' view of it, exact.HEIGHT_ONE)
     own = lay._layer_input(x) if lay._weight_layout == exact.HEIGHT_ONE else x
     sens = lay._noise_sensitivity(own)
-    meta = _stamped(torch.tensor([float(lay._bounds_version), float(sens)], dtype=torch.float64))
+    meta = _forward_meta([float(lay._bounds_version), float(sens)], torch.float64)
     weight = exact.kernel_weight(lay, weight)
     if padding is None:
         out, factor, norm = torch.ops.bpclip_fast.linear_forward(
@@ -411,7 +413,7 @@ def _(x, weight, bias, layer, padding):
         out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(x, weight, bias, nonfinite,
                                                                  *exact.kernel_geometry(lay, padding), lay.groups,
                                                                  1.0, lay.clip_fn, 0.01)
-    return out, factor, norm, torch.empty(2, dtype=torch.float64, device="cpu")
+    return out, factor, norm, torch.empty(3, dtype=torch.float64, device="cpu")
 
 
 @torch.library.custom_op("bpclip_fast_compiled::backprop_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -422,7 +424,7 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
     from . import autograd
 
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    version, sens = meta.tolist()
+    version, sens, _ = meta.tolist()
     ctx = _BackpropCtx(lay, sens, int(version), mask, padding, meta)
     ctx.saved_tensors = (x, factor, norm, weight)
     if padding is None:
@@ -435,21 +437,22 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
 
 
 class _ForwardMark:
-    """Where ``boundary.LayerStep.first_landing`` marks a compiled layer's forward. The backward ops run
-    inside the compiled graph's own autograd node (``CompiledFunctionBackward``), which its forward
-    call made and which is the same object in every pass over the retained graph, whatever a
-    ``saved_tensors_hooks`` unpack returns: the mark is set there, per layer, as for a forward
-    recomputed in the backward (``boundary.forward_origin``). Only where the backward op runs under
-    no Python node (compiled autograd) is the mark kept on the tensor the forward op returned for
-    its backward (the graph saves that very tensor and every pass unpacks it, unless an unpack
-    hook copies it)."""
+    """What ``boundary.LayerStep.first_landing`` marks for a compiled layer's forward, whose backward op
+    has no autograd context of its own: the tensor the forward op returned for its backward (as the
+    context; an unpack that copies it, or a detach the graph adds, makes a new one each pass), the
+    node that recomputed the forward inside a backward (named by the tensor's last value,
+    ``_forward_meta``), and ``_bp_node``, the compiled graph's own node (``CompiledFunctionBackward``) that runs
+    the backward op: made by the forward call and the same object in every pass over the retained
+    graph, whatever an unpack returns, but made afresh where reentrant checkpointing recomputes the
+    compiled forward itself (the origin holds there). ``None`` where no Python node runs it."""
 
-    __slots__ = ("_tensor", "_bp_origin")
+    __slots__ = ("_tensor", "_bp_origin", "_bp_node")
 
     def __init__(self, tensor):
         self._tensor = tensor
-        node = current_python_node()
-        self._bp_origin = node if node is not None else getattr(tensor, "_bp_origin", None)
+        origin = int(tensor[-1])
+        self._bp_origin = handles.get(origin) if origin else None
+        self._bp_node = current_python_node()
 
     @property
     def _bp_landed(self):
@@ -523,14 +526,13 @@ def backprop_layer(x, layer, padding=None):
 def example_tap(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
                 saved: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: a copy of the layer's output and the bounds' version of this forward."""
-    version = _stamped(torch.tensor([handles.lookup(layer, torch.nn.Module, "layer")._bounds_version],
-                                    dtype=torch.int64))
+    version = _forward_meta([handles.lookup(layer, torch.nn.Module, "layer")._bounds_version], torch.int64)
     return out.clone(), version
 
 
 @example_tap.register_fake
 def _(out, weight, bias, token, saved, layer):
-    return torch.empty_like(out), torch.empty(1, dtype=torch.int64, device="cpu")
+    return torch.empty_like(out), torch.empty(2, dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("bpclip_fast_compiled::example_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)

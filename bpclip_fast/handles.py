@@ -27,6 +27,11 @@ def register(obj) -> int:
     return handle
 
 
+def get(handle: int):
+    """The live object ``handle`` names, or ``None``."""
+    return _OBJECTS.get(handle)
+
+
 def lookup(handle: int, kind: type, what: str):
     """The live object ``handle`` names; a clear error if it died or is not a ``kind``."""
     obj = _OBJECTS.get(handle)

@@ -11,7 +11,10 @@ pass over one retained forward.
   other layers) before or after the training backward still trains (review 20), and so does
   activation checkpointing that recomputes the forward in each pass (reentrant, or compiled), whose
   second pass over half the batch is refused too (the mark is on the node that recomputes it);
-  checkpointing nested inside reentrant checkpointing is not yet enforced: strict xfail."""
+  checkpointing nested inside reentrant checkpointing is not yet enforced: strict xfail.
+* Review 21: marks a graph can lose (a compiled forward op's tensor copied, detached or saved as an
+  output by other backends; the compiled node made afresh under reentrant checkpointing) are
+  backed by the others: every one is checked and marked."""
 
 from __future__ import annotations
 
@@ -399,5 +402,79 @@ def test_half_the_batch_backwarded_twice_compiled_under_a_copying_unpack(net):
             opt.step()
         assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
         assert all(p.grad is None for p in _inner(model).parameters())
+    finally:
+        torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ review 21: marks that a graph can lose
+@pytest.mark.parametrize("mode", ["backprop", "per_layer"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_half_the_batch_backwarded_twice_compiled_with_other_backends(mode, backend, checkpointed):
+    """Review 21, F1 and F2: a mark kept on the tensor a forward op returned was lost where the
+    backend hands the backward a new tensor (backprop's saved float64 output under ``backend="eager"``;
+    aot_eager's detach of the recomputed one under checkpointing): released twice. The compiled
+    graph's own node and the recomputing node's handle, carried as data, hold."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed(mode, _Checkpointed(False) if checkpointed else None)
+        run = torch.compile(model, backend=backend)
+        x, y = next(iter(loader))
+        if checkpointed and backend == "eager" and mode == "backprop":
+            # the eager backend runs non-reentrant checkpointing's saved-tensor hooks around the
+            # layer's compiled forward op, which refuses them before anything is computed
+            with pytest.raises(RuntimeError, match="saved_tensors_hooks"):
+                _half_batch_twice(run, x, y)
+            return
+        _half_batch_twice(run, x, y)
+        with pytest.raises(StepRefused) as exc:
+            opt.step()
+        assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+        assert all(p.grad is None for p in _inner(model).parameters())
+    finally:
+        torch._dynamo.reset()
+
+
+class _AroundCompiled(nn.Module):
+    """Reentrant checkpointing around a compiled body: every pass recomputes the compiled forward, so
+    the compiled graph's node that runs the backward ops is a new one each pass."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.__dict__["_run"] = torch.compile(self.body, backend=backend)  # not a child module
+
+    def forward(self, x):
+        return checkpoint(self._run, x.clone().requires_grad_(True), use_reentrant=True)
+
+
+@pytest.mark.parametrize("mode", ["backprop", "per_layer"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_half_the_batch_backwarded_twice_through_reentrant_checkpointing_around_a_compiled_body(mode, backend):
+    """Review 21, F3: neither the compiled node nor the forward op's tensor survives from one pass to
+    the next; the node that recomputes the forward (named by the tensor's value) does."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed(mode, _AroundCompiled(backend))
+        x, y = next(iter(loader))
+        _half_batch_twice(model, x, y)
+        with pytest.raises(StepRefused) as exc:
+            opt.step()
+        assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["backprop", "per_layer"])
+def test_micro_batches_through_reentrant_checkpointing_around_a_compiled_body_still_train(mode):
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed(mode, _AroundCompiled("aot_eager"))
+        x, y = next(iter(loader))
+        for half in (slice(0, 4), slice(4, 8)):
+            F.cross_entropy(model(x[half]), y[half]).backward()
+        opt.step()
+        assert len(engine.accountant) == 1
+        assert all(p.grad is not None for p in _inner(model).parameters())
     finally:
         torch._dynamo.reset()
