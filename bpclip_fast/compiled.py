@@ -148,7 +148,8 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     bias] gradients wanted (fixed at trace time). Empty tensors stand for gradients not returned
     (flat: the collector releases W and b; the token's gradient is a zero that orders the release)."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    lay._check_forward(_ForwardMark(version), int(version[0]))
+    bounds_version, origin = version.tolist()
+    lay._check_forward(_ForwardMark(version, origin), bounds_version)
     geometry = _geometry(stride, padding, dilation, groups)
     book = _layer_book(token, lay)
     g = grad_out.contiguous()
@@ -424,8 +425,8 @@ def backprop_backward(grad_out: torch.Tensor, x: torch.Tensor, factor: torch.Ten
     from . import autograd
 
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    version, sens, _ = meta.tolist()
-    ctx = _BackpropCtx(lay, sens, int(version), mask, padding, meta)
+    version, sens, origin = meta.tolist()
+    ctx = _BackpropCtx(lay, sens, int(version), mask, padding, meta, origin)
     ctx.saved_tensors = (x, factor, norm, weight)
     if padding is None:
         gx, gw, gb = autograd._backward(ctx, grad_out, torch.ops.bpclip_fast.linear_backward)
@@ -448,10 +449,10 @@ class _ForwardMark:
 
     __slots__ = ("_tensor", "_bp_origin", "_bp_node")
 
-    def __init__(self, tensor):
+    def __init__(self, tensor, origin):
+        """``origin``: the tensor's last value (read with the rest of it by the caller)."""
         self._tensor = tensor
-        origin = int(tensor[-1])
-        self._bp_origin = handles.get(origin) if origin else None
+        self._bp_origin = handles.get(int(origin)) if origin else None
         self._bp_node = current_python_node()
 
     @property
@@ -470,8 +471,8 @@ class _BackpropCtx(_ForwardMark):
     __slots__ = ("layer", "sensitivity", "bounds_version", "needs_input_grad", "has_bias", "padding",
                  "saved_tensors")
 
-    def __init__(self, layer, sensitivity, version, mask, padding, meta):
-        super().__init__(meta)
+    def __init__(self, layer, sensitivity, version, mask, padding, meta, origin):
+        super().__init__(meta, origin)
         self.layer, self.sensitivity, self.bounds_version = layer, sensitivity, version
         self.needs_input_grad = (mask[0], mask[1], mask[2])
         self.has_bias = layer.bias is not None
@@ -542,7 +543,8 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
                      mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(∇W, ∇b, ∇token)`` — ``exact_examples._Tap.backward`` at run time; empty tensors where not returned."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    lay._check_forward(_ForwardMark(version), int(version[0]))
+    bounds_version, origin = version.tolist()
+    lay._check_forward(_ForwardMark(version, origin), bounds_version)
     book = _layer_book(token, lay)
     pmask = exact._trainable(lay) if book is not None else list(mask)
 
