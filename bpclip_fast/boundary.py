@@ -457,38 +457,46 @@ class LayerStep(BandRelease):
         whose backward recomputed the forward, ``ctx._bp_origin`` (:func:`forward_origin`:
         checkpointing that recomputes the forward in each pass makes a fresh context every time);
         and for a compiled layer the compiled graph's node that runs the backward op,
-        ``ctx._bp_node`` (``compiled._ForwardMark``). The nodes are marked per layer: one recomputes
-        or runs several. Any one of them can be lost where another holds (a compiled forward
+        ``ctx._bp_node`` (``compiled._ForwardMark``). Marks are kept per layer (by its handle): a node
+        recomputes or runs several. Any one of them can be lost where another holds (a compiled forward
         recomputed by reentrant checkpointing runs in a fresh compiled node each pass, and a tensor
         attribute does not survive an unpack that copies), so all are checked and all are marked.
         Not seen: checkpointing nested inside reentrant checkpointing, whose inner node is itself
         recomputed afresh in each pass of the outer one."""
         if not self.enforce:
             return
+        holders = [ctx]
+        origin = getattr(ctx, "_bp_origin", None)
+        if origin is not None:
+            holders.append(origin)
+        node = getattr(ctx, "_bp_node", None)
+        if node is not None:
+            holders.append(node)
+        task, key = torch._C._current_graph_task_id(), self.layer._handle
+        fresh = earlier = False
+        for holder in holders:
+            marks = getattr(holder, "_bp_landed", None)
+            landed = marks.get(key) if marks is not None else None
+            if landed is None:
+                fresh = True
+            elif landed != task:
+                earlier = True
+        if not (fresh or earlier):  # this pass marked them all (a second use of the layer in the pass)
+            return
         if self._hooked != self._trainable():  # unfrozen since the step armed: the nodes _lands asks about
             self.install_hooks()
-        task = torch._C._current_graph_task_id()
-        key = self.layer._handle
-        holders = [(ctx, None)]
-        for attr in ("_bp_origin", "_bp_node"):
-            node = getattr(ctx, attr, None)
-            if node is not None:
-                holders.append((node, key))
-        marks = [getattr(holder, "_bp_landed", None) for holder, _ in holders]
-        tasks = {m.get(k) for m, (_, k) in zip(marks, holders) if m is not None}
-        if tasks == {task} or not self._lands():  # a pass that lands nothing releases nothing, before or after
+        if not self._lands():  # a pass that lands nothing releases nothing, before or after
             return
-        tasks.discard(None)
-        tasks.discard(task)
-        if tasks:  # refused at step(), as the row count's own violations, naming every such layer
+        if earlier:  # refused at step(), as the row count's own violations, naming every such layer
             self.violations.append(("rows", "a second backward pass reached one forward (backward(retain_graph=True) "
                                     "run again, or a retained graph's backward after its step): its examples were "
                                     "released twice"))
             return
-        for m, (holder, k) in zip(marks, holders):
-            if m is None:
-                holder._bp_landed = m = {}
-            m[k] = task
+        for holder in holders:
+            marks = getattr(holder, "_bp_landed", None)
+            if marks is None:
+                holder._bp_landed = marks = {}
+            marks[key] = task
 
     def _lands(self) -> bool:
         """Whether this backward pass accumulates into the layer's ``.grad`` (its AccumulateGrad nodes
