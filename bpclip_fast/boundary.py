@@ -99,6 +99,22 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return flat.view(bits).sum(dtype=torch.int64)
 
 
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
+    "AutogradCPU", "AutogradCUDA", "AutogradOther", "ADInplaceOrView", "AutogradFunctionality"))
+
+
+def _accumulate_node(p):
+    """``p``'s ``AccumulateGrad`` node (autograd keeps one per leaf while it lives). Also asked inside a
+    backward pass, where grad mode is off, and inside a compiled layer's backward op, a custom op's
+    kernel where the autograd dispatch keys are excluded and ``view_as`` records no ``grad_fn``: both
+    are let back in for the lookup (a layer unfrozen between steps of a compiled model, review 22)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
 def forward_origin():
     """What identifies a forward run again inside a backward pass, or ``None`` for a forward run outside
     one. Activation checkpointing that recomputes the forward in each pass (reentrant
@@ -235,8 +251,7 @@ class LayerStep(BandRelease):
         for i, p in enumerate(self.params):
             if not p.requires_grad:
                 continue
-            with torch.enable_grad():  # also called inside a backward pass, where grad mode is off
-                node = p.view_as(p).grad_fn.next_functions[0][0]
+            node = _accumulate_node(p)
             self._nodes.append(node)
             self._handles.append(p.register_hook(self._make_tensorhook(i, node)))
             prehook = node.register_prehook(self._make_prehook(i))
@@ -278,9 +293,7 @@ class LayerStep(BandRelease):
         parameter a new AccumulateGrad node when its data changes dtype or device (``module.to``,
         ``.half()``, ``.cuda()``, a ``.data`` assignment), so its gradient no longer reaches the
         hooked node, which looks like a capture from inside the backward."""
-        p = self.params[i]
-        with torch.enable_grad():
-            return p.view_as(p).grad_fn.next_functions[0][0] is not node
+        return _accumulate_node(self.params[i]) is not node
 
     def _make_prehook(self, i):
         def prehook(grad_outputs):

@@ -90,14 +90,29 @@ def _raise_recomputation(setting):
                            "bookkeeping; compile it with the default recomputation settings")
 
 
-def _forward_meta(values: list, dtype: torch.dtype) -> torch.Tensor:
-    """The CPU tensor a forward op returns for its backward: ``values`` and, last, the handle of the
-    node that recomputes this forward when it runs inside a backward pass (``boundary.forward_origin``:
-    reentrant checkpointing around a compiled model, or non-reentrant under ``torch.compile``), else 0.
-    Carried as data, not as an attribute of the tensor: the graph may hand the backward a copy (an
-    unpack, a saved output, aot_eager's detach)."""
+def _forward_meta(lay, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """The CPU tensor a forward op of ``lay`` returns for its backward: ``values`` and, last, the handle
+    of the node that recomputes this forward when it runs inside a backward pass
+    (``boundary.forward_origin``: reentrant checkpointing around a compiled model, or non-reentrant
+    under ``torch.compile``), else 0. Carried as data, not as an attribute of the tensor: the graph
+    may hand the backward a copy (an unpack, a saved output, aot_eager's detach).
+
+    Data that a ``saved_tensors_hooks`` unpack can rewrite, and under reentrant checkpointing around
+    a compiled body it is the only mark that lasts from one pass to the next (the compiled node is
+    made afresh each pass, the tensor copied): an unpack writing 0 there released half a batch twice
+    (review 22). So a forward recomputed inside a backward pass under a loop's saved-tensor hooks is
+    refused; ``torch.utils.checkpoint``'s own recomputation hooks pass what they packed."""
     origin = forward_origin()
-    return torch.tensor([*values, handles.register(origin) if origin is not None else 0], dtype=dtype)
+    if origin is not None:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if hooks is not None and getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint":
+            exact._refuse_release([lay], "a compiled layer's forward was recomputed inside a backward pass (reentrant "
+                                  "checkpointing around a compiled model) under torch.autograd.graph."
+                                  "saved_tensors_hooks, which could hide a second pass over its examples",
+                                  "run that backward outside the hooks, or checkpoint inside the compiled model "
+                                  "(use_reentrant=False)")
+        return torch.tensor([*values, handles.register(origin)], dtype=dtype)
+    return torch.tensor([*values, 0], dtype=dtype)
 
 
 def _seal(*layers):
@@ -121,7 +136,7 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``(out, version)``: the layer's output and ``[bounds' version, origin]`` of this forward (CPU int64,
     :func:`_forward_meta`)."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    version = _forward_meta([lay._bounds_version], torch.int64)
+    version = _forward_meta(lay, [lay._bounds_version], torch.int64)
     weight = exact.kernel_weight(lay, weight)
     if stride is None:
         return F.linear(x, weight, bias), version
@@ -391,7 +406,7 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     # input (nn.Conv1d: x is the kernels' view of it, exact.HEIGHT_ONE)
     own = lay._layer_input(x) if lay._weight_layout == exact.HEIGHT_ONE else x
     sens = lay._noise_sensitivity(own)
-    meta = _forward_meta([float(lay._bounds_version), float(sens)], torch.float64)
+    meta = _forward_meta(lay, [float(lay._bounds_version), float(sens)], torch.float64)
     weight = exact.kernel_weight(lay, weight)
     if padding is None:
         out, factor, norm = torch.ops.bpclip_fast.linear_forward(
@@ -527,7 +542,8 @@ def backprop_layer(x, layer, padding=None):
 def example_tap(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor | None,
                 saved: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: a copy of the layer's output and the bounds' version of this forward."""
-    version = _forward_meta([handles.lookup(layer, torch.nn.Module, "layer")._bounds_version], torch.int64)
+    lay = handles.lookup(layer, torch.nn.Module, "layer")
+    version = _forward_meta(lay, [lay._bounds_version], torch.int64)
     return out.clone(), version
 
 
