@@ -6,17 +6,25 @@ reads it as a constant of the trace (and guards it) on every torch it supports, 
 ``assume_constant_result`` function taking the object itself is refused by torch 2.11's dynamo.
 
 Handles come from a counter and are never reused: a graph traced for an object that has since died
-finds nothing (:func:`lookup` raises) rather than a newer object at the same address. A copy
-(``copy.copy``, ``copy.deepcopy``, pickling) calls :func:`register` again from its ``__setstate__``:
-the attribute it copied names the original, whose state its compiled ops would otherwise act on.
+finds nothing (:func:`lookup` raises) rather than a newer object at the same address. The counter
+starts at a random point below 2^51 in each process (a handle also travels as a float64 value,
+exact below 2^53): a handle is a constant of the traced graph, and inductor's on-disk graph cache
+keys on the graph, not on what the ops' fake kernels read through the handle (a flat group's
+number of layers, a layer's weight layout). A counter from 1 gave two processes' different models
+the same graph text, and the cached kernel of one, run on the other's tokens, corrupted the heap.
+
+A copy (``copy.copy``, ``copy.deepcopy``, pickling) calls :func:`register` again from its
+``__setstate__``: the attribute it copied names the original, whose state its compiled ops would
+otherwise act on.
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import weakref
 
-_NEXT = itertools.count(1)
+_NEXT = itertools.count(1 + secrets.randbelow(1 << 51))
 _OBJECTS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
 

@@ -163,6 +163,24 @@ def _half_batch_twice(model, x, y, retain_first=True):
     loss.backward()
 
 
+def _second_pass_refused(mode, module, backend=None):
+    """Half the batch backwarded twice through ``module`` under ``mode`` (the model compiled with
+    ``backend`` when given): refused at ``step()`` as a second landing pass, with nothing left in
+    ``.grad``."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed(mode, module)
+        run = torch.compile(model, backend=backend) if backend else model
+        x, y = next(iter(loader))
+        _half_batch_twice(run, x, y)
+        with pytest.raises(StepRefused) as exc:
+            opt.step()
+        assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+        assert all(p.grad is None for p in _inner(model).parameters())
+    finally:
+        torch._dynamo.reset()
+
+
 def _norm_model():
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
 
@@ -346,18 +364,8 @@ class _Checkpointed(nn.Module):
 def test_half_the_batch_backwarded_twice_through_a_checkpointed_model(mode, how):
     """Review 20: a forward recomputed in each pass had a fresh context, so its second pass counted as
     a first (``boundary.forward_origin``)."""
-    torch._dynamo.reset()
-    try:
-        engine, model, opt, loader = _fixed(mode, _Checkpointed(how == "eager_reentrant"))
-        run = torch.compile(model) if how.startswith("compiled") else model
-        x, y = next(iter(loader))
-        _half_batch_twice(run, x, y)
-        with pytest.raises(StepRefused) as exc:
-            opt.step()
-        assert exc.value.rule == "rows", exc.value
-        assert all(p.grad is None for p in _inner(model).parameters())
-    finally:
-        torch._dynamo.reset()
+    _second_pass_refused(mode, _Checkpointed(how == "eager_reentrant"),
+                         "inductor" if how.startswith("compiled") else None)
 
 
 @pytest.mark.parametrize("mode", ["backprop", "per_layer"])
@@ -399,12 +407,7 @@ class _Nested(nn.Module):
     "afresh by each pass of the outer checkpoint, so the second pass over half the batch counts as a first"))
 @pytest.mark.parametrize("mode", ["backprop", "per_layer"])
 def test_half_the_batch_backwarded_twice_through_nested_reentrant_checkpoints(mode):
-    engine, model, opt, loader = _fixed(mode, _Nested())
-    x, y = next(iter(loader))
-    _half_batch_twice(model, x, y)
-    with pytest.raises(StepRefused) as exc:
-        opt.step()
-    assert exc.value.rule == "rows", exc.value
+    _second_pass_refused(mode, _Nested())
 
 
 @pytest.mark.parametrize("net", ["linear", "layernorm"])
@@ -437,22 +440,18 @@ def test_half_the_batch_backwarded_twice_compiled_with_other_backends(mode, back
     backend hands the backward a new tensor (backprop's saved float64 output under ``backend="eager"``;
     aot_eager's detach of the recomputed one under checkpointing): released twice. The compiled
     graph's own node and the recomputing node's handle, carried as data, hold."""
+    module = _Checkpointed(False) if checkpointed else None
+    if not (checkpointed and backend == "eager" and mode == "backprop"):
+        _second_pass_refused(mode, module, backend)
+        return
+    # the eager backend runs non-reentrant checkpointing's saved-tensor hooks around the layer's
+    # compiled forward op, which refuses them before anything is computed
     torch._dynamo.reset()
     try:
-        engine, model, opt, loader = _fixed(mode, _Checkpointed(False) if checkpointed else None)
-        run = torch.compile(model, backend=backend)
+        engine, model, opt, loader = _fixed(mode, module)
         x, y = next(iter(loader))
-        if checkpointed and backend == "eager" and mode == "backprop":
-            # the eager backend runs non-reentrant checkpointing's saved-tensor hooks around the
-            # layer's compiled forward op, which refuses them before anything is computed
-            with pytest.raises(RuntimeError, match="saved_tensors_hooks"):
-                _half_batch_twice(run, x, y)
-            return
-        _half_batch_twice(run, x, y)
-        with pytest.raises(StepRefused) as exc:
-            opt.step()
-        assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
-        assert all(p.grad is None for p in _inner(model).parameters())
+        with pytest.raises(RuntimeError, match="saved_tensors_hooks"):
+            _half_batch_twice(torch.compile(model, backend=backend), x, y)
     finally:
         torch._dynamo.reset()
 
@@ -475,16 +474,7 @@ class _AroundCompiled(nn.Module):
 def test_half_the_batch_backwarded_twice_through_reentrant_checkpointing_around_a_compiled_body(mode, backend):
     """Review 21, F3: neither the compiled node nor the forward op's tensor survives from one pass to
     the next; the node that recomputes the forward (named by the tensor's value) does."""
-    torch._dynamo.reset()
-    try:
-        engine, model, opt, loader = _fixed(mode, _AroundCompiled(backend))
-        x, y = next(iter(loader))
-        _half_batch_twice(model, x, y)
-        with pytest.raises(StepRefused) as exc:
-            opt.step()
-        assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
-    finally:
-        torch._dynamo.reset()
+    _second_pass_refused(mode, _AroundCompiled(backend))
 
 
 @pytest.mark.parametrize("mode", ["backprop", "per_layer"])
@@ -558,13 +548,4 @@ class _CompiledCheckpointInsideReentrant(nn.Module):
     "here the inner recomputation is the compiled graph's own"))
 @pytest.mark.parametrize("mode", ["backprop", "per_layer"])
 def test_half_the_batch_backwarded_twice_through_compiled_checkpointing_inside_reentrant(mode):
-    torch._dynamo.reset()
-    try:
-        engine, model, opt, loader = _fixed(mode, _CompiledCheckpointInsideReentrant())
-        x, y = next(iter(loader))
-        _half_batch_twice(model, x, y)
-        with pytest.raises(StepRefused) as exc:
-            opt.step()
-        assert exc.value.rule == "rows", exc.value
-    finally:
-        torch._dynamo.reset()
+    _second_pass_refused(mode, _CompiledCheckpointInsideReentrant())

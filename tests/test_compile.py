@@ -273,3 +273,18 @@ def test_a_copied_model_compiles_against_its_own_layers(mode):
     F.cross_entropy(torch.compile(clone, backend="aot_eager")(x), y[:6], reduction="none").nan_to_num(0.0).mean().backward()
     assert all(int(a._nonfinite.sum()) == 0 for a, _ in pairs)
     assert any(int(b._nonfinite.sum()) > 0 for _, b in pairs)
+
+
+def test_handles_differ_between_processes():
+    """A handle is a constant of the traced graph, and inductor's on-disk cache keys on the graph, not
+    on what the ops' fake kernels read through the handle: two processes must not name different
+    models by the same handles. A counter from 1 did, and a cached kernel traced for one flat group
+    then ran on another's tokens and corrupted the heap."""
+    import subprocess
+    import sys
+
+    code = "import bpclip_fast.handles as h\nclass O: pass\no = O()\nprint(h.register(o))"
+    first = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+             for _ in range(2)]
+    assert first[0] != first[1]
+    assert all(0 < h < 2 ** 52 for h in first)  # exact as float64, where an origin handle travels
