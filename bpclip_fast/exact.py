@@ -233,6 +233,9 @@ class FlatClipping:
         for i, layer in enumerate(self.layers):
             layer._flat, layer._flat_position = self, i
 
+    def __getstate__(self):
+        return {**self.__dict__, "handle": None}  # process-local and random: saved bytes must not vary
+
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.handle = handles.register(self)  # a copy's own, not the original's

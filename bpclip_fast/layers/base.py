@@ -140,6 +140,7 @@ class _Clipped:
         state = dict(super().__getstate__())  # the base's own (nn.LSTM drops its weak references)
         state["_step"] = None
         state["_nonfinite"] = torch.zeros_like(self._nonfinite)
+        state["_handle"] = None  # process-local and random (bpclip_fast.handles): __setstate__ gives a new one
         return state
 
     def __setstate__(self, state):
