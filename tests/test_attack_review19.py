@@ -18,6 +18,8 @@ pass over one retained forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,16 +165,17 @@ def _half_batch_twice(model, x, y, retain_first=True):
     loss.backward()
 
 
-def _second_pass_refused(mode, module, backend=None):
+def _second_pass_refused(mode, module, backend=None, around=contextlib.nullcontext):
     """Half the batch backwarded twice through ``module`` under ``mode`` (the model compiled with
-    ``backend`` when given): refused at ``step()`` as a second landing pass, with nothing left in
-    ``.grad``."""
+    ``backend`` when given; forward and backward inside ``around()``): refused at ``step()`` as a
+    second landing pass, with nothing left in ``.grad``."""
     torch._dynamo.reset()
     try:
         engine, model, opt, loader = _fixed(mode, module)
         run = torch.compile(model, backend=backend) if backend else model
         x, y = next(iter(loader))
-        _half_batch_twice(run, x, y)
+        with around():
+            _half_batch_twice(run, x, y)
         with pytest.raises(StepRefused) as exc:
             opt.step()
         assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
@@ -402,33 +405,14 @@ class _Nested(nn.Module):
         return checkpoint(self._inner, x.clone().requires_grad_(True), use_reentrant=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not enforced yet (docs/design.md, row accounting): the node that recomputes the layers is itself made "
-    "afresh by each pass of the outer checkpoint, so the second pass over half the batch counts as a first"))
-@pytest.mark.parametrize("mode", ["backprop", "per_layer"])
-def test_half_the_batch_backwarded_twice_through_nested_reentrant_checkpoints(mode):
-    _second_pass_refused(mode, _Nested())
-
-
 @pytest.mark.parametrize("net", ["linear", "layernorm"])
 def test_half_the_batch_backwarded_twice_compiled_under_a_copying_unpack(net):
     """A ``saved_tensors_hooks`` unpack that returns copies hands each pass of a compiled backward a new
     tensor for what the forward op returned, so a mark kept on that tensor was lost between passes
     (per_layer; flat's release is refused by its serial, backprop's compiled forward refuses the hooks);
     the mark is on the ``CompiledFunctionBackward`` node that runs the layer's backward op instead."""
-    torch._dynamo.reset()
-    try:
-        engine, model, opt, loader = _fixed("per_layer", _norm_model() if net == "layernorm" else None)
-        run = torch.compile(model, backend="aot_eager")
-        x, y = next(iter(loader))
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.clone()):
-            _half_batch_twice(run, x, y)
-        with pytest.raises(StepRefused) as exc:
-            opt.step()
-        assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
-        assert all(p.grad is None for p in _inner(model).parameters())
-    finally:
-        torch._dynamo.reset()
+    _second_pass_refused("per_layer", _norm_model() if net == "layernorm" else None, "aot_eager",
+                         lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.clone()))
 
 
 # ------------------------------------------------------------------ review 21: marks that a graph can lose
@@ -544,8 +528,9 @@ class _CompiledCheckpointInsideReentrant(nn.Module):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "not enforced yet (docs/design.md, row accounting): checkpointing nested inside reentrant checkpointing; "
-    "here the inner recomputation is the compiled graph's own"))
+    "not enforced yet (docs/design.md, row accounting): the node that recomputes the layers is itself made "
+    "afresh by each pass of the outer reentrant checkpoint, so the second pass over half the batch counts as a first"))
 @pytest.mark.parametrize("mode", ["backprop", "per_layer"])
-def test_half_the_batch_backwarded_twice_through_compiled_checkpointing_inside_reentrant(mode):
-    _second_pass_refused(mode, _CompiledCheckpointInsideReentrant())
+@pytest.mark.parametrize("inner", ["reentrant", "compiled"])  # review 20; review 22, finding C
+def test_half_the_batch_backwarded_twice_through_checkpointing_nested_inside_reentrant(mode, inner):
+    _second_pass_refused(mode, _Nested() if inner == "reentrant" else _CompiledCheckpointInsideReentrant())
