@@ -45,6 +45,7 @@ public accountant). Every :class:`StepRefused` is charged.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 
 import torch
@@ -124,10 +125,40 @@ def forward_origin():
     is the same object in every pass over a retained graph. Only a Python node can carry the mark
     (:meth:`LayerStep.first_landing`); under any other (a C++ node's saved-tensor unpack, where
     eager non-reentrant checkpointing recomputes into contexts whose backward never runs) the
-    context itself is marked, as for a forward run outside a backward."""
+    context itself is marked, as for a forward run outside a backward.
+
+    That node may itself be made afresh by each pass: checkpointing nested inside reentrant
+    checkpointing (the inner ``CheckpointFunctionBackward``, or a compiled body's
+    ``CompiledFunctionBackward``, is made when the outer node's backward recomputes its forward). The
+    outer nodes, the same in every pass over the retained graph, are the Python nodes whose backward
+    is running further up this thread's stack (the engine runs a reentrant pass on the thread that
+    asked for it); they are kept on the node, ``_bp_outer``, and marked with it."""
     if torch._C._current_graph_task_id() == -1:
         return None
-    return current_python_node()
+    node = current_python_node()
+    if node is not None and "_bp_outer" not in node.__dict__:
+        node._bp_outer = _running_python_nodes(node)
+    return node
+
+
+# The methods by which the engine runs a Python node (``BackwardCFunction.apply``, ``apply_boxed``):
+# a frame of one of these is a node's backward running, the node its first argument.
+_NODE_RUNNERS = frozenset(f.__code__ for f in vars(torch.autograd.function.BackwardCFunction).values()
+                          if hasattr(f, "__code__") and f.__code__.co_argcount >= 1)
+
+
+def _running_python_nodes(inner) -> tuple:
+    """The Python autograd nodes other than ``inner`` whose backward is running on this thread,
+    innermost first (frames walked once per recomputing node, only inside a backward pass)."""
+    found, frame = [], sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code in _NODE_RUNNERS:
+            node = frame.f_locals.get(code.co_varnames[0])
+            if node is not None and node is not inner and hasattr(node, "__dict__"):
+                found.append(node)
+        frame = frame.f_back
+    return tuple(found)
 
 
 def current_python_node():
@@ -474,14 +505,16 @@ class LayerStep(BandRelease):
         recomputes or runs several. Any one of them can be lost where another holds (a compiled forward
         recomputed by reentrant checkpointing runs in a fresh compiled node each pass, and a tensor
         attribute does not survive an unpack that copies), so all are checked and all are marked.
-        Not seen: checkpointing nested inside reentrant checkpointing, whose inner node is itself
-        recomputed afresh in each pass of the outer one."""
+        Checkpointing nested inside reentrant checkpointing makes the inner node afresh in each pass
+        of the outer one: the outer nodes (``origin._bp_outer``, :func:`forward_origin`) are marked
+        too."""
         if not self.enforce:
             return
         holders = [ctx]
         origin = getattr(ctx, "_bp_origin", None)
         if origin is not None:
             holders.append(origin)
+            holders += origin.__dict__.get("_bp_outer", ())
         node = getattr(ctx, "_bp_node", None)
         if node is not None:
             holders.append(node)
