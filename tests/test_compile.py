@@ -288,3 +288,34 @@ def test_handles_differ_between_processes():
              for _ in range(2)]
     assert first[0] != first[1]
     assert all(0 < h < 2 ** 52 for h in first)  # exact as float64, where an origin handle travels
+
+
+@pytest.mark.parametrize("earlier_pass", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
+    """Compiled autograd runs the layers' backward where the step's records cannot follow: an honest
+    step was refused at step() as an edited gradient and charged (review 21, F4). The pass is refused
+    when it starts, naming the setting: uncharged when nothing of the step was computed before it,
+    charged when an earlier pass left gradients that could have been read; nothing stays in .grad."""
+    model = copy.deepcopy(_base())
+    X, Y = _data()
+    bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(X, Y), batch_size=6), noise_multiplier=1.0, clipping=mode,
+            noise_seed=7, **bounds)
+    x, y = next(iter(loader))
+    if earlier_pass:  # a micro-batch first, eagerly
+        F.cross_entropy(model(x[:2]), y[:2]).backward()
+        x, y = x[2:], y[2:]
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss = F.cross_entropy(model(x), y)
+        with pytest.raises(StepRefused) as exc:
+            loss.backward()
+    assert "compiled autograd" in str(exc.value)
+    assert exc.value.charged == earlier_pass
+    assert len(engine.accountant) == int(earlier_pass)
+    assert all(p.grad is None for p in model.parameters())

@@ -5,6 +5,7 @@ start for the layers it cleared."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -115,6 +116,8 @@ def check_new_pass(engine) -> None:
         raise accounting().PrivacyBudgetError(
             f"backward refused: any further step would exceed max_epsilon={engine.max_epsilon:g} at "
             f"δ={engine.delta:g}; the budget is spent, so no gradient of private data is computed any more")
+    if _compiled_autograd_on():
+        _refuse_compiled_autograd(engine)
     check_outside(engine, in_backward=True)
     drawn = budget.drawn(engine)
     if drawn == 0:
@@ -131,6 +134,28 @@ def check_new_pass(engine) -> None:
     if drawn > 1:
         refusal.refuse(engine, [("batches", f"{drawn} batches were drawn from the private loader since the last step "
                                  "and a backward pass was run", [])])
+
+
+def _compiled_autograd_on() -> bool:
+    """Whether this backward runs under compiled autograd (``torch._dynamo.compiled_autograd``, on by
+    ``torch._dynamo.config.compiled_autograd`` or its context manager; never imported otherwise)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False)
+                                   or getattr(ca, "in_compiled_autograd_region", False))
+
+
+def _refuse_compiled_autograd(engine) -> None:
+    """Compiled autograd traces the backward into a graph that our records cannot follow: the pass
+    was refused at ``step()`` as an edited gradient and charged (review 21, F4), whatever the data.
+    Refused now, before the pass computes anything; charged only where an earlier pass of the
+    step left gradients that could have been read (whether compiled autograd is on depends on the
+    loop alone, so a refusal with nothing computed cannot depend on the data)."""
+    earlier = any(p.grad is not None for st in engine._steps_of for p in st.params)
+    refusal.refuse(engine, [("grad-edit", "backward refused: compiled autograd (torch._dynamo.compiled_autograd, "
+                             "or torch._dynamo.config.compiled_autograd = True) runs the private layers' backward "
+                             "where the step's records cannot verify the gradients it leaves; turn it off for the "
+                             "private model's backward (torch.compile of the model itself is supported)", [])],
+                   charged=earlier)
 
 
 def after_zero_grad(engine) -> None:
