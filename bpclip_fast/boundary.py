@@ -173,10 +173,11 @@ class PassGate:
     already ran, shared by one engine's layers: the later layers of the pass skip the call. Written
     by the check itself, before it may raise, as before (a refused pass is not re-checked)."""
 
-    __slots__ = ("task",)
+    __slots__ = ("task", "passes")
 
     def __init__(self):
         self.task = None
+        self.passes = 0  # backward passes since the layers were last armed (a step, or a refused one)
 
 
 class LayerStep(BandRelease):

@@ -290,13 +290,15 @@ def test_handles_differ_between_processes():
     assert all(0 < h < 2 ** 52 for h in first)  # exact as float64, where an origin handle travels
 
 
-@pytest.mark.parametrize("earlier_pass", [False, True])
+@pytest.mark.parametrize("earlier_pass", [False, True, "cleared"])
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
     """Compiled autograd runs the layers' backward where the step's records cannot follow: an honest
     step was refused at step() as an edited gradient and charged (review 21, F4). The pass is refused
     when it starts, naming the setting: uncharged when nothing of the step was computed before it,
-    charged when an earlier pass left gradients that could have been read; nothing stays in .grad."""
+    charged when an earlier pass left gradients that could have been read, even if they were cleared
+    since (else that pass's release would be free: the refusal resets the batch count); nothing
+    stays in .grad."""
     model = copy.deepcopy(_base())
     X, Y = _data()
     bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
@@ -311,11 +313,13 @@ def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
     if earlier_pass:  # a micro-batch first, eagerly
         F.cross_entropy(model(x[:2]), y[:2]).backward()
         x, y = x[2:], y[2:]
+        if earlier_pass == "cleared":
+            opt.zero_grad(set_to_none=True)
     with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
         loss = F.cross_entropy(model(x), y)
         with pytest.raises(StepRefused) as exc:
             loss.backward()
     assert "compiled autograd" in str(exc.value)
-    assert exc.value.charged == earlier_pass
-    assert len(engine.accountant) == int(earlier_pass)
+    assert exc.value.charged == bool(earlier_pass)
+    assert len(engine.accountant) == int(bool(earlier_pass))
     assert all(p.grad is None for p in model.parameters())

@@ -410,6 +410,7 @@ class PrivacyEngine:
     def _arm(self):
         """Arms every layer with the draw of step ``self.steps``."""
         self._stream.step = self.steps
+        self._pass_gate.passes = 0
         for index, st in enumerate(self._steps_of):
             st.arm((self._stream.seed, self._stream.offset(index)))
 
