@@ -869,3 +869,26 @@ def test_make_private_with_epsilon_splits_sigma_over_the_layers_it_clips():
                                          accountant="rdp")
     assert len(engine.clipped_layers) == 2
     assert engine.effective_noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
+
+
+# ---------------------------------------------------------------- nn.DataParallel
+def test_data_parallel_is_refused_at_make_private_and_in_a_replica():
+    """nn.DataParallel runs shallow replicas of the model in threads, sharing each layer's step records:
+    untested, so refused by name, before any work: around the model at make_private, and a replica
+    of the private model (DataParallel wrapped after make_private) at its forward."""
+    wrapped = nn.DataParallel(small_net())
+    with pytest.raises(ValueError, match="nn.DataParallel.*DistributedDataParallel"):
+        quiet_make_private(PrivacyEngine(), module=wrapped, optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1),
+                           data_loader=DataLoader(digits_like(), batch_size=8), noise_multiplier=1.0,
+                           max_grad_norm=1.0, clipping="flat", noise_seed=0)
+    model = small_net()
+    model, opt, loader = quiet_make_private(
+        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(digits_like(), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        clipping="flat", noise_seed=0)
+    replica = model._replicate_for_data_parallel()  # what nn.parallel.replicate makes of the root
+    x, y = next(iter(loader))
+    with pytest.raises(RuntimeError, match="replica of nn.DataParallel"):
+        replica(x)
+    nn.functional.cross_entropy(model(x), y).backward()  # the model itself still trains
+    opt.step()

@@ -32,12 +32,23 @@ def collective_device():
 
 def unwrapped(module, distributed: bool):
     """The model inside a DDP wrapper (``module`` itself if not wrapped)."""
+    if isinstance(module, torch.nn.DataParallel):
+        raise ValueError(refuse_data_parallel("make_private: the module is nn.DataParallel"))
     if not isinstance(module, ddp_class()):
         return module
     if not distributed:
         raise RuntimeError("make_private: the module is DistributedDataParallel but torch.distributed is not "
                            "initialised with more than one process")
     return module.module
+
+
+def refuse_data_parallel(what: str) -> str:
+    """The message for ``nn.DataParallel``: its replicas are shallow copies run in threads, sharing each
+    layer's step records (rows, draw, the marks of a landing pass) with no test of what they do
+    together; DDP is what the engine's guarantee covers across devices."""
+    return (f"{what}, which is not supported: its replicas share the private layers' step records across "
+            "threads. Use DistributedDataParallel (one process per device, supported by make_private), or the "
+            "model itself on one device")
 
 
 def wrapped(module, distributed: bool):

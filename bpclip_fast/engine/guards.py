@@ -32,6 +32,9 @@ class OutsideCheck:
     def __call__(self, module, args):
         engine = self._engine()
         if engine is not None:
+            if module.__dict__.get("_is_replica"):  # nn.DataParallel around the private model: before any work
+                from .distributed import refuse_data_parallel
+                raise RuntimeError(refuse_data_parallel("the private model runs as a replica of nn.DataParallel"))
             check_outside(engine)
 
     def __reduce__(self):
