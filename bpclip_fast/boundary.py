@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import weakref
 
 import torch
@@ -131,8 +132,11 @@ def forward_origin():
     checkpointing (the inner ``CheckpointFunctionBackward``, or a compiled body's
     ``CompiledFunctionBackward``, is made when the outer node's backward recomputes its forward). The
     outer nodes, the same in every pass over the retained graph, are the Python nodes whose backward
-    is running further up this thread's stack (the engine runs a reentrant pass on the thread that
-    asked for it); they are kept on the node, ``_bp_outer``, and marked with it."""
+    is running (:func:`_running_python_nodes`); they are kept on the node, ``_bp_outer``, and marked
+    with it. An outer node is marked with the landing pass, not with its own backward's call: a
+    loop of private steps run inside one call of a user Function's backward, through reentrant
+    checkpointing, has its second step refused (review 23, F1; the same loop without checkpointing
+    was refused already, its origin being that node)."""
     if torch._C._current_graph_task_id() == -1:
         return None
     node = current_python_node()
@@ -148,9 +152,24 @@ _NODE_RUNNERS = frozenset(f.__code__ for f in vars(torch.autograd.function.Backw
 
 
 def _running_python_nodes(inner) -> tuple:
-    """The Python autograd nodes other than ``inner`` whose backward is running on this thread,
-    innermost first (frames walked once per recomputing node, only inside a backward pass)."""
-    found, frame = [], sys._getframe(1)
+    """The Python autograd nodes other than ``inner`` whose backward is running, innermost first
+    (frames walked once per recomputing node, only inside a backward pass): on this thread, and
+    on an engine device thread on every other thread too. The engine hands a reentrant pass's nodes
+    of another device to that device's thread (an outer segment on the CPU around an inner one on a
+    GPU, or model parallelism across GPUs), while the thread that asked is blocked inside the outer
+    node's backward (review 23, F2). Another thread's running node that belongs to no such pass is
+    marked all the same: a mark refuses only a second landing under the same node."""
+    found = _nodes_in_stack(sys._getframe(1), inner)
+    if _on_engine_thread():
+        me = threading.get_ident()
+        for ident, frame in sys._current_frames().items():
+            if ident != me:
+                found += _nodes_in_stack(frame, inner)
+    return tuple(dict.fromkeys(found))
+
+
+def _nodes_in_stack(frame, inner) -> list:
+    found = []
     while frame is not None:
         code = frame.f_code
         if code in _NODE_RUNNERS:
@@ -158,7 +177,12 @@ def _running_python_nodes(inner) -> tuple:
             if node is not None and node is not inner and hasattr(node, "__dict__"):
                 found.append(node)
         frame = frame.f_back
-    return tuple(found)
+    return found
+
+
+def _on_engine_thread() -> bool:
+    """Whether this thread was started outside Python: the autograd engine's device threads."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def current_python_node():

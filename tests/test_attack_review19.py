@@ -553,3 +553,36 @@ def test_nested_checkpointing_still_trains(mode, inner, micro):
         assert all(p.grad is not None for p in _inner(model).parameters())
     finally:
         torch._dynamo.reset()
+
+
+def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatch):
+    """Review 23, F2: a reentrant pass whose inner nodes run on another device's engine thread (an
+    outer segment on the CPU around an inner one on a GPU) recomputes there, while the outer node's
+    backward blocks the thread that asked. From an engine thread the walk reads every thread's
+    stack; from a Python thread it reads its own (which holds no node here)."""
+    import threading
+
+    from bpclip_fast import boundary
+
+    seen = {}
+
+    class Outer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            def walk(engine_thread):
+                monkeypatch.setattr(boundary, "_on_engine_thread", lambda: engine_thread)
+                seen[engine_thread] = boundary._running_python_nodes(None)
+            for engine_thread in (False, True):
+                worker = threading.Thread(target=walk, args=(engine_thread,))
+                worker.start()
+                worker.join()
+            seen["node"] = ctx
+            return g
+
+    x = torch.randn(3, requires_grad=True)
+    Outer.apply(x).sum().backward()
+    assert seen[False] == () and seen[True] == (seen["node"],)
