@@ -10,15 +10,15 @@
 #   bandwidth    bench/test_kernels.py at 32 and 512 MB, then the noise kernel's GB/s as a
 #                percentage of a device copy's (bandwidth_summary.txt)                    ~40 s
 #   norm_cost    bench/norm_cost.py, 3 reps                                               ~20 s
-#   compile      bench.compile --device cuda --compile-mode reduce-overhead (CUDA graphs), mlp and
-#                mnist, non-private and flat, batch 128; at most 100 s                    ~80 s
-#   profile      bench.profile: flat's device time by kernel (cifar10, resnet20-gn, vit, b128) ~40 s
 #   step_bench   bench.step, batch 128, models mnist, cifar10, vit, resnet20-gn, methods
 #                nonprivate, bpclip_fast, flat, opacus_ghost; one child each (~10 s of CUDA
-#                start-up per child, so this is the step the budget cuts first)          ~140 s
+#                start-up per child: 20 cells took 290 s on 2026-11-27)                   ~290 s
+#   profile      bench.profile: flat's device time by kernel (cifar10, resnet20-gn, vit, b128) ~40 s
 #   norms_choice bench.step, batch 128, vit and resnet20-gn, flat_instantiate: every layer's
 #                per-example gradients instantiated and kept (fewer launches, more memory
 #                traffic than ghost norms), against step_bench's flat                     ~30 s
+#   compile      bench.compile --device cuda --compile-mode reduce-overhead (CUDA graphs), the MLP
+#                (GPU_CHECK_COMPILE_MODELS), non-private and flat, batch 128; at most 100 s      ~80 s
 # GPU_CHECK_ONLY="build pytest_cuda step_bench" runs only the steps named (a re-check inside what is
 # left of a lease after a full run); GPU_CHECK_MODELS / GPU_CHECK_METHODS replace step_bench's grid and
 # GPU_CHECK_PROFILE the profile's model:method specs.
@@ -91,13 +91,6 @@ for b in bench:
 EOF
 [[ -f "$OUT/bandwidth_summary.txt" ]] && tee -a "$OUT/summary.txt" <"$OUT/bandwidth_summary.txt"
 step norm_cost "$PY" -m bench.norm_cost --device cuda --reps 3
-step compile timeout 100 "$PY" -m bench.compile --device cuda --compile-mode reduce-overhead --models mlp,mnist \
-  --modes none,flat --batch 128 --steps 20 --warmup 3
-[[ -f "$OUT/compile.log" ]] && grep -v Warning "$OUT/compile.log" | tail -n 6 | tee -a "$OUT/summary.txt"
-# What dynamo could not trace, if anything (2026-11-27, device torch 2.11: a builtin in the private
-# forward, whose name the tail above cut off).
-[[ -f "$OUT/compile.log" ]] && grep -m 6 -E "does not know how|Explanation:|Hint:|Developer debug context|from user code" -A 3 \
-  "$OUT/compile.log" | tee -a "$OUT/summary.txt"
 # One child per cell and short timing windows: each child spends ~10 s starting CUDA.
 step step_bench "$PY" -m bench.step --device cuda --models "${GPU_CHECK_MODELS:-mnist,cifar10,vit,resnet20-gn}" \
   --batch-sizes 128 --reps 1 --warmup-time 0.5 --min-time 1 --timeout 60 \
@@ -112,6 +105,15 @@ grep -E "^###" "$OUT/profile.log" | tee -a "$OUT/summary.txt"
 step norms_choice "$PY" -m bench.step --device cuda --models vit,resnet20-gn --batch-sizes 128 --reps 1 \
   --warmup-time 0.5 --min-time 1 --timeout 60 --methods flat_instantiate --md "$OUT/norms_choice.md"
 [[ -f "$OUT/norms_choice.md" ]] && cat "$OUT/norms_choice.md"
+# Last: on the device's torch 2.11 the MNIST net's flat compile alone ran past this step's 100 s and
+# cut step_bench (2026-11-27 17:07), so it runs the MLP only, after the figures issue 25 asks for.
+step compile timeout 100 "$PY" -m bench.compile --device cuda --compile-mode reduce-overhead --models "${GPU_CHECK_COMPILE_MODELS:-mlp}" \
+  --modes none,flat --batch 128 --steps 20 --warmup 3
+[[ -f "$OUT/compile.log" ]] && grep -v Warning "$OUT/compile.log" | tail -n 6 | tee -a "$OUT/summary.txt"
+# What dynamo could not trace, if anything (2026-11-27, device torch 2.11: a builtin in the private
+# forward, whose name the tail above cut off).
+[[ -f "$OUT/compile.log" ]] && grep -m 6 -E "does not know how|Explanation:|Hint:|Developer debug context|from user code" -A 3 \
+  "$OUT/compile.log" | tee -a "$OUT/summary.txt"
 tail -n 3 "$OUT"/pytest_*.log >>"$OUT/summary.txt" 2>/dev/null
 echo "total $((SECONDS - START)) s of a ${BUDGET} s budget" | tee -a "$OUT/summary.txt"
 echo "results in $OUT (summary.txt)"
