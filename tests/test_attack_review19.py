@@ -376,13 +376,22 @@ def test_half_the_batch_backwarded_twice_through_a_checkpointed_model(mode, how)
 def test_micro_batches_through_a_checkpointed_model_still_train(mode, how):
     """The honest counterpart: two halves of the batch, each its own forward and one backward, through
     the checkpointed model; the recomputing nodes differ, so neither pass is taken for a second one."""
+    _honest_passes_train(mode, _Checkpointed(how == "eager_reentrant"), _HALVES, how.startswith("compiled"))
+
+
+_HALVES = (slice(0, 4), slice(4, 8))
+
+
+def _honest_passes_train(mode, module, parts, compiled=False):
+    """Each part of the batch its own forward and one backward through ``module`` (the model compiled
+    when asked): the step is taken, charged once, and every parameter has its gradient."""
     torch._dynamo.reset()
     try:
-        engine, model, opt, loader = _fixed(mode, _Checkpointed(how == "eager_reentrant"))
-        run = torch.compile(model) if how.startswith("compiled") else model
+        engine, model, opt, loader = _fixed(mode, module)
+        run = torch.compile(model) if compiled else model
         x, y = next(iter(loader))
-        for half in (slice(0, 4), slice(4, 8)):
-            F.cross_entropy(run(x[half]), y[half]).backward()
+        for part in parts:
+            F.cross_entropy(run(x[part]), y[part]).backward()
         opt.step()
         assert len(engine.accountant) == 1
         assert all(p.grad is not None for p in _inner(model).parameters())
@@ -541,18 +550,8 @@ def test_half_the_batch_backwarded_twice_through_checkpointing_nested_inside_ree
 def test_nested_checkpointing_still_trains(mode, inner, micro):
     """The honest counterpart: the batch in one forward and backward, or two halves each its own
     forward and backward; each forward's outer node is its own, so no pass is taken for a second."""
-    torch._dynamo.reset()
-    try:
-        engine, model, opt, loader = _fixed(mode, _Nested() if inner == "reentrant"
-                                            else _CompiledCheckpointInsideReentrant())
-        x, y = next(iter(loader))
-        for half in ((slice(0, 4), slice(4, 8)) if micro else (slice(0, 8),)):
-            F.cross_entropy(model(x[half]), y[half]).backward()
-        opt.step()
-        assert len(engine.accountant) == 1
-        assert all(p.grad is not None for p in _inner(model).parameters())
-    finally:
-        torch._dynamo.reset()
+    _honest_passes_train(mode, _Nested() if inner == "reentrant" else _CompiledCheckpointInsideReentrant(),
+                         _HALVES if micro else (slice(0, 8),))
 
 
 def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatch):
