@@ -585,3 +585,33 @@ def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatc
     x = torch.randn(3, requires_grad=True)
     Outer.apply(x).sum().backward()
     assert seen[False] == () and seen[True] == (seen["node"],)
+
+
+class _CrossDevice(nn.Module):
+    """An outer reentrant segment, on the CPU at both ends, around an inner reentrant one on ``dev``: on a
+    GPU the inner node runs on the device's engine thread while the outer one's backward blocks the
+    thread that asked (review 23, F2)."""
+
+    def __init__(self, dev):
+        super().__init__()
+        self._dev = torch.device(dev)
+        self.a, self.c = nn.Linear(6, 8).to(dev), nn.Linear(8, 3).to(dev)
+
+    def _body(self, u):
+        return self.c(torch.tanh(self.a(u)))
+
+    def _segment(self, t):
+        return checkpoint(self._body, t.to(self._dev), use_reentrant=True).cpu()
+
+    def forward(self, x):
+        return checkpoint(self._segment, x.clone().requires_grad_(True), use_reentrant=True)
+
+
+@pytest.mark.parametrize("mode", ["backprop", "per_layer"])
+def test_half_the_batch_backwarded_twice_through_a_cross_device_nesting(mode, device):
+    _second_pass_refused(mode, _CrossDevice(device))
+
+
+@pytest.mark.parametrize("mode", ["backprop", "per_layer"])
+def test_micro_batches_through_a_cross_device_nesting_still_train(mode, device):
+    _honest_passes_train(mode, _CrossDevice(device), _HALVES)
