@@ -157,15 +157,21 @@ def _running_python_nodes(inner) -> tuple:
     on an engine device thread on every other thread too. The engine hands a reentrant pass's nodes
     of another device to that device's thread (an outer segment on the CPU around an inner one on a
     GPU, or model parallelism across GPUs), while the thread that asked is blocked inside the outer
-    node's backward (review 23, F2). Another thread's running node that belongs to no such pass is
-    marked all the same: a mark refuses only a second landing under the same node."""
+    node's backward (review 23, F2). Only a thread waiting in the engine is read (its innermost
+    frame the engine call): a thread running an unrelated Python backward across two of our steps
+    had its node marked by the first and the second refused (review 24, F2)."""
     found = _nodes_in_stack(sys._getframe(1), inner)
     if _on_engine_thread():
         me = threading.get_ident()
         for ident, frame in sys._current_frames().items():
-            if ident != me:
+            if ident != me and frame.f_code is _ENGINE_CALL:
                 found += _nodes_in_stack(frame, inner)
     return tuple(dict.fromkeys(found))
+
+
+# What a thread runs while it waits for a backward pass it asked for (torch.autograd.backward and
+# .grad both end there), the outer node's backward below it.
+_ENGINE_CALL = torch.autograd.graph._engine_run_backward.__code__
 
 
 def _nodes_in_stack(frame, inner) -> list:

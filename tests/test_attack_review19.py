@@ -554,16 +554,31 @@ def test_nested_checkpointing_still_trains(mode, inner, micro):
                          _HALVES if micro else (slice(0, 8),))
 
 
-def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatch):
+@pytest.mark.parametrize("other_waits_in_engine", [True, False])
+def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatch, other_waits_in_engine):
     """Review 23, F2: a reentrant pass whose inner nodes run on another device's engine thread (an
-    outer segment on the CPU around an inner one on a GPU) recomputes there, while the outer node's
-    backward blocks the thread that asked. From an engine thread the walk reads every thread's
-    stack; from a Python thread it reads its own (which holds no node here)."""
+    outer segment on the CPU around an inner one on a GPU) recomputes there, while the thread that
+    asked waits in the engine call inside the outer node's backward. From an engine thread the walk
+    reads such a thread's stack; from a Python thread, or where the other thread is not waiting in
+    the engine (an unrelated Python backward running there, review 24 F2), only its own. Here the
+    main thread waits in a stand-in for the engine call (a C-level lock acquire, as the engine's
+    wait is), while a worker thread walks."""
+    import _thread
+    import sys
     import threading
+    import time
 
     from bpclip_fast import boundary
 
     seen = {}
+
+    def waiting(lock):  # the innermost Python frame of a thread blocked in C
+        lock.acquire()
+
+    def other(lock):
+        waiting(lock)
+
+    stand_in = waiting if other_waits_in_engine else other
 
     class Outer(torch.autograd.Function):
         @staticmethod
@@ -572,19 +587,28 @@ def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatc
 
         @staticmethod
         def backward(ctx, g):
-            def walk(engine_thread):
-                monkeypatch.setattr(boundary, "_on_engine_thread", lambda: engine_thread)
-                seen[engine_thread] = boundary._running_python_nodes(None)
+            monkeypatch.setattr(boundary, "_ENGINE_CALL", stand_in.__code__)
             for engine_thread in (False, True):
-                worker = threading.Thread(target=walk, args=(engine_thread,))
+                lock = _thread.allocate_lock()
+                lock.acquire()
+
+                def walk(asker=threading.get_ident()):
+                    while sys._current_frames()[asker].f_code is not waiting.__code__:
+                        time.sleep(0.001)  # until the asking thread waits
+                    monkeypatch.setattr(boundary, "_on_engine_thread", lambda: engine_thread)
+                    seen[engine_thread] = boundary._running_python_nodes(None)
+                    lock.release()
+                worker = threading.Thread(target=walk)
                 worker.start()
+                other(lock)
                 worker.join()
             seen["node"] = ctx
             return g
 
     x = torch.randn(3, requires_grad=True)
     Outer.apply(x).sum().backward()
-    assert seen[False] == () and seen[True] == (seen["node"],)
+    assert seen[False] == ()
+    assert seen[True] == ((seen["node"],) if other_waits_in_engine else ())
 
 
 class _CrossDevice(nn.Module):

@@ -290,7 +290,7 @@ def test_handles_differ_between_processes():
     assert all(0 < h < 2 ** 52 for h in first)  # exact as float64, where an origin handle travels
 
 
-@pytest.mark.parametrize("earlier_pass", [False, True, "cleared"])
+@pytest.mark.parametrize("earlier_pass", [False, True, "cleared", "last_step"])
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
     """Compiled autograd runs the layers' backward where the step's records cannot follow: an honest
@@ -298,7 +298,8 @@ def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
     when it starts, naming the setting: uncharged when nothing of the step was computed before it,
     charged when an earlier pass left gradients that could have been read, even if they were cleared
     since (else that pass's release would be free: the refusal resets the batch count); nothing
-    stays in .grad."""
+    stays in .grad. Gradients zeroed in place after the last step, which was charged, are not an
+    earlier pass of this one (review 24, F1)."""
     model = copy.deepcopy(_base())
     X, Y = _data()
     bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
@@ -309,8 +310,15 @@ def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(TensorDataset(X, Y), batch_size=6), noise_multiplier=1.0, clipping=mode,
             noise_seed=7, **bounds)
-    x, y = next(iter(loader))
-    if earlier_pass:  # a micro-batch first, eagerly
+    batches = iter(loader)
+    x, y = next(batches)
+    charged = earlier_pass in (True, "cleared")
+    if earlier_pass == "last_step":  # a whole step, charged; its gradients zeroed in place
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        x, y = next(batches)
+    elif earlier_pass:  # a micro-batch first, eagerly
         F.cross_entropy(model(x[:2]), y[:2]).backward()
         x, y = x[2:], y[2:]
         if earlier_pass == "cleared":
@@ -320,6 +328,6 @@ def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
         with pytest.raises(StepRefused) as exc:
             loss.backward()
     assert "compiled autograd" in str(exc.value)
-    assert exc.value.charged == bool(earlier_pass)
-    assert len(engine.accountant) == int(bool(earlier_pass))
+    assert exc.value.charged == charged
+    assert len(engine.accountant) == int(charged) + (earlier_pass == "last_step")
     assert all(p.grad is None for p in model.parameters())

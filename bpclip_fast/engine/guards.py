@@ -152,9 +152,10 @@ def _refuse_compiled_autograd(engine) -> None:
     """Compiled autograd traces the backward into a graph that our records cannot follow: the pass
     was refused at ``step()`` as an edited gradient and charged (review 21, F4), whatever the data.
     Refused now, before the pass computes anything; charged where an earlier pass of the step ran
-    (its gradients could have been read, and cleared since) or gradients are held. Otherwise nothing
-    of the data was computed, and whether compiled autograd is on depends on the loop alone."""
-    earlier = engine._pass_gate.passes > 1 or any(p.grad is not None for st in engine._steps_of for p in st.params)
+    (its gradients could have been read, and cleared since). Otherwise nothing of the data was
+    computed in this step (gradients held from an earlier step were charged by it: review 24, F1),
+    and whether compiled autograd is on depends on the loop alone."""
+    earlier = engine._pass_gate.passes > 1
     refusal.refuse(engine, [("grad-edit", "backward refused: compiled autograd (torch._dynamo.compiled_autograd, "
                              "or torch._dynamo.config.compiled_autograd = True) runs the private layers' backward "
                              "where the step's records cannot verify the gradients it leaves; turn it off for the "
