@@ -149,6 +149,9 @@ def forward_origin():
 # a frame of one of these is a node's backward running, the node its first argument.
 _NODE_RUNNERS = frozenset(f.__code__ for f in vars(torch.autograd.function.BackwardCFunction).values()
                           if hasattr(f, "__code__") and f.__code__.co_argcount >= 1)
+# What a thread runs while it waits for a backward pass it asked for (torch.autograd.backward and
+# .grad both end there), the outer node's backward below it.
+_ENGINE_CALL = torch.autograd.graph._engine_run_backward.__code__
 
 
 def _running_python_nodes(inner) -> tuple:
@@ -168,10 +171,6 @@ def _running_python_nodes(inner) -> tuple:
                 found += _nodes_in_stack(frame, inner)
     return tuple(dict.fromkeys(found))
 
-
-# What a thread runs while it waits for a backward pass it asked for (torch.autograd.backward and
-# .grad both end there), the outer node's backward below it.
-_ENGINE_CALL = torch.autograd.graph._engine_run_backward.__code__
 
 
 def _nodes_in_stack(frame, inner) -> list:

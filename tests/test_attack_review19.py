@@ -593,7 +593,11 @@ def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatc
                 lock.acquire()
 
                 def walk(asker=threading.get_ident()):
+                    deadline = time.monotonic() + 30
                     while sys._current_frames()[asker].f_code is not waiting.__code__:
+                        if time.monotonic() > deadline:  # a test that fails, not one that hangs
+                            lock.release()
+                            return
                         time.sleep(0.001)  # until the asking thread waits
                     monkeypatch.setattr(boundary, "_on_engine_thread", lambda: engine_thread)
                     seen[engine_thread] = boundary._running_python_nodes(None)

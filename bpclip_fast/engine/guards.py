@@ -11,6 +11,7 @@ import weakref
 import torch
 
 from . import budget, refusal
+from .distributed import refuse_data_parallel
 from ._common import accounting
 
 
@@ -33,7 +34,6 @@ class OutsideCheck:
         engine = self._engine()
         if engine is not None:
             if module.__dict__.get("_is_replica"):  # nn.DataParallel around the private model: before any work
-                from .distributed import refuse_data_parallel
                 raise RuntimeError(refuse_data_parallel("the private model runs as a replica of nn.DataParallel"))
             check_outside(engine)
 
