@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _ops, exact
-from .boundary import forward_origin
+from .graph_nodes import forward_origin
 from .amp import autocast_off
 
 _C_AUTOGRAD = torch._C._autograd  # the saved-tensor hook stack's private controls

@@ -45,17 +45,17 @@ public accountant). Every :class:`StepRefused` is charged.
 from __future__ import annotations
 
 import math
-import sys
-import threading
 import weakref
 
 import torch
 
 from .band_step import BandRelease
 from .data import derive_seed
+from .fingerprint import fingerprint
+from .graph_nodes import accumulate_node
 from .rules import RULES, StepRefused
 
-__all__ = ["StepRefused", "LayerStep", "PassGate", "DistributedRecorder", "RULES"]  # the rules: .rules
+__all__ = ["StepRefused", "LayerStep", "PassGate", "RULES"]  # the rules: .rules
 
 
 def _same_tensor(record, t) -> bool:
@@ -73,128 +73,6 @@ def redraw_seed(seed: int, offset: int, k: int) -> int:
 
 def _record(t):
     return (weakref.ref(t), t._version)
-
-
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """The wrapping sum of the tensor's bit patterns (device scalar): any ordinary edit changes it.
-
-    Summed as 64-bit words (mod 2^64) whenever the tensor's bytes fill whole words: widening each
-    fp32/fp16 word to int64 first made this two thirds of a compiled MLP step's overhead (issue 25),
-    and the word sum is one op (``word_checksum``), one pass without temporaries.
-    Changing any one element changes one word, hence the sum. Like the exact sum of 32-bit words
-    it replaces, it is a linear checksum, blind to edits whose deltas cancel (both: negating one
-    positive and one negative fp32; each word is summed with itself shifted right by 33 bits, so two
-    sign flips in the words' high halves, e.g. ``abs_``, do not cancel) — it catches an ordinary
-    in-place write, not a forgery. The value depends on the bits in logical order only (a
-    misaligned or strided view is copied first), so equal tensors fingerprint equal whatever their layout."""
-    flat = t.detach().reshape(-1)
-    size = flat.element_size()
-    if (flat.numel() * size) % 8 == 0:
-        # view(int64) of 2- or 4-byte elements needs stride 1, and reshape(-1) keeps a stepped or
-        # expanded 1-D view's stride (a .grad assigned as one raised out of backward()).
-        if (flat.storage_offset() * size) % 8 or not flat.is_contiguous():
-            flat = flat.clone(memory_format=torch.contiguous_format)
-        # Σ w + (w >> 33) in one pass (csrc/include/bpclip_fast/checksum.h): the shifted part keeps two
-        # sign flips in the words' high halves (abs_ of two negative fp32 there) from cancelling.
-        return torch.ops.bpclip_fast.word_checksum(flat.view(torch.int64))
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[size]
-    return flat.view(bits).sum(dtype=torch.int64)
-
-
-_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
-    "AutogradCPU", "AutogradCUDA", "AutogradOther", "ADInplaceOrView", "AutogradFunctionality"))
-
-
-def _accumulate_node(p):
-    """``p``'s ``AccumulateGrad`` node (autograd keeps one per leaf while it lives). Also asked inside a
-    backward pass, where grad mode is off, and inside a compiled layer's backward op, a custom op's
-    kernel where the autograd dispatch keys are excluded and ``view_as`` records no ``grad_fn``: both
-    are let back in for the lookup (a layer unfrozen between steps of a compiled model, review 22)."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        exclude = exclude.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
-        return p.view_as(p).grad_fn.next_functions[0][0]
-
-
-def forward_origin():
-    """What identifies a forward run again inside a backward pass, or ``None`` for a forward run outside
-    one. Activation checkpointing that recomputes the forward in each pass (reentrant
-    ``torch.utils.checkpoint``, or non-reentrant under ``torch.compile``) makes a fresh autograd
-    context every time, so the context cannot say that two passes released the same examples; the
-    node whose backward recomputes them (``CheckpointFunctionBackward``, ``CompiledFunctionBackward``)
-    is the same object in every pass over a retained graph. Only a Python node can carry the mark
-    (:meth:`LayerStep.first_landing`); under any other (a C++ node's saved-tensor unpack, where
-    eager non-reentrant checkpointing recomputes into contexts whose backward never runs) the
-    context itself is marked, as for a forward run outside a backward.
-
-    That node may itself be made afresh by each pass: checkpointing nested inside reentrant
-    checkpointing (the inner ``CheckpointFunctionBackward``, or a compiled body's
-    ``CompiledFunctionBackward``, is made when the outer node's backward recomputes its forward). The
-    outer nodes, the same in every pass over the retained graph, are the Python nodes whose backward
-    is running (:func:`_running_python_nodes`); they are kept on the node, ``_bp_outer``, and marked
-    with it. An outer node is marked with the landing pass, not with its own backward's call: a
-    loop of private steps run inside one call of a user Function's backward, through reentrant
-    checkpointing, has its second step refused (review 23, F1; the same loop without checkpointing
-    was refused already, its origin being that node)."""
-    if torch._C._current_graph_task_id() == -1:
-        return None
-    node = current_python_node()
-    if node is not None and "_bp_outer" not in node.__dict__:
-        node._bp_outer = _running_python_nodes(node)
-    return node
-
-
-# The methods by which the engine runs a Python node (``BackwardCFunction.apply``, ``apply_boxed``):
-# a frame of one of these is a node's backward running, the node its first argument.
-_NODE_RUNNERS = frozenset(f.__code__ for f in vars(torch.autograd.function.BackwardCFunction).values()
-                          if hasattr(f, "__code__") and f.__code__.co_argcount >= 1)
-# What a thread runs while it waits for a backward pass it asked for (torch.autograd.backward and
-# .grad both end there), the outer node's backward below it.
-_ENGINE_CALL = torch.autograd.graph._engine_run_backward.__code__
-
-
-def _running_python_nodes(inner) -> tuple:
-    """The Python autograd nodes other than ``inner`` whose backward is running, innermost first
-    (frames walked once per recomputing node, only inside a backward pass): on this thread, and
-    on an engine device thread on every other thread too. The engine hands a reentrant pass's nodes
-    of another device to that device's thread (an outer segment on the CPU around an inner one on a
-    GPU, or model parallelism across GPUs), while the thread that asked is blocked inside the outer
-    node's backward (review 23, F2). Only a thread waiting in the engine is read (its innermost
-    frame the engine call): a thread running an unrelated Python backward across two of our steps
-    had its node marked by the first and the second refused (review 24, F2)."""
-    found = _nodes_in_stack(sys._getframe(1), inner)
-    if _on_engine_thread():
-        me = threading.get_ident()
-        for ident, frame in sys._current_frames().items():
-            if ident != me and frame.f_code is _ENGINE_CALL:
-                found += _nodes_in_stack(frame, inner)
-    return tuple(dict.fromkeys(found))
-
-
-
-def _nodes_in_stack(frame, inner) -> list:
-    found = []
-    while frame is not None:
-        code = frame.f_code
-        if code in _NODE_RUNNERS:
-            node = frame.f_locals.get(code.co_varnames[0])
-            if node is not None and node is not inner and hasattr(node, "__dict__"):
-                found.append(node)
-        frame = frame.f_back
-    return found
-
-
-def _on_engine_thread() -> bool:
-    """Whether this thread was started outside Python: the autograd engine's device threads."""
-    return isinstance(threading.current_thread(), threading._DummyThread)
-
-
-def current_python_node():
-    """The autograd node the engine is running now if it is a Python node (an ``autograd.Function``'s,
-    which can carry a mark), else ``None``."""
-    node = torch._C._current_autograd_node()
-    return node if hasattr(node, "__dict__") else None
 
 
 class PassGate:
@@ -312,7 +190,7 @@ class LayerStep(BandRelease):
         for i, p in enumerate(self.params):
             if not p.requires_grad:
                 continue
-            node = _accumulate_node(p)
+            node = accumulate_node(p)
             self._nodes.append(node)
             self._handles.append(p.register_hook(self._make_tensorhook(i, node)))
             prehook = node.register_prehook(self._make_prehook(i))
@@ -354,7 +232,7 @@ class LayerStep(BandRelease):
         parameter a new AccumulateGrad node when its data changes dtype or device (``module.to``,
         ``.half()``, ``.cuda()``, a ``.data`` assignment), so its gradient no longer reaches the
         hooked node, which looks like a capture from inside the backward."""
-        return _accumulate_node(self.params[i]) is not node
+        return accumulate_node(self.params[i]) is not node
 
     def _make_prehook(self, i):
         def prehook(grad_outputs):
@@ -370,7 +248,7 @@ class LayerStep(BandRelease):
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
                     "(the parameter is used outside the layer, or a tensor hook changed its gradient)"))
             elif len(record) > 2:  # sealed (seal_produced): the bits must be those our op returned
-                self.reuse_checks.append(_fingerprint(incoming).ne(record[2]))
+                self.reuse_checks.append(fingerprint(incoming).ne(record[2]))
             if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once
                 self.rows += self._pass_rows
                 self.noised = self.noised or self._pass_noised
@@ -428,7 +306,7 @@ class LayerStep(BandRelease):
         # bypasses the version counter, so the bits are summed now and compared when the next pass
         # starts (one read of the gradient, only in steps of several passes).
         if self.batch_rows is not None and 0 < self.rows + self._pass_rows < self.batch_rows():
-            self._fingerprints[i] = _fingerprint(g)
+            self._fingerprints[i] = fingerprint(g)
         else:
             self._fingerprints.pop(i, None)
 
@@ -471,7 +349,7 @@ class LayerStep(BandRelease):
                 for i, p, _ in states:
                     fp = self._fingerprints.pop(i, None)
                     if fp is not None:
-                        self.edit_checks.append(_fingerprint(p.grad).ne(fp))
+                        self.edit_checks.append(fingerprint(p.grad).ne(fp))
             return True
         if "ours" in kinds:  # some gradients kept, others edited or dropped: no consistent state
             self.violations.append(("grad-edit", f"only some of {self.name}'s gradients were cleared or edited"))
@@ -528,7 +406,7 @@ class LayerStep(BandRelease):
         (``torch.autograd.grad`` or ``backward(inputs=...)`` of the input or of other layers'
         parameters), before or after, is neither marked nor refused. The objects, each of which one
         forward alone can mark: ``ctx``, its autograd context (never reused, unlike an id); the node
-        whose backward recomputed the forward, ``ctx._bp_origin`` (:func:`forward_origin`:
+        whose backward recomputed the forward, ``ctx._bp_origin`` (:func:`bpclip_fast.graph_nodes.forward_origin`:
         checkpointing that recomputes the forward in each pass makes a fresh context every time);
         and for a compiled layer the compiled graph's node that runs the backward op,
         ``ctx._bp_node`` (``compiled._ForwardMark``). Marks are kept per layer (by its handle): a node
@@ -536,7 +414,7 @@ class LayerStep(BandRelease):
         recomputed by reentrant checkpointing runs in a fresh compiled node each pass, and a tensor
         attribute does not survive an unpack that copies), so all are checked and all are marked.
         Checkpointing nested inside reentrant checkpointing makes the inner node afresh in each pass
-        of the outer one: the outer nodes (``origin._bp_outer``, :func:`forward_origin`) are marked
+        of the outer one: the outer nodes (``origin._bp_outer``, :func:`~bpclip_fast.graph_nodes.forward_origin`) are marked
         too."""
         if not self.enforce:
             return
@@ -665,7 +543,7 @@ class LayerStep(BandRelease):
         for i, rec in list(self._produced.items()):
             t = rec[0]()
             if t is not None and len(rec) == 2:
-                self._produced[i] = (*rec, _fingerprint(t))
+                self._produced[i] = (*rec, fingerprint(t))
 
     def check_budget(self, what: str) -> None:
         """Before anything that may end in a charged refusal: the engine's budget must cover the charge
@@ -719,33 +597,3 @@ class LayerStep(BandRelease):
             p.grad = None
         self._expected.clear()
         self._produced.clear()
-
-
-class DistributedRecorder:
-    """Under DistributedDataParallel the reducer writes the averaged gradient into ``.grad`` at the
-    end of each backward, after our post-accumulate hooks: that write is DDP's own, not an edit.
-    The records of the gradients this backward touched are therefore taken again once DDP is done.
-
-    DDP queues its finalize callback when its last bucket is ready; ours is queued at the first
-    accumulation and queues a second one, which the autograd engine runs after every callback
-    queued before it (final callbacks run in order, and may add more)."""
-
-    def __init__(self):
-        self._touched = {}
-        self._queued = False
-
-    def touched(self, step: LayerStep, i: int) -> None:
-        self._touched[(id(step), i)] = (step, i)
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
-
-    def _requeue(self):
-        torch.autograd.Variable._execution_engine.queue_callback(self._record)
-
-    def _record(self):
-        for step, i in self._touched.values():
-            if step._param(i).grad is not None:
-                step.landed(i)
-        self._touched.clear()
-        self._queued = False

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import exact, exact_examples, handles
 from .amp import autocast_off
-from .boundary import current_python_node, forward_origin
+from .graph_nodes import current_python_node, forward_origin
 
 # Every op below does its work in Python (the step's draw and rows, the flat book, the budget and
 # bounds checks), which the replay of a CUDA graph (mode="reduce-overhead") never runs: a replayed step
@@ -93,7 +93,7 @@ def _raise_recomputation(setting):
 def _forward_meta(lay, values: list, dtype: torch.dtype) -> torch.Tensor:
     """The CPU tensor a forward op of ``lay`` returns for its backward: ``values`` and, last, the handle
     of the node that recomputes this forward when it runs inside a backward pass
-    (``boundary.forward_origin``: reentrant checkpointing around a compiled model, or non-reentrant
+    (``graph_nodes.forward_origin``: reentrant checkpointing around a compiled model, or non-reentrant
     under ``torch.compile``), else 0. Carried as data, not as an attribute of the tensor: the graph
     may hand the backward a copy (an unpack, a saved output, aot_eager's detach).
 

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _ops, handles
 from .amp import autocast_off
-from .boundary import forward_origin
+from .graph_nodes import forward_origin
 from .modes import EXACT as EXACT_MODES, NAMES as MODES  # noqa: F401  (the modes' names live in bpclip_fast.modes)
 
 NORM_METHODS = ("auto", "ghost", "instantiate")

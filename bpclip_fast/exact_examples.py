@@ -11,7 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _ops
 from .amp import autocast_off
-from .boundary import forward_origin
+from .graph_nodes import forward_origin
 from .exact import EXAMPLES, PendingBound, _clip, _flat_book, _step_args, _trainable, _weight_bias
 
 

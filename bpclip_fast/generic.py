@@ -58,7 +58,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from . import exact, exact_examples, examples
-from .boundary import forward_origin
+from .graph_nodes import forward_origin
 
 # Examples per vectorised backward: the masked upstream gradients of a chunk are CHUNK copies of
 # the outputs' gradients.

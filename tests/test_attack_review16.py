@@ -1,5 +1,5 @@
 """Attack review 16 of ``word_checksum`` (commit 77867a9): the step boundary's bit fingerprint
-(``boundary._fingerprint``) moved from ATen's ``(w + (w >> 33)).sum()`` to one op with a CPU
+(``fingerprint.fingerprint``) moved from ATen's ``(w + (w >> 33)).sum()`` to one op with a CPU
 kernel and a CUDA one. Every probe compares with Python's exact integers over the tensor's bytes
 (the truth) and with the old ATen formula (which the op replaces value for value), and the two
 refusals that rest on the fingerprint are driven end to end."""
@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bpclip_fast import PrivacyEngine, StepRefused, boundary
-from bpclip_fast.boundary import _fingerprint
+from bpclip_fast.fingerprint import fingerprint as _fingerprint
 from test_attack_review3 import _private_plain_use  # review 3's weight used in plain code
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -303,7 +303,7 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = boundary._fingerprint
+        real = boundary.fingerprint
 
         def spy(t):
             from torch._subclasses.fake_tensor import FakeTensor
@@ -312,7 +312,7 @@ class _Spy:
             self.calls += 1
             return real(t)
 
-        monkeypatch.setattr(boundary, "_fingerprint", spy)
+        monkeypatch.setattr(boundary, "fingerprint", spy)
 
 
 def _private_mlp(batch=4, mode="flat", model=None):

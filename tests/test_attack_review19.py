@@ -366,7 +366,7 @@ class _Checkpointed(nn.Module):
     "compiled_nonreentrant"])  # likewise, on the CompiledFunctionBackward that recomputes it
 def test_half_the_batch_backwarded_twice_through_a_checkpointed_model(mode, how):
     """Review 20: a forward recomputed in each pass had a fresh context, so its second pass counted as
-    a first (``boundary.forward_origin``)."""
+    a first (``graph_nodes.forward_origin``)."""
     _second_pass_refused(mode, _Checkpointed(how == "eager_reentrant"),
                          "inductor" if how.startswith("compiled") else None)
 
@@ -540,7 +540,7 @@ class _CompiledCheckpointInsideReentrant(nn.Module):
 @pytest.mark.parametrize("inner", ["reentrant", "compiled"])  # review 20; review 22, finding C
 def test_half_the_batch_backwarded_twice_through_checkpointing_nested_inside_reentrant(mode, inner):
     """The node that recomputes the layers is made afresh by each pass of the outer reentrant
-    checkpoint; the outer node, the same in both passes, is marked too (``boundary.forward_origin``)."""
+    checkpoint; the outer node, the same in both passes, is marked too (``graph_nodes.forward_origin``)."""
     _second_pass_refused(mode, _Nested() if inner == "reentrant" else _CompiledCheckpointInsideReentrant())
 
 
@@ -568,7 +568,7 @@ def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatc
     import threading
     import time
 
-    from bpclip_fast import boundary
+    from bpclip_fast import graph_nodes
 
     seen = {}
 
@@ -587,7 +587,7 @@ def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatc
 
         @staticmethod
         def backward(ctx, g):
-            monkeypatch.setattr(boundary, "_ENGINE_CALL", stand_in.__code__)
+            monkeypatch.setattr(graph_nodes, "_ENGINE_CALL", stand_in.__code__)
             for engine_thread in (False, True):
                 lock = _thread.allocate_lock()
                 lock.acquire()
@@ -599,8 +599,8 @@ def test_outer_nodes_are_found_on_other_threads_from_an_engine_thread(monkeypatc
                             lock.release()
                             return
                         time.sleep(0.001)  # until the asking thread waits
-                    monkeypatch.setattr(boundary, "_on_engine_thread", lambda: engine_thread)
-                    seen[engine_thread] = boundary._running_python_nodes(None)
+                    monkeypatch.setattr(graph_nodes, "_on_engine_thread", lambda: engine_thread)
+                    seen[engine_thread] = graph_nodes._running_python_nodes(None)
                     lock.release()
                 worker = threading.Thread(target=walk)
                 worker.start()

@@ -62,7 +62,7 @@ def test_the_noise2_op_itself_refuses_buffers_that_share_memory(views):
 def test_the_fingerprint_sees_abs_of_two_negatives_in_the_words_high_halves():
     """fp32 pairs fill 64-bit words; abs_ flips the sign bit of the two negatives, each in a word's
     high half: +2^63 twice, 0 mod 2^64 for a plain word sum."""
-    from bpclip_fast.boundary import _fingerprint
+    from bpclip_fast.fingerprint import fingerprint as _fingerprint
 
     g = torch.tensor([0.5, -0.1, 0.3, -0.2])
     before = _fingerprint(g).item()

@@ -1,4 +1,4 @@
-"""``boundary._fingerprint``: the bits' checksum behind the compiled path's sealed-output check (an
+"""``bpclip_fast.fingerprint.fingerprint``: the bits' checksum behind the compiled path's sealed-output check (an
 in-place write into our op's returned buffer) and eager's partial-pass edit check.
 
 Since issue 25 it sums 64-bit words where the tensor's bytes allow and falls back to the 2- or
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bpclip_fast.boundary import _fingerprint
+from bpclip_fast.fingerprint import fingerprint as _fingerprint
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 

@@ -94,3 +94,33 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+class DistributedRecorder:
+    """Under DistributedDataParallel the reducer writes the averaged gradient into ``.grad`` at the
+    end of each backward, after our post-accumulate hooks: that write is DDP's own, not an edit.
+    The records of the gradients this backward touched are therefore taken again once DDP is done.
+
+    DDP queues its finalize callback when its last bucket is ready; ours is queued at the first
+    accumulation and queues a second one, which the autograd engine runs after every callback
+    queued before it (final callbacks run in order, and may add more)."""
+
+    def __init__(self):
+        self._touched = {}
+        self._queued = False
+
+    def touched(self, step, i: int) -> None:
+        self._touched[(id(step), i)] = (step, i)
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
+
+    def _requeue(self):
+        torch.autograd.Variable._execution_engine.queue_callback(self._record)
+
+    def _record(self):
+        for step, i in self._touched.values():
+            if step._param(i).grad is not None:
+                step.landed(i)
+        self._touched.clear()
+        self._queued = False

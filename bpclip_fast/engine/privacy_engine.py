@@ -15,7 +15,7 @@ from .. import banded, batches, broadcast, data, modes, ranks as _ranks
 from .. import pca as _pca
 from .. import nn as bnn
 from .. import validate as _validate
-from ..boundary import DistributedRecorder, LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
+from ..boundary import LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
 from . import arguments, budget, checkpoint, correlated, distributed, guards, model_checks, refusal, seeds, thresholds
 from .optimizer import DPOptimizer
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
@@ -219,7 +219,7 @@ class PrivacyEngine:
 
     def _prepare_steps(self, layers, mean_batch) -> None:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
-        recorder = DistributedRecorder() if self.distributed else None
+        recorder = distributed.DistributedRecorder() if self.distributed else None
         self._pass_gate = PassGate()  # the backward pass guards.check_new_pass last ran in
         self._steps_of = []
         for name, layer in layers:
