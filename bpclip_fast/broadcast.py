@@ -10,9 +10,11 @@ instead of ``[1, T, D]``, the same values wherever it is broadcast.
 ``B`` is the number of examples of the model's current call (:func:`bpclip_fast.batches.call_rows`,
 a micro-batch's own rows too), set by :func:`install`'s hooks on the private model for each
 grad-enabled call and reset when it returns or raises (a stack per context: nested and repeated
-calls each see their own). Nothing is expanded outside such a call (no engine, ``convert_model``
-alone, ``torch.no_grad()`` inference, a ``torch.compile``'d forward: there the layer refuses the
-one row as before), nor where ``B`` is unknown or 1.
+calls each see their own; each entry names the model whose call pushed it, and a call pops only its
+own model's, so a pre-hook of the loop's that raises before the engine's pushed pops nothing).
+Nothing is expanded outside such a call (no engine, ``convert_model`` alone, ``torch.no_grad()``
+inference, a ``torch.compile``'d forward: there the layer refuses the one row as before), nor where
+``B`` is unknown or 1.
 
 What makes the expansion safe is checked before training by ``make_private``'s probes
 (:mod:`bpclip_fast.validate`): the model's output must not change (code that relies on the leading
@@ -28,14 +30,14 @@ import torch
 
 __all__ = ["expand", "install", "current_rows"]
 
-# The rows of the model calls in progress, innermost last (a tuple: each context has its own).
+# The model calls in progress, innermost last, as (model, rows) (a tuple: each context has its own).
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("bpclip_call_rows", default=())
 
 
 def current_rows() -> int | None:
     """The examples of the innermost private model call in progress; None outside one or unknown."""
     stack = _ROWS.get()
-    return stack[-1] if stack else None
+    return stack[-1][1] if stack else None
 
 
 def expand(idx: torch.Tensor) -> torch.Tensor:
@@ -65,21 +67,21 @@ class _Enter:
         from .batches import call_rows
 
         rows = call_rows(args, kwargs) if torch.is_grad_enabled() else None
-        _ROWS.set(_ROWS.get() + (rows,))
+        _ROWS.set(_ROWS.get() + ((module, rows),))
 
     def __reduce__(self):
         return (_no_hook_factory, ())
 
 
 class _Leave:
-    """The model's forward hook (``always_call``: also when the forward or a later pre-hook raises):
-    pops the call's rows."""
+    """The model's forward hook (``always_call``: also when the forward or a pre-hook raises): pops
+    the call's rows, if its pre-hook pushed them (a pre-hook before it may have raised first)."""
 
     def __call__(self, module, args, output):
         if torch.compiler.is_compiling():
             return
         stack = _ROWS.get()
-        if stack:
+        if stack and stack[-1][0] is module:
             _ROWS.set(stack[:-1])
 
     def __reduce__(self):
@@ -87,9 +89,9 @@ class _Leave:
 
 
 def install(model: torch.nn.Module) -> list:
-    """Hooks giving ``model``'s calls their rows; returns their handles. The pre-hook runs first of
-    the model's pre-hooks (``prepend``), so that any later one that raises is popped by ``_Leave``."""
-    return [model.register_forward_pre_hook(_Enter(), with_kwargs=True, prepend=True),
+    """Hooks giving ``model``'s calls their rows; returns their handles. Not prepended: dynamo 2.11
+    reads a reordered hook dict's guards at the wrong keys (an ``AttributeError`` building them)."""
+    return [model.register_forward_pre_hook(_Enter(), with_kwargs=True),
             model.register_forward_hook(_Leave(), always_call=True)]
 
 
@@ -101,7 +103,7 @@ class pushed:
         self._rows = rows
 
     def __enter__(self):
-        self._token = _ROWS.set(_ROWS.get() + (self._rows,))
+        self._token = _ROWS.set(_ROWS.get() + ((None, self._rows),))
 
     def __exit__(self, *exc):
         _ROWS.reset(self._token)

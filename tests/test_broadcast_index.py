@@ -224,6 +224,31 @@ def test_rows_are_popped_when_the_forward_raises():
     assert broadcast.current_rows() is None
 
 
+@pytest.mark.parametrize("where", ["before make_private", "after make_private"])
+def test_a_pre_hook_that_raises_pops_no_rows_of_an_enclosing_call(where):
+    """The rows' hooks pop only what their own call pushed: a forward pre-hook of the loop's that raises
+    before or after the engine's (its pre-hook is not the first: dynamo 2.11 misreads a prepended
+    hook's guards) leaves an enclosing call's rows in place."""
+    model = Positions().double()
+    armed = []
+
+    def refuse(module, args):
+        if armed:  # not in make_private's probes
+            raise KeyError("the loop's own pre-hook")
+
+    if where == "before make_private":
+        model.register_forward_pre_hook(refuse)
+    model, opt, loader = _private(model, _data("toy"), "flat", 1.0)
+    if where == "after make_private":
+        model.register_forward_pre_hook(refuse)
+    armed.append(True)
+    with broadcast.pushed(7):
+        with pytest.raises(KeyError):
+            model(torch.randn(2, T, D, dtype=torch.float64))
+        assert broadcast.current_rows() == 7
+    assert broadcast.current_rows() is None
+
+
 @pytest.mark.parametrize("use", ["sum0"])
 def test_code_relying_on_the_leading_one_is_refused(use):
     model = Positions(use).double()

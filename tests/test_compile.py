@@ -331,3 +331,27 @@ def test_compiled_autograd_is_refused_when_its_pass_starts(mode, earlier_pass):
     assert exc.value.charged == charged
     assert len(engine.accountant) == int(charged) + (earlier_pass == "last_step")
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_layer_unfrozen_after_compiling_is_refused_at_the_forward(mode, compiled):
+    """A layer frozen at make_private is not clipped; unfrozen after the model was compiled and trained,
+    its forward is refused before any raw gradient exists, as eager's (the engine's pre-hook is traced:
+    the parameters' ``requires_grad`` it reads are guarded, so the unfreezing recompiles and checks
+    again; traced, it compares the parameters by identity, without ``id()``, which dynamo 2.11
+    breaks the graph on)."""
+    base = _base()
+    base[4].requires_grad_(False)
+    model, opt, loader = _private(base, mode)
+    run = torch.compile(model, backend="aot_eager", dynamic=False) if compiled else model
+    batches = iter(loader)
+    x, y = next(batches)
+    F.cross_entropy(run(x), y).backward()
+    opt.step()
+    model[4].requires_grad_(True)
+    x, y = next(batches)
+    with pytest.raises(StepRefused) as exc:
+        run(x)  # at the forward: no raw gradient is ever computed
+    assert exc.value.rule == "unclipped-param" and "4.weight, 4.bias is trainable but not a clipped" in str(exc.value)
+    assert model[4].weight.grad is None and model[4].bias.grad is None

@@ -85,9 +85,14 @@ def check_outside(engine, in_backward=False) -> None:
     discarded."""
     if not (in_backward or torch.is_grad_enabled()):
         return
-    owned = owned_ids(engine)
-    if not any(p.requires_grad and id(p) not in owned for p in model_params(engine._inner)):
-        return
+    if torch.compiler.is_compiling():  # traced into guards; by identity (dynamo 2.11 breaks the graph on id())
+        owned = [p for st in engine._steps_of for p in st.params]
+        if not any(p.requires_grad and not any(p is q for q in owned) for p in engine._inner.parameters()):
+            return
+    else:
+        owned = owned_ids(engine)
+        if not any(p.requires_grad and id(p) not in owned for p in model_params(engine._inner)):
+            return
     outside = outside_params(engine)
     bad = [name for name, p in outside if p.requires_grad]
     if bad:
