@@ -1,5 +1,5 @@
 """Review 18: attacks on review 17's fix, backprop layers saving past the loop's ``saved_tensors_hooks``
-(``autograd._apply_without_hooks``) and the compiled refusal (``compiled.backprop_forward``).
+(``autograd._apply_without_hooks``) and the compiled refusal (``compiled_backprop.backprop_forward``).
 
 Probed: the stack is restored by identity and order at every nesting; hooks pushed from module hooks;
 hooks pushed *inside* the layer's Function by a tensor subclass's ``__torch_function__``; activation

@@ -80,7 +80,7 @@ def test_compiled_private_ops_are_never_captured_in_a_cuda_graph():
     its rows, the flat book, the budget), which a replay never runs: every replayed step would add
     the same noise (two releases minus each other: the noise cancels) and no check would run. Each
     op of the compiled path must carry the tag, so that inductor runs it outside any CUDA graph."""
-    from bpclip_fast import compiled  # noqa: F401 (registers the ops)
+    from bpclip_fast import compiled, compiled_backprop  # noqa: F401 (registers the ops)
     from torch._inductor.utils import is_cudagraph_unsafe_fx_node
 
     names = ["exact_forward", "exact_backward", "flat_collect", "flat_release", "backprop_forward",

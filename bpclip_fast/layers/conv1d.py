@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import autograd, compiled, exact, modes, registry
+from .. import autograd, compiled, compiled_backprop, exact, modes, registry
 from .base import _Clipped, _in_parameter_dtype
 from .conv2d import CONV_NORMS, _max_patch_multiplicity
 
@@ -93,7 +93,7 @@ class Conv1d(_Clipped, nn.Conv1d):
 
     def _layer_input(self, x):
         """The layer's own input ``[B, C, L]`` as a view of the kernels' ``[B, C, 1, L + e]`` (the shape
-        Δ is taken from: compiled.backprop_forward)."""
+        Δ is taken from: compiled_backprop.backprop_forward)."""
         x = x.squeeze(2)
         return x if self._pad is None else x.narrow(2, 0, x.shape[2] - self._pad[1])
 
@@ -127,7 +127,7 @@ class Conv1d(_Clipped, nn.Conv1d):
         if not self.exact:
             padding = self._geometry[1]
             if compiling:
-                return compiled.backprop_layer(kx, self, padding).squeeze(2)
+                return compiled_backprop.backprop_layer(kx, self, padding).squeeze(2)
             return autograd.clipped_conv2d(kx, self.weight, self.bias, self, sens, padding).squeeze(2)
         if compiling:
             return compiled.exact_layer(kx, self, self._geometry).squeeze(2)

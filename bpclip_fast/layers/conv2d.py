@@ -33,7 +33,7 @@ import math
 import torch
 from torch import nn
 
-from .. import autograd, compiled, exact, registry
+from .. import autograd, compiled, compiled_backprop, exact, registry
 from .base import _Clipped, _in_parameter_dtype
 
 CONV_NORMS = ("l15", "l2")
@@ -125,7 +125,7 @@ class Conv2d(_Clipped, nn.Conv2d):
                 return compiled.exact_layer(x, self, geometry)
             return exact.exact_layer(x, self, self._noise_sensitivity(x), geometry)
         if torch.compiler.is_compiling():
-            return compiled.backprop_layer(x, self, self._explicit_padding)
+            return compiled_backprop.backprop_layer(x, self, self._explicit_padding)
         sens = self._noise_sensitivity(x)
         return autograd.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 

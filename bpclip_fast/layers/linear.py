@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import autograd, compiled, exact, registry
+from .. import autograd, compiled, compiled_backprop, exact, registry
 from .base import _Clipped, _in_parameter_dtype
 
 
@@ -61,7 +61,7 @@ class Linear(_Clipped, nn.Linear):
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
-            return compiled.exact_layer(x, self) if self.exact else compiled.backprop_layer(x, self)
+            return compiled.exact_layer(x, self) if self.exact else compiled_backprop.backprop_layer(x, self)
         sens = self._noise_sensitivity(x)
         if self.exact:
             return exact.exact_layer(x, self, sens)
