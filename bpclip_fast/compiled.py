@@ -29,8 +29,9 @@ configuration fixed at make_private (the mode, the layer's geometry, which param
 values that move between steps are read at run time inside the ops: the bounds' version of the
 forward (returned by the forward op as a CPU tensor and checked by the backward op, as
 ``_ExactLayer`` checks ``ctx.bounds_version``), the clipping thresholds and noise bound, the step's
-draw. The engine's forward pre-hook (``_OutsideCheck``) is traced; the parameters' ``requires_grad``
-it reads are guarded by dynamo, so a parameter unfrozen after compilation recompiles and re-checks.
+draw. The engine's forward pre-hook (``guards.OutsideCheck``) traces to an op that checks at run time,
+on every grad-enabled call (``guards.outside_at_run_time``): dynamo does not always guard the
+parameters' ``requires_grad`` (review 25).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def test_compiled_private_ops_are_never_captured_in_a_cuda_graph():
     from torch._inductor.utils import is_cudagraph_unsafe_fx_node
 
     names = ["exact_forward", "exact_backward", "flat_collect", "flat_release", "backprop_forward",
-             "backprop_backward", "example_tap", "example_backward"]
+             "backprop_backward", "example_tap", "example_backward", "check_outside"]
     ns = torch.ops.bpclip_fast_compiled
     assert sorted(names) == sorted(n for n in dir(ns) if not n.startswith("_") and hasattr(getattr(ns, n), "default")
                                    and n not in ("name",)), dir(ns)

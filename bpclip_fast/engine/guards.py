@@ -10,6 +10,7 @@ import weakref
 
 import torch
 
+from .. import handles
 from . import budget, refusal
 from .distributed import refuse_data_parallel
 from ._common import accounting
@@ -35,6 +36,10 @@ class OutsideCheck:
         if engine is not None:
             if module.__dict__.get("_is_replica"):  # nn.DataParallel around the private model: before any work
                 raise RuntimeError(refuse_data_parallel("the private model runs as a replica of nn.DataParallel"))
+            if torch.compiler.is_compiling():  # at run time, on every call (outside_at_run_time)
+                if torch.is_grad_enabled():
+                    torch.ops.bpclip_fast_compiled.check_outside(engine._handle)
+                return
             check_outside(engine)
 
     def __reduce__(self):
@@ -83,16 +88,14 @@ def check_outside(engine, in_backward=False) -> None:
     grad-enabled forward of the model (so no such gradient is computed) and at every backward
     pass of a clipped layer (a forward that bypassed the model's hook); such gradients are
     discarded."""
-    if not (in_backward or torch.is_grad_enabled()):
+    if in_backward or torch.is_grad_enabled():
+        _check_outside(engine)
+
+
+def _check_outside(engine) -> None:
+    owned = owned_ids(engine)
+    if not any(p.requires_grad and id(p) not in owned for p in model_params(engine._inner)):
         return
-    if torch.compiler.is_compiling():  # traced into guards; by identity (dynamo 2.11 breaks the graph on id())
-        owned = [p for st in engine._steps_of for p in st.params]
-        if not any(p.requires_grad and not any(p is q for q in owned) for p in engine._inner.parameters()):
-            return
-    else:
-        owned = owned_ids(engine)
-        if not any(p.requires_grad and id(p) not in owned for p in model_params(engine._inner)):
-            return
     outside = outside_params(engine)
     bad = [name for name, p in outside if p.requires_grad]
     if bad:
@@ -101,6 +104,30 @@ def check_outside(engine, in_backward=False) -> None:
         budget.require(engine, "the forward of the private model")
         refusal.refuse(engine, [("unclipped-param", f"{', '.join(bad)} is trainable but not a clipped layer of this "
                                  "engine (unfrozen, added or replaced after make_private)", bad)])
+
+
+@torch.library.custom_op("bpclip_fast_compiled::check_outside", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def outside_at_run_time(engine: int) -> None:
+    """:func:`check_outside` inside a compiled forward, when it runs: the engine's pre-hook, traced,
+    calls this op (``engine``: the engine's handle) in grad-enabled graphs. Traced into guards instead,
+    the check ran again only when a guard failed, and dynamo does not always guard the parameters'
+    ``requires_grad`` (torch 2.11's recursive dict-tag guards skip them: a layer unfrozen after compiling
+    was not refused at the forward, and with a graph break before it its raw gradient was accumulated
+    before a clipped layer's backward refused, review 25). Registered as an ordered effect, so that
+    AOTAutograd keeps it, returning nothing, and runs it before what follows it; tagged
+    ``cudagraph_unsafe``, so that a CUDA graph replay never skips it."""
+    found = handles.get(engine)
+    if found is not None:
+        _check_outside(found)
+
+
+@outside_at_run_time.register_fake
+def _(engine):
+    return None
+
+
+torch.library._register_effectful_op(torch.ops.bpclip_fast_compiled.check_outside.default,
+                                     torch.library.EffectType.ORDERED)
 
 
 def batch_rows(engine) -> int:
