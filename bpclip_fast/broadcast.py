@@ -11,7 +11,9 @@ instead of ``[1, T, D]``, the same values wherever it is broadcast.
 a micro-batch's own rows too), set by :func:`install`'s hooks on the private model for each
 grad-enabled call and reset when it returns or raises (a stack per context: nested and repeated
 calls each see their own; each entry names the model whose call pushed it, and a call pops only its
-own model's, so a pre-hook of the loop's that raises before the engine's pushed pops nothing).
+own model's, so a pre-hook of the loop's that raises before the engine's pushed pops nothing; a
+recursive call of the same model whose earlier pre-hook raises, caught by the loop, still pops the
+enclosing call's entry: its layers then see no rows, and the row count refuses the step, review 25).
 Nothing is expanded outside such a call (no engine, ``convert_model`` alone, ``torch.no_grad()``
 inference, a ``torch.compile``'d forward: there the layer refuses the one row as before), nor where
 ``B`` is unknown or 1.
