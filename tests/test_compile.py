@@ -409,3 +409,38 @@ def _unfrozen_head_refused(mode):
         run(x)  # at the forward: no raw gradient is ever computed
     assert exc.value.rule == "unclipped-param" and "head.weight, head.bias is trainable" in str(exc.value)
     assert seen == [] and model.head.weight.grad is None
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("effectful", [True, False])
+def test_the_outside_check_runs_at_every_grad_enabled_compiled_forward(mode, backend, effectful, monkeypatch):
+    """The engine's check is an op of the compiled forward that runs on every grad-enabled call, not a
+    guard evaluated once (review 25, F1): kept by AOTAutograd and inductor (an ordered effect, though it
+    returns nothing), and absent from a ``no_grad`` graph, as eager checks nothing there. A torch
+    without effectful ops breaks the graph there and checks eagerly."""
+    from bpclip_fast.engine import guards
+
+    calls = []
+    real = guards._check_outside
+    monkeypatch.setattr(guards, "_EFFECTFUL", effectful)
+    monkeypatch.setattr(guards, "_check_outside_eagerly", torch._dynamo.disable(lambda engine: counted(engine)))
+
+    def counted(engine):  # the forward's checks (each backward pass checks too, check_new_pass)
+        if torch._C._current_graph_task_id() == -1:
+            calls.append(engine)
+        return real(engine)
+
+    monkeypatch.setattr(guards, "_check_outside", counted)
+    model, opt, loader = _private(_base(), mode)
+    run = torch.compile(model, backend=backend)
+    for i, (x, y) in enumerate(loader):
+        if i == 4:
+            break
+        F.cross_entropy(run(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(calls) == 4
+    with torch.no_grad():
+        run(x)
+    assert len(calls) == 4

@@ -37,8 +37,12 @@ class OutsideCheck:
             if module.__dict__.get("_is_replica"):  # nn.DataParallel around the private model: before any work
                 raise RuntimeError(refuse_data_parallel("the private model runs as a replica of nn.DataParallel"))
             if torch.compiler.is_compiling():  # at run time, on every call (outside_at_run_time)
-                if torch.is_grad_enabled():
+                if not torch.is_grad_enabled():
+                    return
+                if _EFFECTFUL:
                     torch.ops.bpclip_fast_compiled.check_outside(engine._handle)
+                else:  # a torch without effectful ops: a graph break, checked eagerly
+                    _check_outside_eagerly(engine)
                 return
             check_outside(engine)
 
@@ -126,8 +130,12 @@ def _(engine):
     return None
 
 
-torch.library._register_effectful_op(torch.ops.bpclip_fast_compiled.check_outside.default,
-                                     torch.library.EffectType.ORDERED)
+# Without an effect, AOTAutograd would drop an op whose result nothing reads.
+_EFFECTFUL = hasattr(torch.library, "_register_effectful_op")
+if _EFFECTFUL:
+    torch.library._register_effectful_op(torch.ops.bpclip_fast_compiled.check_outside.default,
+                                         torch.library.EffectType.ORDERED)
+_check_outside_eagerly = torch._dynamo.disable(_check_outside)
 
 
 def batch_rows(engine) -> int:
