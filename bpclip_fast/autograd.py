@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _ops, exact
-from .graph_nodes import forward_origin
+from .graph_nodes import forward_origin, untraced
 from .amp import autocast_off
 
 _C_AUTOGRAD = torch._C._autograd  # the saved-tensor hook stack's private controls
@@ -28,6 +28,7 @@ class _ClippedLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @untraced  # graph_nodes.untraced: the engine's calls never run under dynamo
     @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
         return (*_backward(ctx, grad_out, torch.ops.bpclip_fast.linear_backward), None, None)
@@ -50,6 +51,7 @@ class _ClippedConv2d(torch.autograd.Function):
         return out
 
     @staticmethod
+    @untraced  # graph_nodes.untraced: the engine's calls never run under dynamo
     @once_differentiable  # double backward (create_graph) raises instead of silently dropping a term
     def backward(ctx, grad_out):
         layer = ctx.layer

@@ -52,7 +52,7 @@ import torch
 from .band_step import BandRelease
 from .data import derive_seed
 from .fingerprint import fingerprint
-from .graph_nodes import accumulate_node
+from .graph_nodes import accumulate_node, untraced
 from .rules import RULES, StepRefused
 
 __all__ = ["StepRefused", "LayerStep", "PassGate", "RULES"]  # the rules: .rules
@@ -192,11 +192,11 @@ class LayerStep(BandRelease):
                 continue
             node = accumulate_node(p)
             self._nodes.append(node)
-            self._handles.append(p.register_hook(self._make_tensorhook(i, node)))
-            prehook = node.register_prehook(self._make_prehook(i))
+            self._handles.append(p.register_hook(untraced(self._make_tensorhook(i, node))))
+            prehook = node.register_prehook(untraced(self._make_prehook(i)))
             self._handles.append(prehook)
             self._node_prehooks[i] = prehook.hooks_dict_ref
-            self._handles.append(p.register_post_accumulate_grad_hook(self._make_posthook(i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(untraced(self._make_posthook(i))))
         self._ours = frozenset(h.id for h in self._handles)
 
     def remove_hooks(self) -> None:

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _ops, handles
 from .amp import autocast_off
-from .graph_nodes import forward_origin
+from .graph_nodes import forward_origin, untraced
 from .modes import EXACT as EXACT_MODES, NAMES as MODES  # noqa: F401  (the modes' names live in bpclip_fast.modes)
 
 NORM_METHODS = ("auto", "ghost", "instantiate")
@@ -194,6 +194,7 @@ class _Collector(torch.autograd.Function):
         return tuple(zeros[i] for i in range(len(group.layers)))
 
     @staticmethod
+    @untraced  # graph_nodes.untraced: the engine's calls never run under dynamo
     @once_differentiable
     @autocast_off
     def backward(ctx, *token_grads):
@@ -441,6 +442,7 @@ class _ExactLayer(torch.autograd.Function):
         return out
 
     @staticmethod
+    @untraced  # graph_nodes.untraced: the engine's calls never run under dynamo
     @once_differentiable
     @autocast_off
     def backward(ctx, grad_out):

@@ -11,7 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _ops
 from .amp import autocast_off
-from .graph_nodes import forward_origin
+from .graph_nodes import forward_origin, untraced
 from .exact import EXAMPLES, PendingBound, _clip, _flat_book, _step_args, _trainable, _weight_bias
 
 
@@ -45,6 +45,7 @@ class _Tap(torch.autograd.Function):
         return out.detach()
 
     @staticmethod
+    @untraced  # graph_nodes.untraced: the engine's calls never run under dynamo
     @once_differentiable
     @autocast_off
     def backward(ctx, grad_out):

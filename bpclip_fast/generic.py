@@ -58,7 +58,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from . import exact, exact_examples, examples
-from .graph_nodes import forward_origin
+from .graph_nodes import forward_origin, untraced
 
 # Examples per vectorised backward: the masked upstream gradients of a chunk are CHUNK copies of
 # the outputs' gradients.
@@ -103,6 +103,7 @@ class _Unit(torch.autograd.Function):
         return tuple(o.detach() for o in state.outs)
 
     @staticmethod
+    @untraced  # graph_nodes.untraced: the engine's calls never run under dynamo
     @once_differentiable
     def backward(ctx, *grads):
         st = ctx.state

@@ -444,3 +444,31 @@ def test_the_outside_check_runs_at_every_grad_enabled_compiled_forward(mode, bac
     with torch.no_grad():
         run(x)
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_compiled_training_step_trains_as_eager(mode):
+    """``torch.compile`` of the whole step (``zero_grad``, forward, loss, ``backward()``, ``step()`` in one
+    function, review 26): dynamo breaks the graph at ``backward()`` and traced every Python frame the
+    engine then ran, the step boundary's gradient hooks among them, where a weak reference's target
+    compared as another tensor: every honest step was refused as ``weight-reuse`` and charged. The
+    hooks, the layers' backward and the private optimizer's ``step``/``zero_grad`` run untraced."""
+    base = _base()
+    me, oe, le = _private(base, mode)
+    mc, oc, lc = _private(base, mode)
+
+    def train_step(model, opt, x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled_step = torch.compile(train_step, backend="aot_eager")
+    for i, ((xe, ye), (xc, yc)) in enumerate(zip(le, lc)):
+        if i == 3:
+            break
+        train_step(me, oe, xe, ye)
+        compiled_step(mc, oc, xc, yc)
+    for pe, pc in zip(me.parameters(), mc.parameters()):
+        assert torch.equal(pe, pc)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..graph_nodes import untraced
+
 
 def world():
     """(rank, world size, is distributed)."""
@@ -113,10 +115,10 @@ class DistributedRecorder:
         self._touched[(id(step), i)] = (step, i)
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
+            torch.autograd.Variable._execution_engine.queue_callback(untraced(self._requeue))
 
     def _requeue(self):
-        torch.autograd.Variable._execution_engine.queue_callback(self._record)
+        torch.autograd.Variable._execution_engine.queue_callback(untraced(self._record))
 
     def _record(self):
         for step, i in self._touched.values():

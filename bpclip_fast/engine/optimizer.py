@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph_nodes import untraced
 from . import budget, checkpoint, guards, refusal, thresholds
 from ._common import NO_PICKLE, accounting
 from .verify import fallback_noise, verify
@@ -63,6 +64,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         checkpoint.load_optimizer_state(self, state_dict)
 
+    @untraced
     def zero_grad(self, set_to_none: bool = True):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         guards.after_zero_grad(self.engine)
@@ -72,6 +74,7 @@ class DPOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     # -- the step
+    @untraced
     def step(self, closure=None, grad_scaler=None):
         """The step boundary: every check passes before anything is released; a refusal discards
         the step (``StepRefused``, charged unless it cannot depend on the data)."""

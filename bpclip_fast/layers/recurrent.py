@@ -63,6 +63,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .. import registry
 from ..amp import autocast_on
+from ..graph_nodes import untraced
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _VF_FN = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
@@ -79,6 +80,7 @@ class _Tie(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
+    @untraced  # graph_nodes.untraced: the engine's calls never run under dynamo
     def backward(ctx, g):
         m, = ctx.saved_tensors
         return g, (g * m if ctx.has_m else g), None
