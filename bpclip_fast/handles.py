@@ -37,12 +37,12 @@ def register(obj) -> int:
 
 def get(handle: int):
     """The live object ``handle`` names, or ``None``."""
-    return _OBJECTS.get(handle)
+    return _OBJECTS.get(int(handle))
 
 
 def lookup(handle: int, kind: type, what: str):
     """The live object ``handle`` names; a clear error if it died or is not a ``kind``."""
-    obj = _OBJECTS.get(handle)
+    obj = _OBJECTS.get(int(handle))  # int(): a SymInt where the graph was traced with dynamic=True
     if not isinstance(obj, kind):
         raise RuntimeError(f"bpclip_fast.compiled: the {what} this compiled graph was traced for no longer exists; "
                            "compile the model again")
