@@ -29,6 +29,16 @@ def _normalized_input(layer, x):
     return x
 
 
+
+def _group_norm_layout(x):
+    """``x`` in a layout ``native_group_norm`` takes on every supported torch: torch 2.11's CPU kernel
+    requires a contiguous or channels-last input (a strided view raised), 2.14's takes any; the values
+    are the same."""
+    if x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
+            x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)):
+        return x
+    return x.contiguous()
+
 class LayerNorm(_ExampleLayer, nn.LayerNorm):
     """``nn.LayerNorm`` (affine) under exact per-example clipping (``flat``/``per_layer``). Example
     ``i``'s gradients are ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t`` over its positions ``t``."""
@@ -73,8 +83,8 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
         if not keep:
             return F.group_norm(x, self.num_groups, weight, bias, self.eps), ()
         n, c = x.shape[:2]
-        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, math.prod(x.shape[2:]),
-                                                           self.num_groups, self.eps)
+        out, mean, rstd = torch.ops.aten.native_group_norm(_group_norm_layout(x), weight, bias, n, c,
+                                                           math.prod(x.shape[2:]), self.num_groups, self.eps)
         return out, (x, mean, rstd)
 
     def _examples(self, saved, g, mask):
@@ -152,8 +162,8 @@ class _InstanceNorm(_ExampleLayer):
 
     def _forward(self, x, weight, bias, keep):
         n, c = x.shape[:2]
-        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, math.prod(x.shape[2:]), c,
-                                                           self.eps)
+        out, mean, rstd = torch.ops.aten.native_group_norm(_group_norm_layout(x), weight, bias, n, c,
+                                                           math.prod(x.shape[2:]), c, self.eps)
         return out, ((x, mean, rstd) if keep else ())
 
     def _examples(self, saved, g, mask):
