@@ -36,6 +36,7 @@ rounding (so the stored values are the ones the release used), and the layer's n
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import types
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ TORCH_TYPE = {"linear": nn.Linear, "conv": nn.Conv2d, "layer_norm": nn.LayerNorm
               "class_token": modules.ClassToken,
               "embedding_bag": nn.EmbeddingBag, "conv1d": nn.Conv1d, "conv3d": nn.Conv3d}
 INDEXED = ("embedding", "embedding_bag")  # inputs are table indices
+# torch's InstanceNorm took a `bias` option after 2.11 (the GPU machines' torch): a bias-free one
+# exists only where it has it, so cases without a bias are drawn only there.
+INSTANCE_NORM_BIAS_OPTION = "bias" in inspect.signature(nn.InstanceNorm1d.__init__).parameters
 try:  # Hugging Face's Conv1D: registered once transformers is imported (registry.load_optional)
     from transformers.pytorch_utils import Conv1D as HFConv1D
     KINDS += ("hf_conv1d",)
@@ -131,7 +135,7 @@ def plain_layer(case: Case) -> nn.Module:
     elif k == "rms_norm":  # an explicit eps: the float64 truth computes the same function
         layer = nn.RMSNorm(g["normalized"], eps=g["eps"], dtype=F64)
     elif k.startswith("instance_norm"):
-        layer = TORCH_TYPE[k](g["channels"], affine=True, bias=case.bias, dtype=F64)
+        layer = TORCH_TYPE[k](g["channels"], affine=True, dtype=F64, **({} if case.bias else {"bias": False}))
     elif k == "embedding":
         layer = nn.Embedding(g["vocab"], g["dim"], padding_idx=g["padding_idx"], dtype=F64)
     elif k == "embedding_bag":

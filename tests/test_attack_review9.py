@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import bpclip_fast.nn as bnn
-from test_fused_norms import _clipped_sum, _epsilon, _truth
+from test_fused_norms import INSTANCE3D, _clipped_sum, _epsilon, _truth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F64 = torch.float64
@@ -228,7 +228,7 @@ def test_channels_last_inputs_and_gradients_give_the_float64_truth(kind, mode):
     C = float(norms.median()) * 0.9
     want, scale = _clipped_sum(grads, scales, "per_layer", [C])
     _, got = _release(model, xc, gc, C, mode)
-    eps = _epsilon("instance2d" if kind == "in2d" else "instance3d-no-bias", dtype)
+    eps = _epsilon("instance2d" if kind == "in2d" else INSTANCE3D, dtype)
     for k, w in want.items():
         err = (got[k] - w).abs()
         assert bool((err <= eps * scale[k]).all()), (k, float(err.max()))

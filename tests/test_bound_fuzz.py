@@ -161,8 +161,8 @@ def cases(draw, kinds, modes):
     values = st.lists(st.sampled_from(fb.VALUES), min_size=batch, max_size=batch).map(tuple)
     exact_conv_linear = kind in fb.GEMM_KINDS and mode != "backprop"
     bias = (draw(st.booleans()) if kind in ("linear", "conv", "conv1d", "conv3d", "layer_norm")
-            or kind.startswith("instance_norm")
-            else kind in ("group_norm", "hf_conv1d"))
+            or (kind.startswith("instance_norm") and fb.INSTANCE_NORM_BIAS_OPTION)
+            else kind in ("group_norm", "hf_conv1d") or kind.startswith("instance_norm"))
     dtype = draw(st.sampled_from(fb.DTYPES))
     if (kind == "group_norm" or kind.startswith("instance_norm")) and dtype == torch.float16:
         dtype = torch.bfloat16  # torch has no fp16 GroupNorm on the CPU
