@@ -115,11 +115,13 @@ class DistributedRecorder:
         self._touched[(id(step), i)] = (step, i)
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(untraced(self._requeue))
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
 
+    @untraced  # the engine's callbacks never run under dynamo (a compiled step's backward)
     def _requeue(self):
-        torch.autograd.Variable._execution_engine.queue_callback(untraced(self._record))
+        torch.autograd.Variable._execution_engine.queue_callback(self._record)
 
+    @untraced
     def _record(self):
         for step, i in self._touched.values():
             if step._param(i).grad is not None:

@@ -11,6 +11,7 @@ import weakref
 import torch
 
 from .. import handles
+from ..graph_nodes import untraced
 from . import budget, refusal
 from .distributed import refuse_data_parallel
 from ._common import accounting
@@ -135,7 +136,7 @@ _EFFECTFUL = hasattr(torch.library, "_register_effectful_op")
 if _EFFECTFUL:
     torch.library._register_effectful_op(torch.ops.bpclip_fast_compiled.check_outside.default,
                                          torch.library.EffectType.ORDERED)
-_check_outside_eagerly = torch._dynamo.disable(_check_outside)
+_check_outside_eagerly = untraced(_check_outside)
 
 
 def batch_rows(engine) -> int:
