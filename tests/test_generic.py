@@ -294,6 +294,46 @@ def test_a_frozen_parameter_of_a_unit_gets_no_gradient_and_the_rest_stay_exact()
             assert torch.all((p.grad - truth[n]).abs() <= 1000 * EPS64 * float(scale[n].max())), n
 
 
+class _Affine(nn.Module):
+    """A unit that owns parameters and calls no fused layer."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.s, self.t = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, h):
+        return h * self.s + self.t
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_unit_frozen_whole_after_make_private_leaves_the_step_to_the_rest(mode):
+    """Review 28, S1: a generic unit with every parameter frozen got the step's fallback draw of no
+    parameter (``IndexError`` in ``step()``), and its batch, left counted, had the next step
+    refused and charged. It is skipped as a fused layer frozen whole is."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(6, 8), _Affine(8), nn.Tanh(), nn.Linear(8, 3))
+    data = TensorDataset(torch.randn(32, 6), torch.randint(0, 3, (32,)))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(data, batch_size=8), noise_multiplier=1.0,
+                                             max_grad_norm=1.0, clipping=mode, noise_seed=1)
+    inner = model._module if hasattr(model, "_module") else model
+    inner[1].requires_grad_(False)
+    before = [p.detach().clone() for p in inner.parameters()]
+    steps = 0
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        steps += 1
+    assert steps == 4 and len(engine.accountant) == steps
+    for (name, p), b in zip(inner.named_parameters(), before):
+        if name.startswith("1."):
+            assert p.grad is None and torch.equal(p, b), name
+        else:
+            assert not torch.equal(p, b), name
+
+
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 def test_make_private_trains_recurrent_and_attention_models(mode):
     """The whole engine path (probes, arming, records, noise) with generic units, in float32."""

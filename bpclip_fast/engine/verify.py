@@ -117,10 +117,11 @@ def fallback_noise(engine, pending) -> None:
         std /= engine.world_size
         if "_bp_slots" in layer.__dict__:  # a generic unit: the release's one [P] draw, split alike
             params = [p for p in layer._bp_params() if p.requires_grad]
-            draw = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-            _ops.philox_noise_(draw, seed, offset, std, accumulate=True)
-            for p, piece in zip(params, draw.split([p.numel() for p in params])):
-                p.grad = piece.view(p.shape).clone() if p.grad is None else p.grad.add_(piece.view(p.shape))
+            if params:  # a unit frozen whole has nothing to noise, as a fused layer frozen whole
+                draw = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                _ops.philox_noise_(draw, seed, offset, std, accumulate=True)
+                for p, piece in zip(params, draw.split([p.numel() for p in params])):
+                    p.grad = piece.view(p.shape).clone() if p.grad is None else p.grad.add_(piece.view(p.shape))
             st.noised = True
             continue
         for p, off in ((layer.weight, offset), (layer.bias, offset + 1)):
