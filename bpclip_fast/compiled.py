@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,24 @@ _MAX_BOOKS = 4096
 # Serials of the books already released (bounded like _BOOKS): a second backward reaching one is a
 # second pass over a retained graph, refused as eager refuses it.
 _RELEASED: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+
+
+def require_parameter_guards() -> None:
+    """Turns dynamo's ``skip_tensor_guards_with_matching_dict_tags`` off on a torch before 2.14, once,
+    with a warning (the setting is global). With it on, torch 2.11 does not guard the parameters of a
+    module whose attributes did not change, ``requires_grad`` included, so a compiled private model
+    kept the graph traced before a layer was frozen or unfrozen (review 28; plain torch shows it: a
+    Linear unfrozen after compiling gets no gradient). Torch 2.14 guards ``requires_grad`` with it
+    on. Called by ``make_private``; ``guards._check_traced_for`` refuses a stale graph whatever the
+    setting."""
+    config = torch._dynamo.config
+    if (torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
+            and getattr(config, "skip_tensor_guards_with_matching_dict_tags", False)):
+        config.skip_tensor_guards_with_matching_dict_tags = False
+        warnings.warn(f"bpclip_fast: set torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags = False "
+                      f"(torch {torch.__version__} skips the requires_grad guards of a compiled model's parameters, "
+                      "and a private model compiled before a layer was frozen or unfrozen would not be re-traced)",
+                      stacklevel=3)
 
 
 @torch._dynamo.assume_constant_result

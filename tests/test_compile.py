@@ -411,6 +411,96 @@ def _unfrozen_head_refused(mode):
     assert seen == [] and model.head.weight.grad is None
 
 
+def _fixed_private(mode, base):
+    """``base`` private on fixed batches of 6 (no Poisson size changes, so no re-trace for them)."""
+    X, Y = _data()
+    bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine(accountant="zcdp")
+        return (engine, *engine.make_private(
+            module=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(X, Y), batch_size=6), noise_multiplier=1.0, clipping=mode,
+            noise_seed=7, poisson_sampling=False, **bounds))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
+
+
+def _freeze_then_unfreeze(mode, run=None, steps=6):
+    """Steps of a loop that freezes the body before step 2 and unfreezes it before step 4; returns the
+    model's parameters after each step (``run``: the compiled model, or the model itself)."""
+    engine, model, opt, loader = _fixed_private(mode, _mlp())
+    run = model if run is None else run(model)
+    inner = model._module if hasattr(model, "_module") else model
+    out = []
+    for i, (x, y) in enumerate(loader):
+        if i == steps:
+            break
+        if i in (2, 4):
+            inner[1].requires_grad_(i == 4)
+        opt.zero_grad()
+        F.cross_entropy(run(x), y).backward()
+        opt.step()
+        out.append([p.detach().clone() for p in inner.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_freezing_and_unfreezing_a_clipped_layer_between_compiled_steps_trains_as_eager(mode):
+    """Review 28, F1 and F2: with no batch-size change to force a re-trace, torch 2.11 kept the graph
+    traced before a layer was frozen (flat: every later step refused, charged) or unfrozen (that layer
+    never trained, moved by the fallback noise alone): its dynamo skips the parameters'
+    ``requires_grad`` guards (``compiled.require_parameter_guards`` turns that off)."""
+    eager = _freeze_then_unfreeze(mode)
+    compiled = _freeze_then_unfreeze(mode, lambda m: torch.compile(m, backend="aot_eager"))
+    for step, (a, b) in enumerate(zip(eager, compiled)):
+        for pa, pb in zip(a, b):
+            assert torch.equal(pa, pb), step
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_a_graph_kept_past_a_freeze_or_unfreeze_is_refused_at_the_forward(mode, change):
+    """Whatever dynamo guards, a compiled forward runs only with the clipped parameters' ``requires_grad``
+    it was traced for (``guards._check_traced_for``, inside the engine's check op): here every guard is
+    dropped (``guard_filter_fn``), so the graph traced before the change runs after it. Refused before
+    anything is computed, uncharged."""
+    engine, model, opt, loader = _fixed_private(mode, _mlp())
+    inner = model._module if hasattr(model, "_module") else model
+    if change == "unfreeze":
+        inner[1].requires_grad_(False)
+    run = torch.compile(model, backend="aot_eager", options={"guard_filter_fn": lambda entries: [False] * len(entries)})
+    batches = iter(loader)
+    x, y = next(batches)
+    F.cross_entropy(run(x), y).backward()
+    opt.step()
+    inner[1].requires_grad_(change == "unfreeze")
+    before = [p.detach().clone() for p in inner.parameters()]
+    charged = len(engine.accountant)
+    opt.zero_grad()
+    x, y = next(batches)
+    with pytest.raises(RuntimeError, match="frozen or unfrozen after this compiled graph was traced"):
+        run(x)
+    assert len(engine.accountant) == charged
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(inner.parameters(), before))
+
+
+def test_require_parameter_guards_turns_the_skip_off_before_torch_2_14(monkeypatch):
+    from bpclip_fast import compiled
+
+    with torch._dynamo.config.patch(skip_tensor_guards_with_matching_dict_tags=True):
+        monkeypatch.setattr(torch, "__version__", "2.14.1")
+        compiled.require_parameter_guards()
+        assert torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags
+        monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+        with pytest.warns(UserWarning, match="skip_tensor_guards_with_matching_dict_tags = False"):
+            compiled.require_parameter_guards()
+        assert not torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("effectful", [True, False])
@@ -424,7 +514,8 @@ def test_the_outside_check_runs_at_every_grad_enabled_compiled_forward(mode, bac
     calls = []
     real = guards._check_outside
     monkeypatch.setattr(guards, "_EFFECTFUL", effectful)
-    monkeypatch.setattr(guards, "_check_outside_eagerly", torch._dynamo.disable(lambda engine: counted(engine)))
+    monkeypatch.setattr(guards, "_check_outside_eagerly",
+                        torch._dynamo.disable(lambda engine, traced_for: counted(engine)))
 
     def counted(engine):  # the forward's checks (each backward pass checks too, check_new_pass)
         if torch._C._current_graph_task_id() == -1:

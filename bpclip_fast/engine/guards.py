@@ -40,10 +40,11 @@ class OutsideCheck:
             if torch.compiler.is_compiling():  # at run time, on every call (outside_at_run_time)
                 if not torch.is_grad_enabled():
                     return
+                traced_for = trainable_flags(engine)  # constants of the graph: what it was traced for
                 if _EFFECTFUL:
-                    torch.ops.bpclip_fast_compiled.check_outside(engine._handle)
+                    torch.ops.bpclip_fast_compiled.check_outside(engine._handle, traced_for)
                 else:  # a torch without effectful ops: a graph break, checked eagerly
-                    _check_outside_eagerly(engine)
+                    _check_outside_eagerly(engine, traced_for)
                 return
             check_outside(engine)
 
@@ -111,8 +112,30 @@ def _check_outside(engine) -> None:
                                  "engine (unfrozen, added or replaced after make_private)", bad)])
 
 
+def trainable_flags(engine) -> list:
+    """Whether each parameter of the engine's clipped layers trains, in the engine's layer order."""
+    return [p.requires_grad for st in engine._steps_of for p in st.params]
+
+
+def _check_traced_for(engine, traced_for) -> None:
+    """A compiled forward runs only with the clipped parameters' ``requires_grad`` it was traced for.
+    Its layers chose at trace time which of them get a gradient (and flat clipping, which the
+    collector releases), and dynamo re-traces on a change only where it guards ``requires_grad``:
+    torch 2.11's ``skip_tensor_guards_with_matching_dict_tags`` skips those guards (review 28), and a
+    stale graph refused every later step of a loop that froze a layer (charged) or never trained
+    one it unfroze (:func:`bpclip_fast.compiled.require_parameter_guards` turns that setting off at
+    ``make_private``; this check catches any other gap). Raised before the forward computes anything,
+    uncharged: it depends on the loop, not the data."""
+    if list(traced_for) != trainable_flags(engine):
+        raise RuntimeError(
+            "bpclip_fast: a clipped layer's parameters were frozen or unfrozen after this compiled graph was "
+            "traced, and torch did not re-trace it (its guards skip requires_grad); set "
+            "torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags = False before compiling, or "
+            "call torch._dynamo.reset() after changing requires_grad")
+
+
 @torch.library.custom_op("bpclip_fast_compiled::check_outside", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def outside_at_run_time(engine: int) -> None:
+def outside_at_run_time(engine: int, traced_for: list[bool]) -> None:
     """:func:`check_outside` inside a compiled forward, when it runs: the engine's pre-hook, traced,
     calls this op (``engine``: the engine's handle) in grad-enabled graphs. Traced into guards instead,
     the check ran again only when a guard failed, and dynamo does not always guard the parameters'
@@ -120,14 +143,16 @@ def outside_at_run_time(engine: int) -> None:
     was not refused at the forward, and with a graph break before it its raw gradient was accumulated
     before a clipped layer's backward refused, review 25). Registered as an ordered effect, so that
     AOTAutograd keeps it, returning nothing, and runs it before what follows it; tagged
-    ``cudagraph_unsafe``, so that a CUDA graph replay never skips it."""
+    ``cudagraph_unsafe``, so that a CUDA graph replay never skips it. ``traced_for``: the clipped
+    parameters' ``requires_grad`` when the graph was traced (:func:`_check_traced_for`)."""
     found = handles.get(engine)
     if found is not None:
+        _check_traced_for(found, traced_for)
         _check_outside(found)
 
 
 @outside_at_run_time.register_fake
-def _(engine):
+def _(engine, traced_for):
     return None
 
 
@@ -136,7 +161,12 @@ _EFFECTFUL = hasattr(torch.library, "_register_effectful_op")
 if _EFFECTFUL:
     torch.library._register_effectful_op(torch.ops.bpclip_fast_compiled.check_outside.default,
                                          torch.library.EffectType.ORDERED)
-_check_outside_eagerly = untraced(_check_outside)
+
+
+@untraced
+def _check_outside_eagerly(engine, traced_for) -> None:
+    _check_traced_for(engine, traced_for)
+    _check_outside(engine)
 
 
 def batch_rows(engine) -> int:

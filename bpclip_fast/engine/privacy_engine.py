@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import banded, batches, broadcast, data, handles, modes, ranks as _ranks
+from .. import banded, batches, broadcast, compiled, data, handles, modes, ranks as _ranks
 from .. import pca as _pca
 from .. import nn as bnn
 from .. import validate as _validate
@@ -211,6 +211,7 @@ class PrivacyEngine:
         self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
         self._handle = handles.register(self)  # the name the compiled forward's check op finds it by
         inner.register_forward_pre_hook(guards.OutsideCheck(self))
+        compiled.require_parameter_guards()
         broadcast.install(inner)  # each call's rows: an Embedding's shared index row is looked up per example
         self._inner = inner
         self._noise_multiplier = sigma
