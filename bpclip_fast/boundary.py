@@ -437,9 +437,7 @@ class LayerStep(BandRelease):
                 earlier = True
         if not (fresh or earlier):  # this pass marked them all (a second use of the layer in the pass)
             return
-        if self._hooked != self._trainable():  # unfrozen since the step armed: the nodes _lands asks about
-            self.install_hooks()
-        if not self._lands():  # a pass that lands nothing releases nothing, before or after
+        if not self.lands_now():  # a pass that lands nothing releases nothing, before or after
             return
         if earlier:  # refused at step(), as the row count's own violations, naming every such layer
             self.violations.append(("rows", "a second backward pass reached one forward (backward(retain_graph=True) "
@@ -451,6 +449,13 @@ class LayerStep(BandRelease):
             if marks is None:
                 holder._bp_landed = marks = {}
             marks[key] = task
+
+    def lands_now(self) -> bool:
+        """:meth:`_lands`, the layer's trainable parameters hooked first (unfrozen since the step armed
+        it: the nodes ``_lands`` asks about)."""
+        if self._hooked != self._trainable():
+            self.install_hooks()
+        return self._lands()
 
     def _lands(self) -> bool:
         """Whether this backward pass accumulates into the layer's ``.grad`` (its AccumulateGrad nodes

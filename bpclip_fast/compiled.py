@@ -212,9 +212,13 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     bounds_version, origin = version.tolist()
     lay._check_forward(_ForwardMark(version, origin), bounds_version)
     geometry = _geometry(stride, padding, dilation, groups)
-    book = _layer_book(token, lay)
     g = grad_out.contiguous()
     gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
+    if token is not None and lay._step is not None and not lay._step.lands_now():
+        # flat, a pass that lands nothing on the layer (flat_release releases nothing in it): no
+        # entry, and no lookup of a book the training pass may have released already (review 28, S2)
+        return gx, weight.new_empty(0), weight.new_empty(0), token.new_zeros(())
+    book = _layer_book(token, lay)
     pmask = exact._trainable(lay) if book is not None else list(mask[1:])
     def none():  # a fresh empty tensor each time: an op's outputs may not alias each other
         return weight.new_empty(0)
@@ -347,6 +351,15 @@ def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[to
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
     grp = handles.lookup(group, exact.FlatClipping, "flat clipping")
+    steps = [layer._step for layer in grp.layers if layer._step is not None]
+    if steps and not any(st.lands_now() for st in steps):
+        # A pass that accumulates into no layer's .grad (torch.autograd.grad of the input,
+        # backward(inputs=[x])), before or after the training backward: the compiled backward is one
+        # node that computes every gradient, but eager's collector does not run in such a pass, and
+        # releasing here consumed the book, so the training pass was refused as a second release and
+        # charged (review 28, S2). Nothing is drawn or released; what is returned lands nowhere (a
+        # capture by torch.autograd.grad of a parameter is refused by the parameter's tensor hook).
+        return [torch.zeros_like(p) for p in params]
     serials = {_serial(v, grp.layers) for v in tokens.tolist()}
     if len(serials) != 1:  # one forward's tokens all carry its book's serial (flat_collect)
         exact._refuse_release(grp.layers, "a compiled flat release received tokens of several forwards (a "

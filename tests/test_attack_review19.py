@@ -264,6 +264,33 @@ def test_a_second_backward_over_one_compiled_forward_of_half_the_batch_is_refuse
 
 # ------------------------------------------------------------------ review 20: passes that land nothing
 @pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("second", ["input_grad", "backward_inputs_x"])
+def test_a_pass_that_lands_nothing_around_the_compiled_training_backward_still_trains(mode, order, second):
+    """Review 28, S2: compiled, the backward is one node that computes every gradient, so under flat
+    clipping an input-gradient pass ran the release, and the training pass, before or after it, was
+    refused as a second release and charged. A pass that lands on no layer releases nothing."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed(mode)
+        inner = _inner(model)
+        run = torch.compile(model, backend="aot_eager")
+        x, y = next(iter(loader))
+        x = x.clone().requires_grad_(True)
+        loss = F.cross_entropy(run(x), y)
+        passes = [lambda: loss.backward(retain_graph=True),
+                  (lambda: torch.autograd.grad(loss, x, retain_graph=True)) if second == "input_grad"
+                  else (lambda: loss.backward(inputs=[x], retain_graph=True))]
+        for run_pass in passes if order == "after" else passes[::-1]:
+            run_pass()
+        opt.step()
+        assert len(engine.accountant) == 1
+        assert all(p.grad is not None for p in inner.parameters())
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
 @pytest.mark.parametrize("second", ["input_grad", "backward_inputs_x", "other_layers_params"])
 def test_a_pass_that_lands_nothing_after_the_training_backward_still_trains(mode, second):
     """Saliency after the training backward, ``backward(inputs=[x])``, or a split backward by layer
