@@ -214,8 +214,8 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     geometry = _geometry(stride, padding, dilation, groups)
     g = grad_out.contiguous()
     gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
-    if token is not None and lay._step is not None and not lay._step.lands_now():
-        # flat, a pass that lands nothing on the layer (flat_release releases nothing in it): no
+    if token is not None and getattr(lay, "_flat", None) is not None and not _lands_on_group(lay._flat):
+        # flat, a pass that lands on no layer of the group (flat_release releases nothing in it): no
         # entry, and no lookup of a book the training pass may have released already (review 28, S2)
         return gx, weight.new_empty(0), weight.new_empty(0), token.new_zeros(())
     book = _layer_book(token, lay)
@@ -345,20 +345,27 @@ def _(params, group):
     return torch.empty(n, dtype=torch.float64, device="cpu")
 
 
+def _lands_on_group(grp) -> bool:
+    """Whether this backward pass accumulates into some layer of flat group ``grp`` (True where its
+    layers are not an engine's: nothing to ask). A pass that lands on none (``torch.autograd.grad`` of
+    the input, ``backward(inputs=[x])``), before or after the training backward, still runs the
+    compiled backward, one node that computes every gradient, where eager's collector does not run;
+    its release consumed the book, and the training pass was refused as a second release and charged
+    (review 28, S2). A pass that lands on some layers only (a backward split by layer groups) releases
+    as before, and the later pass is refused by the book's serial."""
+    steps = [layer._step for layer in grp.layers if layer._step is not None]
+    return not steps or any(st.lands_now() for st in steps)
+
+
 @torch.library.custom_op("bpclip_fast_compiled::flat_release", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 @autocast_off  # as the eager backward (bpclip_fast.amp)
 def flat_release(token_grad: torch.Tensor, tokens: torch.Tensor, params: list[torch.Tensor],
                  group: int) -> list[torch.Tensor]:
     """``FlatClipping.release`` at run time: the clipped, noised gradients of ``params``."""
     grp = handles.lookup(group, exact.FlatClipping, "flat clipping")
-    steps = [layer._step for layer in grp.layers if layer._step is not None]
-    if steps and not any(st.lands_now() for st in steps):
-        # A pass that accumulates into no layer's .grad (torch.autograd.grad of the input,
-        # backward(inputs=[x])), before or after the training backward: the compiled backward is one
-        # node that computes every gradient, but eager's collector does not run in such a pass, and
-        # releasing here consumed the book, so the training pass was refused as a second release and
-        # charged (review 28, S2). Nothing is drawn or released; what is returned lands nowhere (a
-        # capture by torch.autograd.grad of a parameter is refused by the parameter's tensor hook).
+    if not _lands_on_group(grp):
+        # Nothing is drawn or released; what is returned lands nowhere (a capture by
+        # torch.autograd.grad of a parameter is refused by the parameter's tensor hook).
         return [torch.zeros_like(p) for p in params]
     serials = {_serial(v, grp.layers) for v in tokens.tolist()}
     if len(serials) != 1:  # one forward's tokens all carry its book's serial (flat_collect)
@@ -470,12 +477,14 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     lay = handles.lookup(layer, torch.nn.Module, "layer")
     bounds_version, origin = version.tolist()
     lay._check_forward(_ForwardMark(version, origin), bounds_version)
-    book = _layer_book(token, lay)
-    pmask = exact._trainable(lay) if book is not None else list(mask)
 
     def none():
         return weight.new_empty(0)
 
+    if token is not None and getattr(lay, "_flat", None) is not None and not _lands_on_group(lay._flat):
+        return none(), none(), token.new_zeros(())  # as exact_backward: no entry in a pass that lands nowhere
+    book = _layer_book(token, lay)
+    pmask = exact._trainable(lay) if book is not None else list(mask)
     gtoken = token.new_zeros(()) if token is not None else none()
     if not any(pmask):
         return none(), none(), gtoken

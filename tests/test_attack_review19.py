@@ -266,13 +266,17 @@ def test_a_second_backward_over_one_compiled_forward_of_half_the_batch_is_refuse
 @pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("second", ["input_grad", "backward_inputs_x"])
-def test_a_pass_that_lands_nothing_around_the_compiled_training_backward_still_trains(mode, order, second):
+@pytest.mark.parametrize("net", ["linear", "layernorm"])
+def test_a_pass_that_lands_nothing_around_the_compiled_training_backward_still_trains(mode, order, second, net):
     """Review 28, S2: compiled, the backward is one node that computes every gradient, so under flat
     clipping an input-gradient pass ran the release, and the training pass, before or after it, was
-    refused as a second release and charged. A pass that lands on no layer releases nothing."""
+    refused as a second release and charged. A pass that lands on no layer releases nothing (a
+    LayerNorm's backward op too, review 29)."""
+    if mode == "backprop" and net == "layernorm":
+        pytest.skip("backpropagation clipping has no LayerNorm")
     torch._dynamo.reset()
     try:
-        engine, model, opt, loader = _fixed(mode)
+        engine, model, opt, loader = _fixed(mode, _norm_model() if net == "layernorm" else None)
         inner = _inner(model)
         run = torch.compile(model, backend="aot_eager")
         x, y = next(iter(loader))
@@ -286,6 +290,23 @@ def test_a_pass_that_lands_nothing_around_the_compiled_training_backward_still_t
         opt.step()
         assert len(engine.accountant) == 1
         assert all(p.grad is not None for p in inner.parameters())
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["backprop", "flat", "per_layer"])
+def test_a_compiled_backward_to_the_last_layer_alone_trains(mode):
+    """``backward(inputs=<the last layer's parameters>)`` (one optimizer of two): one pass that lands on
+    some layers of a flat group releases as before (review 29: asking each layer whether it lands,
+    instead of the group, left the others out of the release, refused and charged)."""
+    torch._dynamo.reset()
+    try:
+        engine, model, opt, loader = _fixed(mode)
+        inner = _inner(model)
+        x, y = next(iter(loader))
+        F.cross_entropy(torch.compile(model, backend="aot_eager")(x), y).backward(inputs=list(inner[2].parameters()))
+        opt.step()
+        assert len(engine.accountant) == 1
     finally:
         torch._dynamo.reset()
 

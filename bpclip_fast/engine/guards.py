@@ -131,7 +131,8 @@ def _check_traced_for(engine, traced_for) -> None:
             "bpclip_fast: a clipped layer's parameters were frozen or unfrozen after this compiled graph was "
             "traced, and torch did not re-trace it (its guards skip requires_grad); set "
             "torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags = False before compiling, or "
-            "call torch._dynamo.reset() after changing requires_grad")
+            "call torch._dynamo.reset() after changing requires_grad; then run the forward again on the same batch (a "
+            "new batch before a step is refused as another batch)")
 
 
 @torch.library.custom_op("bpclip_fast_compiled::check_outside", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
