@@ -8,6 +8,19 @@ import bpclip_fast
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def pytest_configure(config):
+    # make_private's one-time dynamo setting on a torch before 2.14 warns once per process
+    # (compiled.require_parameter_guards, tested on its own in test_compile.py): made here, so that a
+    # test asserting make_private's own warnings sees only those, whatever runs first in a worker.
+    import warnings
+
+    from bpclip_fast import compiled
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled.require_parameter_guards()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
