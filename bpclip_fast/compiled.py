@@ -214,7 +214,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     geometry = _geometry(stride, padding, dilation, groups)
     g = grad_out.contiguous()
     gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
-    if token is not None and getattr(lay, "_flat", None) is not None and not _lands_on_group(lay._flat):
+    if _lands_nowhere(token, lay):
         # flat, a pass that lands on no layer of the group (flat_release releases nothing in it): no
         # entry, and no lookup of a book the training pass may have released already (review 28, S2)
         return gx, weight.new_empty(0), weight.new_empty(0), token.new_zeros(())
@@ -345,6 +345,16 @@ def _(params, group):
     return torch.empty(n, dtype=torch.float64, device="cpu")
 
 
+def _lands_nowhere(token, lay) -> bool:
+    """Whether a flat layer's backward op runs in a pass that lands on no layer of its group."""
+    return token is not None and getattr(lay, "_flat", None) is not None and not _lands_on_group(lay._flat)
+
+
+# The last pass's answer per flat group (by handle): every layer's backward op and the release ask it,
+# and a pass's answer does not change within the pass.
+_GROUP_LANDS: dict = {}
+
+
 def _lands_on_group(grp) -> bool:
     """Whether this backward pass accumulates into some layer of flat group ``grp`` (True where its
     layers are not an engine's: nothing to ask). A pass that lands on none (``torch.autograd.grad`` of
@@ -353,8 +363,14 @@ def _lands_on_group(grp) -> bool:
     its release consumed the book, and the training pass was refused as a second release and charged
     (review 28, S2). A pass that lands on some layers only (a backward split by layer groups) releases
     as before, and the later pass is refused by the book's serial."""
+    task = torch._C._current_graph_task_id()
+    known = _GROUP_LANDS.get(grp.handle)
+    if known is not None and known[0] == task:
+        return known[1]
     steps = [layer._step for layer in grp.layers if layer._step is not None]
-    return not steps or any(st.lands_now() for st in steps)
+    lands = not steps or any(st.lands_now() for st in steps)
+    _GROUP_LANDS[grp.handle] = (task, lands)
+    return lands
 
 
 @torch.library.custom_op("bpclip_fast_compiled::flat_release", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -481,7 +497,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     def none():
         return weight.new_empty(0)
 
-    if token is not None and getattr(lay, "_flat", None) is not None and not _lands_on_group(lay._flat):
+    if _lands_nowhere(token, lay):
         return none(), none(), token.new_zeros(())  # as exact_backward: no entry in a pass that lands nowhere
     book = _layer_book(token, lay)
     pmask = exact._trainable(lay) if book is not None else list(mask)
