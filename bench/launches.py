@@ -221,8 +221,10 @@ def _data(name: str, seed: int):
     return torch.randn((BATCH,) + shape, generator=gen), torch.randint(0, classes, (BATCH,), generator=gen)
 
 
-def build(method: str, name: str, seed: int = 0):
-    """(fetch, step): ``fetch()`` returns the next batch (uncounted), ``step(batch)`` trains on it."""
+def build(method: str, name: str, seed: int = 0, expected_batch: float | None = None):
+    """(fetch, step): ``fetch()`` returns the next batch (uncounted), ``step(batch)`` trains on it.
+    ``expected_batch``: bpclip_fast's mean loss divides by this B̄ instead of the loader's batch size
+    (``--expected-batch``)."""
     torch.manual_seed(seed)
     model = MODELS[name][0]()
     x, y = _data(name, seed)
@@ -248,6 +250,8 @@ def build(method: str, name: str, seed: int = 0):
             model, opt, loader = PrivacyEngine().make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
                 noise_multiplier=SIGMA, noise_seed=seed, **clip, **noise)
+        if expected_batch is not None:
+            _set_expected_batch(model, expected_batch)
         crit = nn.CrossEntropyLoss()
     elif method in ("opacus_ghost", "opacus_hooks"):
         from opacus import PrivacyEngine as OpacusEngine
@@ -281,8 +285,21 @@ def build(method: str, name: str, seed: int = 0):
     return fetch, step
 
 
-def measure(method: str, name: str, reps: int, warmup: int) -> dict:
-    fetch, step = build(method, name)
+def _set_expected_batch(model, expected_batch: float) -> None:
+    """Every clipped layer's mean-loss B̄ (``LayerStep.mean_loss_batch``) set to ``expected_batch``: at
+    q = 1 each batch holds B̄ = d rows, so the mean-loss scale d/B̄ is 1 and the ops skip it, where a
+    Poisson step's d almost never equals B̄ (P(d = B̄) ≈ 2.5% at B̄ = 256). A bench-only setting: the
+    accountant and the sampler are those of q = 1."""
+    steps = [m._step for m in model.modules() if getattr(m, "_step", None) is not None]
+    if not steps:
+        raise ValueError("--expected-batch: the model has no armed clipped layer")
+    for st in steps:
+        st.mean_loss_batch = float(expected_batch)
+
+
+def measure(method: str, name: str, reps: int, warmup: int, expected_batch: float | None = None) -> dict:
+    fetch, step = build(method, name, expected_batch=expected_batch if method not in ("nonprivate", "opacus_ghost",
+                                                                                      "opacus_hooks") else None)
     for _ in range(warmup):
         step(fetch())
     from torch.profiler import ProfilerActivity, profile
@@ -325,6 +342,9 @@ def main(argv=None) -> list:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="print each cell's op histogram")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--expected-batch", type=float, default=None,
+                   help="bpclip_fast's mean loss divides by this B̄ rather than the batch (2): the step of a Poisson "
+                        "batch whose size differs from B̄, which multiplies every release by d/B̄ (e.g. 2.5)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -335,7 +355,7 @@ def main(argv=None) -> list:
             if method not in METHODS:
                 raise SystemExit(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
             try:
-                r = measure(method, name, a.reps, a.warmup)
+                r = measure(method, name, a.reps, a.warmup, a.expected_batch)
             except Exception as exc:  # noqa: BLE001 -- a method that cannot train this model is a table cell
                 r = {"model": name, "method": method, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             rows.append(r)

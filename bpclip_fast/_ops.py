@@ -54,11 +54,11 @@ if _LOAD_ERROR is None:
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("bpclip_fast::philox_noise_")
-    def _philox_noise_fake(buf, seed, offset, std, accumulate):
+    def _philox_noise_fake(buf, seed, offset, std, accumulate, scale=1.0):
         return None
 
     @torch.library.register_fake("bpclip_fast::philox_noise2_")
-    def _philox_noise2_fake(w, b, seed, offset, std, accumulate_w, accumulate_b):
+    def _philox_noise2_fake(w, b, seed, offset, std, accumulate_w, accumulate_b, scale=1.0):
         return None
 
     @torch.library.register_fake("bpclip_fast::banded_row_")
@@ -103,12 +103,12 @@ if _LOAD_ERROR is None:
 
     @torch.library.register_fake("bpclip_fast::linear_backward")
     def _linear_backward_fake(grad_out, x, x_factor, x_norm, weight, nonfinite, bounds, clip_fn, gamma, output_mask,
-                              noise_key, noise_std):
+                              noise_key, noise_std, scale=1.0):
         return _layer_backward_fake(x, weight, output_mask)
 
     @torch.library.register_fake("bpclip_fast::conv2d_backward")
     def _conv2d_backward_fake(grad_out, x, x_factor, x_norm, weight, nonfinite, stride, padding, dilation, groups,
-                              grad_norm, bounds, clip_fn, gamma, output_mask, noise_key, noise_std):
+                              grad_norm, bounds, clip_fn, gamma, output_mask, noise_key, noise_std, scale=1.0):
         return _layer_backward_fake(x, weight, output_mask)
 
 
@@ -162,12 +162,12 @@ if _LOAD_ERROR is None:
 
     @torch.library.register_fake("bpclip_fast::linear_clipped_grads")
     def _linear_clipped_grads_fake(grad_out, x, factor, weight, params, noise_key, noise_std, kept_w=None,
-                                   kept_b=None):
+                                   kept_b=None, scale=1.0):
         return _clipped_grads_fake(weight, params)
 
     @torch.library.register_fake("bpclip_fast::conv2d_clipped_grads")
     def _conv2d_clipped_grads_fake(grad_out, x, factor, weight, stride, padding, dilation, groups, params, noise_key,
-                                   noise_std, kept_w=None, kept_b=None):
+                                   noise_std, kept_w=None, kept_b=None, scale=1.0):
         return _clipped_grads_fake(weight, params)
 
 
@@ -252,13 +252,14 @@ def clip_rows_backward(grad, clipped, factor, norm, bound, clip_fn="clip"):
     return torch.ops.bpclip_fast.clip_rows_backward(grad, clipped, factor, norm, float(bound), clip_fn)
 
 
-def philox_noise_(buf, seed, offset, std, accumulate=False):
-    """``buf = std*z`` (or ``buf += std*z``) with z ~ N(0, 1) from Philox4x32-10 keyed by (seed, offset)."""
-    torch.ops.bpclip_fast.philox_noise_(buf, int(seed), int(offset), float(std), bool(accumulate))
+def philox_noise_(buf, seed, offset, std, accumulate=False, scale=1.0):
+    """``buf = std*z`` (or ``buf += std*z``) with z ~ N(0, 1) from Philox4x32-10 keyed by (seed, offset),
+    then ``buf *= scale`` in the same pass where ``scale != 1`` (bit for bit a later ``buf.mul_(scale)``)."""
+    torch.ops.bpclip_fast.philox_noise_(buf, int(seed), int(offset), float(std), bool(accumulate), float(scale))
     return buf
 
 
-def philox_noise2_(w, b, seed, offset, std, accumulate_w=False, accumulate_b=False):
+def philox_noise2_(w, b, seed, offset, std, accumulate_w=False, accumulate_b=False, scale=1.0):
     """A layer's two noise draws in one launch: ``w`` as ``philox_noise_(w, seed, offset, ...)`` and ``b``
     as ``philox_noise_(b, seed, offset + 1, ...)``, bit for bit (w and b share a device and dtype, and
     no memory: see :func:`_spans_cross`)."""
@@ -268,7 +269,7 @@ def philox_noise2_(w, b, seed, offset, std, accumulate_w=False, accumulate_b=Fal
                          "overwritten by the other's copy-back; pass separate buffers, or call philox_noise_ "
                          "on each")
     torch.ops.bpclip_fast.philox_noise2_(w, b, int(seed), int(offset), float(std), bool(accumulate_w),
-                                         bool(accumulate_b))
+                                         bool(accumulate_b), float(scale))
     return w, b
 
 

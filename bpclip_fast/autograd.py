@@ -68,15 +68,15 @@ def _backward(ctx, grad_out, op, *geometry):
     args, scale = _backward_args(ctx, grad_out.shape[0])
     _count_unclipped(ctx.layer, norm, grad_out, args[0])
     gx, gw, gb = op(grad_out, x, factor, norm, exact.kernel_weight(ctx.layer, weight), ctx.layer._nonfinite[1:2],
-                    *geometry, *args)
+                    *geometry, *args, scale)
     # the release in the parameter's layout before _outputs records it: the tensor its AccumulateGrad gets
-    gw, gb = _outputs(ctx.layer, ctx, exact._param_layout(ctx.layer, gw, weight), gb, scale)
+    gw, gb = _outputs(ctx.layer, ctx, exact._param_layout(ctx.layer, gw, weight), gb)
     return gx if ctx.needs_input_grad[0] else None, gw, gb
 
 
 def _backward_args(ctx, rows):
     """``(bounds, clip_fn, gamma, output_mask, noise_key, noise_std)``, the arguments both backward
-    ops end with (csrc/bpclip_fast.cpp), and the mean-loss ``scale`` of this backward."""
+    ops end with before the mean-loss ``scale`` of this backward (csrc/bpclip_fast.cpp), and that scale."""
     layer = ctx.layer
     seed, offset, std, d, scale = _step_args(layer, rows, ctx.sensitivity)
     args = ([float(layer.input_clip), float(layer.grad_clip) / d], layer.clip_fn, float(layer.gamma) / d,
@@ -105,15 +105,11 @@ def _step_args(layer, rows, sensitivity):
     return layer._step.begin_backward(rows, sensitivity)
 
 
-def _outputs(layer, ctx, gw, gb, scale):
-    """The (weight, bias) gradients to return: ``[∇W, ∇b]·scale`` (the engine's mean-loss reduction;
-    untouched when ``scale == 1``), ``None`` where not needed; the step state records them."""
-    gw = gw.mul_(scale) if ctx.needs_input_grad[1] and scale != 1.0 else gw
+def _outputs(layer, ctx, gw, gb):
+    """The (weight, bias) gradients to return (the op applied the engine's mean-loss scale after the
+    noise, in the noise's launch), ``None`` where not needed; the step state records them."""
     gw = gw if ctx.needs_input_grad[1] else None
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        gb = gb.mul_(scale) if scale != 1.0 else gb
-    else:
-        gb = None
+    gb = gb if ctx.has_bias and ctx.needs_input_grad[2] else None
     if layer._step is not None:
         layer._step.produced((gw, gb))
     return gw, gb

@@ -362,8 +362,9 @@ def _refuse_release(layers, details, instead, rule="rows"):
 def _release(layer, x, g, factor, step_args, geometry, kept):
     """``(∇W, ∇b)`` of one layer: ``Σ_i c_i G_i`` plus the step's draw, times the mean-loss scale;
     ``None`` for a parameter that does not train. ``kept``: the norms op's kept per-example
-    gradients (or ``None``; then from ``g`` and ``x``). The ops return the noised sum in fp32 (fp64)
-    for every data dtype; it is rounded to the parameter dtype here, once, after the noise."""
+    gradients (or ``None``; then from ``g`` and ``x``). The ops return the noised sum times the scale
+    (applied in the noise's launch, as a later ``mul_``: post-processing of the noised sum) in fp32
+    (fp64) for every data dtype; it is rounded to the parameter dtype here, once, after both."""
     seed, offset, std, d, scale = step_args
     wb = _weight_bias(layer)
     mask = _trainable(layer, wb)
@@ -375,13 +376,14 @@ def _release(layer, x, g, factor, step_args, geometry, kept):
     if x is None:
         x = g = weight.new_empty(0)
     if geometry is None:
-        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, kernel, mask, [seed, offset], std, kw, kb)
+        gw, gb = torch.ops.bpclip_fast.linear_clipped_grads(g, x, factor, kernel, mask, [seed, offset], std, kw, kb,
+                                                            scale)
     else:
         stride, padding, dilation, groups = geometry
         gw, gb = torch.ops.bpclip_fast.conv2d_clipped_grads(g, x, factor, kernel, stride, padding, dilation,
-                                                            groups, mask, [seed, offset], std, kw, kb)
-    gw = _as_dtype(gw.mul_(scale) if scale != 1.0 else gw, weight.dtype) if mask[0] else None
-    gb = _as_dtype(gb.mul_(scale) if scale != 1.0 else gb, bias.dtype) if mask[1] else None
+                                                            groups, mask, [seed, offset], std, kw, kb, scale)
+    gw = _as_dtype(gw, weight.dtype) if mask[0] else None
+    gb = _as_dtype(gb, bias.dtype) if mask[1] else None
     return _param_layout(layer, gw, weight), gb
 
 

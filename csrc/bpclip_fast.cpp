@@ -54,13 +54,14 @@ TORCH_LIBRARY(bpclip_fast, m) {
   m.def(
       "clip_rows_backward(Tensor grad, Tensor clipped, Tensor factor, Tensor norm, float bound, str clip_fn)"
       " -> Tensor");
-  // buf = std * z (accumulate=False) or buf += std * z, z from Philox4x32-10 keyed by (seed, offset).
-  m.def("philox_noise_(Tensor(a!) buf, int seed, int offset, float std, bool accumulate) -> ()");
+  // buf = std * z (accumulate=False) or buf += std * z, z from Philox4x32-10 keyed by (seed, offset);
+  // then buf *= scale where scale != 1, in the same pass (the values as a later buf.mul_(scale) gives).
+  m.def("philox_noise_(Tensor(a!) buf, int seed, int offset, float std, bool accumulate, float scale=1.0) -> ()");
   // A layer's two noise draws in one launch: w as philox_noise_ at offset, b at offset + 1 (the same
   // bits as the two calls). w and b share a device and a dtype.
   m.def(
       "philox_noise2_(Tensor(a!) w, Tensor(b!) b, int seed, int offset, float std, bool accumulate_w,"
-      " bool accumulate_b) -> ()");
+      " bool accumulate_b, float scale=1.0) -> ()");
   // One row of the banded mechanism's correlated noise (bpclip_fast/banded.py) in one pass: with
   // z = philox_noise_'s stream at (seed, offset) over the P elements of a ring row,
   //   w_i = std z_i + sum_{a = 1..bands-1} weights[a-1] ring[(newest - a + 1) mod (bands-1), i],
@@ -88,17 +89,19 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // clip_fn and gamma (of the gradient clipping), output_mask = [grad_x, grad_bias] (what to
   // compute; grad_weight always is), and the noise draw noise_key = [seed, offset] with std
   // noise_std (stream offset for the weight, offset+1 for the bias). Conv2d adds its geometry and
-  // the upstream gradient's norm ('l15' or 'l2') in front.
+  // the upstream gradient's norm ('l15' or 'l2') in front. scale: the weight and bias gradients,
+  // noised, times scale (the engine's mean-loss d/B; in the noise's launch, in the accumulation dtype,
+  // before the one rounding to the parameters' dtype).
   // Returns (grad_x, grad_weight, grad_bias); grad_x / grad_bias are empty when not requested.
   m.def(
       "linear_backward(Tensor grad_out, Tensor x, Tensor x_factor, Tensor x_norm, Tensor weight,"
       " Tensor(a!) nonfinite, float[2] bounds, str clip_fn, float gamma, bool[2] output_mask, int[2] noise_key,"
-      " float noise_std) -> (Tensor, Tensor, Tensor)");
+      " float noise_std, float scale=1.0) -> (Tensor, Tensor, Tensor)");
   m.def(
       "conv2d_backward(Tensor grad_out, Tensor x, Tensor x_factor, Tensor x_norm, Tensor weight,"
       " Tensor(a!) nonfinite, int[2] stride, int[2] padding, int[2] dilation, int groups, str grad_norm,"
-      " float[2] bounds, str clip_fn, float gamma, bool[2] output_mask, int[2] noise_key, float noise_std)"
-      " -> (Tensor, Tensor, Tensor)");
+      " float[2] bounds, str clip_fn, float gamma, bool[2] output_mask, int[2] noise_key, float noise_std,"
+      " float scale=1.0) -> (Tensor, Tensor, Tensor)");
   // Exact per-example clipping (modes flat and per_layer; csrc/exact.cpp). The norms ops return
   // (sq, bound), float64 [B]: each example's squared gradient norm over the parameters in
   // params = [weight, bias], and an upper bound on the norm of what the release can hold of it at
@@ -142,14 +145,16 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // not), from grad_out scaled by factor (fp32; fp64 for fp64 data), with the noise (std noise_std,
   // Philox key noise_key = [seed, offset]: the weight at offset, the bias at offset + 1); from the
   // norms op's kept per-example gradients when given (grad_out and x are then not read; the release
-  // is examples_release's sum_i RZ(c_i G_i)).
+  // is examples_release's sum_i RZ(c_i G_i)); then times scale (the engine's mean-loss d/B, after the
+  // noise: as a later mul_(scale) of each), in the noise's launch.
   m.def(
       "linear_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, bool[2] params,"
-      " int[2] noise_key, float noise_std, Tensor? kept_w=None, Tensor? kept_b=None) -> (Tensor, Tensor)");
+      " int[2] noise_key, float noise_std, Tensor? kept_w=None, Tensor? kept_b=None, float scale=1.0)"
+      " -> (Tensor, Tensor)");
   m.def(
       "conv2d_clipped_grads(Tensor grad_out, Tensor x, Tensor factor, Tensor weight, int[2] stride,"
       " int[2] padding, int[2] dilation, int groups, bool[2] params, int[2] noise_key, float noise_std,"
-      " Tensor? kept_w=None, Tensor? kept_b=None) -> (Tensor, Tensor)");
+      " Tensor? kept_w=None, Tensor? kept_b=None, float scale=1.0) -> (Tensor, Tensor)");
   // Per-example gradients of the LayerNorm / GroupNorm affine weight and bias (issue 15), from the
   // forward's statistics as native_layer_norm / native_group_norm return them (the data dtype or
   // fp32 for half data; either is accepted). layer_norm: x viewed as [B, T, D] with D =

@@ -184,14 +184,21 @@ inline NormAffineShape check_norm_affine_args(const at::Tensor& grad_out, const 
   return s;
 }
 
-inline void check_noise_args(const at::Tensor& buf, double stdv) {
+// scale: what the stored values are multiplied by after the noise (the engine's mean-loss scale
+// d/B, post-processing of the noised sum), as a separate mul_(scale) would.
+inline void check_noise_scale(double scale, const char* op) {
+  TORCH_CHECK(scale > 0.0 && scale < 1e30, "bpclip_fast.", op, ": scale must be finite and > 0, got ", scale);
+}
+
+inline void check_noise_args(const at::Tensor& buf, double stdv, double scale) {
   check_float_tensor(buf, "buf");
   TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise_: std must be finite and >= 0, got ", stdv);
+  check_noise_scale(scale, "philox_noise_");
 }
 
 // One launch covers both tensors on a GPU, so they share a device and a dtype (a layer's weight and
 // bias gradients always do: both in the accumulation dtype, or both in the parameters').
-inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double stdv) {
+inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double stdv, double scale) {
   check_float_tensor(w, "w");
   check_float_tensor(b, "b");
   check_same_device(w, b, "w", "b");
@@ -206,6 +213,7 @@ inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double s
   TORCH_CHECK(w.scalar_type() == b.scalar_type(), "bpclip_fast.philox_noise2_: w is ", w.scalar_type(),
               " but b is ", b.scalar_type(), "; both tensors need one dtype (or call philox_noise_ on each)");
   TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise2_: std must be finite and >= 0, got ", stdv);
+  check_noise_scale(scale, "philox_noise2_");
 }
 
 // clip_rows_rescale: g clipped as clip_rows does, x rescaled by x_factor as scale_rows does; one batch.

@@ -37,19 +37,20 @@ inline at::Tensor scale_rows(const at::Tensor& x, const at::Tensor& factor) {
   return op.call(x, factor);
 }
 
-inline void philox_noise_(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate) {
+inline void philox_noise_(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate,
+                          double scale = 1.0) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("bpclip_fast::philox_noise_", "")
-                       .typed<void(at::Tensor&, int64_t, int64_t, double, bool)>();
-  op.call(buf, seed, offset, stdv, accumulate);
+                       .typed<void(at::Tensor&, int64_t, int64_t, double, bool, double)>();
+  op.call(buf, seed, offset, stdv, accumulate, scale);
 }
 
 inline void philox_noise2_(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t offset, double stdv, bool accumulate_w,
-                           bool accumulate_b) {
+                           bool accumulate_b, double scale = 1.0) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("bpclip_fast::philox_noise2_", "")
-                       .typed<void(at::Tensor&, at::Tensor&, int64_t, int64_t, double, bool, bool)>();
-  op.call(w, b, seed, offset, stdv, accumulate_w, accumulate_b);
+                       .typed<void(at::Tensor&, at::Tensor&, int64_t, int64_t, double, bool, bool, double)>();
+  op.call(w, b, seed, offset, stdv, accumulate_w, accumulate_b, scale);
 }
 
 inline std::tuple<at::Tensor, at::Tensor> scale_rows2(const at::Tensor& x, const at::Tensor& x_factor,

@@ -36,16 +36,23 @@ std::tuple<at::Tensor, at::Tensor> scaled_inputs(const at::Tensor& grad_out, con
   return scale_rows2(grad_out.to(acc), factor, x.to(acc), factor, true);
 }
 
-// The weight's noise at the key's offset, the bias' at offset + 1 (added); both in one launch.
+// The weight's noise at the key's offset, the bias' at offset + 1 (added); both in one launch; then
+// the mean-loss scale in the same launch (without noise, one mul_ each: a pass with no draw).
 void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntArrayRef noise_key, double noise_std,
-               bool accumulate_weight) {
-  if (noise_std <= 0.0) return;
+               bool accumulate_weight, double scale) {
+  if (noise_std <= 0.0) {
+    if (scale != 1.0) {
+      if (weight) gw.mul_(scale);
+      if (bias) gb.mul_(scale);
+    }
+    return;
+  }
   if (weight && bias) {
-    philox_noise2_(gw, gb, noise_key[0], noise_key[1], noise_std, accumulate_weight, true);
+    philox_noise2_(gw, gb, noise_key[0], noise_key[1], noise_std, accumulate_weight, true, scale);
   } else if (weight) {
-    philox_noise_(gw, noise_key[0], noise_key[1], noise_std, accumulate_weight);
+    philox_noise_(gw, noise_key[0], noise_key[1], noise_std, accumulate_weight, scale);
   } else if (bias) {
-    philox_noise_(gb, noise_key[0], noise_key[1] + 1, noise_std, true);
+    philox_noise_(gb, noise_key[0], noise_key[1] + 1, noise_std, true, scale);
   }
 }
 
@@ -53,8 +60,8 @@ void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntAr
 // fp64 for fp64 data; so fp16/bf16 data's are fp32 too): examples_release, one launch, sum_i
 // RZ_A(c_i G^_i) in examples.h's fixed order, rows with c_i = 0 adding exact zeros whatever they
 // hold (a non-finite example), the noise drawn inside as philox_noise_ (weight at offset, bias at
-// offset + 1), scale 1, no rounding (its output dtype is A; the caller rounds to the parameter dtype
-// once, after the noise and the scale).
+// offset + 1), then the scale, no rounding (its output dtype is A; the caller rounds to the parameter
+// dtype once, after the noise and the scale).
 // Why the bound covers it: the norms op normed exactly these values. G^_W is the GEMM's [G_W] per
 // row that exact_bound_ squared and summed in double (wa = wb = the kept tensor), so sqrt(sq grow)
 // >= ||G^_W|| (csrc/exact.cpp's file comment, instantiation: the double squares and sum); G^_b is the acc-dtype sum
@@ -66,49 +73,50 @@ void add_noise(at::Tensor& gw, at::Tensor& gb, bool weight, bool bias, at::IntAr
 // overflow to +-Inf (or NaN) in G^_i is in sq too: bound +Inf, factor 0, the example adds exact zeros.
 // The factor has the dtype A (exact.factors: fp64 for fp64 data), as examples_release requires.
 Pair kept_release(const at::Tensor& kept_w, const at::Tensor& kept_b, const at::Tensor& factor,
-                  const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key, double noise_std) {
+                  const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key, double noise_std,
+                  double scale) {
   TORCH_CHECK(params[0], "bpclip_fast: kept per-example gradients need the weight to train");
   TORCH_CHECK(!params[1] || kept_b.numel() > 0, "bpclip_fast: the bias trains but its kept per-example gradients "
               "are missing (the norms op ran with the bias frozen)");
   const c10::optional<at::Tensor> b = params[1] ? c10::optional<at::Tensor>(kept_b) : c10::nullopt;
-  auto [gw, gb] = ops::examples_release(kept_w, b, factor, noise_key, noise_std, 1.0);
+  auto [gw, gb] = ops::examples_release(kept_w, b, factor, noise_key, noise_std, scale);
   return {gw.reshape(weight.sizes()), gb};
 }
 
 bool has_kept(const c10::optional<at::Tensor>& kept) { return kept.has_value() && kept->defined() && kept->numel() > 0; }
 
 void check_grads_args(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-                      at::IntArrayRef noise_key, double noise_std, const char* op) {
+                      at::IntArrayRef noise_key, double noise_std, double scale, const char* op) {
   check_same_device(grad_out, x, "grad_out", "the input");
   check_same_device(grad_out, weight, "grad_out", "the weight");
   TORCH_CHECK(grad_out.scalar_type() == x.scalar_type() && x.scalar_type() == weight.scalar_type(), "bpclip_fast.",
               op, ": grad_out, the input and the weight must share a dtype");
   TORCH_CHECK(noise_key.size() == 2, "bpclip_fast.", op, ": noise_key must be [seed, offset]");
   TORCH_CHECK(noise_std >= 0.0 && noise_std < 1e30, "bpclip_fast.", op, ": noise_std must be finite and >= 0");
+  check_noise_scale(scale, op);
 }
 
 Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& factor,
                           const at::Tensor& weight, std::array<bool, 2> params, at::IntArrayRef noise_key,
                           double noise_std, const c10::optional<at::Tensor>& kept_w,
-                          const c10::optional<at::Tensor>& kept_b) {
-  if (has_kept(kept_w)) return kept_release(*kept_w, *kept_b, factor, weight, params, noise_key, noise_std);
-  check_grads_args(grad_out, x, weight, noise_key, noise_std, "linear_clipped_grads");
+                          const c10::optional<at::Tensor>& kept_b, double scale) {
+  if (has_kept(kept_w)) {
+    check_noise_scale(scale, "linear_clipped_grads");
+    return kept_release(*kept_w, *kept_b, factor, weight, params, noise_key, noise_std, scale);
+  }
+  check_grads_args(grad_out, x, weight, noise_key, noise_std, scale, "linear_clipped_grads");
   auto [gs, xs] = scaled_inputs(grad_out, x, factor);
   const at::Tensor g2 = gs.reshape({-1, weight.size(0)}), x2 = xs.reshape({-1, weight.size(1)});
   const at::TensorOptions out = weight.options().dtype(acc_type_of(weight));
   at::Tensor gw = at::empty({0}, out), gb = gw;
-  if (params[1]) gb = g2.sum(0);  // first, so that its noise goes in with the weight's (one launch)
+  // The sums first, then the noise added to both and the scale applied in one launch (the scale in
+  // the noise launch is why the GEMM no longer accumulates into a buffer that holds the noise).
+  if (params[1]) gb = g2.sum(0);
   if (params[0]) {
     gw = host_empty(weight.sizes(), out);
-    if (noise_std > 0.0) {  // the noise first, the GEMM accumulates into it: one buffer
-      add_noise(gw, gb, true, params[1], noise_key, noise_std, false);
-      gw.addmm_(g2.t(), x2);
-    } else {
-      at::mm_out(gw, g2.t(), x2);
-    }
-  } else {
-    add_noise(gw, gb, false, params[1], noise_key, noise_std, true);
+    at::mm_out(gw, g2.t(), x2);
   }
+  add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true, scale);
   return {gw, gb};
 }
 
@@ -116,9 +124,12 @@ Pair conv2d_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
                           const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
                           at::IntArrayRef dilation, int64_t groups, std::array<bool, 2> params,
                           at::IntArrayRef noise_key, double noise_std, const c10::optional<at::Tensor>& kept_w,
-                          const c10::optional<at::Tensor>& kept_b) {
-  if (has_kept(kept_w)) return kept_release(*kept_w, *kept_b, factor, weight, params, noise_key, noise_std);
-  check_grads_args(grad_out, x, weight, noise_key, noise_std, "conv2d_clipped_grads");
+                          const c10::optional<at::Tensor>& kept_b, double scale) {
+  if (has_kept(kept_w)) {
+    check_noise_scale(scale, "conv2d_clipped_grads");
+    return kept_release(*kept_w, *kept_b, factor, weight, params, noise_key, noise_std, scale);
+  }
+  check_grads_args(grad_out, x, weight, noise_key, noise_std, scale, "conv2d_clipped_grads");
   const at::TensorOptions out = weight.options().dtype(acc_type_of(weight));
   at::Tensor gw = at::empty({0}, out), gb = gw;
   if (x.size(0) == 0) {
@@ -134,7 +145,7 @@ Pair conv2d_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
     if (params[1]) gb = std::get<2>(grads);
   }
   // ATen's convolution backward has no accumulate-into-output form: the noise is added in place.
-  add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true);
+  add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true, scale);
   return {gw, gb};
 }
 

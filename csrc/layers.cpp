@@ -41,16 +41,19 @@ struct BackwardArgs {
   bool input_grad, has_bias;
   int64_t seed, offset;
   double noise_std;
+  double scale;  // the engine's mean-loss scale, applied after the noise (post-processing)
 };
 
 BackwardArgs backward_args(at::ArrayRef<double> bounds, c10::string_view clip_fn, double gamma,
                            std::array<bool, 2> output_mask, at::IntArrayRef noise_key, double noise_std,
-                           const char* layer) {
+                           double scale, const char* layer) {
   TORCH_CHECK(bounds.size() == 2, "bpclip_fast.", layer, ": bounds must be [input_bound, grad_bound]");
   TORCH_CHECK(noise_key.size() == 2, "bpclip_fast.", layer, ": noise_key must be [seed, offset]");
   check_bound(bounds[1], "grad_bound");
   TORCH_CHECK(noise_std >= 0.0 && noise_std < 1e30, "bpclip_fast.", layer, ": noise_std must be finite and >= 0");
-  return {bounds[0], bounds[1], clip_fn, gamma, output_mask[0], output_mask[1], noise_key[0], noise_key[1], noise_std};
+  check_noise_scale(scale, layer);
+  return {bounds[0], bounds[1], clip_fn, gamma, output_mask[0], output_mask[1], noise_key[0], noise_key[1], noise_std,
+          scale};
 }
 
 void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
@@ -77,17 +80,26 @@ ops::Quad clipped_pair(const at::Tensor& grad_out, const at::Tensor& x, const at
 }
 
 // The weight's (and the bias') noise, both draws in one launch: the weight at the key's offset, the
-// bias at offset + 1.
-void add_layer_noise(at::Tensor& gw, at::Tensor& gb, const BackwardArgs& a, bool accumulate_w) {
+// bias at offset + 1, added to the gradients, then the mean-loss scale in the same launch (without a
+// draw, a mul_ of each).
+void add_layer_noise(at::Tensor& gw, at::Tensor& gb, const BackwardArgs& a) {
+  if (a.noise_std <= 0.0) {
+    if (a.scale != 1.0) {
+      gw.mul_(a.scale);
+      if (a.has_bias) gb.mul_(a.scale);
+    }
+    return;
+  }
   if (a.has_bias) {
-    philox_noise2_(gw, gb, a.seed, a.offset, a.noise_std, accumulate_w, true);
+    philox_noise2_(gw, gb, a.seed, a.offset, a.noise_std, true, true, a.scale);
   } else {
-    philox_noise_(gw, a.seed, a.offset, a.noise_std, accumulate_w);
+    philox_noise_(gw, a.seed, a.offset, a.noise_std, true, a.scale);
   }
 }
 
-// fp16/bf16 weight and bias gradients are summed over the batch, and noised, in fp32, and rounded
-// to the parameter dtype once, after the noise: a sum rounded to fp16 before the noise would move
+// fp16/bf16 weight and bias gradients are summed over the batch, noised and scaled (the mean-loss
+// d/B) in fp32, and rounded to the parameter dtype once, after both (until the fifteenth session
+// the scale was a mul_ in the parameter dtype, a second rounding): a sum rounded to fp16 before the noise would move
 // by up to half an ulp of |sum| per entry, a rounding that depends on every example (so one
 // example could move the release by more than Delta). The clipped values are exact in fp32.
 bool low_precision(const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
@@ -104,25 +116,21 @@ Triple linear_forward(const at::Tensor& x, const at::Tensor& weight, const c10::
 Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& x_factor,
                        const at::Tensor& x_norm, const at::Tensor& weight, at::Tensor& nonfinite,
                        at::ArrayRef<double> bounds, c10::string_view clip_fn, double gamma,
-                       std::array<bool, 2> output_mask, at::IntArrayRef noise_key, double noise_std) {
-  const BackwardArgs a = backward_args(bounds, clip_fn, gamma, output_mask, noise_key, noise_std, "linear_backward");
+                       std::array<bool, 2> output_mask, at::IntArrayRef noise_key, double noise_std, double scale) {
+  const BackwardArgs a = backward_args(bounds, clip_fn, gamma, output_mask, noise_key, noise_std, scale,
+                                       "linear_backward");
   check_backward_inputs(grad_out, x, weight, "linear_backward");
   const int64_t in_f = weight.size(1), out_f = weight.size(0);
   auto [gc, gfactor, gnorm, x_clipped] = clipped_pair(grad_out, x, x_factor, nonfinite, a, "l2");
   const at::Tensor g2 = gc.reshape({-1, out_f});
   const at::Tensor x2 = x_clipped.reshape({-1, in_f});
 
-  // The bias sum first; then the noise, the weight's written and the bias' added (one launch); then
-  // the GEMM accumulates into the weight's: one buffer, no extra pass.
+  // The sums first; then the noise added to both and the scale applied, in one launch.
   const at::Tensor g2w = widened(g2), x2w = widened(x2);
   at::Tensor gw = host_empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
   at::Tensor gb = a.has_bias ? g2w.sum(0) : weight.new_empty({0});
-  if (a.noise_std > 0.0) {
-    add_layer_noise(gw, gb, a, false);
-    gw.addmm_(g2w.t(), x2w);
-  } else {
-    at::mm_out(gw, g2w.t(), x2w);
-  }
+  at::mm_out(gw, g2w.t(), x2w);
+  add_layer_noise(gw, gb, a);
   if (a.has_bias) gb = gb.to(weight.scalar_type());
   gw = gw.to(weight.scalar_type());
   at::Tensor gx = x_clipped.new_empty({0});
@@ -146,8 +154,10 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
                        const at::Tensor& x_norm, const at::Tensor& weight, at::Tensor& nonfinite,
                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                        c10::string_view grad_norm, at::ArrayRef<double> bounds, c10::string_view clip_fn,
-                       double gamma, std::array<bool, 2> output_mask, at::IntArrayRef noise_key, double noise_std) {
-  const BackwardArgs a = backward_args(bounds, clip_fn, gamma, output_mask, noise_key, noise_std, "conv2d_backward");
+                       double gamma, std::array<bool, 2> output_mask, at::IntArrayRef noise_key, double noise_std,
+                       double scale) {
+  const BackwardArgs a = backward_args(bounds, clip_fn, gamma, output_mask, noise_key, noise_std, scale,
+                                       "conv2d_backward");
   check_backward_inputs(grad_out, x, weight, "conv2d_backward");
   TORCH_CHECK(grad_out.dim() == 4, "bpclip_fast.conv2d_backward: grad_out must be [B, C, H, W]");
   auto [gc, gfactor, gnorm, x_clipped] = clipped_pair(grad_out, x, x_factor, nonfinite, a, grad_norm);
@@ -175,7 +185,7 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   }
   // ATen's convolution backward has no accumulate-into-output form, so here the noise is added to
   // the fresh gradient buffers in place: the same memory traffic as writing them first.
-  if (a.noise_std > 0.0) add_layer_noise(gw, gb, a, true);
+  add_layer_noise(gw, gb, a);
   gw = gw.to(weight.scalar_type());
   if (a.has_bias) gb = gb.to(weight.scalar_type());
   if (!a.has_bias) gb = weight.new_empty({0});

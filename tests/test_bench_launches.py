@@ -76,8 +76,8 @@ def test_a_composite_extension_op_counts_only_what_it_calls():
 
 
 def test_each_call_of_an_extension_op_counts_its_own_route():
-    """One composite op called twice along two routes (with noise: noise buffer then addmm_; without:
-    one mm into the output) counts each call's own leaves, not the larger route twice."""
+    """One composite op called twice along two routes (with noise: the mm, then the noise added in
+    place; without: the mm alone) counts each call's own leaves, not the larger route twice."""
     from bpclip_fast import _ops
 
     if not _ops.extension_loaded():
@@ -98,7 +98,7 @@ def test_each_call_of_an_extension_op_counts_its_own_route():
     ops, _, _ = _counted(both, inner)
     routes = inner["bpclip_fast::linear_clipped_grads"]
     assert len(routes) == 2 and routes[0] > routes[1]  # the noise is a launch of its own
-    # scale_rows2 + philox_noise2_ + addmm_, then scale_rows2 + mm
+    # scale_rows2 + mm + philox_noise_, then scale_rows2 + mm
     assert routes == [3, 2] and ops == 5
 
 
@@ -137,7 +137,7 @@ def test_per_layer_makes_an_instantiated_layers_bound_and_factors_in_one_launch(
 def test_flat_instantiate_keeps_the_per_example_gradients_and_releases_them_in_one_launch():
     """``--methods flat_instantiate``: the ViT's Linears over 17 positions instantiate their
     per-example gradients and release them by ``examples_release`` instead of the release GEMM
-    (``linear_clipped_grads``' scale, bias sum, noise and ``addmm_``), so the step counts fewer
+    (``linear_clipped_grads``' scale, bias sum, ``mm`` and noise), so the step counts fewer
     leaf ops than flat by the cost rule (ghost norms at these shapes)."""
     from bpclip_fast import _ops
 

@@ -152,6 +152,29 @@ def test_philox_noise_launcher_grid_on_a_one_sm_device(sim, request, dtype, accu
                                  sm_count=1) == []
 
 
+# The scale (the engine's mean-loss d/B̄, applied after the noise in the same launch): bit for bit the
+# CPU op without it followed by mul_(scale), for every dtype, both store paths (packed and
+# misaligned slots), the tail, and a scale whose product rounds (1/3) and one that subnormalises
+# nothing but halves (0.5), and one above 1.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("n,misalign", [(7, 0), (1025, 0), (2063, 1)])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("scale", [1 / 3, 0.5, 1.75])
+def test_philox_noise_scale_is_a_later_mul(sim, request, n, misalign, dtype, accumulate, scale):
+    _schedule(sim, request)
+    assert harness.compare_noise(sim, n, dtype, seed=2**59 + n, offset=(5 << 20) | 2, std=0.7, accumulate=accumulate,
+                                 misalign=misalign, scale=scale) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("nw,nb", [(5, 3), (1032, 7), (10007, 257)])
+@pytest.mark.parametrize("acc_w,acc_b", [(False, True), (True, True)])
+def test_philox_noise2_scale_is_a_later_mul(sim, request, nw, nb, dtype, acc_w, acc_b):
+    _schedule(sim, request)
+    assert harness.compare_noise2(sim, nw, nb, dtype, seed=2**58 + nw, offset=(3 << 20) | 8, std=1.1,
+                                  accumulate_w=acc_w, accumulate_b=acc_b, scale=1 / 3) == []
+
+
 def _noise_launches(sim):
     """{(template arguments of philox_noise_kernel): launches} so far."""
     out = {}

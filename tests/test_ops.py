@@ -316,6 +316,36 @@ def test_noise_accumulate_adds_to_buffer(device, dtype):
     torch.testing.assert_close(acc, (base.double() + noise.double()).to(dtype), rtol=rtol * 2, atol=atol * 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("scale", [1 / 3, 0.5, 2.75])
+def test_noise_scale_is_a_later_mul_bit_for_bit(device, dtype, accumulate, scale):
+    # The engine's mean-loss scale d/B̄ goes into the noise launch: the definition is the noised
+    # buffer, rounded to its dtype, then mul_(scale) (post-processing of the noised sum). 1031
+    # elements: full vector batches and a tail; a transposed view: the copy-back path.
+    for shape, view in (((1031,), lambda t: t), ((40, 9), lambda t: t.t())):
+        base = view(make_input(shape, dtype, device))
+        got, ref = base.clone(), base.clone()
+        _ops.philox_noise_(got, 7, 11, 0.8, accumulate=accumulate, scale=scale)
+        _ops.philox_noise_(ref, 7, 11, 0.8, accumulate=accumulate).mul_(scale)
+        assert torch.equal(got.contiguous().view(torch.int8), ref.contiguous().view(torch.int8))
+        w, b = base.clone(), make_input((13,), dtype, device)
+        w_ref, b_ref = w.clone(), b.clone()
+        _ops.philox_noise2_(w, b, 3, 5, 1.3, accumulate, True, scale=scale)
+        _ops.philox_noise2_(w_ref, b_ref, 3, 5, 1.3, accumulate, True)
+        w_ref.mul_(scale), b_ref.mul_(scale)
+        assert torch.equal(w.contiguous().view(torch.int8), w_ref.contiguous().view(torch.int8))
+        assert torch.equal(b.view(torch.int8), b_ref.view(torch.int8))
+
+
+def test_noise_rejects_bad_scale(device):
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(RuntimeError, match="scale must be finite and > 0"):
+            _ops.philox_noise_(torch.zeros(3, device=device), 1, 0, 1.0, scale=bad)
+        with pytest.raises(RuntimeError, match="scale must be finite and > 0"):
+            _ops.philox_noise2_(torch.zeros(3, device=device), torch.zeros(2, device=device), 1, 0, 1.0, scale=bad)
+
+
 def test_noise_noncontiguous_uses_row_major_positions(device):
     buf = torch.zeros(6, 8, device=device).t()  # non-contiguous view
     _ops.philox_noise_(buf, 5, 0, 1.0)

@@ -215,11 +215,13 @@ void normals_batch(PhiloxBatchFn philox_batch, uint64_t seed, uint64_t offset, u
   box_muller_batch(r, z);
 }
 
-// out[8l + q] (+)= stdv * z[q][l] for a full fp32 batch. Its own clone so that the lane-major to
-// element-major interleave vectorises too (in the generic template below it is a scalar gather).
-// Rounds exactly like the generic path: one float multiply, then one float add.
+// out[8l + q] (+)= stdv * z[q][l] for a full fp32 batch, then times `scale` where it is not 1. Its own
+// clone so that the lane-major to element-major interleave vectorises too (in the generic template
+// below it is a scalar gather). Rounds exactly like the generic path: one float multiply, then one
+// float add (then one float multiply by the scale).
 BPCLIP_VECTOR_CLONES
-void store_batch_f32(float* out, const float z[kNormalsPerGroup][kLanes], float stdv, bool accumulate) {
+void store_batch_f32(float* out, const float z[kNormalsPerGroup][kLanes], float stdv, bool accumulate, bool scaled,
+                     float scale) {
   if (accumulate) {
     for (int64_t l = 0; l < kLanes; ++l)
       for (int q = 0; q < kNormalsPerGroup; ++q)
@@ -228,12 +230,19 @@ void store_batch_f32(float* out, const float z[kNormalsPerGroup][kLanes], float 
     for (int64_t l = 0; l < kLanes; ++l)
       for (int q = 0; q < kNormalsPerGroup; ++q) out[kNormalsPerGroup * l + q] = stdv * z[q][l];
   }
+  if (scaled) {
+    for (int64_t i = 0; i < kNormalsPerGroup * kLanes; ++i) out[i] = out[i] * scale;
+  }
 }
 
 template <typename scalar_t>
 void noise_span(PhiloxBatchFn philox_batch, scalar_t* p, int64_t n, uint64_t seed, uint64_t offset, float stdv,
-                bool accumulate, int64_t glo, int64_t ghi) {
+                bool accumulate, double scale, int64_t glo, int64_t ghi) {
   using acc_t = at::opmath_type<scalar_t>;
+  // The scale as mul_(scale) would apply it to the stored values afterwards: in the opmath type,
+  // one product, rounded to scalar_t (so scale 1 leaves the bits as they are, and is not applied).
+  const bool scaled = scale != 1.0;
+  const acc_t s = static_cast<acc_t>(scale);
   constexpr int64_t kPer = kNormalsPerGroup;
   float z[kPer][kLanes];
   for (int64_t first = glo; first < ghi; first += kLanes) {
@@ -252,7 +261,7 @@ void noise_span(PhiloxBatchFn philox_batch, scalar_t* p, int64_t n, uint64_t see
     scalar_t* out = p + base;
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (count == kPer * kLanes) {
-        store_batch_f32(out, z, stdv, accumulate);
+        store_batch_f32(out, z, stdv, accumulate, scaled, s);
         continue;
       }
     }
@@ -262,11 +271,14 @@ void noise_span(PhiloxBatchFn philox_batch, scalar_t* p, int64_t n, uint64_t see
     } else {
       for (int64_t i = 0; i < count; ++i) out[i] = static_cast<scalar_t>(stdv * z[i % kPer][i / kPer]);
     }
+    if (scaled) {
+      for (int64_t i = 0; i < count; ++i) out[i] = static_cast<scalar_t>(static_cast<acc_t>(out[i]) * s);
+    }
   }
 }
 
-void philox_noise_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate) {
-  check_noise_args(buf, stdv);
+void philox_noise_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate, double scale) {
+  check_noise_args(buf, stdv, scale);
   const int64_t n = buf.numel();
   if (n == 0) return;
   // The stream is indexed by the contiguous (row-major) position, whatever the strides of buf.
@@ -277,7 +289,7 @@ void philox_noise_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double stdv
     scalar_t* p = work.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t glo, int64_t ghi) {
       noise_span<scalar_t>(philox_batch, p, n, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                           static_cast<float>(stdv), accumulate, glo, ghi);
+                           static_cast<float>(stdv), accumulate, scale, glo, ghi);
     });
   });
   if (!work.is_same(buf)) buf.copy_(work);
@@ -286,10 +298,10 @@ void philox_noise_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double stdv
 // A layer's weight and bias noise in one op (one launch on a GPU): exactly philox_noise_(w, offset)
 // then philox_noise_(b, offset + 1), the offset incremented as an unsigned 64-bit counter word.
 void philox_noise2_cpu(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t offset, double stdv, bool accumulate_w,
-                       bool accumulate_b) {
-  check_noise2_args(w, b, stdv);
-  philox_noise_cpu(w, seed, offset, stdv, accumulate_w);
-  philox_noise_cpu(b, seed, static_cast<int64_t>(static_cast<uint64_t>(offset) + 1u), stdv, accumulate_b);
+                       bool accumulate_b, double scale) {
+  check_noise2_args(w, b, stdv, scale);
+  philox_noise_cpu(w, seed, offset, stdv, accumulate_w, scale);
+  philox_noise_cpu(b, seed, static_cast<int64_t>(static_cast<uint64_t>(offset) + 1u), stdv, accumulate_b, scale);
 }
 
 }  // namespace

@@ -59,18 +59,33 @@ __device__ __forceinline__ T noise_store_value(const T& old, float z, float stdv
   }
 }
 
+// The scale of philox_noise_ (where it is not 1): the stored value times the scale in the opmath
+// type (double for fp64, float otherwise), rounded to T, as a later mul_(scale) gives (noise_cpu.cpp).
+struct NoiseScale {
+  double scale;
+  bool on;
+};
+
+template <typename T, bool kAccumulate>
+__device__ __forceinline__ T noise_store_value(const T& old, float z, float stdv, const NoiseScale& s) {
+  const T r = noise_store_value<T, kAccumulate>(old, z, stdv);
+  if (!s.on) return r;
+  using A = decltype(to_acc(r));
+  return from_acc<T>(to_acc(r) * static_cast<A>(s.scale));
+}
+
 // Elements first.. n-1 (fewer than one tile): lane l draws group first / 8 + l and writes the part
 // of it below n. Uncoalesced, but at most 255 elements per call.
 template <typename T, bool kAccumulate>
 __device__ void philox_noise_tail(T* __restrict__ buf, int64_t n, int64_t first, int lane, uint64_t seed,
-                                  uint64_t offset, float stdv) {
+                                  uint64_t offset, float stdv, NoiseScale scale) {
   const int64_t base = first + static_cast<int64_t>(lane) * kNormalsPerGroup;
   if (base >= n) return;
   float z[kNormalsPerGroup];
   philox_normal8(seed, offset, static_cast<uint64_t>(base / kNormalsPerGroup), z);
   for (int l = 0; l < kNormalsPerGroup; ++l) {
     if (base + l >= n) break;
-    buf[base + l] = noise_store_value<T, kAccumulate>(buf[base + l], z[l], stdv);
+    buf[base + l] = noise_store_value<T, kAccumulate>(buf[base + l], z[l], stdv, scale);
   }
 }
 
@@ -103,8 +118,8 @@ struct NoiseSlots<T, false> {
 // warp's slice of shared memory, free on entry and on return.
 template <typename T, bool kAccumulate, bool kPacked>
 __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset,
-                                                   float stdv, int64_t warp, int64_t warps, int lane,
-                                                   NoisePack<T>* stage) {
+                                                   float stdv, NoiseScale scale, int64_t warp, int64_t warps,
+                                                   int lane, NoisePack<T>* stage) {
   using Slots = NoiseSlots<T, kPacked>;
   using Pack = NoisePack<T>;
   constexpr int kPacks = kPacksPerGroup<T>;
@@ -119,7 +134,9 @@ __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t 
       if constexpr (kAccumulate) p = Slots::load(tile, lane);
       float z[kNormalsPerGroup];
       philox_normal8(seed, offset, group, z);
-      for (int l = 0; l < kNormalsPerGroup; ++l) p.e[l] = noise_store_value<T, kAccumulate>(p.e[l], z[l], stdv);
+      for (int l = 0; l < kNormalsPerGroup; ++l) {
+        p.e[l] = noise_store_value<T, kAccumulate>(p.e[l], z[l], stdv, scale);
+      }
       Slots::store(tile, lane, p);
     } else {
       // Aligned: the old values are loaded before the Philox rounds, so that their latency hides
@@ -146,7 +163,9 @@ __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t 
       for (int q = 0; q < kPacks; ++q) {
         Pack p;
         if constexpr (kAccumulate) p = stage[lane * kPacks + q];
-        for (int e = 0; e < kPer; ++e) p.e[e] = noise_store_value<T, kAccumulate>(p.e[e], z[q * kPer + e], stdv);
+        for (int e = 0; e < kPer; ++e) {
+          p.e[e] = noise_store_value<T, kAccumulate>(p.e[e], z[q * kPer + e], stdv, scale);
+        }
         stage[lane * kPacks + q] = p;
       }
       __syncwarp();  // every lane's group staged before any lane stores slots of others
@@ -156,7 +175,9 @@ __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t 
       __syncwarp();  // every slot read before the next tile overwrites the stage
     }
   }
-  if (warp == tiles % warps) philox_noise_tail<T, kAccumulate>(buf, n, tiles * kNoiseTile, lane, seed, offset, stdv);
+  if (warp == tiles % warps) {
+    philox_noise_tail<T, kAccumulate>(buf, n, tiles * kNoiseTile, lane, seed, offset, stdv, scale);
+  }
 }
 
 // This thread's place in the grid, counted in warps: its lane, its warp within the block and
@@ -180,11 +201,11 @@ using NoiseStage = NoisePack<T>[kNoiseThreads / kNoiseLanes][kNoiseLanes * kPack
 // blockDim.x: a multiple of 32, at most kNoiseThreads.
 template <typename T, bool kAccumulate, bool kPacked>
 __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
-    philox_noise_kernel(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset, float stdv) {
+    philox_noise_kernel(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, double scale) {
   __shared__ NoiseStage<T> stage_of_warp;
   const NoiseWarp t = noise_warp();
-  philox_noise_tiles<T, kAccumulate, kPacked>(buf, n, seed, offset, stdv, t.warp, t.warps, t.lane,
-                                              stage_of_warp[t.in_block]);
+  philox_noise_tiles<T, kAccumulate, kPacked>(buf, n, seed, offset, stdv, NoiseScale{scale, scale != 1.0}, t.warp,
+                                              t.warps, t.lane, stage_of_warp[t.in_block]);
 }
 
 // philox_noise2_: a layer's weight w (stream offset_w) and bias b (offset_b) in one launch, each
@@ -195,14 +216,15 @@ __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
 template <typename T, bool kAccW, bool kPackedW, bool kAccB>
 __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
     philox_noise2_kernel(T* __restrict__ w, int64_t nw, T* __restrict__ b, int64_t nb, uint64_t seed,
-                         uint64_t offset_w, uint64_t offset_b, float stdv) {
+                         uint64_t offset_w, uint64_t offset_b, float stdv, double scale) {
   __shared__ NoiseStage<T> stage_of_warp;
   const NoiseWarp t = noise_warp();
-  philox_noise_tiles<T, kAccW, kPackedW>(w, nw, seed, offset_w, stdv, t.warp, t.warps, t.lane,
+  const NoiseScale s{scale, scale != 1.0};
+  philox_noise_tiles<T, kAccW, kPackedW>(w, nw, seed, offset_w, stdv, s, t.warp, t.warps, t.lane,
                                          stage_of_warp[t.in_block]);
   const int64_t first_b = (nw / kNoiseTile + 1) % t.warps;  // after w's full tiles and its tail
-  philox_noise_tiles<T, kAccB, false>(b, nb, seed, offset_b, stdv, (t.warp + t.warps - first_b) % t.warps, t.warps,
-                                      t.lane, stage_of_warp[t.in_block]);
+  philox_noise_tiles<T, kAccB, false>(b, nb, seed, offset_b, stdv, s, (t.warp + t.warps - first_b) % t.warps,
+                                      t.warps, t.lane, stage_of_warp[t.in_block]);
 }
 
 }  // namespace cuda

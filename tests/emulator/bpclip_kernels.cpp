@@ -116,12 +116,12 @@ int simt_clip_rows_backward(int dtype, const void* g, const void* xc, const void
 // otherwise this grid, to exercise the kernel's grid-stride loop on small buffers (the variant is
 // chosen by buf's alignment, as the launcher does).
 int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, int accumulate,
-                      int64_t blocks, int threads, int sm_count) {
+                      int64_t blocks, int threads, int sm_count, double scale) {
   return dispatch(dtype, [&]<typename T, typename fac_t>() {
     if (blocks <= 0) {
-      philox_noise_device<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0, sm_count);
+      philox_noise_device<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0, sm_count, scale);
     } else {
-      launch_philox_noise<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0, blocks, threads);
+      launch_philox_noise<T>(static_cast<T*>(buf), n, seed, offset, stdv, accumulate != 0, blocks, threads, scale);
     }
   });
 }
@@ -159,14 +159,14 @@ int simt_banded_row(int dtype, void* ring, int64_t slots, int64_t P, void* const
 
 // philox_noise2_ over two caller buffers; blocks as simt_philox_noise.
 int simt_philox_noise2(int dtype, void* w, int64_t nw, void* b, int64_t nb, uint64_t seed, uint64_t offset, float stdv,
-                       int accumulate_w, int accumulate_b, int64_t blocks, int threads, int sm_count) {
+                       int accumulate_w, int accumulate_b, int64_t blocks, int threads, int sm_count, double scale) {
   return dispatch(dtype, [&]<typename T, typename fac_t>() {
     if (blocks <= 0) {
       philox_noise2_device<T>(static_cast<T*>(w), nw, static_cast<T*>(b), nb, seed, offset, stdv, accumulate_w != 0,
-                              accumulate_b != 0, sm_count);
+                              accumulate_b != 0, sm_count, scale);
     } else {
       launch_philox_noise2<T>(static_cast<T*>(w), nw, static_cast<T*>(b), nb, seed, offset, stdv, accumulate_w != 0,
-                              accumulate_b != 0, blocks, threads);
+                              accumulate_b != 0, blocks, threads, scale);
     }
   });
 }

@@ -154,8 +154,9 @@ class Simt:
         lib.simt_clip_rows_backward.argtypes = [i32, vp, vp, vp, vp, i64, i64, dbl, i32, vp]
         lib.simt_scale_rows.argtypes = [i32, vp, vp, i64, i64, vp]
         lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
-        lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32, i32]
-        lib.simt_philox_noise2.argtypes = [i32, vp, i64, vp, i64, u64, u64, ctypes.c_float, i32, i32, i64, i32, i32]
+        lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32, i32, dbl]
+        lib.simt_philox_noise2.argtypes = [i32, vp, i64, vp, i64, u64, u64, ctypes.c_float, i32, i32, i64, i32, i32,
+                                           dbl]
         lib.simt_banded_row.argtypes = [i32, vp, i64, i64, vp, vp, vp, i32, i32, vp, u64, u64, dbl, i64, i32, i32]
         lib.simt_scale_rows2.argtypes = [i32, vp, vp, i64, vp, vp, vp, i64, i32, i64, vp]
         lib.simt_clip_rows_rescale.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp, vp, vp,
@@ -281,10 +282,11 @@ class Simt:
         self.call("simt_word_checksum", _ptr(w), w.numel(), _ptr(out), blocks, sm_count)
         return out
 
-    def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256, sm_count=H100_SMS):
+    def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256, sm_count=H100_SMS,
+                     scale=1.0):
         """blocks=0: the launcher's grid for a device of ``sm_count`` SMs; else that grid."""
         self.call("simt_philox_noise", DTYPES[buf.dtype], _ptr(buf), n, seed, offset, std, int(accumulate), blocks,
-                  threads, sm_count)
+                  threads, sm_count, scale)
 
 
 # ---- comparisons with the CPU ops --------------------------------------------------------------
@@ -420,19 +422,22 @@ def compare_clip_rows_backward(sim: Simt, x: torch.Tensor, g: torch.Tensor, clip
 
 
 def compare_noise(sim: Simt, n: int, dtype, seed: int, offset: int, std: float, accumulate: bool, blocks: int = 0,
-                  threads: int = 256, misalign: int = 0, sm_count: int = H100_SMS):
+                  threads: int = 256, misalign: int = 0, sm_count: int = H100_SMS, scale: float = 1.0):
     """Emulated philox_noise_ vs the CPU op: bit-identical, and nothing written outside the n
     elements. ``misalign``: the view starts that many elements into its buffer (a slice, as
-    ``t[k:]`` gives), so its pointer is not 16-byte aligned unless misalign * itemsize is."""
+    ``t[k:]`` gives), so its pointer is not 16-byte aligned unless misalign * itemsize is. ``scale``:
+    the reference is the CPU op without it, then ``mul_(scale)`` (the scale's definition)."""
     start = torch.linspace(-3, 3, n, dtype=torch.float32).to(dtype) if accumulate else None
     fill = 7.0
     buf = torch.full((misalign + n + GUARD,), fill, dtype=dtype)
     view = buf[misalign:misalign + n]
     if accumulate:
         view.copy_(start)
-    sim.philox_noise(view, n, seed, offset, std, accumulate, blocks, threads, sm_count)
+    sim.philox_noise(view, n, seed, offset, std, accumulate, blocks, threads, sm_count, scale)
     ref = start.clone() if accumulate else torch.empty(n, dtype=dtype)
     torch.ops.bpclip_fast.philox_noise_(ref, seed, offset, std, accumulate)
+    if scale != 1.0:
+        ref.mul_(scale)
     problems = []
     if not bool((buf[:misalign] == fill).all()):
         problems.append("noise written before the start of the buffer")
@@ -445,9 +450,10 @@ def compare_noise(sim: Simt, n: int, dtype, seed: int, offset: int, std: float, 
 
 def compare_noise2(sim: Simt, nw: int, nb: int, dtype, seed: int, offset: int, std: float, accumulate_w: bool,
                    accumulate_b: bool, blocks: int = 0, threads: int = 256, misalign: int = 0,
-                   sm_count: int = H100_SMS):
-    """Emulated philox_noise2_ vs two CPU philox_noise_ calls (w at offset, b at offset + 1): bit-identical,
-    and nothing written outside either buffer. ``misalign`` offsets both views into their buffers."""
+                   sm_count: int = H100_SMS, scale: float = 1.0):
+    """Emulated philox_noise2_ vs two CPU philox_noise_ calls (w at offset, b at offset + 1), each then
+    ``mul_(scale)``: bit-identical, and nothing written outside either buffer. ``misalign`` offsets
+    both views into their buffers."""
     fill = 7.0
     views, bufs, refs = [], [], []
     for n, off, acc, base in ((nw, offset, accumulate_w, -3.0), (nb, offset + 1, accumulate_b, 2.0)):
@@ -458,11 +464,13 @@ def compare_noise2(sim: Simt, nw: int, nb: int, dtype, seed: int, offset: int, s
             view.copy_(start)
         ref = start.clone() if acc else torch.empty(n, dtype=dtype)
         torch.ops.bpclip_fast.philox_noise_(ref, seed, off - 2 ** 64 if off >= 2 ** 63 else off, std, acc)
+        if scale != 1.0:
+            ref.mul_(scale)
         views.append(view)
         bufs.append(buf)
         refs.append(ref)
     sim.call("simt_philox_noise2", DTYPES[dtype], _ptr(views[0]), nw, _ptr(views[1]), nb, seed, offset, std,
-             int(accumulate_w), int(accumulate_b), blocks, threads, sm_count)
+             int(accumulate_w), int(accumulate_b), blocks, threads, sm_count, scale)
     problems = []
     for name, buf, view, ref, n in (("w", bufs[0], views[0], refs[0], nw), ("b", bufs[1], views[1], refs[1], nb)):
         if not bool((buf[:misalign] == fill).all()):

@@ -1,0 +1,98 @@
+"""The engine's mean-loss scale ``d/B̄`` inside the layer ops (issue 25): every release op takes it and
+applies it in its noise launch, after the noise, as a later ``mul_(scale)`` of the noised sum would
+(post-processing), so a Poisson step whose batch size differs from ``B̄`` launches no ``mul_`` per
+parameter. Checked bit for bit against the op at scale 1 followed by ``mul_``, with and without the
+draw, for the exact modes' release ops (noised sums in fp32/fp64 for every data dtype) and the
+backpropagation ops (fp32/fp64; fp16/bf16 parameters now round once, after the scale)."""
+
+import pytest
+import torch
+
+from bpclip_fast import _ops
+
+pytestmark = pytest.mark.skipif(not _ops.extension_loaded(), reason="the bpclip_fast extension is not built")
+OPS = torch.ops.bpclip_fast if _ops.extension_loaded() else None
+SCALES = [1 / 3, 0.75, 2.5]
+
+
+def _bits(t):
+    return t.contiguous().view(-1).view(torch.int8)
+
+
+def _same(a, b):
+    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+
+
+def _data(dtype, shape_x, shape_g, out, inp, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape_x, generator=gen, dtype=torch.float64).to(dtype)
+    g = torch.randn(shape_g, generator=gen, dtype=torch.float64).to(dtype)
+    w = torch.randn(out, *inp, generator=gen, dtype=torch.float64).to(dtype)
+    factor = torch.rand(shape_x[0], generator=gen, dtype=torch.float64)
+    factor = factor.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return x, g, w, factor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("std", [0.0, 0.6])
+@pytest.mark.parametrize("mask", [[True, True], [True, False], [False, True]])
+@pytest.mark.parametrize("scale", SCALES)
+def test_exact_release_ops_scale_after_the_noise(dtype, std, mask, scale):
+    x, g, w, factor = _data(dtype, (3, 5, 7), (3, 5, 4), 4, (7,))
+    got = OPS.linear_clipped_grads(g, x, factor, w, mask, [11, 6], std, None, None, scale)
+    ref = [t.mul_(scale) for t in OPS.linear_clipped_grads(g, x, factor, w, mask, [11, 6], std, None, None)]
+    assert _same(got, ref)
+    xc, gc, wc, fc = _data(dtype, (3, 2, 6, 6), (3, 4, 6, 6), 4, (2, 3, 3), seed=1)
+    args = (gc, xc, fc, wc, [1, 1], [1, 1], [1, 1], 1, mask, [5, 2], std, None, None)
+    got = OPS.conv2d_clipped_grads(*args, scale)
+    ref = [t.mul_(scale) for t in OPS.conv2d_clipped_grads(*args)]
+    assert _same(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("std", [0.0, 0.6])
+@pytest.mark.parametrize("scale", SCALES)
+def test_kept_release_scales_after_the_noise(dtype, std, scale):
+    # Kept per-example gradients (examples_release inside the op): the scale goes in as its own.
+    x, g, w, factor = _data(dtype, (3, 9, 4), (3, 9, 3), 3, (4,))
+    _, _, kw, kb = OPS.linear_grad_norms(g, x, [True, True], "instantiate", 1 << 20, True, None, 1 << 20)
+    assert kw.numel() > 0
+    got = OPS.linear_clipped_grads(g, x, factor, w, [True, True], [3, 8], std, kw, kb, scale)
+    ref = [t.mul_(scale) for t in OPS.linear_clipped_grads(g, x, factor, w, [True, True], [3, 8], std, kw, kb)]
+    assert _same(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("std", [0.0, 0.6])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("scale", SCALES)
+def test_backprop_ops_scale_after_the_noise(dtype, std, bias, scale):
+    x, g, w, _ = _data(dtype, (3, 5, 7), (3, 5, 4), 4, (7,))
+    nf = torch.zeros(1, dtype=torch.int64)
+    b = torch.zeros(4, dtype=dtype) if bias else None
+    _, xf, xn = OPS.linear_forward(x, w, b, nf, 1.0, "clip", 0.01)
+    args = (g, x, xf, xn, w, nf, [1.0, 0.5], "clip", 0.01, [True, bias], [4, 10], std)
+    got = OPS.linear_backward(*args, scale)
+    ref = OPS.linear_backward(*args)
+    assert torch.equal(_bits(got[0]), _bits(ref[0]))  # the input gradient is not scaled
+    assert _same(got[1:], [t.mul_(scale) for t in ref[1:]])
+    xc, gc, wc, _ = _data(dtype, (2, 2, 6, 6), (2, 3, 6, 6), 3, (2, 3, 3), seed=2)
+    _, xf, xn = OPS.conv2d_forward(xc, wc, torch.zeros(3, dtype=dtype) if bias else None, nf, [1, 1], [1, 1],
+                                    [1, 1], 1, 1.0, "clip", 0.01)
+    args = (gc, xc, xf, xn, wc, nf, [1, 1], [1, 1], [1, 1], 1, "l2", [1.0, 0.5], "clip", 0.01, [True, bias], [4, 10],
+            std)
+    got = OPS.conv2d_backward(*args, scale)
+    ref = OPS.conv2d_backward(*args)
+    assert torch.equal(_bits(got[0]), _bits(ref[0]))
+    assert _same(got[1:], [t.mul_(scale) for t in ref[1:]])
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("inf"), float("nan")])
+def test_release_ops_refuse_a_bad_scale(bad):
+    x, g, w, factor = _data(torch.float32, (2, 3), (2, 4), 4, (3,))
+    with pytest.raises(RuntimeError, match="scale must be finite and > 0"):
+        OPS.linear_clipped_grads(g, x, factor, w, [True, True], [1, 2], 0.5, None, None, bad)
+    nf = torch.zeros(1, dtype=torch.int64)
+    _, xf, xn = OPS.linear_forward(x, w, None, nf, 1.0, "clip", 0.01)
+    with pytest.raises(RuntimeError, match="scale must be finite and > 0"):
+        OPS.linear_backward(g, x, xf, xn, w, nf, [1.0, 0.5], "clip", 0.01, [True, False], [4, 10], 0.5, bad)
