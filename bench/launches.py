@@ -2,6 +2,7 @@
 
     python -m bench.launches                       # ViT, ResNet-20-GN, digits, MNIST, CIFAR-10 nets
     python -m bench.launches --models vit --methods nonprivate,flat --ops   # + the op histogram
+    python -m bench.launches --expected-batch 2.5  # the mean loss's d/B̄ != 1, as in a Poisson step
 
 On a GPU every leaf op that does data work is a kernel launch and every host sync a stall, and small
 and medium models are bound by those, not by FLOPs. Both can be counted on a CPU, and so can the
