@@ -157,3 +157,29 @@ def test_flat_instantiate_keeps_the_per_example_gradients_and_releases_them_in_o
     # Per Linear over 17 positions: 4 launches of the release from the upstream gradient become 1.
     assert flat_hist["bpclip_fast::linear_clipped_grads"] - inst_hist["bpclip_fast::linear_clipped_grads"] == 3 * 16
     assert inst < flat
+
+
+@pytest.mark.parametrize("method", ["flat", "per_layer", "backprop"])
+def test_a_mean_loss_scale_other_than_one_launches_nothing_more(method):
+    """Issue 25: a Poisson step's batch almost never holds B̄ rows, so its mean-loss scale d/B̄ is not
+    1; the release ops apply it in their noise launch. At q = 1 (the bench's default) the scale is 1,
+    which hid the ``mul_`` per parameter it used to cost: ``--expected-batch`` counts that step, and
+    it must count what the q = 1 step counts (before the fix, 6 more on the digits net's 3 layers)."""
+    from bpclip_fast import _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    for expected in (None, 2.5):
+        fetch, step = launches.build(method, "digits", expected_batch=expected)
+        step(fetch())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(fetch())
+        batch = fetch()
+        ops, syncs, hist = _counted(lambda: step(batch), launches.inner_leaves(prof.events()))
+        counts[expected] = (ops, syncs)
+        if expected is not None:
+            assert not any(name.startswith("aten::mul") for name in hist), hist
+    assert counts[2.5] == counts[None]
