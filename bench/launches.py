@@ -294,6 +294,8 @@ def _set_expected_batch(model, expected_batch: float) -> None:
     steps = [m._step for m in model.modules() if getattr(m, "_step", None) is not None]
     if not steps:
         raise ValueError("--expected-batch: the model has no armed clipped layer")
+    if any(st.band is not None for st in steps):  # its rows' one std was fixed from B̄ at make_private
+        raise ValueError("--expected-batch: not for banded noise (every row's std is fixed from B̄ at make_private)")
     for st in steps:
         st.mean_loss_batch = float(expected_batch)
 
