@@ -291,6 +291,8 @@ def _set_expected_batch(model, expected_batch: float) -> None:
     q = 1 each batch holds B̄ = d rows, so the mean-loss scale d/B̄ is 1 and the ops skip it, where a
     Poisson step's d almost never equals B̄ (P(d = B̄) ≈ 2.5% at B̄ = 256). A bench-only setting: the
     accountant and the sampler are those of q = 1."""
+    if not (0 < expected_batch < float("inf")):
+        raise ValueError(f"--expected-batch must be a positive number, got {expected_batch!r}")
     steps = [m._step for m in model.modules() if getattr(m, "_step", None) is not None]
     if not steps:
         raise ValueError("--expected-batch: the model has no armed clipped layer")
