@@ -3,11 +3,11 @@
     python -m bench.noise_placement [--reps 15]
 
 The CIFAR-10 net's first Linear at batch 32 (the layer that holds 29.4M of its 29.6M weights).
-"fused" is what the Linear backward did until the fifteenth session: the draw written into the
-fresh gradient buffer, then ``addmm_`` with beta = 1 accumulates the GEMM into it. "at_step": the
-GEMM into a fresh buffer, then the draw added in place by a separate pass, which is the order of
-the layer op since the mean-loss scale went into the noise's launch (there right after the GEMM,
-not at ``step()``; docs/design.md, What the guarantee assumes). Interleaved, medians printed.
+"fused" is what the Linear backward does at scale 1 (the sum loss): the draw written into the fresh
+gradient buffer, then ``addmm_`` with beta = 1 accumulates the GEMM into it. "at_step": the GEMM into
+a fresh buffer, then the draw added in place by a separate pass, the alternative the step boundary
+rejected (docs/design.md, What the guarantee assumes); the layer op uses that order, right after
+the GEMM, only with a mean-loss scale, which then shares the draw's pass. Interleaved, medians printed.
 """
 
 from __future__ import annotations

@@ -325,7 +325,7 @@ struct NormsOut {
 void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::Tensor& g3, int64_t per, bool keep) {
   const int64_t n = x3.size(0);
   const Dims& dims = out.dims;
-  at::Tensor wa = x3.new_empty({0}), wb = wa, gb = g3;
+  at::Tensor wa, wb, gb = g3;
   bool summed = false;
   if (dims.weight && dims.T > 1) {
     if (out.method == Method::kGhost) {
@@ -350,6 +350,7 @@ void rows_norms(NormsOut& out, int64_t offset, const at::Tensor& x3, const at::T
       }
     }
   }
+  if (!wa.defined()) wa = wb = x3.new_empty({0});  // no weight terms (T = 1, or the weight frozen)
   const int64_t flags = (dims.weight ? kBoundWeight : 0) | (dims.bias ? kBoundBias : 0) |
                         (out.method == Method::kGhost ? kBoundGhost : 0) | (summed ? kBoundBiasSummed : 0);
   exact_bound_(out.sq, out.bound, x3, g3, gb, wa, wb, offset, per, flags, out.consts, out.nonfinite);
@@ -403,9 +404,13 @@ NormsOut start_norms(const at::Tensor& x, int64_t B, Method method, const Dims& 
 }
 
 Norms finish(const NormsOut& out, const at::Tensor& x) {
+  // Distinct empty tensors: outputs of an op without alias annotations must not alias each other.
   const auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : x.new_empty({0}); };
   return {out.sq, out.bound, or_empty(out.kept_w), or_empty(out.kept_b)};
 }
+
+// t in the accumulation dtype: itself where it already is (no dispatcher call per chunk).
+at::Tensor in_acc(const at::Tensor& t, at::ScalarType acc) { return t.scalar_type() == acc ? t : t.to(acc); }
 
 Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::array<bool, 2> params,
                         c10::string_view method_name, int64_t workspace, bool keep,
@@ -430,7 +435,9 @@ Norms linear_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, std::ar
   out.nonfinite = nonfinite;
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     const int64_t n = std::min(rows, B - b0);
-    const at::Tensor xc = x3.narrow(0, b0, n).to(acc), gc = g3.narrow(0, b0, n).to(acc);
+    const bool whole = n == B;  // one chunk: the tensors themselves, not views of them
+    const at::Tensor xc = in_acc(whole ? x3 : x3.narrow(0, b0, n), acc);
+    const at::Tensor gc = in_acc(whole ? g3 : g3.narrow(0, b0, n), acc);
     rows_norms(out, b0, xc, gc, 1, kept);
   }
   return finish(out, x);
@@ -482,7 +489,7 @@ Norms conv2d_grad_norms(const at::Tensor& grad_out, const at::Tensor& x, at::Int
     TORCH_CHECK(u.size(2) == T, "bpclip_fast.conv2d_grad_norms: grad_out's H x W does not match the convolution "
                 "of the input");
     const at::Tensor x3 = u.reshape({n * G, d, T}).transpose(1, 2);
-    const at::Tensor gt = grad_out.narrow(0, b0, n).to(acc).reshape({n * G, p, T});
+    const at::Tensor gt = in_acc(n == B ? grad_out : grad_out.narrow(0, b0, n), acc).reshape({n * G, p, T});
     rows_norms(out, b0, x3, gt.transpose(1, 2), G, kept);
   }
   return finish(out, x);

@@ -82,7 +82,7 @@ ops::Quad clipped_pair(const at::Tensor& grad_out, const at::Tensor& x, const at
 // The weight's (and the bias') noise, both draws in one launch: the weight at the key's offset, the
 // bias at offset + 1, added to the gradients, then the mean-loss scale in the same launch (without a
 // draw, a mul_ of each).
-void add_layer_noise(at::Tensor& gw, at::Tensor& gb, const BackwardArgs& a) {
+void add_layer_noise(at::Tensor& gw, at::Tensor& gb, const BackwardArgs& a, bool accumulate_w = true) {
   if (a.noise_std <= 0.0) {
     if (a.scale != 1.0) {
       gw.mul_(a.scale);
@@ -91,9 +91,9 @@ void add_layer_noise(at::Tensor& gw, at::Tensor& gb, const BackwardArgs& a) {
     return;
   }
   if (a.has_bias) {
-    philox_noise2_(gw, gb, a.seed, a.offset, a.noise_std, true, true, a.scale);
+    philox_noise2_(gw, gb, a.seed, a.offset, a.noise_std, accumulate_w, true, a.scale);
   } else {
-    philox_noise_(gw, a.seed, a.offset, a.noise_std, true, a.scale);
+    philox_noise_(gw, a.seed, a.offset, a.noise_std, accumulate_w, a.scale);
   }
 }
 
@@ -125,12 +125,19 @@ Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   const at::Tensor g2 = gc.reshape({-1, out_f});
   const at::Tensor x2 = x_clipped.reshape({-1, in_f});
 
-  // The sums first; then the noise added to both and the scale applied, in one launch.
+  // The bias sum first. Scale 1 with a draw: the noise written (the bias' added), then the GEMM
+  // accumulated onto it (in cache, inside the GEMM's blocks); otherwise the GEMM, then the noise added
+  // and the scale applied in one launch (csrc/exact_release.cpp, linear_clipped_grads, says why).
   const at::Tensor g2w = widened(g2), x2w = widened(x2);
   at::Tensor gw = host_empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
   at::Tensor gb = a.has_bias ? g2w.sum(0) : weight.new_empty({0});
-  at::mm_out(gw, g2w.t(), x2w);
-  add_layer_noise(gw, gb, a);
+  if (a.noise_std > 0.0 && a.scale == 1.0) {
+    add_layer_noise(gw, gb, a, false);
+    gw.addmm_(g2w.t(), x2w);
+  } else {
+    at::mm_out(gw, g2w.t(), x2w);
+    add_layer_noise(gw, gb, a);
+  }
   if (a.has_bias) gb = gb.to(weight.scalar_type());
   gw = gw.to(weight.scalar_type());
   at::Tensor gx = x_clipped.new_empty({0});

@@ -1,9 +1,12 @@
 """The engine's mean-loss scale ``d/B̄`` inside the layer ops (issue 25): every release op takes it and
 applies it in its noise launch, after the noise, as a later ``mul_(scale)`` of the noised sum would
 (post-processing), so a Poisson step whose batch size differs from ``B̄`` launches no ``mul_`` per
-parameter. Checked bit for bit against the op at scale 1 followed by ``mul_``, with and without the
-draw, for the exact modes' release ops (noised sums in fp32/fp64 for every data dtype) and the
-backpropagation ops (fp32/fp64; fp16/bf16 parameters now round once, after the scale)."""
+parameter. The definition checked bit for bit: the op's clipped sums without a draw (std 0, scale 1),
+the draw added in place (``philox_noise_``/``philox_noise2_``, accumulate), then ``mul_(scale)``; for
+the exact modes' release ops (noised sums in fp32/fp64 for every data dtype) and the backpropagation
+ops (fp32/fp64; fp16/bf16 parameters now round once, after the scale). (At scale 1 with a draw,
+Linear writes the draw first and lets the GEMM accumulate onto it, which rounds differently: the
+ops' other tests cover that path.)"""
 
 import pytest
 import torch
@@ -33,6 +36,21 @@ def _data(dtype, shape_x, shape_g, out, inp, seed=0):
     return x, g, w, factor
 
 
+def _noised_then_scaled(gw, gb, mask, key, std, scale):
+    """The definition: sums ``gw``/``gb`` (``mask``: which train), the draw of ``key`` added in place
+    as the ops add it (the weight at offset, the bias at offset + 1; one launch for both), times
+    ``scale``."""
+    seed, offset = key
+    if std > 0:
+        if mask[0] and mask[1]:
+            _ops.philox_noise2_(gw, gb, seed, offset, std, True, True)
+        elif mask[0]:
+            _ops.philox_noise_(gw, seed, offset, std, accumulate=True)
+        else:
+            _ops.philox_noise_(gb, seed, offset + 1, std, accumulate=True)
+    return [t.mul_(scale) if m else t for t, m in zip((gw, gb), mask)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("std", [0.0, 0.6])
 @pytest.mark.parametrize("mask", [[True, True], [True, False], [False, True]])
@@ -40,13 +58,13 @@ def _data(dtype, shape_x, shape_g, out, inp, seed=0):
 def test_exact_release_ops_scale_after_the_noise(dtype, std, mask, scale):
     x, g, w, factor = _data(dtype, (3, 5, 7), (3, 5, 4), 4, (7,))
     got = OPS.linear_clipped_grads(g, x, factor, w, mask, [11, 6], std, None, None, scale)
-    ref = [t.mul_(scale) for t in OPS.linear_clipped_grads(g, x, factor, w, mask, [11, 6], std, None, None)]
-    assert _same(got, ref)
+    sums = OPS.linear_clipped_grads(g, x, factor, w, mask, [11, 6], 0.0, None, None)
+    assert _same(got, _noised_then_scaled(*sums, mask, (11, 6), std, scale))
     xc, gc, wc, fc = _data(dtype, (3, 2, 6, 6), (3, 4, 6, 6), 4, (2, 3, 3), seed=1)
-    args = (gc, xc, fc, wc, [1, 1], [1, 1], [1, 1], 1, mask, [5, 2], std, None, None)
-    got = OPS.conv2d_clipped_grads(*args, scale)
-    ref = [t.mul_(scale) for t in OPS.conv2d_clipped_grads(*args)]
-    assert _same(got, ref)
+    args = (gc, xc, fc, wc, [1, 1], [1, 1], [1, 1], 1, mask)
+    got = OPS.conv2d_clipped_grads(*args, [5, 2], std, None, None, scale)
+    sums = OPS.conv2d_clipped_grads(*args, [5, 2], 0.0, None, None)
+    assert _same(got, _noised_then_scaled(*sums, mask, (5, 2), std, scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -71,20 +89,19 @@ def test_backprop_ops_scale_after_the_noise(dtype, std, bias, scale):
     nf = torch.zeros(1, dtype=torch.int64)
     b = torch.zeros(4, dtype=dtype) if bias else None
     _, xf, xn = OPS.linear_forward(x, w, b, nf, 1.0, "clip", 0.01)
-    args = (g, x, xf, xn, w, nf, [1.0, 0.5], "clip", 0.01, [True, bias], [4, 10], std)
-    got = OPS.linear_backward(*args, scale)
-    ref = OPS.linear_backward(*args)
+    args = (g, x, xf, xn, w, nf, [1.0, 0.5], "clip", 0.01, [True, bias])
+    got = OPS.linear_backward(*args, [4, 10], std, scale)
+    ref = OPS.linear_backward(*args, [4, 10], 0.0)
     assert torch.equal(_bits(got[0]), _bits(ref[0]))  # the input gradient is not scaled
-    assert _same(got[1:], [t.mul_(scale) for t in ref[1:]])
+    assert _same(got[1:], _noised_then_scaled(*ref[1:], [True, bias], (4, 10), std, scale))
     xc, gc, wc, _ = _data(dtype, (2, 2, 6, 6), (2, 3, 6, 6), 3, (2, 3, 3), seed=2)
     _, xf, xn = OPS.conv2d_forward(xc, wc, torch.zeros(3, dtype=dtype) if bias else None, nf, [1, 1], [1, 1],
                                     [1, 1], 1, 1.0, "clip", 0.01)
-    args = (gc, xc, xf, xn, wc, nf, [1, 1], [1, 1], [1, 1], 1, "l2", [1.0, 0.5], "clip", 0.01, [True, bias], [4, 10],
-            std)
-    got = OPS.conv2d_backward(*args, scale)
-    ref = OPS.conv2d_backward(*args)
+    args = (gc, xc, xf, xn, wc, nf, [1, 1], [1, 1], [1, 1], 1, "l2", [1.0, 0.5], "clip", 0.01, [True, bias])
+    got = OPS.conv2d_backward(*args, [4, 10], std, scale)
+    ref = OPS.conv2d_backward(*args, [4, 10], 0.0)
     assert torch.equal(_bits(got[0]), _bits(ref[0]))
-    assert _same(got[1:], [t.mul_(scale) for t in ref[1:]])
+    assert _same(got[1:], _noised_then_scaled(*ref[1:], [True, bias], (4, 10), std, scale))
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.5, float("inf"), float("nan")])

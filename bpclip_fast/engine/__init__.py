@@ -29,8 +29,8 @@ concatenated: layer ``l`` adds ``N(0, σ²Δ_l²)`` to a sum whose per-example c
 Noise exactly once per step, and the step boundary
 --------------------------------------------------
 Every layer's noise is drawn from the Philox stream at counters (seed, t, layer), ``t`` = number of
-steps taken, and is added by the first backward pass that writes a fresh gradient (in the layer op,
-right after its weight-gradient GEMM, with the mean-loss scale in the same launch). What may happen between that draw and the release, and what
+steps taken, and is added by the first backward pass that writes a fresh gradient (in the layer op:
+fused into Linear's weight-gradient GEMM at scale 1, else right after it with the mean-loss scale). What may happen between that draw and the release, and what
 ``step()`` verifies before releasing anything, is owned by :mod:`bpclip_fast.boundary` (its module
 docstring is the argument): one draw per gradient (a gradient that was cleared — ``None`` or
 zeroed — gets a fresh draw, so nothing that saw the discarded one shares its noise), no other
