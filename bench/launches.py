@@ -303,8 +303,7 @@ def _set_expected_batch(model, expected_batch: float) -> None:
 
 
 def measure(method: str, name: str, reps: int, warmup: int, expected_batch: float | None = None) -> dict:
-    fetch, step = build(method, name, expected_batch=expected_batch if method not in ("nonprivate", "opacus_ghost",
-                                                                                      "opacus_hooks") else None)
+    fetch, step = build(method, name, expected_batch=expected_batch)  # bpclip_fast's methods only take it
     for _ in range(warmup):
         step(fetch())
     from torch.profiler import ProfilerActivity, profile

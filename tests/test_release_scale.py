@@ -113,3 +113,26 @@ def test_release_ops_refuse_a_bad_scale(bad):
     _, xf, xn = OPS.linear_forward(x, w, None, nf, 1.0, "clip", 0.01)
     with pytest.raises(RuntimeError, match="scale must be finite and > 0"):
         OPS.linear_backward(g, x, xf, xn, w, nf, [1.0, 0.5], "clip", 0.01, [True, False], [4, 10], 0.5, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("scale", SCALES)
+def test_the_scaled_release_is_the_float64_truth_times_the_scale_once(dtype, scale):
+    # Against float64 truth, not another fp32 computation: without a draw, Linear's release is
+    # scale · Σ_i c_i Σ_t g_it x_itᵀ. Per entry the op rounds c_i g_it toward zero (relative r), sums
+    # K = B·T products in the accumulation dtype (γ_K(u) of the absolute sum) and multiplies by the
+    # scale (one more u): |got - truth| ≤ (K + 3)·u·scale·Σ|c_i g_it x_itᵀ|, u the accumulation dtype's
+    # unit roundoff (fp16 data accumulates in fp32). A scale applied twice or not at all is off by a
+    # factor of 1/3 to 2.5 there.
+    x, g, w, factor = _data(dtype, (3, 5, 7), (3, 5, 4), 4, (7,), seed=3)
+    gw, gb = OPS.linear_clipped_grads(g, x, factor, w, [True, True], [0, 0], 0.0, None, None, scale)
+    c = factor.double()[:, None, None]
+    gs, xs = c * g.double(), x.double()
+    truth_w = scale * torch.einsum("bto,bti->oi", gs, xs)
+    truth_b = scale * gs.sum((0, 1))
+    abs_w = scale * torch.einsum("bto,bti->oi", gs.abs(), xs.abs())
+    abs_b = scale * gs.abs().sum((0, 1))
+    u = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
+    k = g.shape[0] * g.shape[1]
+    assert ((gw.double() - truth_w).abs() <= (k + 3) * u * abs_w).all()
+    assert ((gb.double() - truth_b).abs() <= (k + 3) * u * abs_b).all()
