@@ -82,8 +82,10 @@ def _bench_models():
 MODELS.update(_bench_models())
 DEFAULT_MODELS = ("vit", "resnet20-gn", "digits", "mnist", "cifar10")
 METHODS = ("nonprivate", "backprop", "flat", "per_layer", "opacus_ghost", "opacus_hooks", "flat_generic", "flat_banded",
-           "flat_instantiate")
-ON_REQUEST = 3  # the last three: the generic path, banded noise, instantiated norms (bench.methods)
+           "flat_instantiate", "flat_unchecked")
+# The last four: the generic path, banded noise, instantiated norms (bench.methods), and flat with the
+# step boundary's bookkeeping switched off (_uncheck: a measurement of that bookkeeping's share, NOT private).
+ON_REQUEST = 4
 
 _ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
           "lift_fresh", "detach", "detach_", "result_type", "is_same_size", "sym_size", "sym_stride",
@@ -232,7 +234,7 @@ def build(method: str, name: str, seed: int = 0, expected_batch: float | None = 
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
     if method == "nonprivate":
         opt, crit = torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss()
-    elif method in ("backprop", "flat", "per_layer", "flat_generic", "flat_banded", "flat_instantiate"):
+    elif method in ("backprop", "flat", "per_layer", "flat_generic", "flat_banded", "flat_instantiate", "flat_unchecked"):
         from bpclip_fast import PrivacyEngine
         noise = {}
         if method == "flat_banded":  # 4 bands; the data set is 4 copies of the batch: the group's rate is 1
@@ -253,6 +255,8 @@ def build(method: str, name: str, seed: int = 0, expected_batch: float | None = 
                 noise_multiplier=SIGMA, noise_seed=seed, **clip, **noise)
         if expected_batch is not None:
             _set_expected_batch(model, expected_batch)
+        if method == "flat_unchecked":
+            _uncheck(opt)
         crit = nn.CrossEntropyLoss()
     elif method in ("opacus_ghost", "opacus_hooks"):
         from opacus import PrivacyEngine as OpacusEngine
@@ -300,6 +304,20 @@ def _set_expected_batch(model, expected_batch: float) -> None:
         raise ValueError("--expected-batch: not for banded noise (every row's std is fixed from B̄ at make_private)")
     for st in steps:
         st.mean_loss_batch = float(expected_batch)
+
+
+def _uncheck(opt) -> None:
+    """``flat_unchecked``: the private step with the step boundary's bookkeeping off, to measure its
+    share of the host cost (what moving it into C++ could save at most). Every layer's records, hooks
+    and checks (``boundary.LayerStep``: enforce off, hooks removed) and ``step()``'s verification
+    (every layer taken to hold its draw) are gone; the clipping, the norms, the flat release and the
+    noise are as in ``flat``. A measurement, not a training mode: nothing checks the guarantee."""
+    engine = opt.engine
+    for st in engine._steps_of:
+        st.remove_hooks()
+        st.enforce = False
+        st.install_hooks = lambda: None  # noqa: E731 -- arm() would re-hook what trains
+    opt._verify = lambda: [False] * len(engine._steps_of)
 
 
 def measure(method: str, name: str, reps: int, warmup: int, expected_batch: float | None = None) -> dict:

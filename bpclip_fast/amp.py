@@ -24,6 +24,7 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 # Whether autocast exists for a device type, asked once (per backward and per forward otherwise).
 _AVAILABLE = {t: torch.amp.is_autocast_available(t) for t in _DEVICE_TYPES}
+_WITH_AUTOCAST = tuple(t for t in _DEVICE_TYPES if _AVAILABLE[t])
 
 
 def autocast_on(device_type: str) -> bool:
@@ -40,9 +41,9 @@ def autocast_off(backward):
     """``backward`` run with autocast disabled for every device type that has it on (module docstring)."""
     @functools.wraps(backward)
     def wrapped(*args, **kwargs):
-        on = [t for t in _DEVICE_TYPES if _AVAILABLE[t] and torch.is_autocast_enabled(t)]
-        if not on:
+        if not any(map(torch.is_autocast_enabled, _WITH_AUTOCAST)):  # per layer per pass: no generator frame
             return backward(*args, **kwargs)
+        on = [t for t in _WITH_AUTOCAST if torch.is_autocast_enabled(t)]
         with contextlib.ExitStack() as stack:
             for device_type in on:
                 stack.enter_context(torch.autocast(device_type, enabled=False))

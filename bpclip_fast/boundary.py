@@ -176,7 +176,7 @@ class LayerStep(BandRelease):
         return b
 
     def _trainable(self, params=None):
-        return tuple(p.requires_grad for p in (self.params if params is None else params))
+        return tuple([p.requires_grad for p in (self.params if params is None else params)])  # no generator frame
 
     def install_hooks(self) -> None:
         """Post-accumulate hooks (record what .grad holds) and AccumulateGrad pre-hooks (check what

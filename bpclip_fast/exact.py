@@ -268,9 +268,8 @@ class FlatClipping:
 
     def _begin(self, module, args):
         params = []
-        for layer in self.layers:
-            wb = _weight_bias(layer)
-            params += [p for p, t in zip(wb, _trainable(layer, wb)) if t]
+        for layer in self.layers:  # what _trainable says trains, read once per layer
+            params += [p for p in _weight_bias(layer) if p is not None and p.requires_grad]
         if not (torch.is_grad_enabled() and params):
             self._stack.append(None)
             return

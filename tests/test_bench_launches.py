@@ -183,3 +183,30 @@ def test_a_mean_loss_scale_other_than_one_launches_nothing_more(method):
         if expected is not None:
             assert not any(name.startswith("aten::mul") for name in hist), hist
     assert counts[2.5] == counts[None]
+
+
+def test_flat_unchecked_is_flat_without_the_boundary_and_only_on_request():
+    """``flat_unchecked`` measures the step boundary's share of the host cost: the same release as
+    ``flat`` (same seed, same data: the same gradients after one step), with no layer hook, no layer
+    record and no verification at ``step()``; never among the default methods (it is not private)."""
+    from bpclip_fast import _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    assert "flat_unchecked" not in launches.METHODS[:-launches.ON_REQUEST]
+    grads = {}
+    for method in ("flat", "flat_unchecked"):
+        fetch, step = launches.build(method, "digits")
+        model = step.__closure__[step.__code__.co_freevars.index("model")].cell_contents
+        opt = step.__closure__[step.__code__.co_freevars.index("opt")].cell_contents
+        xb, yb = fetch()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        grads[method] = [p.grad.clone() for p in model.parameters()]
+        steps = opt.engine._steps_of
+        if method == "flat_unchecked":
+            assert not any(st.enforce or st._handles or st._expected or st._produced for st in steps)  # no records
+        else:
+            assert all(st.enforce and st._handles for st in steps)
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(grads["flat"], grads["flat_unchecked"], strict=True))

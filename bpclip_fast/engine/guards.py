@@ -52,38 +52,33 @@ class OutsideCheck:
         return (_no_check_factory, ())
 
 
-def model_params(module) -> list:
-    """Every parameter of ``module`` and its submodules, each once: what ``parameters()`` yields
-    (in another order), without building the dotted names (``named_parameters`` cost a ViT step
-    ~0.4 ms per call, and the checks run three times a step; a name is needed only for a refusal).
-    Walked afresh at every call: a module or parameter registered, replaced or removed since (also
-    by a direct ``_parameters``/``_modules`` write, which no registration hook sees) is seen."""
-    found, modules, seen = {}, [module], {id(module)}
-    for m in modules:  # grows while iterated: each module once, breadth-first
-        for p in m._parameters.values():
-            if p is not None:
-                found[id(p)] = p  # a shared parameter keeps its first place
-        for c in m._modules.values():
-            if c is not None and id(c) not in seen:
-                seen.add(id(c))
-                modules.append(c)
-    return list(found.values())
-
-
 def owned_ids(engine) -> set:
     return {id(p) for st in engine._steps_of for p in st.params}
 
 
-def outside_tensors(engine, owned=None) -> list:
-    """The parameters of the private model that no clipped layer of this engine owns, as the model
-    is now (a layer added or replaced after make_private is outside). ``owned``: :func:`owned_ids`,
-    where the caller has it."""
-    owned = owned_ids(engine) if owned is None else owned
-    return [p for p in model_params(engine._inner) if id(p) not in owned]
+def any_outside(module, owned: set, trainable: bool) -> bool:
+    """Whether a parameter of ``module`` or its submodules that is not in ``owned`` trains
+    (``trainable``) or holds a gradient (else). Walked afresh at every call: a module or parameter
+    registered, replaced or removed since (also by a direct ``_parameters``/``_modules`` write, which
+    no registration hook sees) is seen. Without the dotted names (``named_parameters`` cost a ViT step
+    ~0.4 ms per call; a name is needed only for a refusal, :func:`outside_params`) and without a
+    parameter list (the test is made during the walk, which stops at the first hit): asked three
+    times a step (the model's forward, the first backward pass, ``step()``)."""
+    modules, seen = [module], {id(module)}
+    for m in modules:  # grows while iterated: each module once, breadth-first
+        for p in m._parameters.values():
+            if p is not None and (p.requires_grad if trainable else p.grad is not None) and id(p) not in owned:
+                return True
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                modules.append(c)
+    return False
 
 
 def outside_params(engine):
-    """``(name, parameter)`` of :func:`outside_tensors`, for the messages."""
+    """``(name, parameter)`` of the model's parameters that no clipped layer of this engine owns, as
+    the model is now (a layer added or replaced after make_private is outside), for the messages."""
     owned = owned_ids(engine)
     return [(name, p) for name, p in engine._inner.named_parameters() if id(p) not in owned]
 
@@ -99,8 +94,7 @@ def check_outside(engine, in_backward=False) -> None:
 
 
 def _check_outside(engine) -> None:
-    owned = owned_ids(engine)
-    if not any(p.requires_grad and id(p) not in owned for p in model_params(engine._inner)):
+    if not any_outside(engine._inner, owned_ids(engine), trainable=True):
         return
     outside = outside_params(engine)
     bad = [name for name, p in outside if p.requires_grad]

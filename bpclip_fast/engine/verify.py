@@ -8,7 +8,7 @@ import torch
 
 from .. import _ops
 from . import correlated, distributed, refusal
-from .guards import outside_params, outside_tensors, owned_ids
+from .guards import any_outside, outside_params, owned_ids
 
 
 def verify(engine, optimizer):
@@ -30,7 +30,7 @@ def verify(engine, optimizer):
 def _outside_problems(engine, optimizer):
     """Gradients on parameters outside the clipped layers (of the model, or only in the optimizer)."""
     clipped = owned_ids(engine)
-    if not any(p.grad is not None for p in outside_tensors(engine, clipped)) and not any(
+    if not any_outside(engine._inner, clipped, trainable=False) and not any(
             p.grad is not None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped):
         return []  # the names below cost a walk of the model; they are needed only for a refusal
     names = {id(p): name for name, p in engine._inner.named_parameters()}
