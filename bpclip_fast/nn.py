@@ -220,8 +220,10 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
             mode.settle(new, [new], new.max_grad_norm, clip_fn, gamma)
         return new
     inside = registry.inside_units(model) if units else set()
+    # _modules, not named_children(): that yields a module held twice by one parent only once, and the
+    # second name would keep the unconverted layer
     children = [(name, m, child_name, child) for name, m in list(model.named_modules()) if id(m) not in inside
-                for child_name, child in list(m.named_children())]
+                for child_name, child in list(m._modules.items()) if child is not None]
 
     def target(child):
         return id(child) in units or (registry.convertible(child) and id(child) not in inside)

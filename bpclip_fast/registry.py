@@ -217,15 +217,18 @@ def generic_units(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.M
 
 def _sharing_ancestors(model: nn.Module) -> set:
     """Names of the closest common ancestors of the modules that register one trainable parameter
-    under several names (a fused layer clips its own use only, so their sum is one unit's)."""
-    owners: dict[int, set] = {}
+    under several names (a fused layer clips its own use only, so their sum is one unit's). Distinct
+    modules only: one module held under two names (``self.b = self.a``) registers its parameters
+    under both, and is one layer (review 31: the whole model was made a unit, refused every step)."""
+    owners: dict[int, dict] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         for p in m._parameters.values():
             if p is not None and p.requires_grad:
-                owners.setdefault(id(p), set()).add(name)
+                owners.setdefault(id(p), {}).setdefault(id(m), set()).add(name)
     roots = set()
-    for names in owners.values():
-        if len(names) > 1:
+    for by_module in owners.values():
+        if len(by_module) > 1:
+            names = set().union(*by_module.values())
             parts = [n.split(".") if n else [] for n in names]
             common = []
             for level in zip(*parts):

@@ -365,3 +365,49 @@ def test_make_private_trains_recurrent_and_attention_models(mode):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class Aliased(nn.Module):
+    """A Linear held under a second name (``self.b = self.a``, e.g. an alias kept for an older
+    attribute name); the forward calls it once."""
+
+    def __init__(self, alias: bool):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        if alias:
+            self.b = self.a
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_module_held_under_two_names_is_one_clipped_layer(mode):
+    """Review 31: both names registered the module's parameters, which read as one parameter shared
+    by two modules, so the whole model became one generic unit and every step was refused (rows or
+    unclipped-param) and charged. One module under two names is one layer: converted once, both
+    names holding the clipped layer, trained bit for bit as the model without the alias."""
+    released = {}
+    for alias in (False, True):
+        torch.manual_seed(0)
+        model = Aliased(alias)
+        x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        engine = PrivacyEngine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = engine.make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+                clipping=mode, noise_seed=3)
+        assert [st.name for st in engine._steps_of] == ["a", "out"]
+        if alias:
+            assert model.b is model.a
+        for _ in range(3):
+            xb, yb = next(iter(loader))
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+        assert engine.steps == 3
+        released[alias] = [p.detach().clone() for p in (model.a.weight, model.a.bias, model.out.weight, model.out.bias)]
+    assert all(torch.equal(a, b) for a, b in zip(released[False], released[True], strict=True))
