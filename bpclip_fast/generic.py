@@ -337,7 +337,20 @@ class GenericLayer:
         return m._parameters[name].device
 
     def _bp_params(self) -> tuple:
-        return tuple(m._parameters[name] for m, name in self._bp_slots)
+        params = tuple([m._parameters.get(name) for m, name in self._bp_slots])
+        for p in params:
+            if p is None:
+                raise self._removed_parameter()
+        return params
+
+    def _removed_parameter(self) -> RuntimeError:
+        """A parameter of the unit set to None or deleted after make_private (review 31: an
+        AttributeError deep in the engine): the unit's per-example gradients and its noise are laid out
+        over the parameters it had, so it cannot train without one."""
+        gone = [n for (m, name), n in zip(self._bp_slots, self._bp_names) if m._parameters.get(name) is None]
+        return RuntimeError(f"{self.layer_name}: {', '.join(gone)} was removed from this generic unit after make_private "
+                            "(set to None or deleted); the unit's per-example gradients and noise are laid out over its "
+                            "parameters at make_private: restore it, or make a fresh model private")
 
     def _split_release(self, flat, mask):
         """The released ``[P]`` vector as the gradients of the unit's parameters (``None`` where

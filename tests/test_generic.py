@@ -411,3 +411,32 @@ def test_a_module_held_under_two_names_is_one_clipped_layer(mode):
         assert engine.steps == 3
         released[alias] = [p.detach().clone() for p in (model.a.weight, model.a.bias, model.out.weight, model.out.bias)]
     assert all(torch.equal(a, b) for a, b in zip(released[False], released[True], strict=True))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("how", ["none", "del"])
+def test_a_parameter_removed_from_a_unit_after_make_private_is_named(mode, how):
+    """Review 31: a generic unit's parameter set to None (or deleted) after make_private crashed
+    zero_grad with an AttributeError deep in the engine. The unit's release is laid out over the
+    parameters it had: the error names the unit and the parameter, and nothing moves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Custom(4), nn.Linear(4, 3))
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+            clipping=mode)
+    unit = model[0]
+    if how == "none":
+        unit._parameters["shift"] = None
+    else:
+        del unit._parameters["shift"]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"0: shift was removed from this generic unit after make_private"):
+        opt.zero_grad()
+        xb, yb = next(iter(loader))
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
