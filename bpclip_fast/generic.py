@@ -182,7 +182,7 @@ def _isolate_nonfinite(st, per_example, grads, mask) -> None:
     for i in bad.nonzero().flatten().tolist():
         iargs, ikwargs = _example_rows(layer, args, kwargs, i, st.rows)
         with st.replay.entered(), torch.enable_grad(), \
-                _reparametrize_module(layer, dict(zip(layer._bp_names, st.param_leaves)), tie_weights=True):
+                _reparametrize_module(layer, layer._bp_leaves_map(st.param_leaves), tie_weights=False):
             out = base.forward(layer, *iargs, **ikwargs)
         out_flat = pytree.tree_flatten(out)[0]
         outs, gs = [], []
@@ -343,6 +343,23 @@ class GenericLayer:
                 raise self._removed_parameter()
         return params
 
+    def _bp_leaves_map(self, leaves) -> dict:
+        """``{name: leaf}`` for torch's reparametrisation of the unit's parameters by ``leaves``: one
+        name per distinct slot (module object, attribute) that holds one of them. A parameter tied
+        between two modules has two slots and both are swapped (what ``tie_weights=True`` does); a
+        module held under two names (``self.inner2 = self.inner``) has one slot, and torch's own
+        untying swapped it twice, restoring the detached leaf last: after the first forward the
+        module held a plain tensor instead of the optimizer's parameter (review 32)."""
+        by_param = {id(p): leaf for p, leaf in zip(self._bp_params(), leaves)}
+        out, seen = {}, set()
+        for prefix, m in self.named_modules(remove_duplicate=False):
+            for attr, p in m._parameters.items():
+                leaf = by_param.get(id(p)) if p is not None else None
+                if leaf is not None and (id(m), attr) not in seen:
+                    seen.add((id(m), attr))
+                    out[f"{prefix}.{attr}" if prefix else attr] = leaf
+        return out
+
     def _removed_parameter(self) -> RuntimeError:
         """A parameter of the unit set to None or deleted after make_private (review 31: an
         AttributeError deep in the engine): the unit's per-example gradients and its noise are laid out
@@ -396,8 +413,7 @@ class GenericLayer:
         replay = _Replay(params[0].device)  # before the forward draws anything
         # torch.func's reparametrisation, not a write into _parameters: some modules keep their
         # own references to their parameters (nn.LSTM's _flat_weights), which it updates too.
-        with torch.enable_grad(), _reparametrize_module(self, dict(zip(self._bp_names, param_leaves)),
-                                                        tie_weights=True):
+        with torch.enable_grad(), _reparametrize_module(self, self._bp_leaves_map(param_leaves), tie_weights=False):
             out = base.forward(self, *iargs, **ikwargs)
         out_flat, out_spec = pytree.tree_flatten(out)
         tracked = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]

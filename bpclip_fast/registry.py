@@ -202,17 +202,68 @@ def generic_units(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.M
     parameter (tied input and output embeddings: one parameter, one per-example gradient summed over
     its uses; backpropagation clipping has no such unit, and the probes report the sharing there),
     and units already made; everything below one belongs to it."""
-    shared = _sharing_ancestors(model) if shared else set()
+    roots = _sharing_ancestors(model) if shared else set()
+    units = _units(model, roots)
+    if shared:  # a module held under names on both sides of a unit's boundary: their ancestor is one unit
+        while True:
+            unit_of = {id(m): u for u, m in units}
+            more = {_common_ancestor(names) for names in _aliases(model)
+                    if len({_home(model, n, unit_of) for n in names}) > 1}
+            if more <= roots:
+                return units
+            roots |= more
+            units = _units(model, roots)
+    return units
+
+
+def _units(model: nn.Module, roots: set) -> list[tuple[str, nn.Module]]:
     units: list[tuple[str, nn.Module]] = []
     whole = []  # composites: what is below one is unpacked into registered layers, never a unit
     for name, m in model.named_modules():
         if any(name.startswith(u + ".") or u == "" for u in [u for u, _ in units] + whole):
             continue
-        if is_generic(m) or name in shared or (generic_candidate(m) and not module_reasons(m)):
+        if is_generic(m) or name in roots or (generic_candidate(m) and not module_reasons(m)):
             units.append((name, m))
         elif composite(m) is not None:
             whole.append(name)
     return units
+
+
+def _aliases(model: nn.Module) -> list[set]:
+    """The names of each module held under more than one name (``self.b = self.a``, one child of
+    two parents). Such a module is one layer wherever its names are; but where one name is inside a
+    generic unit and another outside it (or inside another unit), the unit would train a module that
+    is also used, converted or owned outside it (review 32): :func:`generic_units` then makes their
+    closest common ancestor the unit, as for a parameter two modules share."""
+    held: dict[int, set] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if any(p.requires_grad for p in m.parameters()):
+            held.setdefault(id(m), set()).add(name)
+    return [names for names in held.values() if len(names) > 1]
+
+
+def _home(model: nn.Module, name: str, unit_of: dict) -> str | None:
+    """The unit that trains the module held at ``name``: the outermost module on its path (the model,
+    then each name's module) that is a unit, by identity (a path may pass through another name of a
+    unit: ``c2.inner`` with ``c2 = c``); None for none."""
+    m = model
+    if id(m) in unit_of:
+        return unit_of[id(m)]
+    for part in name.split(".") if name else []:
+        m = m._modules[part]
+        if id(m) in unit_of:
+            return unit_of[id(m)]
+    return None
+
+
+def _common_ancestor(names) -> str:
+    parts = [n.split(".") if n else [] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
 
 def _sharing_ancestors(model: nn.Module) -> set:
@@ -225,18 +276,7 @@ def _sharing_ancestors(model: nn.Module) -> set:
         for p in m._parameters.values():
             if p is not None and p.requires_grad:
                 owners.setdefault(id(p), {}).setdefault(id(m), set()).add(name)
-    roots = set()
-    for by_module in owners.values():
-        if len(by_module) > 1:
-            names = set().union(*by_module.values())
-            parts = [n.split(".") if n else [] for n in names]
-            common = []
-            for level in zip(*parts):
-                if len(set(level)) > 1:
-                    break
-                common.append(level[0])
-            roots.add(".".join(common))
-    return roots
+    return {_common_ancestor(set().union(*by_module.values())) for by_module in owners.values() if len(by_module) > 1}
 
 
 def inside_units(model: nn.Module, shared: bool = True) -> set:
