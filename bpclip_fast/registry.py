@@ -202,12 +202,12 @@ def generic_units(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.M
     parameter (tied input and output embeddings: one parameter, one per-example gradient summed over
     its uses; backpropagation clipping has no such unit, and the probes report the sharing there),
     and units already made; everything below one belongs to it."""
-    roots = _sharing_ancestors(model) if shared else set()
+    roots = {_with_forward(model, r) for r in _sharing_ancestors(model)} if shared else set()
     units = _units(model, roots)
     if shared:  # a module held under names on both sides of a unit's boundary: their ancestor is one unit
         while True:
             unit_of = {id(m): u for u, m in units}
-            more = {_common_ancestor(names) for names in _aliases(model)
+            more = {_with_forward(model, _common_ancestor(names)) for names in _aliases(model)
                     if len({_home(model, n, unit_of) for n in names}) > 1}
             if more <= roots:
                 return units
@@ -254,6 +254,15 @@ def _home(model: nn.Module, name: str, unit_of: dict) -> str | None:
         if id(m) in unit_of:
             return unit_of[id(m)]
     return None
+
+
+def _with_forward(model: nn.Module, name: str) -> str:
+    """``name`` or its closest ancestor whose module has a forward of its own: a container
+    (``nn.ModuleList``, ``nn.ModuleDict``) is never called, so as a unit its node would never run and
+    its parameters would get plain gradients (review 33: every step refused and charged)."""
+    while name and type(model.get_submodule(name)).forward is nn.Module.forward:
+        name = name.rpartition(".")[0]
+    return name
 
 
 def _common_ancestor(names) -> str:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import bpclip_fast.nn as bnn
-from bpclip_fast import PrivacyEngine, generic
+from bpclip_fast import PrivacyEngine, generic, registry
 from torch.utils.data import DataLoader, TensorDataset
 
 EPS64 = torch.finfo(torch.float64).eps
@@ -483,6 +483,12 @@ class Shared(nn.Module):
         elif case == "two_units_one_child":
             self.c1, self.c2 = _Scaled(), _Scaled()
             self.c2.inner = self.c1.inner
+        elif case == "container_of_a_unit_and_its_child":  # their common ancestor has no forward (review 33)
+            u = _Scaled()
+            self.blocks = nn.ModuleList([u, u.inner])
+        elif case == "weights_tied_across_a_list":  # ALBERT-style sharing between blocks of a ModuleList
+            self.blocks = nn.ModuleList([_Scaled(), _Scaled()])
+            self.blocks[1].inner.weight = self.blocks[0].inner.weight
         else:  # "unit_inside_another_and_outside": a unit held by another unit and at top level
             c = _Scaled()
             self.c_alias = c
@@ -497,6 +503,10 @@ class Shared(nn.Module):
             h = self.top(self.u(x))
         elif case == "two_units_one_child":
             h = self.c2(self.c1(x))
+        elif case == "container_of_a_unit_and_its_child":
+            h = self.blocks[0](x)
+        elif case == "weights_tied_across_a_list":
+            h = self.blocks[1](self.blocks[0](x))
         else:
             h = self.u(x)
         return self.head(torch.tanh(h.mean(1)))
@@ -504,14 +514,17 @@ class Shared(nn.Module):
 
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 @pytest.mark.parametrize("case", ["alias_inside_unit", "unit_child_called_outside", "two_units_one_child",
-                                  "unit_inside_another_and_outside"])
+                                  "unit_inside_another_and_outside", "container_of_a_unit_and_its_child",
+                                  "weights_tied_across_a_list"])
 def test_a_module_held_across_a_units_boundary_trains_exactly(case, mode):
     """Review 32: a unit whose child is held under two names swapped the child's slot twice in its
     reparametrisation and left a detached tensor in place of the optimizer's parameter; a module
     held inside a unit and outside it (or by two units) gave nested or overlapping units. Every step
     was refused and charged. Now the unit swaps each slot once, and such a module's names make their
-    common ancestor one unit: the release is per-example clipping's, against float64 truth from
-    batches of one, and the parameters stay the optimizer's."""
+    common ancestor one unit, or the closest ancestor with a forward of its own where that is a
+    container (review 33: a ModuleList made the unit never ran): the release is per-example
+    clipping's, against float64 truth from batches of one, and the parameters stay the optimizer's."""
+    assert all(type(m).forward is not nn.Module.forward for _, m in registry.generic_units(Shared(case)))
     torch.manual_seed(3)
     model = Shared(case).double()
     x, y = _inputs(5)
