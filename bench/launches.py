@@ -316,7 +316,7 @@ def _uncheck(opt) -> None:
     for st in engine._steps_of:
         st.remove_hooks()
         st.enforce = False
-        st.install_hooks = lambda: None  # noqa: E731 -- arm() would re-hook what trains
+        st.install_hooks = lambda: None  # arm() would re-hook what trains
     opt._verify = lambda: [False] * len(engine._steps_of)
 
 

@@ -200,8 +200,10 @@ def generic_units(model: nn.Module, shared: bool = True) -> list[tuple[str, nn.M
     """``[(name, module)]`` of the generic units ``convert_model`` makes in exact modes: the top-most
     generic candidates, with ``shared`` the closest common ancestor of the modules sharing a trainable
     parameter (tied input and output embeddings: one parameter, one per-example gradient summed over
-    its uses; backpropagation clipping has no such unit, and the probes report the sharing there),
-    and units already made; everything below one belongs to it."""
+    its uses; backpropagation clipping has no such unit, and the probes report the sharing there) or
+    holding one module under names on both sides of a unit's boundary (:func:`_aliases`), each such
+    ancestor raised to the closest one with a forward of its own (:func:`_with_forward`), and units
+    already made; everything below one belongs to it."""
     roots = {_with_forward(model, r) for r in _sharing_ancestors(model)} if shared else set()
     units = _units(model, roots)
     if shared:  # a module held under names on both sides of a unit's boundary: their ancestor is one unit
