@@ -297,7 +297,7 @@ def _set_expected_batch(model, expected_batch: float) -> None:
     accountant and the sampler are those of q = 1."""
     if not (0 < expected_batch < float("inf")):
         raise ValueError(f"--expected-batch must be a positive number, got {expected_batch!r}")
-    steps = [m._step for m in model.modules() if getattr(m, "_step", None) is not None]
+    steps = [m._bp_step for m in model.modules() if getattr(m, "_bp_step", None) is not None]
     if not steps:
         raise ValueError("--expected-batch: the model has no armed clipped layer")
     if any(st.band is not None for st in steps):  # its rows' one std was fixed from B̄ at make_private

@@ -1,6 +1,6 @@
 """Autograd Functions of the clipped layers: each forward and backward is one op of the extension.
 
-The layer object passed in supplies the bounds; its step state (``layer._step``, a
+The layer object passed in supplies the bounds; its step state (``layer._bp_step``, a
 :class:`bpclip_fast.boundary.LayerStep`) supplies the noise draw, the mean-loss scaling and the row
 count of each backward, and learns which gradient tensors the backward returned.
 """
@@ -21,10 +21,10 @@ class _ClippedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, sensitivity):
         out, factor, norm = torch.ops.bpclip_fast.linear_forward(
-            x, weight, bias, layer._nonfinite[0:1], float(layer.input_clip), layer.clip_fn, float(layer.gamma))
+            x, weight, bias, layer._bp_nonfinite[0:1], float(layer._bp_input_clip), layer._bp_clip_fn, float(layer._bp_gamma))
         ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias = layer, sensitivity, bias is not None
-        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
+        ctx.bounds_version, ctx._bp_origin = layer._bp_bounds_version, forward_origin()
         return out
 
     @staticmethod
@@ -43,11 +43,11 @@ class _ClippedConv2d(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer, sensitivity, padding):
         stride, pad, dilation = exact.kernel_geometry(layer, padding)
         out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
-            x, exact.kernel_weight(layer, weight), bias, layer._nonfinite[0:1], stride, pad, dilation,
-            layer.groups, float(layer.input_clip), layer.clip_fn, float(layer.gamma))
+            x, exact.kernel_weight(layer, weight), bias, layer._bp_nonfinite[0:1], stride, pad, dilation,
+            layer.groups, float(layer._bp_input_clip), layer._bp_clip_fn, float(layer._bp_gamma))
         ctx.save_for_backward(x, factor, norm, weight)  # x, not x̃: see reclip in csrc/layers.cpp
         ctx.layer, ctx.sensitivity, ctx.has_bias, ctx.padding = layer, sensitivity, bias is not None, padding
-        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
+        ctx.bounds_version, ctx._bp_origin = layer._bp_bounds_version, forward_origin()
         return out
 
     @staticmethod
@@ -63,11 +63,11 @@ class _ClippedConv2d(torch.autograd.Function):
 def _backward(ctx, grad_out, op, *geometry):
     """``(grad_x, grad_weight, grad_bias)`` from a layer's backward op: the forward's saved tensors,
     the layer's own arguments (``geometry``: Conv2d's) and the arguments both ops end with."""
-    ctx.layer._check_forward(ctx, ctx.bounds_version)  # before the saved tensors: their own check is less clear
+    ctx.layer._bp_check_forward(ctx, ctx.bounds_version)  # before the saved tensors: their own check is less clear
     x, factor, norm, weight = ctx.saved_tensors
     args, scale = _backward_args(ctx, grad_out.shape[0])
     _count_unclipped(ctx.layer, norm, grad_out, args[0])
-    gx, gw, gb = op(grad_out, x, factor, norm, exact.kernel_weight(ctx.layer, weight), ctx.layer._nonfinite[1:2],
+    gx, gw, gb = op(grad_out, x, factor, norm, exact.kernel_weight(ctx.layer, weight), ctx.layer._bp_nonfinite[1:2],
                     *geometry, *args, scale)
     # the release in the parameter's layout before _outputs records it: the tensor its AccumulateGrad gets
     gw, gb = _outputs(ctx.layer, ctx, exact._param_layout(ctx.layer, gw, weight), gb)
@@ -79,7 +79,7 @@ def _backward_args(ctx, rows):
     ops end with before the mean-loss ``scale`` of this backward (csrc/bpclip_fast.cpp), and that scale."""
     layer = ctx.layer
     seed, offset, std, d, scale = _step_args(layer, rows, ctx.sensitivity)
-    args = ([float(layer.input_clip), float(layer.grad_clip) / d], layer.clip_fn, float(layer.gamma) / d,
+    args = ([float(layer._bp_input_clip), float(layer._bp_grad_clip) / d], layer._bp_clip_fn, float(layer._bp_gamma) / d,
             [ctx.needs_input_grad[0], ctx.has_bias], [seed, offset], std)
     return args, scale
 
@@ -88,7 +88,7 @@ def _count_unclipped(layer, input_norm, grad_out, bounds):
     """Adaptive thresholds (``bpclip_fast.adaptive``): the examples of this backward whose input and
     upstream gradient norms are within ``bounds = (C_x, C_g/d)``, the norms the kernels clip (L2;
     Conv2d's gradient in the layer's ``norm``)."""
-    step = layer._step
+    step = layer._bp_step
     if step is None or not step.counting:
         return
     from .reference import l2_norm, l15_norm
@@ -100,9 +100,9 @@ def _count_unclipped(layer, input_norm, grad_out, bounds):
 def _step_args(layer, rows, sensitivity):
     """``(seed, offset, std, d, scale)`` of this backward (``boundary.LayerStep.begin_backward``);
     no noise and no scaling for a layer that was never armed."""
-    if layer._step is None:
+    if layer._bp_step is None:
         return 0, 0, 0.0, 1.0, 1.0
-    return layer._step.begin_backward(rows, sensitivity)
+    return layer._bp_step.begin_backward(rows, sensitivity)
 
 
 def _outputs(layer, ctx, gw, gb):
@@ -110,8 +110,8 @@ def _outputs(layer, ctx, gw, gb):
     noise, in the noise's launch), ``None`` where not needed; the step state records them."""
     gw = gw if ctx.needs_input_grad[1] else None
     gb = gb if ctx.has_bias and ctx.needs_input_grad[2] else None
-    if layer._step is not None:
-        layer._step.produced((gw, gb))
+    if layer._bp_step is not None:
+        layer._bp_step.produced((gw, gb))
     return gw, gb
 
 

@@ -426,7 +426,7 @@ class LayerStep(BandRelease):
         node = getattr(ctx, "_bp_node", None)
         if node is not None:
             holders.append(node)
-        task, key = torch._C._current_graph_task_id(), self.layer._handle
+        task, key = torch._C._current_graph_task_id(), self.layer._bp_handle
         fresh = earlier = False
         for holder in holders:
             marks = getattr(holder, "_bp_landed", None)
@@ -487,10 +487,10 @@ class LayerStep(BandRelease):
             scale = d / float(self.mean_loss_batch)
         if self.noised or self._pass_noised or self.key is None:
             return 0, 0, 0.0, d, scale
-        std = float(self.layer.noise_multiplier) * float(sensitivity)
+        std = float(self.layer._bp_noise_multiplier) * float(sensitivity)
         if not (std >= 0 and math.isfinite(std)):
             raise ValueError(f"{self.name}: noise_multiplier must be finite and >= 0, got "
-                             f"{self.layer.noise_multiplier!r}")
+                             f"{self.layer._bp_noise_multiplier!r}")
         if self.enforce:
             self._pass_noised = True
         else:

@@ -12,8 +12,8 @@ backward node, so the graph-task id, draws and records are those of the real pas
 
 Python objects cannot be op arguments, so the ops name them by integer handles:
 
-* a layer by ``layer._handle`` and a flat group by ``group.handle``, integers given when they are
-  made (:mod:`bpclip_fast.handles`), and a flat layer's place in its group by ``layer._flat_position``:
+* a layer by ``layer._bp_handle`` and a flat group by ``group.handle``, integers given when they are
+  made (:mod:`bpclip_fast.handles`), and a flat layer's place in its group by ``layer._bp_flat_position``:
   plain attributes, which dynamo reads as constants of the trace;
 * a flat book by its serial, carried as the *value* of the collector's tokens (float64 on the
   CPU, exact below 2^53): the collector op creates the book at run time and the layers' backward
@@ -138,8 +138,8 @@ def _seal(*layers):
     """Fingerprints what the layers' backward just produced (``LayerStep.seal_produced``): the graph
     that receives it may add a plain use's gradient into its buffer in place, unseen by autograd."""
     for lay in layers:
-        if lay._step is not None:
-            lay._step.seal_produced()
+        if lay._bp_step is not None:
+            lay._bp_step.seal_produced()
 
 
 def _geometry(stride, padding, dilation, groups):
@@ -182,7 +182,7 @@ def exact_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``(out, version)``: the layer's output and ``[bounds' version, origin]`` of this forward (CPU int64,
     :func:`_forward_meta`)."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    version = _forward_meta(lay, [lay._bounds_version], torch.int64)
+    version = _forward_meta(lay, [lay._bp_bounds_version], torch.int64)
     weight = exact.kernel_weight(lay, weight)
     if stride is None:
         return F.linear(x, weight, bias), version
@@ -210,7 +210,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     (flat: the collector releases W and b; the token's gradient is a zero that orders the release)."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
     bounds_version, origin = version.tolist()
-    lay._check_forward(_ForwardMark(version, origin), bounds_version)
+    lay._bp_check_forward(_ForwardMark(version, origin), bounds_version)
     geometry = _geometry(stride, padding, dilation, groups)
     g = grad_out.contiguous()
     gx = exact._input_grad(lay, x, g, weight, geometry) if mask[0] else x.new_empty(0)
@@ -227,7 +227,7 @@ def exact_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         return gx, none(), none(), gtoken
     # own_inputs: the compiled graph owns x's and g's buffers and reuses them once this op returns
     # (inductor's memory planning), so a flat book holds copies of its own.
-    out = exact.clip_params(lay, x, g, geometry, pmask, book, lay.noise_bound, own_inputs=True)
+    out = exact.clip_params(lay, x, g, geometry, pmask, book, lay._bp_noise_bound, own_inputs=True)
     if out is None:
         return gx, none(), none(), gtoken
     _seal(lay)
@@ -275,11 +275,11 @@ def exact_layer(x, layer, geometry=None):
     weight, bias = layer.weight, layer.bias
     needs = torch.is_grad_enabled() and any(exact._trainable(layer))
     token = None
-    if layer.clipping == "flat" and needs:
+    if layer._bp_clipping == "flat" and needs:
         token = _flat_token(layer)
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
     stride, padding, dilation, groups = geometry if geometry is not None else (None, None, None, 1)
-    return exact_forward(x, weight, bias, token, layer._handle, stride, padding, dilation, groups)[0]
+    return exact_forward(x, weight, bias, token, layer._bp_handle, stride, padding, dilation, groups)[0]
 
 
 # ------------------------------------------------------------------------------ flat: collector and release
@@ -347,7 +347,7 @@ def _(params, group):
 
 def _lands_nowhere(token, lay) -> bool:
     """Whether a flat layer's backward op runs in a pass that lands on no layer of its group."""
-    return token is not None and getattr(lay, "_flat", None) is not None and not _lands_on_group(lay._flat)
+    return token is not None and getattr(lay, "_bp_flat", None) is not None and not _lands_on_group(lay._bp_flat)
 
 
 # The last pass's answer per flat group (by handle): every layer's backward op and the release ask it,
@@ -367,7 +367,7 @@ def _lands_on_group(grp) -> bool:
     known = _GROUP_LANDS.get(grp.handle)
     if known is not None and known[0] == task:
         return known[1]
-    steps = [layer._step for layer in grp.layers if layer._step is not None]
+    steps = [layer._bp_step for layer in grp.layers if layer._bp_step is not None]
     lands = not steps or any(st.lands_now() for st in steps)
     _GROUP_LANDS[grp.handle] = (task, lands)
     return lands
@@ -454,13 +454,13 @@ def begin_flat(group, params) -> CompiledBook:
 
 
 def _flat_token(layer):
-    group = layer._flat
+    group = layer._bp_flat
     book = group.current() if group is not None else None
     if not isinstance(book, CompiledBook):
         exact._flat_book(layer)  # its refusal (no book: the layer ran outside its model's forward)
         raise RuntimeError(f"{layer.layer_name}: a flat layer traced by torch.compile inside a forward that was not "
                            "(the model's forward pre-hook ran eagerly); compile the whole model")
-    return book.tokens[layer._flat_position]
+    return book.tokens[layer._bp_flat_position]
 
 
 # ------------------------------------------------------------------------------ layers with instantiated
@@ -475,7 +475,7 @@ def example_tap(out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 saved: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, version)``: a copy of the layer's output and the bounds' version of this forward."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
-    version = _forward_meta(lay, [lay._bounds_version], torch.int64)
+    version = _forward_meta(lay, [lay._bp_bounds_version], torch.int64)
     return out.clone(), version
 
 
@@ -492,7 +492,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     """``(∇W, ∇b, ∇token)`` — ``exact_examples._Tap.backward`` at run time; empty tensors where not returned."""
     lay = handles.lookup(layer, torch.nn.Module, "layer")
     bounds_version, origin = version.tolist()
-    lay._check_forward(_ForwardMark(version, origin), bounds_version)
+    lay._bp_check_forward(_ForwardMark(version, origin), bounds_version)
 
     def none():
         return weight.new_empty(0)
@@ -507,7 +507,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     g = grad_out.contiguous()
     if book is not None:  # the book may hold these until the release (see exact_backward)
         g, saved = g.clone(), [t.clone() for t in saved]
-    step_args = exact._step_args(lay, g.shape[0], lay.noise_bound)
+    step_args = exact._step_args(lay, g.shape[0], lay._bp_noise_bound)
     examples = lay._examples(tuple(saved), g, pmask)
     bound = exact_examples.example_bound(lay, examples, pmask, book)
     out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)
@@ -552,8 +552,8 @@ def example_layer(layer, x):
     detached = (weight.detach(), bias.detach() if bias is not None else None)
     if not needs:
         return layer._forward(x, *detached, False)[0]
-    token = _flat_token(layer) if layer.clipping == "flat" else None
+    token = _flat_token(layer) if layer._bp_clipping == "flat" else None
     if token is not None:
         weight, bias = detached
     out, saved = layer._forward(x, *detached, True)
-    return example_tap(out, weight, bias, token, list(saved), layer._handle)[0]
+    return example_tap(out, weight, bias, token, list(saved), layer._bp_handle)[0]

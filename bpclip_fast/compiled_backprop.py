@@ -31,17 +31,17 @@ def backprop_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             "model outside the hooks, run it eagerly, or use clipping='flat' or 'per_layer'")
     # its budget check and max-shape refusal, as the eager forward's, on the shape of the layer's own
     # input (nn.Conv1d: x is the kernels' view of it, exact.HEIGHT_ONE)
-    own = lay._layer_input(x) if lay._weight_layout == exact.HEIGHT_ONE else x
-    sens = lay._noise_sensitivity(own)
-    meta = _forward_meta(lay, [float(lay._bounds_version), float(sens)], torch.float64)
+    own = lay._bp_layer_input(x) if lay._bp_weight_layout == exact.HEIGHT_ONE else x
+    sens = lay._bp_noise_sensitivity(own)
+    meta = _forward_meta(lay, [float(lay._bp_bounds_version), float(sens)], torch.float64)
     weight = exact.kernel_weight(lay, weight)
     if padding is None:
         out, factor, norm = torch.ops.bpclip_fast.linear_forward(
-            x, weight, bias, lay._nonfinite[0:1], float(lay.input_clip), lay.clip_fn, float(lay.gamma))
+            x, weight, bias, lay._bp_nonfinite[0:1], float(lay._bp_input_clip), lay._bp_clip_fn, float(lay._bp_gamma))
     else:
         out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(
-            x, weight, bias, lay._nonfinite[0:1], *exact.kernel_geometry(lay, padding), lay.groups,
-            float(lay.input_clip), lay.clip_fn, float(lay.gamma))
+            x, weight, bias, lay._bp_nonfinite[0:1], *exact.kernel_geometry(lay, padding), lay.groups,
+            float(lay._bp_input_clip), lay._bp_clip_fn, float(lay._bp_gamma))
     return out, factor, norm, meta
 
 
@@ -51,11 +51,11 @@ def _(x, weight, bias, layer, padding):
     nonfinite = torch.empty(1, dtype=torch.int64, device=x.device)
     weight = exact.kernel_weight(lay, weight)
     if padding is None:
-        out, factor, norm = torch.ops.bpclip_fast.linear_forward(x, weight, bias, nonfinite, 1.0, lay.clip_fn, 0.01)
+        out, factor, norm = torch.ops.bpclip_fast.linear_forward(x, weight, bias, nonfinite, 1.0, lay._bp_clip_fn, 0.01)
     else:
         out, factor, norm = torch.ops.bpclip_fast.conv2d_forward(x, weight, bias, nonfinite,
                                                                  *exact.kernel_geometry(lay, padding), lay.groups,
-                                                                 1.0, lay.clip_fn, 0.01)
+                                                                 1.0, lay._bp_clip_fn, 0.01)
     return out, factor, norm, torch.empty(3, dtype=torch.float64, device="cpu")
 
 
@@ -127,5 +127,5 @@ backprop_forward.register_autograd(_backprop_backward, setup_context=_backprop_s
 def backprop_layer(x, layer, padding=None):
     """The compiled counterpart of ``autograd.clipped_linear`` / ``clipped_conv2d``."""
     _refuse_recomputation()
-    return backprop_forward(x, layer.weight, layer.bias, layer._handle,
+    return backprop_forward(x, layer.weight, layer.bias, layer._bp_handle,
                             list(padding) if padding is not None else None)[0]

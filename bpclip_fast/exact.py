@@ -105,7 +105,7 @@ def _weight_bias(layer):
     return w, b
 
 
-# Weights stored in another layout than the one the Linear/Conv2d ops take (``layer._weight_layout``,
+# Weights stored in another layout than the one the Linear/Conv2d ops take (``layer._bp_weight_layout``,
 # issue 26): HF's ``Conv1D`` holds a Linear's weight transposed (``[in, out]``), ``nn.Conv1d`` a
 # Conv2d's without its kernel height of 1 (``[O, C/G, k]``), ``nn.Conv3d`` a Linear's over its patches
 # with the kernel unflattened (``[O, C, kd, kh, kw]``, layers/conv3d.py). The ops run on the kernel
@@ -119,7 +119,7 @@ TRANSPOSED, HEIGHT_ONE, FLATTENED = "transposed", "height_one", "flattened"
 def kernel_weight(layer, weight):
     """``weight`` (the layer's parameter, or its detached alias) in the ops' layout: itself for
     Linear/Conv2d."""
-    layout = layer._weight_layout
+    layout = layer._bp_weight_layout
     if layout is None:
         return weight
     if layout == FLATTENED:  # [O, C·kd·kh·kw] in (c, i, j, k) order: the patches' (layers/conv3d.py)
@@ -139,7 +139,7 @@ def kernel_geometry(layer, padding):
 def _param_layout(layer, grad, weight):
     """A release ``grad`` of :func:`kernel_weight`'s layout in the parameter ``weight``'s (contiguous:
     the compiled ops' outputs are declared so, and AccumulateGrad would copy a transposed one anyway)."""
-    layout = layer._weight_layout
+    layout = layer._bp_weight_layout
     if layout is None or grad is None:
         return grad
     return grad.t().contiguous() if layout == TRANSPOSED else grad.view(weight.shape)
@@ -205,11 +205,11 @@ class _Collector(torch.autograd.Function):
 def attach_flat(module, layers, max_grad_norm: float, clip_fn: str, gamma: float) -> "FlatClipping":
     """Gives ``layers`` one :class:`FlatClipping` on ``module``, replacing any they had (not once a
     privacy engine holds them: the noise is scaled to the engine's ``C``)."""
-    held = [layer.layer_name for layer in layers if layer._step is not None and layer._step.enforce]
+    held = [layer.layer_name for layer in layers if layer._bp_step is not None and layer._bp_step.enforce]
     if held:
         raise RuntimeError(f"attach_flat: {', '.join(held)} belong to a PrivacyEngine, whose flat clipping is fixed "
                            "at make_private")
-    for group in {id(layer._flat): layer._flat for layer in layers if layer._flat is not None}.values():
+    for group in {id(layer._bp_flat): layer._bp_flat for layer in layers if layer._bp_flat is not None}.values():
         group.remove()
     return FlatClipping(module, layers, max_grad_norm, clip_fn, gamma)
 
@@ -232,7 +232,7 @@ class FlatClipping:
                          module.register_forward_hook(self._end, always_call=True)]
         self.handle = handles.register(self)  # the compiled ops' name for it (bpclip_fast.handles)
         for i, layer in enumerate(self.layers):
-            layer._flat, layer._flat_position = self, i
+            layer._bp_flat, layer._bp_flat_position = self, i
 
     def __getstate__(self):
         return {**self.__dict__, "handle": None}  # process-local and random: saved bytes must not vary
@@ -261,7 +261,7 @@ class FlatClipping:
         for h in self._handles:
             h.remove()
         for layer in self.layers:
-            layer._flat = None
+            layer._bp_flat = None
 
     def current(self):
         return self._stack[-1] if self._stack else None
@@ -308,7 +308,7 @@ class FlatClipping:
             rows.add(e.bound.shape[0])
             layers.add(id(e.layer))
             bounds.append(e.bound)
-            if max_grad_norm > e.layer.noise_bound:
+            if max_grad_norm > e.layer._bp_noise_bound:
                 loose.append(e)
         if len(ds) > 1 or len(rows) > 1 or len(layers) < len(entries):
             _refuse_release([e.layer for e in entries], "flat clipping pairs each example's norms across the layers "
@@ -323,17 +323,17 @@ class FlatClipping:
         scratch = torch.zeros(1, dtype=torch.int64, device=entries[0].bound.device)
 
         by_dtype = {}
-        counting = any(e.layer._step is not None and e.layer._step.counting for e in entries)
+        counting = any(e.layer._bp_step is not None and e.layer._bp_step.counting for e in entries)
         unclipped = None
         if counting:  # adaptive: the examples within C, by the same total the factors use
             _, total = torch.ops.bpclip_fast.exact_factors(bounds, scratch, self.max_grad_norm / d, self.clip_fn,
                                                            self.gamma / d, True)
             unclipped = (total <= self.max_grad_norm / d).sum().reshape(1)
         for e in entries:
-            if e.layer._step is not None:
-                e.layer._step.joined(book.serial)
+            if e.layer._bp_step is not None:
+                e.layer._bp_step.joined(book.serial)
                 if counting:
-                    e.layer._step.count(unclipped)
+                    e.layer._bp_step.count(unclipped)
         grads: dict = {}
         wbs = [_weight_bias(e.layer) for e in entries]  # read once: nothing below rebinds them
         for e, wb in zip(entries, wbs):
@@ -345,14 +345,14 @@ class FlatClipping:
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
         for e, wb in zip(entries, wbs):
-            if e.layer._step is not None:
-                e.layer._step.produced(tuple(grads.get(id(p)) if p is not None else None for p in wb))
+            if e.layer._bp_step is not None:
+                e.layer._bp_step.produced(tuple(grads.get(id(p)) if p is not None else None for p in wb))
         return grads
 
 
 def _refuse_release(layers, details, instead, rule="rows"):
     names = ", ".join(dict.fromkeys(layer.layer_name for layer in layers))
-    step = layers[0]._step if layers else None
+    step = layers[0]._bp_step if layers else None
     if step is not None:
         step.refuse(rule, f"{details} [{names}]")
     raise RuntimeError(f"{details} [{names}]; {instead}")
@@ -397,7 +397,7 @@ def _norms(layer, x, g, geometry, mask, counter=None, book=None):
     ``counter``: flat clipping's per-layer non-finite count, added to by the norms op's own kernel
     (:func:`bpclip_fast.examples._count_nonfinite` does it for the embeddings, in its own launch).
     ``book``: a flat book, whose forward's kept gradients share :data:`KEPT_BYTES`."""
-    method, ws = layer.norm_method, CPU_WORKSPACE_BYTES if x.is_cpu else WORKSPACE_BYTES
+    method, ws = layer._bp_norm_method, CPU_WORKSPACE_BYTES if x.is_cpu else WORKSPACE_BYTES
     extra = KEPT_BYTES if book is None else max(0, KEPT_BYTES - book.kept_bytes)
     if geometry is None:
         _, bound, kw, kb = torch.ops.bpclip_fast.linear_grad_norms(g, x, mask, method, ws, True, counter, extra)
@@ -439,7 +439,7 @@ class _ExactLayer(torch.autograd.Function):
             out = F.conv2d(x, kernel, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.sensitivity, ctx.geometry, ctx.book = layer, sensitivity, geometry, book
-        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
+        ctx.bounds_version, ctx._bp_origin = layer._bp_bounds_version, forward_origin()
         return out
 
     @staticmethod
@@ -447,7 +447,7 @@ class _ExactLayer(torch.autograd.Function):
     @once_differentiable
     @autocast_off
     def backward(ctx, grad_out):
-        ctx.layer._check_forward(ctx, ctx.bounds_version)  # before the saved tensors: their own check is less clear
+        ctx.layer._bp_check_forward(ctx, ctx.bounds_version)  # before the saved tensors: their own check is less clear
         x, weight = ctx.saved_tensors
         layer, geometry, book = ctx.layer, ctx.geometry, ctx.book
         g = grad_out.contiguous()
@@ -468,7 +468,7 @@ def clip_params(layer, x, g, geometry, mask, book, sensitivity, own_inputs=False
     ``g`` (a compiled graph reuses their buffers once the op returns, and the release would scale
     other data by factors computed from these norms)."""
     step_args = _step_args(layer, g.shape[0], sensitivity)
-    bound, kept = _norms(layer, x, g, geometry, mask, layer._nonfinite[1:2] if book is not None else None, book)
+    bound, kept = _norms(layer, x, g, geometry, mask, layer._bp_nonfinite[1:2] if book is not None else None, book)
     held = (None, None) if kept is not None else (x, g)
     if own_inputs and book is not None and kept is None:
         held = (x.clone(), g.clone())
@@ -482,33 +482,33 @@ def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):
     if book is not None:  # the norms ops (_norms) and example_bound counted the non-finite bounds
         book.entries.append(_Entry(layer, *held, kept, bound, step_args, geometry))
         return None
-    if layer.max_grad_norm > layer.noise_bound:  # the noise is scaled to noise_bound
+    if layer._bp_max_grad_norm > layer._bp_noise_bound:  # the noise is scaled to noise_bound
         _refuse_release([layer],
-                        f"max_grad_norm {layer.max_grad_norm:g} above the noise bound {layer.noise_bound:g}",
+                        f"max_grad_norm {layer._bp_max_grad_norm:g} above the noise bound {layer._bp_noise_bound:g}",
                         "do not change the clipping after make_private", rule="bounds")
-    factor = factors(bound, layer.max_grad_norm / d, layer.clip_fn, layer.gamma / d, layer._nonfinite[1:2],
+    factor = factors(bound, layer._bp_max_grad_norm / d, layer._bp_clip_fn, layer._bp_gamma / d, layer._bp_nonfinite[1:2],
                      data_dtype)
     if isinstance(bound, PendingBound):
         bound = bound.value
-    if layer._step is not None and layer._step.counting:  # adaptive thresholds: the examples within C_l
-        layer._step.count((bound <= layer.max_grad_norm / d).sum().reshape(1))
+    if layer._bp_step is not None and layer._bp_step.counting:  # adaptive thresholds: the examples within C_l
+        layer._bp_step.count((bound <= layer._bp_max_grad_norm / d).sum().reshape(1))
     grads = _release(layer, *held, factor, step_args, geometry, kept)
-    if layer._step is not None:
-        layer._step.produced(grads)
+    if layer._bp_step is not None:
+        layer._bp_step.produced(grads)
     return grads
 
 
 def _step_args(layer, rows, sensitivity):
     """``(seed, offset, std, d, scale)`` of this backward (``boundary.LayerStep.begin_backward``);
     no noise and no scaling for a layer that was never armed."""
-    if layer._step is None:
+    if layer._bp_step is None:
         return 0, 0, 0.0, 1.0, 1.0
-    return layer._step.begin_backward(rows, sensitivity)
+    return layer._bp_step.begin_backward(rows, sensitivity)
 
 
 def _flat_book(layer):
     """``(book, token)`` of a flat layer's grad-enabled forward (refused outside its model's forward)."""
-    group = layer._flat
+    group = layer._bp_flat
     book = group.current() if group is not None else None
     if book is None:
         raise RuntimeError(
@@ -527,7 +527,7 @@ def exact_layer(x, layer, sensitivity, geometry=None):
     weight, bias = wb = _weight_bias(layer)
     needs = torch.is_grad_enabled() and any(_trainable(layer, wb))
     book, token = None, None
-    if layer.clipping == "flat" and needs:
+    if layer._bp_clipping == "flat" and needs:
         book, token = _flat_book(layer)
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
     return _ExactLayer.apply(x, weight, bias, token, layer, sensitivity, geometry, book)
@@ -546,7 +546,7 @@ def _release_examples(layer, examples, factor, step_args, mask):
     seed, offset, std, d, scale = step_args
     if "_bp_slots" in layer.__dict__:  # a generic unit: one [P] vector of its trainable parameters
         flat, _ = examples.release(factor, (True, False), (seed, offset, std, scale))
-        return layer._split_release(flat, mask)
+        return layer._bp_split_release(flat, mask)
     grads = examples.release(factor, mask, (seed, offset, std, scale))
     return tuple(g.to(p.dtype) if m and g is not None else None
                  for p, g, m in zip((layer.weight, layer.bias), grads, mask))

@@ -20,10 +20,10 @@ def example_bound(layer, examples, mask, book):
     (``book``) the layer's non-finite count is added to by the bound itself (the factors come later,
     from every layer's bounds), as the Linear/Conv2d norms ops do. Under per_layer, for examples
     with a fused bound-and-factors kernel, a :class:`~bpclip_fast.exact.PendingBound` that :func:`~bpclip_fast.exact.factors` fills."""
-    counting = layer._step is not None and layer._step.counting  # adaptive: reads the bound after the factors
+    counting = layer._bp_step is not None and layer._bp_step.counting  # adaptive: reads the bound after the factors
     if book is None and not counting and hasattr(examples, "factors"):
         return PendingBound(examples, mask)
-    return examples.bound(mask, layer._nonfinite[1:2] if book is not None else None)
+    return examples.bound(mask, layer._bp_nonfinite[1:2] if book is not None else None)
 
 
 class _Tap(torch.autograd.Function):
@@ -36,7 +36,7 @@ class _Tap(torch.autograd.Function):
     def forward(ctx, out, weight, bias, token, layer, sensitivity, book, *saved):
         ctx.save_for_backward(*saved)
         ctx.layer, ctx.sensitivity, ctx.book = layer, sensitivity, book
-        ctx.bounds_version, ctx._bp_origin = layer._bounds_version, forward_origin()
+        ctx.bounds_version, ctx._bp_origin = layer._bp_bounds_version, forward_origin()
         ctx.dtype = out.dtype
         # Not out.view_as(out): torch refuses in-place ops on a view made inside a custom Function, so
         # ReLU(inplace=True) after a GroupNorm would fail. The detached alias shares out's storage and
@@ -49,7 +49,7 @@ class _Tap(torch.autograd.Function):
     @once_differentiable
     @autocast_off
     def backward(ctx, grad_out):
-        ctx.layer._check_forward(ctx, ctx.bounds_version)
+        ctx.layer._bp_check_forward(ctx, ctx.bounds_version)
         saved = ctx.saved_tensors
         layer, book = ctx.layer, ctx.book
         nones = (None,) * (4 + len(saved))
@@ -75,7 +75,7 @@ def example_layer(layer, x, sensitivity):
     detached = (weight.detach(), bias.detach() if bias is not None else None)
     if not needs:
         return layer._forward(x, *detached, False)[0]
-    book, token = _flat_book(layer) if layer.clipping == "flat" else (None, None)
+    book, token = _flat_book(layer) if layer._bp_clipping == "flat" else (None, None)
     if book is not None:
         weight, bias = detached
     out, saved = layer._forward(x, *detached, True)

@@ -108,7 +108,7 @@ class _Unit(torch.autograd.Function):
     def backward(ctx, *grads):
         st = ctx.state
         layer = st.layer
-        layer._check_forward(ctx, st.bounds_version)
+        layer._bp_check_forward(ctx, st.bounds_version)
         n_params = len(ctx.needs_input_grad) - 3 - ctx.n_inputs
         nones = (None,) * (3 + ctx.n_inputs + n_params)
         pairs = [(o, g, d) for o, g, d in zip(st.outs, grads, st.dims) if g is not None]
@@ -310,13 +310,32 @@ def _per_example(outs, gs, dims, rows, leaves) -> torch.Tensor:
     return torch.cat(pieces, dim=0)
 
 
+# The names a unit's class adds to the user's module besides the ``_bp_`` ones and nn.Module's own
+# overrides: the clipped layers' public API (``layer_name``, ``exact``, the Δ queries). A module
+# that has one already would have it shadowed (and its forward read ours), so it is refused by name.
+UNIT_NAMES = ("exact", "layer_name", "max_input_shape", "sensitivity", "sensitivity_for", "set_max_input_shape")
+
+
+def check_names(module: nn.Module) -> None:
+    """Refuses a module that defines one of :data:`UNIT_NAMES` (its class, an attribute, a
+    parameter, a buffer or a child), before its class is swapped."""
+    own = (set(module.__dict__) | set(module._parameters) | set(module._buffers) | set(module._modules)
+           | {n for n in UNIT_NAMES if hasattr(type(module), n)})
+    clash = sorted(own.intersection(UNIT_NAMES))
+    if clash:
+        raise ValueError(f"{type(module).__name__}: has no fused clipped layer, so it is trained by the generic exact "
+                         f"path, which adds {', '.join(clash)} to the module; this module already defines "
+                         f"{'it' if len(clash) == 1 else 'them'}. Rename the attribute in the module, or freeze its "
+                         "parameters (requires_grad_(False))")
+
+
 class GenericLayer:
     """Mixin of the generic units' classes (:func:`generic_class`): the module's own forward runs on
     inner leaves and one :class:`_Unit` node clips its parameters' gradients (module docstring)."""
 
     _bp_generic = True
 
-    def _init_generic(self, clipping, max_grad_norm, clip_fn, gamma):
+    def _bp_init_generic(self, clipping, max_grad_norm, clip_fn, gamma):
         # named_parameters lists a parameter registered twice (tied) once: one parameter of the unit.
         names = [name for name, _ in self.named_parameters()]
         slots = []
@@ -330,9 +349,9 @@ class GenericLayer:
             raise ValueError(f"{type(self).__name__}: the generic exact path releases a module's parameters as one "
                              f"vector of one dtype, but they have {sorted(map(str, dtypes))}; convert the module to "
                              "one dtype (module.to(dtype))")
-        self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
+        self._bp_init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
 
-    def _param_device(self):
+    def _bp_param_device(self):
         m, name = self._bp_slots[0]
         return m._parameters[name].device
 
@@ -340,7 +359,7 @@ class GenericLayer:
         params = tuple([m._parameters.get(name) for m, name in self._bp_slots])
         for p in params:
             if p is None:
-                raise self._removed_parameter()
+                raise self._bp_removed_parameter()
         return params
 
     def _bp_leaves_map(self, leaves) -> dict:
@@ -360,7 +379,7 @@ class GenericLayer:
                     out[f"{prefix}.{attr}" if prefix else attr] = leaf
         return out
 
-    def _removed_parameter(self) -> RuntimeError:
+    def _bp_removed_parameter(self) -> RuntimeError:
         """A parameter of the unit set to None or deleted after make_private (review 31: an
         AttributeError deep in the engine): the unit's per-example gradients and its noise are laid out
         over the parameters it had, so it cannot train without one."""
@@ -369,7 +388,7 @@ class GenericLayer:
                             "(set to None or deleted); the unit's per-example gradients and noise are laid out over its "
                             "parameters at make_private: restore it, or make a fresh model private")
 
-    def _split_release(self, flat, mask):
+    def _bp_split_release(self, flat, mask):
         """The released ``[P]`` vector as the gradients of the unit's parameters (``None`` where
         ``mask`` is off), each its own tensor (not views of one buffer: each parameter's gradient is
         recorded and checked on its own)."""
@@ -383,9 +402,9 @@ class GenericLayer:
         return tuple(out)
 
     def sensitivity_for(self, input_shape=None) -> float:
-        return self.noise_bound
+        return self._bp_noise_bound
 
-    def _shape_dependent(self, input_shape) -> bool:
+    def _bp_shape_dependent(self, input_shape) -> bool:
         return False
 
     def forward(self, *args, **kwargs):
@@ -396,12 +415,12 @@ class GenericLayer:
             return base.forward(self, *args, **kwargs)
         exact._ops.require_extension()
         _announce(base)
-        current = self._flat.current() if self.clipping == "flat" and self._flat is not None else None
+        current = self._bp_flat.current() if self._bp_clipping == "flat" and self._bp_flat is not None else None
         if current is not None and not isinstance(current, exact._Book):  # bpclip_fast.compiled's: no entries
             raise RuntimeError(f"{_label(self)}: a generic unit under clipping='flat' cannot run in a torch.compile'd "
                                "model (the compiled collector has no place for its per-example gradients); use "
                                "clipping='per_layer', or do not compile the model")
-        book, token = exact._flat_book(self) if self.clipping == "flat" else (None, None)
+        book, token = exact._flat_book(self) if self._bp_clipping == "flat" else (None, None)
         flat_args, spec = pytree.tree_flatten((args, kwargs))
         outer = [a for a in flat_args if isinstance(a, torch.Tensor) and a.requires_grad]
         in_leaves = [a.detach().requires_grad_() for a in outer]
@@ -423,8 +442,8 @@ class GenericLayer:
         dims = batch_dims(self, out_flat)  # by position among all outputs: an untracked one shifts none
         state.dims = [dims[i] for i in tracked]
         state.rows, state.book, state.dtype = rows, book, params[0].dtype
-        state.sensitivity = self._noise_sensitivity(None)
-        state.bounds_version = self._bounds_version
+        state.sensitivity = self._bp_noise_sensitivity(None)
+        state.bounds_version = self._bp_bounds_version
         state.inner_args, state.spec, state.tracked, state.replay = inner_args, spec, tracked, replay
         trained = () if book is not None else params
         aliases = _Unit.apply(state, token, len(outer), *outer, *trained)

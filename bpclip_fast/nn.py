@@ -120,12 +120,12 @@ def arm_noise(module: nn.Module, stream: NoiseStream | None = None) -> NoiseStre
         raise ValueError(f"arm_noise: {type(module).__name__} has no bpclip_fast layers; "
                          "use bpclip_fast.nn.convert_model first")
     for index, (name, layer) in enumerate(layers):
-        if layer._step is not None and layer._step.enforce:
+        if layer._bp_step is not None and layer._bp_step.enforce:
             raise RuntimeError(f"arm_noise: {name} belongs to a PrivacyEngine, which arms its layers itself")
-        if layer._step is None:
-            layer._step = LayerStep(layer, name, enforce=False)
+        if layer._bp_step is None:
+            layer._bp_step = LayerStep(layer, name, enforce=False)
         layer._bp_name = name
-        layer._step.arm((stream.seed, stream.offset(index)))
+        layer._bp_step.arm((stream.seed, stream.offset(index)))
     stream.step += 1
     return stream
 
@@ -141,14 +141,14 @@ def check_finite(module: nn.Module) -> None:
         return
     by_device: dict = {}
     for name, layer in layers:
-        by_device.setdefault(layer._nonfinite.device, []).append((name, layer))
+        by_device.setdefault(layer._bp_nonfinite.device, []).append((name, layer))
     bad = {}
     for group in by_device.values():
-        counts = torch.stack([layer._nonfinite for _, layer in group]).cpu()
+        counts = torch.stack([layer._bp_nonfinite for _, layer in group]).cpu()
         for (name, layer), (n_in, n_grad) in zip(group, counts.tolist()):
             if n_in or n_grad:
                 bad[name] = (n_in, n_grad)
-                layer._nonfinite.zero_()
+                layer._bp_nonfinite.zero_()
     if bad:
         lines = [f"  {name}: {n_in} input(s), {n_grad} upstream gradient(s)" for name, (n_in, n_grad) in bad.items()]
         raise NonFiniteError(
@@ -162,8 +162,9 @@ def _convert_generic(module: nn.Module, **clipping) -> nn.Module:
     attributes, parameters, hooks and state_dict keys stay), or returned as it is if it is one."""
     if registry.is_generic(module):
         return module
+    generic.check_names(module)
     module.__class__ = generic.generic_class(type(module))
-    module._init_generic(**_exact_kwargs(clipping))
+    module._bp_init_generic(**_exact_kwargs(clipping))
     return module
 
 
@@ -175,7 +176,7 @@ def _convert(layer: nn.Module, **clipping) -> nn.Module:
     new.weight = layer.weight
     if getattr(layer, "bias", None) is not None:
         new.bias = layer.bias
-    new._nonfinite = torch.zeros(2, dtype=torch.int64, device=layer.weight.device)
+    new._bp_nonfinite = torch.zeros(2, dtype=torch.int64, device=layer.weight.device)
     new.train(layer.training)
     return new
 
@@ -217,7 +218,7 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
         new = _convert(model, **kw, max_grad_norm=mode.layer_thresholds(max_grad_norm, 1)[0])
         new._bp_name = name
         if mode.collects:  # a bare layer's noise bound is its own C already; flat's collector it needs
-            mode.settle(new, [new], new.max_grad_norm, clip_fn, gamma)
+            mode.settle(new, [new], new._bp_max_grad_norm, clip_fn, gamma)
         return new
     inside = registry.inside_units(model) if units else set()
     # _modules, not named_children(): that yields a module held twice by one parent only once, and the
@@ -239,5 +240,5 @@ def convert_model(model: nn.Module, *, input_clip=None, grad_clip=None, norm="l1
             setattr(m, child_name, converted[id(child)])
     new_layers = list(converted.values())
     if new_layers:
-        mode.settle(model, new_layers, new_layers[0].max_grad_norm, clip_fn, gamma)
+        mode.settle(model, new_layers, new_layers[0]._bp_max_grad_norm, clip_fn, gamma)
     return model

@@ -140,17 +140,21 @@ FIELDS = ("len(data_loader.dataset)", "data_loader.batch_size", "sample rate", "
 # What a clipped layer the user built keeps through make_private (convert_model leaves it as it is):
 # its bounds, and so its Δ. Only rank 0's layers draw noise, scaled to rank 0's Δ, so a rank whose
 # own layer clips to a larger bound (an edited constant, a per-rank config) is under-noised.
-_LAYER_SETTINGS = ("clipping", "input_clip", "grad_clip", "norm", "max_grad_norm", "clip_fn", "gamma",
-                   "norm_method", "max_input_shape")
+_LAYER_SETTINGS = ("clipping", "input_clip", "grad_clip", "max_grad_norm", "clip_fn", "gamma", "norm_method")
 
 
 def built_layers(model) -> list:
     """``[(name, type, settings)]`` of the clipped layers already in ``model`` (the engine's field
-    "clipped layers built by hand")."""
-    from .layers.base import _Clipped
+    "clipped layers built by hand"). The configuration is read under its ``_bp_`` names
+    (:data:`bpclip_fast.layers.base.CONFIG`): a generic unit's public names are the user's."""
+    from .layers.base import _Clipped, _Public
 
-    return [(name, type(m).__name__, tuple((a, getattr(m, a, None)) for a in _LAYER_SETTINGS))
+    return [(name, type(m).__name__, tuple((a, getattr(m, "_bp_" + a)) for a in _LAYER_SETTINGS)
+             + (("norm", getattr(m, "norm", None) if isinstance(m, _Public) else None),
+                ("max_input_shape", m.max_input_shape)))
             for name, m in model.named_modules() if isinstance(m, _Clipped)]
+
+
 _SLOTS = 1 + len(FIELDS) + K  # [a rank failed before the check] + the fields' digests + the item prints
 
 

@@ -422,7 +422,7 @@ def check(case: Case, removal: bool = True) -> dict:
     bound = _bound_of(case, model, xl)
     T = positions(case, layer, x)
     full = release(model, case, x, g)
-    assert int(model[0]._nonfinite.sum()) == 0, f"finite data counted as non-finite: {case}"
+    assert int(model[0]._bp_nonfinite.sum()) == 0, f"finite data counted as non-finite: {case}"
     st = stored(case, model, layer, xl, gl)
     b = case.batch
     out = {"stored": 0.0, "removal": 0.0, "truth": 0.0}

@@ -215,7 +215,7 @@ def test_the_bound_of_a_banded_layer_cannot_be_changed_after_make_private():
     it = iter(loader)
     step(model, opt, *next(it))
     first = engine.clipped_layers[0][1]
-    before = correlated.std(engine, first._step)
+    before = correlated.std(engine, first._bp_step)
     with pytest.raises((ValueError, AttributeError, RuntimeError), match="set_max_input_shape"):
         first.set_max_input_shape((1, 12))
-    assert correlated.std(engine, first._step) == before
+    assert correlated.std(engine, first._bp_step) == before

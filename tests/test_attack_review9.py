@@ -174,7 +174,7 @@ def test_a_non_finite_example_adds_nothing_and_moves_no_other_example(kind, bad,
         assert bool(torch.isfinite(got[k]).all()), k
         assert bool((err <= eps * scale[k]).all()), (k, float(err.max()))
     if mode == "flat":
-        assert int(ours[0]._nonfinite[1]) == 1
+        assert int(ours[0]._bp_nonfinite[1]) == 1
 
 
 def _with_unit(model):

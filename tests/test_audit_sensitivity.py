@@ -302,7 +302,7 @@ def _state(model, engine):
     return ({n: p.detach().clone() for n, p in model.named_parameters()},
             {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
             engine.steps, copy.deepcopy(engine.accountant.state_dict()),
-            [(layer._step, layer._step.key, layer._step.rows, layer._step.noised, layer._step._draws,
+            [(layer._bp_step, layer._bp_step.key, layer._bp_step.rows, layer._bp_step.noised, layer._bp_step._draws,
               layer.noise_multiplier) for _, layer in engine.clipped_layers],
             [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()])
 
@@ -398,8 +398,8 @@ def test_cli_exits_1_when_a_bound_is_exceeded(monkeypatch, capsys):
 
 
 def test_cli_exits_1_when_a_layer_is_under_noised(monkeypatch, capsys):
-    real = bnn._Clipped._noise_sensitivity
-    monkeypatch.setattr(bnn._Clipped, "_noise_sensitivity", lambda self, x: real(self, x) / 3)
+    real = bnn._Clipped._bp_noise_sensitivity
+    monkeypatch.setattr(bnn._Clipped, "_bp_noise_sensitivity", lambda self, x: real(self, x) / 3)
     rc = cli.main(["sensitivity", "--mode", "flat", "--batch-size", "8", "--adversarial-steps", "0"])
     line = capsys.readouterr().out.strip()
     assert rc == 1 and "UNDER-NOISED" in line and "EXCEEDED" not in line
@@ -476,8 +476,8 @@ def test_noise_scaled_to_a_third_of_the_bound_is_caught(monkeypatch, mode, reduc
     """The layers scale their draw to a Δ three times too small: the contributions still meet the
     declared bound (the removal check passes); only the measured noise shows it."""
     model, engine, *_, shape, classes = private(conv_net, mode, reduction)
-    real = bnn._Clipped._noise_sensitivity
-    monkeypatch.setattr(bnn._Clipped, "_noise_sensitivity", lambda self, x: real(self, x) / 3)
+    real = bnn._Clipped._bp_noise_sensitivity
+    monkeypatch.setattr(bnn._Clipped, "_bp_noise_sensitivity", lambda self, x: real(self, x) / 3)
     report = sensitivity(model, batch_for(shape, classes), engine=engine)
     assert all(r.status in ("ok", "info") for r in report.rows)
     assert not report.ok and "UNDER-NOISED" in report.line()
@@ -495,7 +495,7 @@ def test_biased_sequence_linear_noise_forgetting_t_is_caught(monkeypatch):
                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=BBAR),
                                     noise_multiplier=SIGMA, max_input_shape=shape, **BACKPROP)
     assert sensitivity(model, batch_for(shape, classes), engine=engine).ok
-    monkeypatch.setattr(bnn.Linear, "_noise_sensitivity",
+    monkeypatch.setattr(bnn.Linear, "_bp_noise_sensitivity",
                         lambda self, x: self.sensitivity_for((1, self.in_features)))
     report = sensitivity(model, batch_for(shape, classes), engine=engine)
     assert not report.ok

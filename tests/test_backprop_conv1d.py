@@ -234,8 +234,8 @@ def test_compiled_backprop_is_the_eager_layer():
     comp_layer = convert_model(copy.deepcopy(layer), clipping="backprop", input_clip=1.0, grad_clip=0.5, norm="l2")
     inner(eager(x), g).backward()
     seen = []  # the shapes the compiled op takes Δ from: the layer's own input, not the padded kernel view
-    own = comp_layer._noise_sensitivity
-    comp_layer._noise_sensitivity = lambda t: seen.append(tuple(t.shape)) or own(t)
+    own = comp_layer._bp_noise_sensitivity
+    comp_layer._bp_noise_sensitivity = lambda t: seen.append(tuple(t.shape)) or own(t)
     compiled = torch.compile(comp_layer, backend="aot_eager", fullgraph=True)
     inner(compiled(x), g).backward()
     assert seen and set(seen) == {tuple(x.shape)}, seen

@@ -229,8 +229,8 @@ def test_nonfinite_counts_compiled_equal_eager(mode):
         opt.zero_grad()
         F.cross_entropy(cm(x), y, reduction="none").nan_to_num(0.0).mean().backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-        runs.append({n: [int(v) for v in layer._nonfinite] for n, layer in model.named_modules()
-                     if hasattr(layer, "_nonfinite")})
+        runs.append({n: [int(v) for v in layer._bp_nonfinite] for n, layer in model.named_modules()
+                     if hasattr(layer, "_bp_nonfinite")})
     assert runs[0] == runs[1]
     assert any(any(v) for v in runs[0].values())  # the NaN example was counted somewhere
 
@@ -260,20 +260,20 @@ def test_a_copied_model_compiles_against_its_own_layers(mode):
     bounds = dict(input_clip=1.0, grad_clip=1.0) if mode == "backprop" else dict(max_grad_norm=1.0)
     original = convert_model(_base(), clipping=mode, **bounds)
     clone = copy.deepcopy(original)
-    pairs = [(a, b) for a, b in zip(original.modules(), clone.modules()) if hasattr(a, "_nonfinite")]
+    pairs = [(a, b) for a, b in zip(original.modules(), clone.modules()) if hasattr(a, "_bp_nonfinite")]
     assert pairs
     for a, b in pairs:
-        assert a._handle != b._handle
-        assert handles.lookup(b._handle, torch.nn.Module, "layer") is b
+        assert a._bp_handle != b._bp_handle
+        assert handles.lookup(b._bp_handle, torch.nn.Module, "layer") is b
     if mode == "flat":
-        assert pairs[0][1]._flat is not pairs[0][0]._flat
-        assert handles.lookup(pairs[0][1]._flat.handle, object, "flat clipping") is pairs[0][1]._flat
+        assert pairs[0][1]._bp_flat is not pairs[0][0]._bp_flat
+        assert handles.lookup(pairs[0][1]._bp_flat.handle, object, "flat clipping") is pairs[0][1]._bp_flat
     x, y = _data()
     x = x[:6].clone()
     x[1] = float("nan")
     F.cross_entropy(torch.compile(clone, backend="aot_eager")(x), y[:6], reduction="none").nan_to_num(0.0).mean().backward()
-    assert all(int(a._nonfinite.sum()) == 0 for a, _ in pairs)
-    assert any(int(b._nonfinite.sum()) > 0 for _, b in pairs)
+    assert all(int(a._bp_nonfinite.sum()) == 0 for a, _ in pairs)
+    assert any(int(b._bp_nonfinite.sum()) > 0 for _, b in pairs)
 
 
 def test_handles_differ_between_processes():

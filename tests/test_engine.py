@@ -290,7 +290,7 @@ def test_mean_reduction_is_the_sum_reduction_over_expected_batch_size():
 def _one_linear(grad_clip, mean_batch):
     torch.manual_seed(0)
     layer = bnn.Linear(3, 1, bias=False, input_clip=1.0, grad_clip=grad_clip)
-    layer._step = LayerStep(layer, "lin", enforce=False, mean_loss_batch=mean_batch)  # unarmed: scaling only
+    layer._bp_step = LayerStep(layer, "lin", enforce=False, mean_loss_batch=mean_batch)  # unarmed: scaling only
     return layer
 
 

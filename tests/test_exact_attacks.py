@@ -142,7 +142,7 @@ def test_threshold_changed_after_make_private_is_not_covered_by_the_noise(mode):
     _, model, opt, loader = exact_private(mlp(), X, Y, mode, sigma=1e-30, loss_reduction="sum")
     with pytest.raises(AttributeError):
         if mode == "flat":
-            model.fc1._flat.max_grad_norm = 100.0
+            model.fc1._bp_flat.max_grad_norm = 100.0
         else:
             model.fc1.max_grad_norm = 100.0
     with pytest.raises(AttributeError, match="fc2: noise_bound is fixed by make_private"):

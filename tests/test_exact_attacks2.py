@@ -31,7 +31,7 @@ def test_flat_threshold_replaced_after_make_private_is_not_covered_by_the_noise(
         if how == "attach_flat":
             exact.attach_flat(model, [model.fc1, model.fc2], 100.0, "clip", 0.01)
         else:
-            model.fc1._flat._clipping = (100.0, "clip", 0.01)
+            model.fc1._bp_flat._clipping = (100.0, "clip", 0.01)
     except (AttributeError, RuntimeError):
         return  # refused: fine
     x, y = next(iter(loader))
@@ -94,7 +94,7 @@ def test_flat_books_are_freed_after_the_step():
     X, Y = data(n=4)
     _, model, opt, loader = exact_private(mlp(), X, Y, "flat", sigma=1.0)
     refs = []
-    model.fc1.register_forward_pre_hook(lambda m, a: refs.append(weakref.ref(m._flat.current())))
+    model.fc1.register_forward_pre_hook(lambda m, a: refs.append(weakref.ref(m._bp_flat.current())))
     for _ in range(5):
         x, y = next(iter(loader))
         opt.zero_grad()

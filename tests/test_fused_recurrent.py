@@ -414,7 +414,7 @@ def test_an_overflowing_cell_state_drops_only_its_own_example(mode):
         bnn.convert_model(m, clipping=mode, max_grad_norm=C)
         assert isinstance(m.rnn, recurrent.LSTM)
         nn.functional.cross_entropy(m(x[keep], z[keep]), y[keep], reduction="sum").backward()
-        counts = sum(int(layer._nonfinite.sum()) for _, layer in bnn.clipped_layers(m))
+        counts = sum(int(layer._bp_nonfinite.sum()) for _, layer in bnn.clipped_layers(m))
         return torch.cat([p.grad.flatten() for p in m.rnn.parameters()]), counts
 
     (a, dropped), (b, none) = run([0, 1, 2, 3]), run([1, 2, 3])

@@ -154,7 +154,7 @@ def groups_of(model, C=None):
     out = []
     for _, layer in bnn.clipped_layers(model):
         params = layer._bp_params() if "_bp_slots" in layer.__dict__ else [layer.weight, layer.bias]
-        out.append(([names[id(p)] for p in params if p is not None and p.requires_grad], layer.max_grad_norm))
+        out.append(([names[id(p)] for p in params if p is not None and p.requires_grad], layer._bp_max_grad_norm))
     return out
 
 
@@ -541,3 +541,151 @@ def test_a_module_held_across_a_units_boundary_trains_exactly(case, mode):
         tol = 1000 * EPS64 * float(scale[n].max())  # as test_release_equals_per_example_clipping
         assert p.grad is not None, n
         assert torch.all((p.grad - truth[n]).abs() <= tol), (n, float((p.grad - truth[n]).abs().max()))
+
+
+class LayerScale(nn.Module):
+    """timm's layer scale (CaiT, DeiT-3, ConvNeXt): a parameter named ``gamma``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gamma = nn.Parameter(0.5 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class Configured(nn.Module):
+    """A module whose own attributes carry the names of a clipped layer's configuration and state."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+        self.clipping, self.max_grad_norm, self.noise_multiplier, self.clip_fn = 2.0, 3.0, 0.5, "tanh"
+        self.input_clip = self.grad_clip = self.noise_bound = 1.5
+        self.norm_method, self._flat, self._handle, self._nonfinite, self._max_shape = "mine", None, "h", 7, (1,)
+        self._step = self._bounds_version = 0
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        self._step += 1  # the module's own counter, assigned in its forward
+        act = torch.tanh if self.clip_fn == "tanh" else torch.relu
+        return self.norm(act(x * self.weight * self.clipping) * self.max_grad_norm + self.noise_multiplier)
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.ls = LayerScale(4)
+        self.cfg = Configured()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.cfg(x + self.ls(self.proj(x)))
+        return self.head(h.mean(1))
+
+
+USER_STATE = {"clipping": 2.0, "max_grad_norm": 3.0, "noise_multiplier": 0.5, "clip_fn": "tanh", "input_clip": 1.5,
+              "grad_clip": 1.5, "noise_bound": 1.5, "norm_method": "mine", "_flat": None, "_handle": "h",
+              "_nonfinite": 7, "_max_shape": (1,), "_bounds_version": 0}
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_unit_keeps_its_own_attributes_under_the_configurations_names(mode):
+    """Review 33: a generic unit is the user's module, and the clipping configuration was set on it
+    under its public names: a layer scale's parameter ``gamma`` crashed make_private (TypeError), and
+    a plain attribute ``clipping``, ``max_grad_norm``, ``_step``, ... was overwritten, so the module's
+    forward read ours. The configuration now lives under ``_bp_`` names: the modules keep their own
+    attributes, the forward reads them (and assigns its own ``_step``), and the release is per-example
+    clipping's against float64 truth from batches of one."""
+    torch.manual_seed(3)
+    model = Scaled().double()
+    x, y = _inputs(5)
+    grads = per_example_grads(copy.deepcopy(model), x, y)
+    gamma = model.ls.gamma
+    C = 0.5
+    bnn.convert_model(model, clipping=mode, max_grad_norm=C)
+    assert registry.is_generic(model.ls) and registry.is_generic(model.cfg)
+    assert model.ls.gamma is gamma and isinstance(model.ls._parameters["gamma"], nn.Parameter)
+    assert isinstance(model.cfg.norm, nn.LayerNorm)
+    truth, scale = clipped_truth(grads, groups_of(model, C if mode == "flat" else None))
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    assert model.cfg._step == 1  # its own counter: one forward here
+    assert {n: getattr(model.cfg, n) for n in USER_STATE} == USER_STATE
+    for n, p in model.named_parameters():
+        tol = 1000 * EPS64 * float(scale[n].max())  # as test_release_equals_per_example_clipping
+        assert p.grad is not None, n
+        assert torch.all((p.grad - truth[n]).abs() <= tol), (n, float((p.grad - truth[n]).abs().max()))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_make_private_trains_a_model_with_layer_scale(mode):
+    """The engine's path over the same model: make_private accepts it, two steps land, the modules'
+    own attributes are still theirs, and the fixed-after-make_private rule guards our names, not the
+    user's (the module may assign its own ``clipping`` after make_private)."""
+    torch.manual_seed(0)
+    model = Scaled()
+    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        clipping=mode, noise_seed=3)
+    for _ in range(2):
+        xb, yb = next(iter(loader))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert engine.steps == 2
+    assert {n: getattr(model.cfg, n) for n in USER_STATE} == USER_STATE
+    model.cfg.clipping = 2.0  # the user's attribute: not ours to fix
+    with pytest.raises(AttributeError, match="max_grad_norm is fixed by make_private"):
+        model.proj.max_grad_norm = 5.0  # a fused layer's public configuration stays fixed
+    with pytest.raises(AttributeError, match="max_grad_norm is fixed by make_private"):
+        model.cfg._bp_max_grad_norm = 5.0  # and a unit's, under its own name
+
+
+class HasSensitivity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.sensitivity = 2.0
+
+    def forward(self, x):
+        return x * self.w * self.sensitivity
+
+
+class DefinesExact(nn.Module):
+    exact = True
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.w
+
+
+@pytest.mark.parametrize("module", [HasSensitivity, DefinesExact])
+def test_a_module_that_defines_a_units_public_name_is_refused_by_name(module):
+    """The few names a unit adds outside ``_bp_`` (generic.UNIT_NAMES) would shadow the module's own:
+    such a module is refused before its class is swapped, naming the attribute."""
+    model = nn.Sequential(module(), nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"(sensitivity|exact).*already defines"):
+        bnn.convert_model(model, clipping="flat", max_grad_norm=1.0)
+    assert type(model[0]) is module
+
+
+def test_a_unit_adds_only_bp_names_besides_its_public_api():
+    """What a unit's class and its configuration add to a user's module: ``_bp_`` names, nn.Module's
+    own overrides and generic.UNIT_NAMES only (anything else could shadow a user's attribute)."""
+    model = nn.Sequential(Configured(), nn.Linear(4, 3))
+    before = set(vars(model[0]))
+    bnn.convert_model(model, clipping="flat", max_grad_norm=1.0)
+    unit = model[0]
+    added = set(vars(unit)) - before
+    assert added and all(n.startswith("_bp_") for n in added), sorted(added)
+    cls_added = set(dir(type(unit))) - set(dir(Configured))
+    assert cls_added and all(n.startswith("_bp_") or n in generic.UNIT_NAMES for n in cls_added), sorted(cls_added)
+

@@ -135,7 +135,7 @@ def test_fp64_rows_beyond_1e154_are_counted_as_the_documented_limit():
 
 def _layer_step(layer, x, g):
     layer.zero_grad(set_to_none=True)
-    layer._nonfinite.zero_()
+    layer._bp_nonfinite.zero_()
     x = x.clone().requires_grad_()
     layer(x).backward(g)
     return x.grad
@@ -150,7 +150,7 @@ def test_huge_upstream_gradients_through_linear_and_conv2d_backward():
     g[0] *= 1e20
     g[2, 1] = float("nan")
     gx = _layer_step(lin, x, g)
-    assert lin._nonfinite.tolist() == [0, 1], "only the NaN row is counted"
+    assert lin._bp_nonfinite.tolist() == [0, 1], "only the NaN row is counted"
     gc, gf, _ = OPS.clip_rows(g, counter(), 0.5, "l2", "clip", 0.01)
     assert gf[0].item() > 0 and gf[2].item() == 0
     assert torch.isfinite(lin.weight.grad).all() and torch.isfinite(gx).all()
@@ -163,7 +163,7 @@ def test_huge_upstream_gradients_through_linear_and_conv2d_backward():
         g[1] *= 1e20
         g[2, 0, 2, 2] = float("inf")
         gx = _layer_step(conv, x, g)
-        assert conv._nonfinite.tolist() == [0, 1], norm
+        assert conv._bp_nonfinite.tolist() == [0, 1], norm
         assert torch.isfinite(conv.weight.grad).all() and torch.isfinite(conv.bias.grad).all(), norm
         assert torch.isfinite(gx).all(), norm
 

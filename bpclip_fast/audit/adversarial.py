@@ -46,8 +46,8 @@ class _Surrogate:
         self.model = copy.deepcopy(audit.model)
         self.log = []
         layers = [layer for _, layer in bnn.clipped_layers(self.model)]
-        if layers and layers[0]._flat is not None:
-            layers[0]._flat.remove()
+        if layers and layers[0]._bp_flat is not None:
+            layers[0]._bp_flat.remove()
         plain = {id(layer): _Plain(layer, self.log) for layer in layers}
         for parent in list(self.model.modules()):
             for child_name, child in list(parent.named_children()):
@@ -82,9 +82,9 @@ class _Surrogate:
                 # l15 of a Conv2d's [1, O, H, W] or a Conv1d's [1, O, L] (the norms the layers clip)
                 g_sq = (g.abs().sum(tuple(range(2, g.dim()))).square().sum()
                         if getattr(layer, "norm", "l2") == "l15" and g.dim() in (3, 4) else g.square().sum())
-                terms += [log_ratio(g_sq, layer.grad_clip)]
+                terms += [log_ratio(g_sq, layer._bp_grad_clip)]
                 if x.is_floating_point():
-                    terms += [log_ratio(x.square().sum(), layer.input_clip)]
+                    terms += [log_ratio(x.square().sum(), layer._bp_input_clip)]
             return terms
         params = {id(layer): [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
                   for layer in self.layers}

@@ -268,8 +268,8 @@ def _audit(inner, engine, audit, mode, reduction, mean_batch, loss_fn, x0, y0, s
         notes.append(f"examples mix: at {', '.join(units[u][0] for u in mixed)} an example's removal from the batch "
                      f"and its release alone differ by up to {max(gap[u] for u in mixed):.3g} of the bound (its "
                      "contribution depends on the other examples)")
-    if mode == "flat" and audit.layers[0]._flat.max_grad_norm != units[0][2]:
-        notes.append(f"flat clipping clips at {audit.layers[0]._flat.max_grad_norm:g}, the noise is scaled to "
+    if mode == "flat" and audit.layers[0]._bp_flat.max_grad_norm != units[0][2]:
+        notes.append(f"flat clipping clips at {audit.layers[0]._bp_flat.max_grad_norm:g}, the noise is scaled to "
                      f"{units[0][2]:g}")
     # ---- the noise the layers draw
     deltas = [_delta(layer, audit) for layer in audit.layers]

@@ -23,7 +23,7 @@ NOISE_MAX_DRAWS = 64
 def _claimed_sigmas(inner, engine):
     """``(σ each private layer draws with, σ claimed for it)``: the engine's gradient noise multiplier
     on rank 0 (other DDP ranks leave the draw to rank 0); without an engine, the layer's own."""
-    drawn = [float(layer.noise_multiplier) for _, layer in bnn.clipped_layers(inner)]
+    drawn = [float(layer._bp_noise_multiplier) for _, layer in bnn.clipped_layers(inner)]
     if engine is None:
         return drawn, drawn
     claim = float(engine.gradient_noise_multiplier) if engine.rank == 0 else 0.0
@@ -65,7 +65,7 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
         stream = bnn.NoiseStream(seed)  # explicit seed: this noise is never released
         try:
             for layer, sigma in zip(native.layers, drawn):
-                layer.noise_multiplier = sigma
+                layer._bp_noise_multiplier = sigma
             for _ in range(draws):
                 bnn.arm_noise(native.model, stream)  # a fresh key per draw, the engine's layer offsets
                 noisy = native.release(x, y)
@@ -79,8 +79,8 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
             measured, draws, check = [], 0, None
         finally:
             for layer in native.layers:  # back to noise-free releases
-                layer._step.arm(None)
-                layer.noise_multiplier = 0.0
+                layer._bp_step.arm(None)
+                layer._bp_noise_multiplier = 0.0
     tests = sum(1 + len(sizes[k]) for k in measured)
     a = NOISE_ALPHA / max(tests, 1)
 

@@ -308,7 +308,7 @@ def _noise_scale(s: Settings, engine, model, batch: int) -> torch.Tensor:
     the update (``lr·σ_l·Δ_l``, over ``B̄`` for a mean loss)."""
     scale = []
     for _, layer in bnn.clipped_layers(model):
-        std = float(layer.noise_multiplier) * float(layer.sensitivity) * s.lr
+        std = float(layer._bp_noise_multiplier) * float(layer.sensitivity) * s.lr
         if s.loss_reduction == "mean":
             std /= batch
         for p in (layer.weight, layer.bias):
@@ -321,7 +321,7 @@ def noise_free(model) -> NoiseFree:
     """A noise-free copy of the private ``model``'s real layers (its own dtype) whose ``release`` is
     the clipped sum of a batch under the sum loss, in the units of the bounds. The canary model's
     gradients do not depend on the weights, so one copy serves every step and run."""
-    mode = bnn.clipped_layers(model)[0][1].clipping
+    mode = bnn.clipped_layers(model)[0][1]._bp_clipping
     return NoiseFree(model, mode, "sum", None, lambda out, w: linear_loss(out, w, "sum"), dtype=None)
 
 
@@ -386,7 +386,7 @@ def _reach(model, raw: torch.Tensor) -> torch.Tensor:
     m = raw.shape[0]
     if layers[0].exact:
         sq = torch.zeros(m, dtype=torch.float64).index_add_(0, rows, raw.values() ** 2)
-        return sq.sqrt() / float(layers[0].noise_bound)
+        return sq.sqrt() / float(layers[0]._bp_noise_bound)
     sizes = [sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) for layer in layers]
     layer_of = torch.repeat_interleave(torch.arange(len(layers)), torch.tensor(sizes))
     delta = torch.tensor([float(layer.sensitivity) for layer in layers], dtype=torch.float64)

@@ -60,8 +60,8 @@ class NoiseFree:
         self.mode, self.loss_fn = mode, loss_fn
         self.unit = mean_batch or 1.0  # release -> bound units
         for name, layer in zip(self.names, self.layers):
-            layer.noise_multiplier = 0.0
-            layer._step = LayerStep(layer, name, enforce=False, mean_loss_batch=mean_batch)  # key None: no draw
+            layer._bp_noise_multiplier = 0.0
+            layer._bp_step = LayerStep(layer, name, enforce=False, mean_loss_batch=mean_batch)  # key None: no draw
         for p in self.model.parameters():
             p.grad = None
         if mode == "flat":
@@ -77,10 +77,10 @@ class NoiseFree:
             layer.register_forward_hook(record)
 
     def _check_flat(self):
-        groups = {id(layer._flat): layer._flat for layer in self.layers if layer._flat is not None}
+        groups = {id(layer._bp_flat): layer._bp_flat for layer in self.layers if layer._bp_flat is not None}
         mine = {id(m) for m in self.layers}
         hooked = {id(getattr(h, "__self__", None)) for m in self.model.modules() for h in m._forward_pre_hooks.values()}
-        if (len(groups) != 1 or any(layer._flat is None for layer in self.layers)
+        if (len(groups) != 1 or any(layer._bp_flat is None for layer in self.layers)
                 or any(id(m) not in mine for g in groups.values() for m in g.layers) or set(groups) - hooked):
             raise RuntimeError("sensitivity: flat clipping's book-keeping did not survive the copy of model (its "
                                "layers would clip without the other layers' norms); audit a model made private "
@@ -166,7 +166,7 @@ def _units(audit, mode):
         for k, layer in enumerate(layers):
             units.append((names[k], [k], _delta(layer, audit), "Δ", True))
         return units
-    noise = {layer.noise_bound for layer in layers}
+    noise = {layer._bp_noise_bound for layer in layers}
     if len(noise) > 1:
         raise ValueError(f"sensitivity: the layers of model scale their noise to different C {sorted(noise)}")
     c = noise.pop()
@@ -174,7 +174,7 @@ def _units(audit, mode):
         units.append(("flat", live, c, "C", True))
         units += [(names[k], [k], c, "C", False) for k in range(len(layers))]
     else:
-        units += [(names[k], [k], layers[k].max_grad_norm, "C_l", True) for k in range(len(layers))]
+        units += [(names[k], [k], layers[k]._bp_max_grad_norm, "C_l", True) for k in range(len(layers))]
         units.append(("total", live, c, "C", True))
     return units
 

@@ -29,7 +29,7 @@ def _check_layers(inner, engine):
     if not layers:
         raise ValueError("sensitivity: model has no bpclip_fast clipped layer; pass the model returned by "
                          "PrivacyEngine.make_private (or one converted with bpclip_fast.nn.convert_model)")
-    modes = {layer.clipping for _, layer in layers}
+    modes = {layer._bp_clipping for _, layer in layers}
     if len(modes) > 1:
         raise ValueError(f"sensitivity: model mixes clipping modes {sorted(modes)}; one model is private in one mode")
     if engine is not None:

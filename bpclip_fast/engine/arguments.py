@@ -71,8 +71,8 @@ def check(made_private: bool, module, optimizer, data_loader, *, noise_multiplie
                               (data_loader, DataLoader, "data_loader must be a torch DataLoader")):
         if not isinstance(value, kind):
             raise TypeError(f"make_private: {what}, got {type(value).__name__}")
-    if isinstance(optimizer, _optimizer.DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._step is not None
-                                                            and m._step.enforce for m in module.modules()):
+    if isinstance(optimizer, _optimizer.DPOptimizer) or any(isinstance(m, bnn._Clipped) and m._bp_step is not None
+                                                            and m._bp_step.enforce for m in module.modules()):
         raise RuntimeError("PrivacyEngine: this model/optimizer is already private (make_private called twice)")
     sigma = positive(noise_multiplier, "noise_multiplier")
     check_clipping(clipping, input_clip, grad_clip, max_grad_norm)
@@ -124,8 +124,8 @@ def check_batch_inputs(batch_inputs):
 
 def check_built_layers(inner, clipping, max_grad_norm) -> None:
     """Clipped layers the user built must clip as the engine does (flat: with its ``C``)."""
-    bad = [f"{name} is clipping={layer.clipping!r}" for name, layer in bnn.clipped_layers(inner)
-           if layer.clipping != clipping]
+    bad = [f"{name} is clipping={layer._bp_clipping!r}" for name, layer in bnn.clipped_layers(inner)
+           if layer._bp_clipping != clipping]
     bad += modes.strategy(clipping).built_layer_problems(bnn.clipped_layers(inner), max_grad_norm)
     if bad:
         raise ValueError(f"make_private: clipping={clipping!r}, but the model's own clipped layers differ: "

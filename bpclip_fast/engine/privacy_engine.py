@@ -226,7 +226,7 @@ class PrivacyEngine:
         self._steps_of = []
         for name, layer in layers:
             layer._bp_name = name
-            layer.noise_multiplier = self.gradient_noise_multiplier if self.rank == 0 else 0.0
+            layer._bp_noise_multiplier = self.gradient_noise_multiplier if self.rank == 0 else 0.0
             st = LayerStep(layer, name, enforce=True, mean_loss_batch=mean_batch)
             st.counting = self._thresholds is not None
             st.on_refuse = functools.partial(refusal.refuse_in_forward, self)
@@ -235,7 +235,7 @@ class PrivacyEngine:
             st.on_new_pass = functools.partial(guards.check_new_pass, self)
             st._gate = self._pass_gate
             st.budget = functools.partial(budget.require, self)
-            layer._step = st
+            layer._bp_step = st
             self._steps_of.append(st)
 
     def thresholds(self) -> dict:
@@ -243,7 +243,7 @@ class PrivacyEngine:
         per_layer: ``"<layer>.max_grad_norm"``; backprop: ``"<layer>.input_clip"``, ``"<layer>.grad_clip"``),
         adaptive or fixed."""
         self._require_private("thresholds")
-        return {name: float(getattr(layers[0], attr)) for name, layers, attr in thresholds.slots(self)}
+        return {name: float(getattr(layers[0], "_bp_" + attr)) for name, layers, attr in thresholds.slots(self)}
 
     @property
     def adaptive(self):
@@ -400,12 +400,12 @@ class PrivacyEngine:
         since the last call; resets the counts (one device sync). A data-dependent diagnostic: reading
         it is a release that the ε of this engine does not cover."""
         self._require_private("nonfinite_counts")
-        counts = torch.stack([layer._nonfinite for layer in self._layers])
+        counts = torch.stack([layer._bp_nonfinite for layer in self._layers])
         if self.distributed:
             counts = distributed.summed(counts)
         out = {st.name: tuple(int(v) for v in c) for st, c in zip(self._steps_of, counts.cpu())}
         for layer in self._layers:
-            layer._nonfinite.zero_()
+            layer._bp_nonfinite.zero_()
         return out
 
     # ------------------------------------------------------------------ the step

@@ -27,7 +27,7 @@ def prepare(engine, adaptive, sigma, plan) -> None:
     per_layer = engine._mode.sigma_factor(n_layers)  # backprop: σ = σ_eff·√L
     sigma_grad_eff, sigma_b = _adaptive.noise_split(sigma / per_layer, k, adaptive.count_noise)
     engine._gradient_sigma = sigma_grad_eff * per_layer
-    initial = [float(getattr(layers[0], attr)) for _, layers, attr in slots_]
+    initial = [float(getattr(layers[0], "_bp_" + attr)) for _, layers, attr in slots_]
     engine._thresholds = _adaptive.Thresholds(adaptive, [name for name, _, _ in slots_], initial,
                                               plan.batch_size * engine.world_size, sigma_b)
 

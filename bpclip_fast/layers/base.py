@@ -42,91 +42,103 @@ def _in_parameter_dtype(forward):
     return wrapped
 
 
+# The clipping configuration of a clipped layer. It is stored under ``_bp_`` names because a
+# generic unit (bpclip_fast.generic) is the user's own module: a CaiT/ConvNeXt layer scale holds its
+# parameter as ``self.gamma``, another module a ``clipping`` flag or a ``_step`` counter, and the
+# module's forward must keep reading its own. Our layer types (:class:`_Public`) also show it under
+# the public names below.
+CONFIG = ("clipping", "input_clip", "grad_clip", "max_grad_norm", "norm_method", "noise_bound", "clip_fn", "gamma",
+          "noise_multiplier")
+# What the noise of an engine-armed layer is scaled to (and the noise itself): changing it afterwards
+# would clip to one bound and noise to another. The engine's adaptive thresholds go through
+# _bp_set_bounds, which a forward's backward checks (_bp_bounds_version).
+_FIXED = frozenset("_bp_" + name for name in CONFIG if name != "norm_method")
+
+
 class _Clipped:
-    """Clipping configuration, the non-finite counter and the fixed sensitivity shared by our layers.
+    """Clipping configuration, the non-finite counter and the fixed sensitivity shared by our layers
+    and the generic units. Every attribute and method it adds to a module starts with ``_bp_``, or is
+    one of :data:`UNIT_NAMES` (a generic unit of a module that defines one is refused by name, never
+    shadowed).
 
     The layer's part of a training step (its noise draw, row count and gradient records) lives in
-    ``self._step``, a :class:`bpclip_fast.boundary.LayerStep` (``None`` until armed).
+    ``self._bp_step``, a :class:`bpclip_fast.boundary.LayerStep` (``None`` until armed).
     """
 
-    _weight_layout = None  # exact.TRANSPOSED / HEIGHT_ONE: the weight is not in the Linear/Conv2d ops' layout
+    _bp_weight_layout = None  # exact.TRANSPOSED / HEIGHT_ONE: the weight is not in the Linear/Conv2d ops' layout
+    _bp_fixed = _FIXED
 
-    def _init_clipping(self, input_clip, grad_clip, clip_fn, gamma, clipping="backprop", max_grad_norm=None,
-                       norm_method="auto"):
+    def _bp_init_clipping(self, input_clip, grad_clip, clip_fn, gamma, clipping="backprop", max_grad_norm=None,
+                          norm_method="auto"):
         kind = type(self).__name__
         mode = modes.strategy(clipping, kind)
-        self.clipping = clipping
-        self.input_clip, self.grad_clip, self.max_grad_norm = mode.layer_bounds(kind, input_clip, grad_clip,
-                                                                                max_grad_norm)
+        self._bp_clipping = clipping
+        self._bp_input_clip, self._bp_grad_clip, self._bp_max_grad_norm = mode.layer_bounds(kind, input_clip,
+                                                                                             grad_clip, max_grad_norm)
         if norm_method not in exact.NORM_METHODS:
             raise ValueError(f"{kind}: norm_method must be one of {exact.NORM_METHODS}, got {norm_method!r}")
-        self.norm_method = norm_method
+        self._bp_norm_method = norm_method
         # The C the noise is scaled to under exact clipping: per_layer's (Σ_l C_l²)^½ over the layers of
         # one model (set by convert_model), a bare layer's own max_grad_norm.
-        self.noise_bound = self.max_grad_norm
-        self._flat = None  # exact.FlatClipping of a flat layer's model
+        self._bp_noise_bound = self._bp_max_grad_norm
+        self._bp_flat = None  # exact.FlatClipping of a flat layer's model
         if clip_fn not in CLIP_FNS:
             raise ValueError(f"{kind}: clip_fn must be one of {CLIP_FNS}, got {clip_fn!r}")
-        self.clip_fn = clip_fn
-        self.gamma = _check_positive(gamma, "gamma", kind)
-        self.noise_multiplier = 0.0
+        self._bp_clip_fn = clip_fn
+        self._bp_gamma = _check_positive(gamma, "gamma", kind)
+        self._bp_noise_multiplier = 0.0
         # [inputs, upstream gradients] found non-finite since the last check_finite: how many sampled
         # examples were dropped, a membership oracle. A plain attribute, not a buffer (state_dict,
         # named_buffers, DDP and EMA copies never see it), moved by _apply and zeroed in a copy.
-        self._nonfinite = torch.zeros(2, dtype=torch.int64, device=self._param_device())
+        self._bp_nonfinite = torch.zeros(2, dtype=torch.int64, device=self._bp_param_device())
         self._bp_name = None
-        self._step = None       # boundary.LayerStep: this step's draw, rows and gradient records
-        self._max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
-        self._bounds_version = 0  # bumped by _set_bounds: a backward must clip with its forward's bounds
-        self._handle = handles.register(self)  # the compiled ops' name for it (bpclip_fast.handles)
-
-    # What the noise of an engine-armed layer is scaled to (and the noise itself): changing it afterwards
-    # would clip to one bound and noise to another. The engine's adaptive thresholds go through
-    # _set_bounds, which a forward's backward checks (_bounds_version).
-    _FIXED_BY_ENGINE = ("clipping", "max_grad_norm", "noise_bound", "input_clip", "grad_clip", "clip_fn", "gamma",
-                        "norm", "noise_multiplier")
+        self._bp_step = None       # boundary.LayerStep: this step's draw, rows and gradient records
+        self._bp_max_shape = None  # per-example input shape Δ is fixed for (set_max_input_shape)
+        self._bp_bounds_version = 0  # bumped by _bp_set_bounds: a backward must clip with its forward's bounds
+        self._bp_handle = handles.register(self)  # the compiled ops' name for it (bpclip_fast.handles)
 
     def __setattr__(self, name, value):
-        if name in _Clipped._FIXED_BY_ENGINE:
-            step = self.__dict__.get("_step")
+        if name in type(self)._bp_fixed:
+            step = self.__dict__.get("_bp_step")
             if step is not None and step.enforce:
-                raise AttributeError(f"{self.layer_name}: {name} is fixed by make_private (the noise is scaled to the "
-                                     "clipping bounds); make a fresh model private to change it")
+                shown = name[4:] if name.startswith("_bp_") else name
+                raise AttributeError(f"{self.layer_name}: {shown} is fixed by make_private (the noise is scaled to "
+                                     "the clipping bounds); make a fresh model private to change it")
         super().__setattr__(name, value)
 
-    def _param_device(self):
+    def _bp_param_device(self):
         return self.weight.device
 
-    def _set_bounds(self, **bounds) -> None:
+    def _bp_set_bounds(self, **bounds) -> None:
         """The engine's adaptive thresholds (``bpclip_fast.adaptive``), between steps: new clipping
         bounds (and the noise bound they imply). A forward run before the change cannot be
-        backpropagated after it (``_bounds_version``): its Δ was fixed from the old bounds."""
-        for name, value in bounds.items():
-            nn.Module.__setattr__(self, name, _check_positive(value, name, self.layer_name))
-        self._bounds_version += 1
+        backpropagated after it (``_bp_bounds_version``): its Δ was fixed from the old bounds."""
+        for name, value in bounds.items():  # the public names (CONFIG)
+            nn.Module.__setattr__(self, "_bp_" + name, _check_positive(value, name, self.layer_name))
+        self._bp_bounds_version += 1
 
-    def _check_forward(self, ctx, version: int) -> None:
+    def _bp_check_forward(self, ctx, version: int) -> None:
         """An eager backward's checks against its forward (``ctx``, its autograd context): the bounds it
         clipped with, and no earlier pass over it landed (``boundary.LayerStep.first_landing``)."""
-        self._check_bounds_version(version)
-        if self._step is not None:
-            self._step.first_landing(ctx)
+        self._bp_check_bounds_version(version)
+        if self._bp_step is not None:
+            self._bp_step.first_landing(ctx)
 
-    def _check_bounds_version(self, version: int) -> None:
+    def _bp_check_bounds_version(self, version: int) -> None:
         """Refuses a backward whose forward ran before the bounds last changed."""
-        if version != self._bounds_version:
-            if self._step is not None:  # a step was taken since the forward: the budget may be spent
-                self._step.check_budget("a backward")
+        if version != self._bp_bounds_version:
+            if self._bp_step is not None:  # a step was taken since the forward: the budget may be spent
+                self._bp_step.check_budget("a backward")
             details = (f"{self.layer_name}: this backward's forward ran before the clipping thresholds were adapted "
                        "at the last step, so its noise is scaled to the old bounds")
-            if self._step is not None:
-                self._step.refuse("bounds", details)
+            if self._bp_step is not None:
+                self._bp_step.refuse("bounds", details)
             raise RuntimeError(details + "; run the forward after optimizer.step()")
 
     @property
     def exact(self) -> bool:
         """Whether the layer clips each example's exact gradient (``flat``/``per_layer``)."""
-        return self.clipping != "backprop"
+        return self._bp_clipping != "backprop"
 
     @property
     def layer_name(self) -> str:
@@ -138,22 +150,22 @@ class _Clipped:
         # zero: the live one counts the dropped examples of the data (the engine's
         # nonfinite_counts() still reads it).
         state = dict(super().__getstate__())  # the base's own (nn.LSTM drops its weak references)
-        state["_step"] = None
-        state["_nonfinite"] = torch.zeros_like(self._nonfinite)
-        state["_handle"] = None  # process-local and random (bpclip_fast.handles): __setstate__ gives a new one
+        state["_bp_step"] = None
+        state["_bp_nonfinite"] = torch.zeros_like(self._bp_nonfinite)
+        state["_bp_handle"] = None  # process-local and random (bpclip_fast.handles): __setstate__ gives a new one
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._handle = handles.register(self)  # a copy's own: the copied one names the original
+        self._bp_handle = handles.register(self)  # a copy's own: the copied one names the original
 
     def _apply(self, fn, recurse=True):
         # The counter follows the layer across devices, as a buffer would.
         out = super()._apply(fn, recurse)
-        self._nonfinite = fn(self._nonfinite)
+        self._bp_nonfinite = fn(self._bp_nonfinite)
         return out
 
-    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+    def _bp_check_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x``, checked (the subclasses' checks return it too)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.layer_name}: expected a tensor input, got {type(x).__name__}")
@@ -177,7 +189,7 @@ class _Clipped:
         noise std depend on the data (padding to the longest sampled example). Training forwards
         whose Δ would be larger are then refused."""
         shape = tuple(int(s) for s in shape)
-        step = self.__dict__.get("_step")
+        step = self.__dict__.get("_bp_step")
         if step is not None and step.enforce and step.band is not None:
             # Banded noise's recursion assumes one σΔ for every row: a Δ that shrinks after a row leaves
             # that row's participation under-noised in the rows after it (bpclip_fast.banded).
@@ -185,11 +197,11 @@ class _Clipped:
                                "change Δ between steps, and the correlated noise rows need one noise scale for the "
                                "whole run; pass max_input_shape to make_private on a fresh model instead")
         self.sensitivity_for((1, *shape))  # validates the shape
-        self._max_shape = shape
+        self._bp_max_shape = shape
 
     @property
     def max_input_shape(self):
-        return self._max_shape
+        return self._bp_max_shape
 
     @property
     def sensitivity(self) -> float:
@@ -197,62 +209,79 @@ class _Clipped:
         :meth:`set_max_input_shape`, or shape-free (bias-free Linear, Conv2d l15). Raises where it
         would depend on a shape not declared."""
         if self.exact:
-            return self.noise_bound
-        if self._max_shape is not None:
-            return self.sensitivity_for((1, *self._max_shape))
-        if self._shape_dependent(None):
+            return self._bp_noise_bound
+        if self._bp_max_shape is not None:
+            return self.sensitivity_for((1, *self._bp_max_shape))
+        if self._bp_shape_dependent(None):
             raise RuntimeError(
-                f"{self.layer_name}: its sensitivity depends on the input shape ({self._shape_rule()}), which is not "
+                f"{self.layer_name}: its sensitivity depends on the input shape ({self._bp_shape_rule()}), which is not "
                 "known yet; call layer.set_max_input_shape(largest per-example input shape) (make_private does this "
                 "from max_input_shape), or use sensitivity_for(input_shape)")
         return self.sensitivity_for(None)
 
-    def _noise_sensitivity(self, x: torch.Tensor) -> float:
+    def _bp_noise_sensitivity(self, x: torch.Tensor) -> float:
         """The Δ this forward's backward scales its noise to: the fixed Δ (refusing a larger input
         in training), or the shape-free Δ. A shape-dependent Δ with no declared maximum is refused
         when noise is to be drawn, since the std would then follow the batch's shape."""
         if self.exact:
-            return self.noise_bound
+            return self._bp_noise_bound
         training = torch.is_grad_enabled()
-        if training and self._step is not None:  # before the shape is looked at: its refusal is charged
-            self._step.check_budget("a training forward")
+        if training and self._bp_step is not None:  # before the shape is looked at: its refusal is charged
+            self._bp_step.check_budget("a training forward")
         shape = tuple(x.shape)
         sens = self.sensitivity_for(shape)
-        if self._max_shape is not None:
-            fixed = self.sensitivity_for((1, *self._max_shape))
+        if self._bp_max_shape is not None:
+            fixed = self.sensitivity_for((1, *self._bp_max_shape))
             if training and sens > fixed * (1 + 1e-12):
                 details = (f"input shape {shape} has sensitivity {sens:.6g}, above the {fixed:.6g} fixed for "
-                           f"max_input_shape {self._max_shape}")
-                if self._step is not None:
-                    self._step.refuse("max-shape", details)
+                           f"max_input_shape {self._bp_max_shape}")
+                if self._bp_step is not None:
+                    self._bp_step.refuse("max-shape", details)
                 raise StepRefused("max-shape", details, [self.layer_name], charged=False)
             return fixed
-        if (training and self._shape_dependent(shape) and self._step is not None and self._step.key is not None
-                and self.noise_multiplier > 0):
+        if (training and self._bp_shape_dependent(shape) and self._bp_step is not None and self._bp_step.key is not None
+                and self._bp_noise_multiplier > 0):
             raise RuntimeError(
-                f"{self.layer_name}: its sensitivity depends on the input shape ({self._shape_rule()}), so noise "
+                f"{self.layer_name}: its sensitivity depends on the input shape ({self._bp_shape_rule()}), so noise "
                 f"scaled to this batch's shape {shape} would reveal the shape; call layer.set_max_input_shape(largest "
                 "per-example input shape) first (make_private: max_input_shape=...)")
         return sens
 
-    def _clip_repr(self) -> str:
+    def _bp_clip_repr(self) -> str:
         if self.exact:
-            return f"clipping={self.clipping!r}, max_grad_norm={self.max_grad_norm:g}, clip_fn={self.clip_fn!r}"
-        return f"input_clip={self.input_clip:g}, grad_clip={self.grad_clip:g}, clip_fn={self.clip_fn!r}"
+            return f"clipping={self._bp_clipping!r}, max_grad_norm={self._bp_max_grad_norm:g}, clip_fn={self._bp_clip_fn!r}"
+        return f"input_clip={self._bp_input_clip:g}, grad_clip={self._bp_grad_clip:g}, clip_fn={self._bp_clip_fn!r}"
+
+
+def _config_property(name: str) -> property:
+    attr = "_bp_" + name
+    return property(lambda self: getattr(self, attr), lambda self, value: setattr(self, attr, value),
+                    doc=f"The layer's {name} (kept as ``{attr}``, :data:`CONFIG`).")
+
+
+class _Public:
+    """The clipping configuration under its public names (:data:`CONFIG`), on our own layer types;
+    a generic unit has none: its names are the user's. A conv layer's ``norm`` is fixed as well."""
+
+    _bp_fixed = _FIXED | {"norm"}
+
+
+for _name in CONFIG:
+    setattr(_Public, _name, _config_property(_name))
 
 
 class _ExactOnly:
     """A clipped layer with exact modes only: its noise bound is ``C`` whatever the input's shape."""
 
-    def _shape_dependent(self, input_shape) -> bool:
+    def _bp_shape_dependent(self, input_shape) -> bool:
         return False
 
     def sensitivity_for(self, input_shape=None) -> float:
         """The noise bound ``C`` (exact clipping: each example's gradient is clipped to it)."""
-        return self.noise_bound
+        return self._bp_noise_bound
 
 
-class _ExampleLayer(_ExactOnly, _Clipped):
+class _ExampleLayer(_Public, _ExactOnly, _Clipped):
     """A layer whose per-example gradients are small enough to instantiate (affine parameters of a
     normalisation, an embedding table's rows, an added parameter), clipped exactly by
     :func:`bpclip_fast.exact_examples.example_layer`; its bound is :class:`bpclip_fast.examples.DenseExamples`'.
@@ -267,17 +296,17 @@ class _ExampleLayer(_ExactOnly, _Clipped):
             raise ValueError(f"{kind}: clipping='backprop' has no proved bound for a {kind}'s parameters; use "
                              "clipping='flat' or 'per_layer' (exact per-example clipping: make_private(..., "
                              f"clipping='flat')), or freeze the {kind} (requires_grad_(False))")
-        self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
+        self._bp_init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
 
     @_in_parameter_dtype
     def forward(self, x):
-        x = self._check_input(x)
+        x = self._bp_check_input(x)
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
             return compiled.example_layer(self, x)
-        return exact_examples.example_layer(self, x, self._noise_sensitivity(x))
+        return exact_examples.example_layer(self, x, self._bp_noise_sensitivity(x))
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, {self._clip_repr()}"
+        return f"{super().extra_repr()}, {self._bp_clip_repr()}"
 
 
 def _exact_kwargs(clipping: dict) -> dict:

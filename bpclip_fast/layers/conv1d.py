@@ -47,16 +47,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import autograd, compiled, compiled_backprop, exact, modes, registry
-from .base import _Clipped, _in_parameter_dtype
+from .base import _Clipped, _Public, _in_parameter_dtype
 from .conv2d import CONV_NORMS, _max_patch_multiplicity
 
 
-class Conv1d(_Clipped, nn.Conv1d):
+class Conv1d(_Public, _Clipped, nn.Conv1d):
     """``nn.Conv1d`` under backpropagation clipping (input L2, upstream gradient ``norm``: l15 or l2)
     or exact per-example clipping (``flat``/``per_layer``), through the fused Conv2d kernels at
     height 1 (module docstring). Zero padding only."""
 
-    _weight_layout = exact.HEIGHT_ONE
+    _bp_weight_layout = exact.HEIGHT_ONE
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode="zeros", *, input_clip=None, grad_clip=None, norm="l15", clipping="backprop",
@@ -70,7 +70,7 @@ class Conv1d(_Clipped, nn.Conv1d):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                          groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
         self.norm = norm
-        self._init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
+        self._bp_init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
         self._pad, p = self._resolve_padding()
         self._geometry = ([1, self.stride[0]], [0, p], [1, self.dilation[0]], self.groups)
 
@@ -85,13 +85,13 @@ class Conv1d(_Clipped, nn.Conv1d):
         left = total // 2
         return ((0, total - 2 * left) if total % 2 else None), left  # torch's split: the odd zero on the right
 
-    def _shape_dependent(self, input_shape) -> bool:
+    def _bp_shape_dependent(self, input_shape) -> bool:
         return not self.exact and self.norm == "l2"
 
-    def _shape_rule(self) -> str:
+    def _bp_shape_rule(self) -> str:
         return "with norm='l2' Δ grows with the input's length"
 
-    def _layer_input(self, x):
+    def _bp_layer_input(self, x):
         """The layer's own input ``[B, C, L]`` as a view of the kernels' ``[B, C, 1, L + e]`` (the shape
         Δ is taken from: compiled_backprop.backprop_forward)."""
         x = x.squeeze(2)
@@ -101,10 +101,10 @@ class Conv1d(_Clipped, nn.Conv1d):
         """l15: ``C_g √(C_x² + [bias])``; l2: ``C_g √(m_L C_x² + [bias]·L_out)`` for an input ``[B, C, L]``
         (module docstring); the noise bound ``C`` under exact clipping."""
         if self.exact:
-            return self.noise_bound
+            return self._bp_noise_bound
         bias = 1 if self.bias is not None else 0
         if self.norm == "l15":
-            return self.grad_clip * math.sqrt(self.input_clip ** 2 + bias)
+            return self._bp_grad_clip * math.sqrt(self._bp_input_clip ** 2 + bias)
         if input_shape is None:
             raise RuntimeError(f"{self.layer_name}: with norm='l2' the sensitivity depends on the input's length; "
                                "call sensitivity_for(input_shape) or run a forward pass first")
@@ -114,15 +114,15 @@ class Conv1d(_Clipped, nn.Conv1d):
         extra = 0 if self._pad is None else self._pad[1]
         out = (length + extra + 2 * p - d * (k - 1) - 1) // s + 1
         m = _max_patch_multiplicity(length, out, k, s, p, d)  # the height's multiplicity is 1
-        return self.grad_clip * math.sqrt(m * self.input_clip ** 2 + bias * out)
+        return self._bp_grad_clip * math.sqrt(m * self._bp_input_clip ** 2 + bias * out)
 
     @_in_parameter_dtype
     def forward(self, x):
-        x = self._check_input(x)
+        x = self._bp_check_input(x)
         if x.dim() != 3:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, L]; got shape {tuple(x.shape)}")
         compiling = torch.compiler.is_compiling()  # opaque ops, no Python read per step (compiled.py)
-        sens = None if compiling else self._noise_sensitivity(x)  # Δ of the layer's own input shape
+        sens = None if compiling else self._bp_noise_sensitivity(x)  # Δ of the layer's own input shape
         kx = (F.pad(x, self._pad) if self._pad is not None else x).unsqueeze(2)  # zeros: the norm is x's
         if not self.exact:
             padding = self._geometry[1]
@@ -135,7 +135,7 @@ class Conv1d(_Clipped, nn.Conv1d):
 
     def extra_repr(self):
         norm = "" if self.exact else f", norm={self.norm!r}"
-        return f"{super().extra_repr()}{norm}, {self._clip_repr()}"
+        return f"{super().extra_repr()}{norm}, {self._bp_clip_repr()}"
 
 
 def _convert_conv1d(layer: nn.Conv1d, **clipping) -> Conv1d:

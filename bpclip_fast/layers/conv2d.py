@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .. import autograd, compiled, compiled_backprop, exact, registry
-from .base import _Clipped, _in_parameter_dtype
+from .base import _Clipped, _Public, _in_parameter_dtype
 
 CONV_NORMS = ("l15", "l2")
 
@@ -51,7 +51,7 @@ def _max_patch_multiplicity(size: int, out: int, kernel: int, stride: int, paddi
     return max(counts, default=0)
 
 
-class Conv2d(_Clipped, nn.Conv2d):
+class Conv2d(_Public, _Clipped, nn.Conv2d):
     """``nn.Conv2d`` whose inputs (L2) and upstream gradients (``norm``: l15 or l2) are clipped per example.
 
     Zero padding only: other padding modes can repeat an input entry inside one patch, which the
@@ -70,7 +70,7 @@ class Conv2d(_Clipped, nn.Conv2d):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                          groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
         self.norm = norm
-        self._init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
+        self._bp_init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
         self._explicit_padding = self._resolve_padding()
 
     def _resolve_padding(self):
@@ -91,20 +91,20 @@ class Conv2d(_Clipped, nn.Conv2d):
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self._explicit_padding, self.dilation
         return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
 
-    def _shape_dependent(self, input_shape) -> bool:
+    def _bp_shape_dependent(self, input_shape) -> bool:
         return not self.exact and self.norm == "l2"
 
-    def _shape_rule(self) -> str:
+    def _bp_shape_rule(self) -> str:
         return "with norm='l2' Δ grows with the input's height and width"
 
     def sensitivity_for(self, input_shape=None) -> float:
         """l15: ``C_g √(C_x² + [bias])``; l2: ``C_g √(m C_x² + [bias]·HW_out)`` (module docstring); the
         noise bound ``C`` under exact clipping."""
         if self.exact:
-            return self.noise_bound
+            return self._bp_noise_bound
         bias = 1 if self.bias is not None else 0
         if self.norm == "l15":
-            return self.grad_clip * math.sqrt(self.input_clip ** 2 + bias)
+            return self._bp_grad_clip * math.sqrt(self._bp_input_clip ** 2 + bias)
         if input_shape is None:
             raise RuntimeError(f"{self.layer_name}: with norm='l2' the sensitivity depends on the input's height "
                                "and width; call sensitivity_for(input_shape) or run a forward pass first")
@@ -112,26 +112,26 @@ class Conv2d(_Clipped, nn.Conv2d):
         oh, ow = self._out_hw(h, w)
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self._explicit_padding, self.dilation
         m = _max_patch_multiplicity(h, oh, kh, sh, ph, dh) * _max_patch_multiplicity(w, ow, kw, sw, pw, dw)
-        return self.grad_clip * math.sqrt(m * self.input_clip ** 2 + bias * oh * ow)
+        return self._bp_grad_clip * math.sqrt(m * self._bp_input_clip ** 2 + bias * oh * ow)
 
     @_in_parameter_dtype
     def forward(self, x):
-        x = self._check_input(x)
+        x = self._bp_check_input(x)
         if x.dim() != 4:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, H, W]; got shape {tuple(x.shape)}")
         if self.exact:
             geometry = (list(self.stride), list(self._explicit_padding), list(self.dilation), self.groups)
             if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
                 return compiled.exact_layer(x, self, geometry)
-            return exact.exact_layer(x, self, self._noise_sensitivity(x), geometry)
+            return exact.exact_layer(x, self, self._bp_noise_sensitivity(x), geometry)
         if torch.compiler.is_compiling():
             return compiled_backprop.backprop_layer(x, self, self._explicit_padding)
-        sens = self._noise_sensitivity(x)
+        sens = self._bp_noise_sensitivity(x)
         return autograd.clipped_conv2d(x, self.weight, self.bias, self, sens, self._explicit_padding)
 
     def extra_repr(self):
         norm = "" if self.exact else f", norm={self.norm!r}"
-        return f"{super().extra_repr()}{norm}, {self._clip_repr()}"
+        return f"{super().extra_repr()}{norm}, {self._bp_clip_repr()}"
 
 
 def _convert_conv2d(layer: nn.Conv2d, **clipping) -> Conv2d:

@@ -35,14 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import compiled, exact, modes, registry
-from .base import _Clipped, _ExactOnly, _in_parameter_dtype
+from .base import _Clipped, _Public, _ExactOnly, _in_parameter_dtype
 
 
-class Conv3d(_ExactOnly, _Clipped, nn.Conv3d):
+class Conv3d(_Public, _ExactOnly, _Clipped, nn.Conv3d):
     """``nn.Conv3d`` (one group) under exact per-example clipping (``flat``/``per_layer``), through the
     fused Linear kernels on its patches (module docstring). Input ``[B, C, D, H, W]``."""
 
-    _weight_layout = exact.FLATTENED
+    _bp_weight_layout = exact.FLATTENED
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode="zeros", *, clipping="backprop", max_grad_norm=None, clip_fn="clip",
@@ -57,11 +57,11 @@ class Conv3d(_ExactOnly, _Clipped, nn.Conv3d):
                              "channels); convert_model leaves an nn.Conv3d with groups > 1 to the generic exact path")
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                          groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
-        self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm, norm_method)
+        self._bp_init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm, norm_method)
 
     @_in_parameter_dtype
     def forward(self, x):
-        x = self._check_input(x)
+        x = self._bp_check_input(x)
         if x.dim() != 5:
             raise ValueError(f"{self.layer_name}: the input must be [B, C, D, H, W]; got shape {tuple(x.shape)}")
         if self.groups != 1:  # changed after conversion: the patches' one Linear would ignore it
@@ -72,12 +72,12 @@ class Conv3d(_ExactOnly, _Clipped, nn.Conv3d):
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
             out = compiled.exact_layer(patches, self)
         else:
-            out = exact.exact_layer(patches, self, self._noise_sensitivity(x))
+            out = exact.exact_layer(patches, self, self._bp_noise_sensitivity(x))
         # [B, T, O] -> [B, O, D', H', W'], contiguous as torch's own output (a .view after it works)
         return out.unflatten(1, spatial).permute(0, 4, 1, 2, 3).contiguous()
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, {self._clip_repr()}"
+        return f"{super().extra_repr()}, {self._bp_clip_repr()}"
 
 
 def _padded(layer: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ class Embedding(_ExampleLayer, nn.Embedding):
         self.register_parameter("bias", None)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
-    def _check_input(self, x):
+    def _bp_check_input(self, x):
         name = self.layer_name
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name}: expected an int64/int32 tensor of indices, got "
@@ -41,7 +41,7 @@ class Embedding(_ExampleLayer, nn.Embedding):
                              f"{self.weight.device}; move the input or the model (.to(device)) so they match")
         if x.dim() < 1:
             raise ValueError(f"{name}: the input needs a batch dimension, [B, *]; got a scalar")
-        if self.__dict__.get("_step") is not None and not torch.compiler.is_compiling():
+        if self.__dict__.get("_bp_step") is not None and not torch.compiler.is_compiling():
             # Trained by an engine: one row shared by the call's examples is looked up per example
             # (bpclip_fast.broadcast; make_private's probes checked that this is safe for the model).
             x = broadcast.expand(x)

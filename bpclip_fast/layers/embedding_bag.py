@@ -59,7 +59,7 @@ class EmbeddingBag(_ExampleLayer, nn.EmbeddingBag):
     def _run(self, bags, input):
         if torch.compiler.is_compiling():
             return compiled.example_layer(self, bags)
-        return exact_examples.example_layer(self, bags, self._noise_sensitivity(input))
+        return exact_examples.example_layer(self, bags, self._bp_noise_sensitivity(input))
 
     def _bags(self, input, offsets, per_sample_weights):
         """``(indices [N], offsets [B + 1] ending at N, per-sample weights [N] or None)``, checked: one
@@ -95,7 +95,7 @@ class EmbeddingBag(_ExampleLayer, nn.EmbeddingBag):
             return input.reshape(-1), full, psw
         if input.dim() != 1:
             raise ValueError(f"{name}: the input must be 2-D [B, T] or 1-D with offsets, got {input.dim()}-D")
-        if self._step is not None:
+        if self._bp_step is not None:
             raise ValueError(
                 f"{name}: a 1-D input with offsets is not supported under make_private: the engine samples, "
                 "splits and probes batches along dim 0 of the inputs, one example per row, and a 1-D index "
@@ -168,7 +168,7 @@ class EmbeddingBag(_ExampleLayer, nn.EmbeddingBag):
         return examples.RowExamples(rows, keys // v, keys % v, b, None, v, self.weight.dtype)
 
     def extra_repr(self):
-        return f"{nn.EmbeddingBag.extra_repr(self)}, {self._clip_repr()}"
+        return f"{nn.EmbeddingBag.extra_repr(self)}, {self._bp_clip_repr()}"
 
 
 def _convert_embedding_bag(layer: nn.EmbeddingBag, **clipping) -> EmbeddingBag:

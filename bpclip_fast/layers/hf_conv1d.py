@@ -20,14 +20,14 @@ import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D as _HFConv1D
 
 from .. import compiled, exact, modes, registry
-from .base import _Clipped, _ExactOnly, _in_parameter_dtype
+from .base import _Clipped, _Public, _ExactOnly, _in_parameter_dtype
 
 
-class Conv1D(_ExactOnly, _Clipped, _HFConv1D):
+class Conv1D(_Public, _ExactOnly, _Clipped, _HFConv1D):
     """Hugging Face's ``Conv1D`` under exact per-example clipping (``flat``/``per_layer``), through the
     fused Linear kernels on the transposed weight (module docstring). Input ``[B, *, nx]``."""
 
-    _weight_layout = exact.TRANSPOSED
+    _bp_weight_layout = exact.TRANSPOSED
 
     def __init__(self, nf, nx, *, clipping="backprop", max_grad_norm=None, clip_fn="clip", gamma=0.01,
                  norm_method="auto", device=None, dtype=None):
@@ -38,22 +38,22 @@ class Conv1D(_ExactOnly, _Clipped, _HFConv1D):
                              "(requires_grad_(False))")
         with torch.device(device if device is not None else torch.get_default_device()):
             super().__init__(nf, nx)
-        self._init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm, norm_method)
-        if dtype is not None:  # after _init_clipping: _apply moves its counter too (integer: not cast)
+        self._bp_init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm, norm_method)
+        if dtype is not None:  # after _bp_init_clipping: _apply moves its counter too (integer: not cast)
             self.to(dtype)
 
     @_in_parameter_dtype
     def forward(self, x):
-        x = self._check_input(x)
+        x = self._bp_check_input(x)
         if x.dim() < 2:
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.nx}]; "
                              f"got shape {tuple(x.shape)}")
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
             return compiled.exact_layer(x, self)
-        return exact.exact_layer(x, self, self._noise_sensitivity(x))
+        return exact.exact_layer(x, self, self._bp_noise_sensitivity(x))
 
     def __repr__(self) -> str:
-        return f"Conv1D(nf={self.nf}, nx={self.nx}, {self._clip_repr()})"
+        return f"Conv1D(nf={self.nf}, nx={self.nx}, {self._bp_clip_repr()})"
 
 
 def _convert_hf_conv1d(layer: _HFConv1D, **clipping) -> Conv1D:

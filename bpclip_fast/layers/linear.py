@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import autograd, compiled, compiled_backprop, exact, registry
-from .base import _Clipped, _in_parameter_dtype
+from .base import _Clipped, _Public, _in_parameter_dtype
 
 
-class Linear(_Clipped, nn.Linear):
+class Linear(_Public, _Clipped, nn.Linear):
     """``nn.Linear`` whose inputs and upstream gradients are clipped per example (L2 norms).
 
     Input ``[B, *, in_features]``; each example's norm is taken over all its non-batch dims.
@@ -37,38 +37,38 @@ class Linear(_Clipped, nn.Linear):
     def __init__(self, in_features, out_features, bias=True, *, input_clip=None, grad_clip=None, clip_fn="clip",
                  gamma=0.01, clipping="backprop", max_grad_norm=None, norm_method="auto", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
+        self._bp_init_clipping(input_clip, grad_clip, clip_fn, gamma, clipping, max_grad_norm, norm_method)
 
-    def _shape_dependent(self, input_shape) -> bool:
+    def _bp_shape_dependent(self, input_shape) -> bool:
         return not self.exact and self.bias is not None and (input_shape is None or len(input_shape) > 2)
 
-    def _shape_rule(self) -> str:
+    def _bp_shape_rule(self) -> str:
         return "a biased Linear's Δ grows with the positions T of a [B, T, in] input"
 
     def sensitivity_for(self, input_shape=None) -> float:
         """``C_g √(C_x² + T·[bias])``, T the positions between batch and feature dims (module docstring);
         the noise bound ``C`` under exact clipping."""
         if self.exact:
-            return self.noise_bound
+            return self._bp_noise_bound
         tokens = 1 if input_shape is None else math.prod(input_shape[1:-1])
         bias = 1 if self.bias is not None else 0
-        return self.grad_clip * math.sqrt(self.input_clip ** 2 + tokens * bias)
+        return self._bp_grad_clip * math.sqrt(self._bp_input_clip ** 2 + tokens * bias)
 
     @_in_parameter_dtype
     def forward(self, x):
-        x = self._check_input(x)
+        x = self._bp_check_input(x)
         if x.dim() < 2:
             raise ValueError(f"{self.layer_name}: the input needs a batch dimension, [B, *, {self.in_features}]; "
                              f"got shape {tuple(x.shape)}")
         if torch.compiler.is_compiling():  # opaque ops, no Python read per step (compiled.py)
             return compiled.exact_layer(x, self) if self.exact else compiled_backprop.backprop_layer(x, self)
-        sens = self._noise_sensitivity(x)
+        sens = self._bp_noise_sensitivity(x)
         if self.exact:
             return exact.exact_layer(x, self, sens)
         return autograd.clipped_linear(x, self.weight, self.bias, self, sens)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, {self._clip_repr()}"
+        return f"{super().extra_repr()}, {self._bp_clip_repr()}"
 
 
 def _convert_linear(layer: nn.Linear, **clipping) -> Linear:

@@ -49,8 +49,8 @@ class LayerNorm(_ExampleLayer, nn.LayerNorm):
                          dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
-    def _check_input(self, x):
-        return _normalized_input(self, super()._check_input(x))
+    def _bp_check_input(self, x):
+        return _normalized_input(self, super()._bp_check_input(x))
 
     def _forward(self, x, weight, bias, keep):
         if not keep:
@@ -73,8 +73,8 @@ class GroupNorm(_ExampleLayer, nn.GroupNorm):
         super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
-    def _check_input(self, x):
-        x = super()._check_input(x)
+    def _bp_check_input(self, x):
+        x = super()._bp_check_input(x)
         if x.dim() < 2 or x.shape[1] != self.num_channels:
             raise ValueError(f"{self.layer_name}: the input must be [B, {self.num_channels}, *]; got {tuple(x.shape)}")
         return x
@@ -107,8 +107,8 @@ class RMSNorm(_ExampleLayer, nn.RMSNorm):
         self.register_parameter("bias", None)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
-    def _check_input(self, x):
-        return _normalized_input(self, super()._check_input(x))
+    def _bp_check_input(self, x):
+        return _normalized_input(self, super()._bp_check_input(x))
 
     def _forward(self, x, weight, bias, keep):
         if not keep:
@@ -148,8 +148,8 @@ class _InstanceNorm(_ExampleLayer):
                          device=device, dtype=dtype, **({} if bias else {"bias": False}))
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
-    def _check_input(self, x):
-        x = super()._check_input(x)
+    def _bp_check_input(self, x):
+        x = super()._bp_check_input(x)
         dims = self._get_no_batch_dim() + 1
         if x.dim() != dims or x.shape[1] != self.num_features:
             raise ValueError(f"{self.layer_name}: the input must be [B, {self.num_features}"

@@ -19,8 +19,8 @@ class PositionalEmbedding(_ExampleLayer, modules.PositionalEmbedding):
         super().__init__(*shape, device=device, dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
-    def _check_input(self, x):
-        x = super()._check_input(x)
+    def _bp_check_input(self, x):
+        x = super()._bp_check_input(x)
         self._check_shape(x)
         return x
 
@@ -40,8 +40,8 @@ class ClassToken(_ExampleLayer, modules.ClassToken):
         super().__init__(dim, tokens, device=device, dtype=dtype)
         self._init_exact(clipping, max_grad_norm, clip_fn, gamma)
 
-    def _check_input(self, x):
-        x = super()._check_input(x)
+    def _bp_check_input(self, x):
+        x = super()._bp_check_input(x)
         self._check_shape(x)
         return x
 

@@ -46,4 +46,4 @@ class Backprop(Mode):
 
     def set_thresholds(self, layers, values, collector) -> None:
         for layer, cx, cg in zip(layers, values[0::2], values[1::2]):
-            layer._set_bounds(input_clip=cx, grad_clip=cg)
+            layer._bp_set_bounds(input_clip=cx, grad_clip=cg)

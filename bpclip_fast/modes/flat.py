@@ -20,13 +20,13 @@ class Flat(ExactMode):
         exact.attach_flat(module, list(layers), max_grad_norm, clip_fn, gamma)
 
     def collector(self, layers):
-        return layers[0]._flat
+        return layers[0]._bp_flat
 
     def built_layer_problems(self, named_layers, max_grad_norm) -> list[str]:
         # Layers of another mode are reported for their clipping already.
-        return [f"{name} has max_grad_norm={layer.max_grad_norm:g}, not {float(max_grad_norm):g}"
+        return [f"{name} has max_grad_norm={layer._bp_max_grad_norm:g}, not {float(max_grad_norm):g}"
                 for name, layer in named_layers
-                if layer.clipping == self.name and layer.max_grad_norm != float(max_grad_norm)]
+                if layer._bp_clipping == self.name and layer._bp_max_grad_norm != float(max_grad_norm)]
 
     # One threshold C for all the layers.
     def threshold_slots(self, layers) -> list:
@@ -39,7 +39,7 @@ class Flat(ExactMode):
     def set_thresholds(self, layers, values, collector) -> None:
         collector._set_max_grad_norm(values[0])
         for layer in layers:
-            layer._set_bounds(max_grad_norm=values[0], noise_bound=values[0])
+            layer._bp_set_bounds(max_grad_norm=values[0], noise_bound=values[0])
 
     def step_problems(self, steps) -> list:
         """Each release's factor must cover every layer an example reached in the step, so every

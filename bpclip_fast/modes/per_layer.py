@@ -39,11 +39,11 @@ class PerLayer(ExactMode):
 
     def settle(self, module, layers, max_grad_norm, clip_fn: str, gamma: float) -> None:
         # An example's whole gradient has norm ≤ (Σ_l C_l²)^½: each layer's noise is scaled to that.
-        total = noise_bound([layer.max_grad_norm for layer in layers])
+        total = noise_bound([layer._bp_max_grad_norm for layer in layers])
         for layer in layers:
-            layer.noise_bound = total
+            layer._bp_noise_bound = total
 
     def set_thresholds(self, layers, values, collector) -> None:
         total = noise_bound(values)
         for layer, c in zip(layers, values):
-            layer._set_bounds(max_grad_norm=c, noise_bound=total)
+            layer._bp_set_bounds(max_grad_norm=c, noise_bound=total)
