@@ -689,3 +689,83 @@ def test_a_unit_adds_only_bp_names_besides_its_public_api():
     cls_added = set(dir(type(unit))) - set(dir(Configured))
     assert cls_added and all(n.startswith("_bp_") or n in generic.UNIT_NAMES for n in cls_added), sorted(cls_added)
 
+
+class CallsChildTwice(nn.Module):
+    """A unit whose forward calls its child twice: one unit, one per-example gradient over both uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(torch.tanh(self.inner(x) * self.scale))
+
+
+class Body(nn.Module):
+    def __init__(self, body, child_outside=False):
+        super().__init__()
+        self.body, self.child_outside = body, child_outside
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.child_outside:  # the unit's child called by the parent as well, by its own name
+            h = self.body.inner(h)
+        return self.head(torch.tanh(h.mean(1)))
+
+
+def _make_private(model, mode):
+    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        clipping=mode, noise_seed=3)
+    return engine, model, opt, loader
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("case", ["unit_calls_its_child_twice", "two_units_one_child"])
+def test_a_child_called_twice_inside_its_unit_is_not_reuse(case, mode):
+    """Review 33 F2: make_private's reuse rule counted the calls of modules inside a generic unit, so
+    a unit calling its child twice (or the whole-model unit of two units sharing a child) was refused
+    with "use a separate layer per use", although the unit clips each example's gradient over its
+    whole forward. The calls a unit's own forward makes count once now: make_private accepts, two
+    steps land, and the release is per-example clipping's against float64 truth from batches of one."""
+    make = (lambda: Body(CallsChildTwice())) if case == "unit_calls_its_child_twice" else (lambda: Shared(case))
+    torch.manual_seed(3)
+    model = make().double()
+    x, y = _inputs(5)
+    grads = per_example_grads(copy.deepcopy(model), x, y)
+    C = 0.5
+    bnn.convert_model(model, clipping=mode, max_grad_norm=C)
+    truth, scale = clipped_truth(grads, groups_of(model, C if mode == "flat" else None))
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    for n, p in model.named_parameters():
+        tol = 1000 * EPS64 * float(scale[n].max())  # as test_release_equals_per_example_clipping
+        assert p.grad is not None, n
+        assert torch.all((p.grad - truth[n]).abs() <= tol), (n, float((p.grad - truth[n]).abs().max()))
+    torch.manual_seed(0)
+    engine, model, opt, loader = _make_private(make(), mode)
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert engine.steps == 2
+
+
+@pytest.mark.parametrize("probe", [True, False])
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_units_child_called_from_outside_the_unit_is_still_reuse(mode, probe):
+    """What the unit's forward does not cover still counts: its child called by the parent as well
+    would get a gradient from outside the unit. make_private refuses it by the reuse rule, before any
+    step (the dynamic probes and the one-example probe alike); a step would refuse it, charged."""
+    model = Body(CallsChildTwice(), child_outside=True)
+    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+    engine = PrivacyEngine()
+    with pytest.raises(ValueError, match=r"body\.inner.*reached 2 times.*rule: reuse"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
+                            max_grad_norm=1.0, clipping=mode, probe=probe)
+    assert type(model.body) is CallsChildTwice  # refused before anything was changed

@@ -5,7 +5,7 @@ shapes: a Δ taken from each batch would make the noise std depend on the data."
 
 from __future__ import annotations
 
-from .. import batches, criterion as _criterion, registry, validate as _validate
+from .. import batches, criterion as _criterion, modes, registry, validate as _validate
 from ._common import to_device
 
 
@@ -31,7 +31,7 @@ def model_problems(inner, optimizer, data_loader, max_input_shape, probe, clippi
         callable_ = False
     if example is not None:
         try:
-            twice, shapes = _validate.probe(inner, example)
+            twice, shapes = _validate.probe(inner, example, clipping in modes.EXACT)
             if not probe:
                 problems += twice  # the dynamic probes report reuse themselves
         except TypeError as exc:  # the model does not take this split: the other probes would fail alike
@@ -105,12 +105,12 @@ def fix_sensitivities(layers, shapes: dict, declared: bool) -> None:
             continue  # declared on the layer itself
         shape = shapes.get(name)
         if shape is None:
-            if layer._shape_dependent(None):
+            if layer._bp_shape_dependent(None):
                 problems.append(f"{name}: no probe forward reached it, and its sensitivity depends on its input "
-                                f"shape ({layer._shape_rule()}); call {name}.set_max_input_shape(...) first")
+                                f"shape ({layer._bp_shape_rule()}); call {name}.set_max_input_shape(...) first")
             continue
-        if layer._shape_dependent(shape) and not declared:
-            problems.append(f"{name}: its sensitivity depends on its input shape ({layer._shape_rule()}), so it "
+        if layer._bp_shape_dependent(shape) and not declared:
+            problems.append(f"{name}: its sensitivity depends on its input shape ({layer._bp_shape_rule()}), so it "
                             "must not be taken from a sampled example; pass max_input_shape=(largest per-example "
                             "input shape) to make_private, and pad or truncate inputs to at most that shape")
             continue

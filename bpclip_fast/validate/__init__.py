@@ -44,7 +44,10 @@ problem message names the module (qualified name and type) and the rule, and say
     4. *gradient ownership*: each trainable layer's parameter gradient equals the one the layer
        computes from its own inputs and output gradients. Catches a weight also used in plain code
        (a tied decoder ``F.linear(z, enc.weight.t())``), by another module, or by two layers.
-    5. *reuse*: no module owning trainable parameters is reached more than once per forward.
+    5. *reuse*: no module owning trainable parameters is reached more than once per forward; the
+       calls a generic unit's own forward makes to a module inside it count once (the unit's
+       per-example gradient covers them), its calls from outside the unit each
+       (:func:`bpclip_fast.validate.forward.count_hooks`).
 
     An Embedding's index of one row in the probe batch (a position index shared by the examples) is
     looked up once per example in every pass, as in private training (:mod:`bpclip_fast.broadcast`),

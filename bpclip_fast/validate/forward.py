@@ -33,6 +33,42 @@ def _reuse_problems(calls: dict[str, int], model: nn.Module) -> list[str]:
             for name, k in calls.items() if k > 1]
 
 
+def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool) -> list:
+    """Hooks that count into ``counts`` the calls of every module owning trainable parameters (rule
+    *reuse*); returns their handles. The calls a module inside a generic unit (``shared``: the exact
+    modes' units, :func:`registry.generic_units`) gets while that unit's forward runs count once
+    together: the unit's per-example gradient is taken over its whole forward, a child it calls twice
+    one term of it (review 33 F2). Its calls from outside the unit count each, and so does the unit."""
+    units = registry.generic_units(model, shared)
+    unit_of = {id(sub): id(u) for _, u in units for sub in u.modules() if sub is not u}
+    running: dict[int, int] = {}
+    inside: set[str] = set()
+    handles = []
+
+    def enter(mod, args):
+        running[id(mod)] = running.get(id(mod), 0) + 1
+
+    def leave(mod, args, out):
+        running[id(mod)] -= 1
+
+    for _, u in units:
+        handles.append(u.register_forward_pre_hook(enter))
+        handles.append(u.register_forward_hook(leave, always_call=True))
+    for name, m in model.named_modules():
+        if not registry.owns_trainable(m):
+            continue
+
+        def count(mod, args, _name=name, _unit=unit_of.get(id(m))):
+            if _unit is not None and running.get(_unit):
+                if _name in inside:
+                    return
+                inside.add(_name)
+            counts[_name] = counts.get(_name, 0) + 1
+
+        handles.append(m.register_forward_pre_hook(count))
+    return handles
+
+
 @contextlib.contextmanager
 def _preserved_state(model: nn.Module):
     """Restores the model's buffers and the random number generators after a probe forward."""
@@ -46,18 +82,18 @@ def _preserved_state(model: nn.Module):
                     b.copy_(saved)
 
 
-def probe(model: nn.Module, example_input) -> tuple[list[str], dict[str, tuple]]:
+def probe(model: nn.Module, example_input, shared: bool = False) -> tuple[list[str], dict[str, tuple]]:
     """One forward pass of ``example_input``: (problems: modules with trainable parameters called more
-    than once, {qualified name: input shape} of every clipped layer)."""
+    than once (``shared``: the exact modes' generic units, :func:`count_hooks`),
+    {qualified name: input shape} of every clipped layer)."""
     calls: dict[str, int] = {}
     shapes: dict[str, tuple] = {}
-    handles = []
+    handles = count_hooks(model, calls, shared)
     for name, m in model.named_modules():
         if not registry.owns_trainable(m):
             continue
 
         def hook(mod, args, _name=name):
-            calls[_name] = calls.get(_name, 0) + 1
             if args and isinstance(args[0], torch.Tensor):
                 shapes[_name] = tuple(args[0].shape)
 

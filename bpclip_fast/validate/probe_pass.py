@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import batches, broadcast, registry
-from .forward import _call
+from .forward import _call, count_hooks
 from .probe_input import _SEED, _map_tensors, _random_like, _tensors
 
 
@@ -77,14 +77,13 @@ def _seed(devices: list[int]) -> None:
 def _record(model: nn.Module, record: _Pass) -> list:
     """Hooks that fill ``record`` during a forward (and the backward after it); returns their handles."""
     layers = {id(m) for _, m in _trainable_layers(model)}
-    handles = []
+    handles = count_hooks(model, record.counts, _SHARED_UNITS.get())
     for name, m in model.named_modules():
         if not registry.owns_trainable(m):
             continue
         is_layer = id(m) in layers
 
         def before(mod, args, kwargs, _name=name, _is_layer=is_layer):
-            record.counts[_name] = record.counts.get(_name, 0) + 1
             if _is_layer:
                 x = args[0] if args and isinstance(args[0], torch.Tensor) else None
                 # A copy: later in-place operations must not change what probe 4 recomputes from.
