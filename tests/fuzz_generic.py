@@ -321,7 +321,7 @@ def check(case: fb.Case, removal: bool = True) -> dict:
     unit = plain_unit(case)
     model = converted(case, unit)
     x, gs = inputs(case, unit)
-    b, bound = case.batch, model.unit.noise_bound
+    b, bound = case.batch, model.unit._bp_noise_bound
     with recording() as seen:
         full = release(model, case, x, gs)
     assert len(seen) == 1, f"the unit built {len(seen)} DenseExamples for one backward\n{case}"

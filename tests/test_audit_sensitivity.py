@@ -287,7 +287,7 @@ def test_per_layer_noise_bound_halved_is_caught(monkeypatch):
     """Four layers (C_l = C/2 each): halving the C the noise is scaled to still passes the layers'
     own C_l ≤ C check, and only the total row sees it."""
     model, engine, *_, shape, classes = private(lambda: mlp(depth=3), "per_layer", max_grad_norm=1.0)
-    monkeypatch.setattr(bnn.Linear, "noise_bound", property(lambda self: self.__dict__["noise_bound"] / 2),
+    monkeypatch.setattr(bnn.Linear, "_bp_noise_bound", property(lambda self: self.__dict__["_bp_noise_bound"] / 2),
                         raising=False)
     report = sensitivity(model, batch_for(shape, classes, scale=100.0), engine=engine)
     assert not report.ok
@@ -507,13 +507,13 @@ def test_biased_sequence_linear_noise_forgetting_t_is_caught(monkeypatch):
 def test_a_layer_drawing_no_noise_is_caught_unless_its_engine_claims_none(monkeypatch):
     model, engine, *_, shape, classes = private(mlp, "flat")
     layer = model[2]
-    object.__setattr__(layer, "noise_multiplier", 0.0)  # past the engine's guard: a layer that forgot σ
+    object.__setattr__(layer, "_bp_noise_multiplier", 0.0)  # past the engine's guard: a layer that forgot σ
     report = sensitivity(model, batch_for(shape, classes), engine=engine)
     rows = {r.name: r for r in report.noise}
     assert not report.ok and rows["2"].status == "under" and rows["2"].ratio == 0 and rows["0"].status == "ok"
     # A DDP rank other than 0: its layers add no noise (rank 0 adds the draw), as its engine claims.
     monkeypatch.setattr(engine, "rank", 1)
-    object.__setattr__(model[0], "noise_multiplier", 0.0)
+    object.__setattr__(model[0], "_bp_noise_multiplier", 0.0)
     report = sensitivity(model, batch_for(shape, classes), engine=engine)
     assert report.ok and all(r.status == "σ = 0" for r in report.noise)
     assert "no noise" in report.line()
