@@ -54,8 +54,7 @@ def _bpclip_fast(model, x, y, seed, crit, clipping="backprop", norm_method="auto
         bnn.convert_model(model, input_clip=INPUT_CLIP, grad_clip=GRAD_CLIP)  # norm l15, clip_fn clip
     else:  # exact per-example clipping to Opacus' max_grad_norm (GRAD_CLIP), norms by the cost rule
         bnn.convert_model(model, clipping=clipping, max_grad_norm=GRAD_CLIP, norm_method=norm_method)
-    for _, layer in bnn.clipped_layers(model):
-        layer.noise_multiplier = SIGMA
+    bnn.set_noise_multiplier(model, SIGMA)
     stream = bnn.NoiseStream(seed=seed)  # explicit seed: reproducible (insecure; cost is the same)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 

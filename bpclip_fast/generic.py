@@ -316,17 +316,26 @@ def _per_example(outs, gs, dims, rows, leaves) -> torch.Tensor:
 UNIT_NAMES = ("exact", "layer_name", "max_input_shape", "sensitivity", "sensitivity_for", "set_max_input_shape")
 
 
-def check_names(module: nn.Module) -> None:
-    """Refuses a module that defines one of :data:`UNIT_NAMES` (its class, an attribute, a
-    parameter, a buffer or a child), before its class is swapped."""
+def unit_problems(name: str, module: nn.Module) -> list[str]:
+    """Why ``module`` cannot become a generic unit, found before anything is converted
+    (``registry.mode_problems``: convert_model and make_private report them with the others): it
+    defines one of :data:`UNIT_NAMES` (its class, an attribute, a parameter, a buffer or a child),
+    which the unit would shadow, or its parameters have several dtypes (the path releases them as one
+    vector)."""
+    problems = []
     own = (set(module.__dict__) | set(module._parameters) | set(module._buffers) | set(module._modules)
            | {n for n in UNIT_NAMES if hasattr(type(module), n)})
     clash = sorted(own.intersection(UNIT_NAMES))
     if clash:
-        raise ValueError(f"{type(module).__name__}: has no fused clipped layer, so it is trained by the generic exact "
-                         f"path, which adds {', '.join(clash)} to the module; this module already defines "
-                         f"{'it' if len(clash) == 1 else 'them'}. Rename the attribute in the module, or freeze its "
-                         "parameters (requires_grad_(False))")
+        problems.append(f"{name}: has no fused clipped layer, so it is trained by the generic exact path, which adds "
+                        f"{', '.join(clash)} to the module; this module already defines "
+                        f"{'it' if len(clash) == 1 else 'them'}. Rename the attribute in the module, or freeze its "
+                        "parameters (requires_grad_(False))")
+    dtypes = {p.dtype for p in module.parameters()}
+    if len(dtypes) > 1:
+        problems.append(f"{name}: the generic exact path releases a module's parameters as one vector of one dtype, "
+                        f"but they have {sorted(map(str, dtypes))}; convert the module to one dtype (module.to(dtype))")
+    return problems
 
 
 class GenericLayer:
@@ -336,6 +345,14 @@ class GenericLayer:
     _bp_generic = True
 
     def _bp_init_generic(self, clipping, max_grad_norm, clip_fn, gamma):
+        from .layers.base import CONFIG  # here: bpclip_fast.layers imports this module
+
+        # The configuration's public names the module has no use for itself (an attribute, parameter,
+        # buffer, child or class attribute of that name): on those the unit shows ours, as our layer
+        # types do (a loop setting every clipped layer's noise_multiplier reaches the unit too).
+        mine = set(self.__dict__) | set(self._parameters) | set(self._buffers) | set(self._modules)
+        nn.Module.__setattr__(self, "_bp_public", frozenset(n for n in CONFIG if n not in mine
+                                                            and not hasattr(type(self)._bp_base, n)))
         # named_parameters lists a parameter registered twice (tied) once: one parameter of the unit.
         names = [name for name, _ in self.named_parameters()]
         slots = []
@@ -343,13 +360,21 @@ class GenericLayer:
             owner, _, attr = name.rpartition(".")
             slots.append((self.get_submodule(owner) if owner else self, attr))
         nn.Module.__setattr__(self, "_bp_slots", tuple(slots))
-        nn.Module.__setattr__(self, "_bp_names", tuple(names))
-        dtypes = {m._parameters[name].dtype for m, name in slots}
-        if len(dtypes) != 1:
-            raise ValueError(f"{type(self).__name__}: the generic exact path releases a module's parameters as one "
-                             f"vector of one dtype, but they have {sorted(map(str, dtypes))}; convert the module to "
-                             "one dtype (module.to(dtype))")
+        nn.Module.__setattr__(self, "_bp_names", tuple(names))  # unit_problems checked them before the swap
         self._bp_init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)  # the module's parameters, buffers and children first
+        except AttributeError:
+            if name in self.__dict__.get("_bp_public", ()):
+                return self.__dict__["_bp_" + name]
+            raise
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__.get("_bp_public", ()):
+            name = "_bp_" + name  # ours (_Clipped's guard applies): the module has no attribute of that name
+        super().__setattr__(name, value)
 
     def _bp_param_device(self):
         m, name = self._bp_slots[0]

@@ -65,6 +65,18 @@ def clipped_layers(module: nn.Module):
     return [(name or type(m).__name__, m) for name, m in module.named_modules() if isinstance(m, _Clipped)]
 
 
+def set_noise_multiplier(module: nn.Module, noise_multiplier: float) -> None:
+    """Every clipped layer's noise multiplier (its draw's std is ``noise_multiplier·Δ``), for training
+    without the engine. A generic unit's too, whatever names the user's module holds itself: its own
+    ``noise_multiplier`` attribute would take ``layer.noise_multiplier = σ`` and leave the unit
+    unnoised. Fixed after ``make_private``, as the layers' public names are."""
+    sigma = float(noise_multiplier)
+    if not 0.0 <= sigma < float("inf"):
+        raise ValueError(f"set_noise_multiplier: noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
+    for _, layer in clipped_layers(module):
+        layer._bp_noise_multiplier = sigma
+
+
 class NoiseStream:
     """The (seed, step) that key the Philox noise of a model.
 
@@ -162,7 +174,6 @@ def _convert_generic(module: nn.Module, **clipping) -> nn.Module:
     attributes, parameters, hooks and state_dict keys stay), or returned as it is if it is one."""
     if registry.is_generic(module):
         return module
-    generic.check_names(module)
     module.__class__ = generic.generic_class(type(module))
     module._bp_init_generic(**_exact_kwargs(clipping))
     return module

@@ -337,11 +337,18 @@ def unbounded(model: nn.Module, clipping: str) -> list[str]:
 
 
 def mode_problems(model: nn.Module, clipping: str) -> list[str]:
-    """``"<label>: <reason>"`` for every module of :func:`unbounded` (``convert_model`` and
-    ``validate`` report these)."""
-    return [f"{where}: clipping={clipping!r} has no proved bound for its parameters; use clipping='flat' or "
-            "'per_layer' (exact per-example clipping), or freeze it (requires_grad_(False))"
-            for where in unbounded(model, clipping)]
+    """``"<label>: <reason>"`` for every module of :func:`unbounded`, and in the exact modes every
+    generic unit that cannot be one (:func:`bpclip_fast.generic.unit_problems`); ``convert_model``
+    and ``validate`` report these before anything is converted."""
+    problems = [f"{where}: clipping={clipping!r} has no proved bound for its parameters; use clipping='flat' or "
+                "'per_layer' (exact per-example clipping), or freeze it (requires_grad_(False))"
+                for where in unbounded(model, clipping)]
+    if clipping in _EXACT_MODES:
+        from .generic import unit_problems  # here: bpclip_fast.generic is imported after the registry
+
+        problems += [p for name, m in generic_units(model) if not is_generic(m)
+                     for p in unit_problems(label(name, m, model), m)]
+    return problems
 
 
 def mixes_batch(module: nn.Module) -> bool:

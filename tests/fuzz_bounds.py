@@ -409,7 +409,7 @@ def _bound_of(case: Case, model: nn.Sequential, xl: torch.Tensor) -> float:
     layer = model[0]
     if case.mode == "backprop":
         return layer.sensitivity_for(tuple(xl.shape))
-    return layer.noise_bound
+    return layer._bp_noise_bound
 
 
 def check(case: Case, removal: bool = True) -> dict:

@@ -254,7 +254,7 @@ def test_resume_continues_the_thresholds(mode):
     layers = [layer for _, layer in engine2.clipped_layers]
     if mode == "per_layer":  # the noise bound follows the restored thresholds
         total = math.sqrt(sum(v * v for v in thresholds.values()))
-        assert all(layer.noise_bound == pytest.approx(total) for layer in layers)
+        assert all(layer._bp_noise_bound == pytest.approx(total) for layer in layers)
     train_steps(model2, opt2, loader2, 1, loss_fn=ce)  # and training goes on from there
     fixed = make(mlp(init=0), X, Y, mode, batch_size=16, adaptive=None)
     with pytest.raises(ValueError, match="adaptive"):

@@ -148,7 +148,7 @@ def test_contributions_equal_the_oracle(mode, kind, reduction):
         oracle = backprop_oracle(plain, x, y)
     else:
         c = next(iter(layers.values())).noise_bound
-        thresholds = 1.0 if mode == "flat" else {n: layer.max_grad_norm for n, layer in layers.items()}
+        thresholds = 1.0 if mode == "flat" else {n: layer._bp_max_grad_norm for n, layer in layers.items()}
         assert c == pytest.approx(1.0)  # flat: C; per_layer: (Σ C_l²)^½ of the split C/√L
         checked = {r.name for r in report.rows if r.checked}
         assert checked == ({"flat"} if mode == "flat" else set(layers) | {"total"})
@@ -303,7 +303,7 @@ def _state(model, engine):
             {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
             engine.steps, copy.deepcopy(engine.accountant.state_dict()),
             [(layer._bp_step, layer._bp_step.key, layer._bp_step.rows, layer._bp_step.noised, layer._bp_step._draws,
-              layer.noise_multiplier) for _, layer in engine.clipped_layers],
+              layer._bp_noise_multiplier) for _, layer in engine.clipped_layers],
             [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()])
 
 

@@ -125,7 +125,7 @@ def _worker(rank, port, out_dir):
             layers = [m for m in model.modules() if isinstance(m, bnn._Clipped)]
             result = {"params": [p.detach().clone() for p in model.module.parameters()], "sizes": sizes,
                       "epsilon": engine.get_epsilon(DELTA), "steps": engine.steps,
-                      "sigmas": [layer.noise_multiplier for layer in layers], "seed": engine._seed,
+                      "sigmas": [layer._bp_noise_multiplier for layer in layers], "seed": engine._seed,
                       "thresholds": engine.thresholds()}
             torch.save(result, os.path.join(out_dir, f"{mode}_prewrap{int(prewrap)}_rank{rank}.pt"))
         dist.barrier()

@@ -336,7 +336,7 @@ def test_per_layer_thresholds_list_and_noise_bound():
     model = copy.deepcopy(net)
     bnn.convert_model(model, clipping="per_layer", max_grad_norm=thresholds)
     layers = [layer for _, layer in bnn.clipped_layers(model)]
-    assert [layer.max_grad_norm for layer in layers] == thresholds
+    assert [layer._bp_max_grad_norm for layer in layers] == thresholds
     assert all(layer.sensitivity == pytest.approx(math.sqrt(sum(t * t for t in thresholds))) for layer in layers)
     x, y = batch("mixed", (2, 6, 6), n=5), torch.randint(0, 5, (5,))
     F.cross_entropy(model(x), y, reduction="sum").backward()

@@ -279,8 +279,8 @@ def test_per_layer_thresholds_count_each_clipped_linear():
     assert [name for name, _ in clipped] == ["0", "1.ih_l0", "1.hh_l0", "1.ih_l0_reverse", "1.hh_l0_reverse",
                                              "1.ih_l1", "1.ih_l1_reverse", "1.hh_l1_reverse"]
     assert type(model[1].hh_l1) is nn.Linear
-    assert all(layer.max_grad_norm == pytest.approx(2.0 / math.sqrt(8)) for _, layer in clipped)
-    assert all(layer.noise_bound == pytest.approx(2.0) and layer.noise_bound >= 2.0 for _, layer in clipped)
+    assert all(layer._bp_max_grad_norm == pytest.approx(2.0 / math.sqrt(8)) for _, layer in clipped)
+    assert all(layer._bp_noise_bound == pytest.approx(2.0) and layer._bp_noise_bound >= 2.0 for _, layer in clipped)
     with pytest.raises(ValueError, match="max_grad_norm has 2 thresholds but the model has 5 layers"):
         bnn.convert_model(nn.Sequential(nn.Linear(2, 2), nn.RNN(2, 2, bidirectional=True)), clipping="per_layer",
                           max_grad_norm=[1.0, 1.0])
@@ -363,7 +363,7 @@ def test_removing_an_example_far_above_c_changes_the_release_by_c(kind, config, 
     c_unit = 1e-3 * smallest
     c = c_unit if mode == "flat" else c_unit * math.sqrt(len(groups))
     model = bnn.convert_model(copy.deepcopy(module), clipping=mode, max_grad_norm=c)
-    assert all(layer.max_grad_norm == pytest.approx(c_unit) for _, layer in bnn.clipped_layers(model))
+    assert all(layer._bp_max_grad_norm == pytest.approx(c_unit) for _, layer in bnn.clipped_layers(model))
 
     def release(keep):
         model.zero_grad(set_to_none=True)

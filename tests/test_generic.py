@@ -769,3 +769,144 @@ def test_a_units_child_called_from_outside_the_unit_is_still_reuse(mode, probe):
                             data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
                             max_grad_norm=1.0, clipping=mode, probe=probe)
     assert type(model.body) is CallsChildTwice  # refused before anything was changed
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_unit_shows_the_configuration_where_the_module_has_no_name_of_its_own(mode):
+    """Where the module has no attribute of a configuration name, the unit shows ours under it, as
+    our layer types do: a loop that sets every clipped layer's noise_multiplier reaches the unit
+    (an attribute of the user's instead would have left it unnoised), and the bounds are fixed by
+    make_private. Where it has one (the layer scale's gamma), the name stays the module's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LayerScale(4), nn.Linear(4, 3))
+    bnn.convert_model(model, clipping=mode, max_grad_norm=0.7)
+    unit = model[0]
+    assert unit.max_grad_norm == unit._bp_max_grad_norm and unit.noise_bound == unit._bp_noise_bound == 0.7
+    assert unit.clipping == mode
+    assert isinstance(unit.gamma, nn.Parameter) and unit._bp_gamma == 0.01
+    for _, layer in bnn.clipped_layers(model):
+        layer.noise_multiplier = 1.1
+    assert unit._bp_noise_multiplier == 1.1 and "noise_multiplier" not in vars(unit)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    engine = PrivacyEngine()
+    model = nn.Sequential(LayerScale(4), nn.Linear(4, 3))
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        clipping=mode, noise_seed=3)
+    for name, value in (("max_grad_norm", 5.0), ("noise_multiplier", 0.0), ("clip_fn", "normalize")):
+        with pytest.raises(AttributeError, match=f"{name} is fixed by make_private"):
+            setattr(model[0], name, value)
+
+
+class OwnSigma(nn.Module):
+    """A unit whose module has a noise_multiplier of its own (a plain attribute)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+        self.noise_multiplier = 0.25
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("unit", [LayerScale, OwnSigma])
+def test_training_without_the_engine_noises_a_generic_unit(unit, mode):
+    """Review 34 F1: the README's protocol without the engine sets each clipped layer's noise
+    multiplier; on a unit that had become a plain attribute of the user's module, and the unit
+    released its clipped sum unnoised. bnn.set_noise_multiplier reaches every layer whatever the
+    module's names; the public name does too where the module has none of its own. The unit's own
+    gradient is zero here (zero input), so what it releases is its noise: std σ·C per entry."""
+    sigma, C = 100.0, 1.0
+    ways = ["function"] + (["attribute"] if unit is LayerScale else [])
+    for way in ways:
+        torch.manual_seed(0)
+        model = nn.Sequential(unit(4), nn.Linear(4, 3))
+        bnn.convert_model(model, clipping=mode, max_grad_norm=C)
+        if way == "function":
+            bnn.set_noise_multiplier(model, sigma)
+        else:
+            for _, layer in bnn.clipped_layers(model):
+                layer.noise_multiplier = sigma
+        if unit is OwnSigma:
+            assert model[0].noise_multiplier == 0.25  # the module's own attribute is left alone
+        bnn.arm_noise(model, bnn.NoiseStream(seed=1))
+        x = torch.zeros(8, 4)
+        nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long), reduction="sum").backward()
+        released = next(p.grad for n, p in model[0].named_parameters())
+        # 4 normals of std σ·C_unit (C_unit ≥ C/√2 per layer): all below 10⁻³·σ has probability < 10⁻¹⁰
+        assert float(released.abs().max()) > 1e-3 * sigma, (way, released)
+    with pytest.raises(ValueError, match="noise_multiplier must be finite"):
+        bnn.set_noise_multiplier(model, float("nan"))
+
+
+class TiedPair(nn.Module):
+    """No parameter of its own: the common ancestor of a tied pair, one unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class TiedTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = TiedPair()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.t(self.t(x)).mean(1))
+
+
+class HookCallsChild(nn.Module):
+    """A forward hook of the unit calls its child again: outside the unit's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = _Scaled()
+        self.head = nn.Linear(4, 3)
+        self.u.register_forward_hook(lambda m, args, out: m.inner(out))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.u(x).mean(1)))
+
+
+@pytest.mark.parametrize("probe", [True, False])
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("make", [TiedTwice, HookCallsChild])
+def test_what_a_units_forward_does_not_cover_is_reuse_at_make_private(make, mode, probe):
+    """Review 34 F2, F3: a unit holding no parameter itself (the common ancestor of tied weights)
+    applied twice, and a unit's child called by the unit's forward hook, were accepted at
+    make_private once calls inside a unit counted once, and every step was then refused and
+    charged. The unit's own calls are counted whatever it holds, and the counting leaves the unit
+    before the loop's forward hooks run: both are refused as reuse before anything changes."""
+    model = make()
+    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+    with pytest.raises(ValueError, match=r"reached 2 times.*rule: reuse"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+                                     noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode, probe=probe)
+    assert all(not isinstance(m, bnn._Clipped) for m in model.modules())
+
+
+@pytest.mark.parametrize("bad", ["name", "dtypes"])
+def test_a_module_that_cannot_be_a_unit_is_refused_before_anything_is_converted(bad):
+    """Review 34 F4: the refusal came from inside the conversion, after the modules before the unit
+    had been swapped in place, so make_private raised on a half-converted model that plain training
+    then refused too. Both unit problems (a name the unit would shadow, parameters of several
+    dtypes) are reported with the model's other problems, before any change."""
+    unit = HasSensitivity() if bad == "name" else _Scaled()
+    if bad == "dtypes":
+        unit.scale.data = unit.scale.data.double()
+    model = nn.Sequential(nn.Linear(4, 4), unit, nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="already defines" if bad == "name" else "one vector of one dtype"):
+        bnn.convert_model(model, clipping="flat", max_grad_norm=1.0)
+    assert all(not isinstance(m, bnn._Clipped) for m in model.modules())
+    if bad == "name":
+        nn.functional.cross_entropy(model(torch.randn(4, 4)), torch.zeros(4, dtype=torch.long)).backward()

@@ -38,7 +38,8 @@ def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool) -> list:
     *reuse*); returns their handles. The calls a module inside a generic unit (``shared``: the exact
     modes' units, :func:`registry.generic_units`) gets while that unit's forward runs count once
     together: the unit's per-example gradient is taken over its whole forward, a child it calls twice
-    one term of it (review 33 F2). Its calls from outside the unit count each, and so does the unit."""
+    one term of it (review 33 F2). Its calls from outside the unit (its hooks' too) count each, and so
+    does each call of the unit, whether or not it holds a parameter itself."""
     units = registry.generic_units(model, shared)
     unit_of = {id(sub): id(u) for _, u in units for sub in u.modules() if sub is not u}
     running: dict[int, int] = {}
@@ -52,10 +53,12 @@ def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool) -> list:
         running[id(mod)] -= 1
 
     for _, u in units:
-        handles.append(u.register_forward_pre_hook(enter))
-        handles.append(u.register_forward_hook(leave, always_call=True))
+        handles.append(u.register_forward_pre_hook(enter))  # after the loop's own pre-hooks: they run outside it
+        # before the loop's own forward hooks: a child they call is called outside the unit (review 34)
+        handles.append(u.register_forward_hook(leave, always_call=True, prepend=True))
+    unit_ids = {id(u) for _, u in units}
     for name, m in model.named_modules():
-        if not registry.owns_trainable(m):
+        if not registry.owns_trainable(m) and id(m) not in unit_ids:  # a unit of shared weights owns none itself
             continue
 
         def count(mod, args, _name=name, _unit=unit_of.get(id(m))):
