@@ -590,6 +590,25 @@ USER_STATE = {"clipping": 2.0, "max_grad_norm": 3.0, "noise_multiplier": 0.5, "c
               "_nonfinite": 7, "_max_shape": (1,), "_bounds_version": 0}
 
 
+def _make_private(model, mode):
+    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        clipping=mode, noise_seed=3)
+    return engine, model, opt, loader
+
+
+def _train(engine, model, opt, loader):
+    """Two steps of the loader's batches; both must land."""
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert engine.steps == 2
+
+
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 def test_a_unit_keeps_its_own_attributes_under_the_configurations_names(mode):
     """Review 33: a generic unit is the user's module, and the clipping configuration was set on it
@@ -625,19 +644,8 @@ def test_make_private_trains_a_model_with_layer_scale(mode):
     own attributes are still theirs, and the fixed-after-make_private rule guards our names, not the
     user's (the module may assign its own ``clipping`` after make_private)."""
     torch.manual_seed(0)
-    model = Scaled()
-    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
-    engine = PrivacyEngine()
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
-        clipping=mode, noise_seed=3)
-    for _ in range(2):
-        xb, yb = next(iter(loader))
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
-        opt.step()
-    assert engine.steps == 2
+    engine, model, opt, loader = _make_private(Scaled(), mode)
+    _train(engine, model, opt, loader)
     assert {n: getattr(model.cfg, n) for n in USER_STATE} == USER_STATE
     model.cfg.clipping = 2.0  # the user's attribute: not ours to fix
     with pytest.raises(AttributeError, match="max_grad_norm is fixed by make_private"):
@@ -715,16 +723,6 @@ class Body(nn.Module):
         return self.head(torch.tanh(h.mean(1)))
 
 
-def _make_private(model, mode):
-    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
-    engine = PrivacyEngine()
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
-        clipping=mode, noise_seed=3)
-    return engine, model, opt, loader
-
-
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 @pytest.mark.parametrize("case", ["unit_calls_its_child_twice", "two_units_one_child"])
 def test_a_child_called_twice_inside_its_unit_is_not_reuse(case, mode):
@@ -747,12 +745,7 @@ def test_a_child_called_twice_inside_its_unit_is_not_reuse(case, mode):
         assert p.grad is not None, n
         assert torch.all((p.grad - truth[n]).abs() <= tol), (n, float((p.grad - truth[n]).abs().max()))
     torch.manual_seed(0)
-    engine, model, opt, loader = _make_private(make(), mode)
-    for xb, yb in loader:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
-        opt.step()
-    assert engine.steps == 2
+    _train(*_make_private(make(), mode))
 
 
 @pytest.mark.parametrize("probe", [True, False])
@@ -787,13 +780,7 @@ def test_a_unit_shows_the_configuration_where_the_module_has_no_name_of_its_own(
     for _, layer in bnn.clipped_layers(model):
         layer.noise_multiplier = 1.1
     assert unit._bp_noise_multiplier == 1.1 and "noise_multiplier" not in vars(unit)
-    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-    engine = PrivacyEngine()
-    model = nn.Sequential(LayerScale(4), nn.Linear(4, 3))
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
-        clipping=mode, noise_seed=3)
+    _, model, _, _ = _make_private(nn.Sequential(LayerScale(4), nn.Linear(4, 3)), mode)
     for name, value in (("max_grad_norm", 5.0), ("noise_multiplier", 0.0), ("clip_fn", "normalize")):
         with pytest.raises(AttributeError, match=f"{name} is fixed by make_private"):
             setattr(model[0], name, value)
