@@ -345,14 +345,9 @@ class GenericLayer:
     _bp_generic = True
 
     def _bp_init_generic(self, clipping, max_grad_norm, clip_fn, gamma):
-        from .layers.base import CONFIG  # here: bpclip_fast.layers imports this module
-
-        # The configuration's public names the module has no use for itself (an attribute, parameter,
-        # buffer, child or class attribute of that name): on those the unit shows ours, as our layer
-        # types do (a loop setting every clipped layer's noise_multiplier reaches the unit too).
-        mine = set(self.__dict__) | set(self._parameters) | set(self._buffers) | set(self._modules)
-        nn.Module.__setattr__(self, "_bp_public", frozenset(n for n in CONFIG if n not in mine
-                                                            and not hasattr(type(self)._bp_base, n)))
+        # What the module held of its own: a noise_multiplier set on the unit after this is a mistaken
+        # bare-protocol setting (bpclip_fast.nn.arm_noise refuses it), not one the module reads.
+        nn.Module.__setattr__(self, "_bp_own_sigma", "noise_multiplier" in self.__dict__)
         # named_parameters lists a parameter registered twice (tied) once: one parameter of the unit.
         names = [name for name, _ in self.named_parameters()]
         slots = []
@@ -362,19 +357,6 @@ class GenericLayer:
         nn.Module.__setattr__(self, "_bp_slots", tuple(slots))
         nn.Module.__setattr__(self, "_bp_names", tuple(names))  # unit_problems checked them before the swap
         self._bp_init_clipping(None, None, clip_fn, gamma, clipping, max_grad_norm)
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)  # the module's parameters, buffers and children first
-        except AttributeError:
-            if name in self.__dict__.get("_bp_public", ()):
-                return self.__dict__["_bp_" + name]
-            raise
-
-    def __setattr__(self, name, value):
-        if name in self.__dict__.get("_bp_public", ()):
-            name = "_bp_" + name  # ours (_Clipped's guard applies): the module has no attribute of that name
-        super().__setattr__(name, value)
 
     def _bp_param_device(self):
         m, name = self._bp_slots[0]

@@ -67,9 +67,10 @@ def clipped_layers(module: nn.Module):
 
 def set_noise_multiplier(module: nn.Module, noise_multiplier: float) -> None:
     """Every clipped layer's noise multiplier (its draw's std is ``noise_multiplier·Δ``), for training
-    without the engine. A generic unit's too, whatever names the user's module holds itself: its own
-    ``noise_multiplier`` attribute would take ``layer.noise_multiplier = σ`` and leave the unit
-    unnoised. Fixed after ``make_private``, as the layers' public names are."""
+    without the engine. A generic unit's too: a unit is the user's module and shows none of our
+    settings under public names, so ``layer.noise_multiplier = σ`` would make an attribute of the
+    module and leave the unit unnoised (:func:`arm_noise` refuses that). Fixed after
+    ``make_private``, as the layers' public names are."""
     sigma = float(noise_multiplier)
     if not 0.0 <= sigma < float("inf"):
         raise ValueError(f"set_noise_multiplier: noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
@@ -134,6 +135,12 @@ def arm_noise(module: nn.Module, stream: NoiseStream | None = None) -> NoiseStre
     for index, (name, layer) in enumerate(layers):
         if layer._bp_step is not None and layer._bp_step.enforce:
             raise RuntimeError(f"arm_noise: {name} belongs to a PrivacyEngine, which arms its layers itself")
+        if "noise_multiplier" in layer.__dict__ and not layer.__dict__.get("_bp_own_sigma", True):
+            # A generic unit is the user's module and reads no public names of ours: the loop's
+            # layer.noise_multiplier = σ made an attribute of the module and left the unit unnoised.
+            raise ValueError(f"arm_noise: {name} is a generic unit (the user's module, trained by the generic exact "
+                             "path), whose noise multiplier is not its attribute noise_multiplier, which was set "
+                             "on it after convert_model; set every layer's with bnn.set_noise_multiplier(model, σ)")
         if layer._bp_step is None:
             layer._bp_step = LayerStep(layer, name, enforce=False)
         layer._bp_name = name

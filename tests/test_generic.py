@@ -764,26 +764,47 @@ def test_a_units_child_called_from_outside_the_unit_is_still_reuse(mode, probe):
     assert type(model.body) is CallsChildTwice  # refused before anything was changed
 
 
+class LazyScale(nn.Module):
+    """A layer scale made on first use, behind ``hasattr``; its forward also writes names of ours."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        if not hasattr(self, "gamma"):
+            self.gamma = 2.0
+        self.noise_multiplier = 0.0  # the module's own: not the unit's noise
+        self.max_grad_norm = 100.0
+        return x * self.w * self.gamma
+
+
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
-def test_a_unit_shows_the_configuration_where_the_module_has_no_name_of_its_own(mode):
-    """Where the module has no attribute of a configuration name, the unit shows ours under it, as
-    our layer types do: a loop that sets every clipped layer's noise_multiplier reaches the unit
-    (an attribute of the user's instead would have left it unnoised), and the bounds are fixed by
-    make_private. Where it has one (the layer scale's gamma), the name stays the module's."""
+def test_a_unit_reads_and_writes_only_the_modules_own_names(mode):
+    """Review 35 F2, F3: routing our public names to the configuration on a unit (where the module
+    had none of that name) let the module's own writes set our noise multiplier or bound, and its
+    own reads (a lazy ``hasattr`` layer scale) find ours. A unit shows none of our settings under
+    public names: the module's forward reads and writes its own, and the release is still the
+    per-example clipped sum at the converted bound, noised with the unit's own multiplier."""
     torch.manual_seed(0)
-    model = nn.Sequential(LayerScale(4), nn.Linear(4, 3))
-    bnn.convert_model(model, clipping=mode, max_grad_norm=0.7)
+    model = nn.Sequential(LazyScale(), nn.Linear(4, 3)).double()
+    ref = copy.deepcopy(model)
+    bnn.convert_model(model, clipping=mode, max_grad_norm=0.5)
     unit = model[0]
-    assert unit.max_grad_norm == unit._bp_max_grad_norm and unit.noise_bound == unit._bp_noise_bound == 0.7
-    assert unit.clipping == mode
-    assert isinstance(unit.gamma, nn.Parameter) and unit._bp_gamma == 0.01
-    for _, layer in bnn.clipped_layers(model):
-        layer.noise_multiplier = 1.1
-    assert unit._bp_noise_multiplier == 1.1 and "noise_multiplier" not in vars(unit)
-    _, model, _, _ = _make_private(nn.Sequential(LayerScale(4), nn.Linear(4, 3)), mode)
-    for name, value in (("max_grad_norm", 5.0), ("noise_multiplier", 0.0), ("clip_fn", "normalize")):
-        with pytest.raises(AttributeError, match=f"{name} is fixed by make_private"):
-            setattr(model[0], name, value)
+    for name in ("max_grad_norm", "noise_multiplier", "clipping", "clip_fn", "gamma"):
+        assert not hasattr(unit, name), name
+    x = torch.randn(6, 4, dtype=torch.float64)
+    assert torch.equal(model(x), ref(x))  # the module's own gamma (2.0), made by its own forward
+    assert unit.gamma == 2.0 and unit._bp_gamma == 0.01 and unit._bp_noise_multiplier == 0.0
+    assert unit.max_grad_norm == 100.0 and unit._bp_max_grad_norm < 100.0
+    bnn.set_noise_multiplier(model, 3.0)
+    model(x)  # the forward writes its own noise_multiplier = 0 again
+    assert unit._bp_noise_multiplier == 3.0
+    _, private, _, _ = _make_private(nn.Sequential(LayerScale(4), nn.Linear(4, 3)), mode)
+    with pytest.raises(AttributeError, match="noise_multiplier is fixed by make_private"):
+        private[0]._bp_noise_multiplier = 0.0
+    with pytest.raises(AttributeError, match="noise_multiplier is fixed by make_private"):
+        bnn.set_noise_multiplier(private, 0.0)
 
 
 class OwnSigma(nn.Module):
@@ -801,32 +822,31 @@ class OwnSigma(nn.Module):
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 @pytest.mark.parametrize("unit", [LayerScale, OwnSigma])
 def test_training_without_the_engine_noises_a_generic_unit(unit, mode):
-    """Review 34 F1: the README's protocol without the engine sets each clipped layer's noise
-    multiplier; on a unit that had become a plain attribute of the user's module, and the unit
-    released its clipped sum unnoised. bnn.set_noise_multiplier reaches every layer whatever the
-    module's names; the public name does too where the module has none of its own. The unit's own
+    """Review 34 F1: the README's protocol without the engine set each clipped layer's noise
+    multiplier by its public name; on a unit that makes a plain attribute of the user's module, and
+    the unit released its clipped sum unnoised. bnn.set_noise_multiplier reaches every layer, and
+    arm_noise refuses a unit given a noise_multiplier attribute after conversion. The unit's own
     gradient is zero here (zero input), so what it releases is its noise: std σ·C per entry."""
     sigma, C = 100.0, 1.0
-    ways = ["function"] + (["attribute"] if unit is LayerScale else [])
-    for way in ways:
-        torch.manual_seed(0)
-        model = nn.Sequential(unit(4), nn.Linear(4, 3))
-        bnn.convert_model(model, clipping=mode, max_grad_norm=C)
-        if way == "function":
-            bnn.set_noise_multiplier(model, sigma)
-        else:
-            for _, layer in bnn.clipped_layers(model):
-                layer.noise_multiplier = sigma
-        if unit is OwnSigma:
-            assert model[0].noise_multiplier == 0.25  # the module's own attribute is left alone
-        bnn.arm_noise(model, bnn.NoiseStream(seed=1))
-        x = torch.zeros(8, 4)
-        nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long), reduction="sum").backward()
-        released = next(p.grad for n, p in model[0].named_parameters())
-        # 4 normals of std σ·C_unit (C_unit ≥ C/√2 per layer): all below 10⁻³·σ has probability < 10⁻¹⁰
-        assert float(released.abs().max()) > 1e-3 * sigma, (way, released)
+    torch.manual_seed(0)
+    model = nn.Sequential(unit(4), nn.Linear(4, 3))
+    bnn.convert_model(model, clipping=mode, max_grad_norm=C)
+    bnn.set_noise_multiplier(model, sigma)
+    if unit is OwnSigma:
+        assert model[0].noise_multiplier == 0.25  # the module's own attribute is left alone
+    bnn.arm_noise(model, bnn.NoiseStream(seed=1))
+    x = torch.zeros(8, 4)
+    nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long), reduction="sum").backward()
+    released = next(p.grad for n, p in model[0].named_parameters())
+    # 4 normals of std σ·C_unit (C_unit ≥ C/√2 per layer): all below 10⁻³·σ has probability < 10⁻¹⁰
+    assert float(released.abs().max()) > 1e-3 * sigma, released
     with pytest.raises(ValueError, match="noise_multiplier must be finite"):
         bnn.set_noise_multiplier(model, float("nan"))
+    if unit is LayerScale:  # the loop over public names made an attribute of the module: refused
+        for _, layer in bnn.clipped_layers(model):
+            layer.noise_multiplier = sigma
+        with pytest.raises(ValueError, match=r"0 is a generic unit.*bnn.set_noise_multiplier"):
+            bnn.arm_noise(model)
 
 
 class TiedPair(nn.Module):
@@ -897,3 +917,34 @@ def test_a_module_that_cannot_be_a_unit_is_refused_before_anything_is_converted(
     assert all(not isinstance(m, bnn._Clipped) for m in model.modules())
     if bad == "name":
         nn.functional.cross_entropy(model(torch.randn(4, 4)), torch.zeros(4, dtype=torch.long)).backward()
+
+
+class GlobalHooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.u = _Scaled()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.u(x).mean(1)))
+
+
+@pytest.mark.parametrize("probe", [True, False])
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_a_global_forward_hook_calling_a_units_child_is_reuse(mode, probe):
+    """Review 35 F1: torch's global module forward hooks run before a module's own, so a hook that
+    calls a unit's child after the unit's forward was counted as the unit's own call (the count left
+    the unit in a forward hook), and make_private accepted a model whose steps were all refused and
+    charged. "Inside the unit" is now while the unit's own forward method runs."""
+    model = GlobalHooked()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: m.inner(out) if isinstance(m, _Scaled) else None)
+    try:
+        x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+        with pytest.raises(ValueError, match=r"u\.inner.*reached 2 times.*rule: reuse"):
+            PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+                                         noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode, probe=probe)
+    finally:
+        handle.remove()
+    assert "forward" not in vars(model.u)  # the probe's wrapper is gone

@@ -33,29 +33,49 @@ def _reuse_problems(calls: dict[str, int], model: nn.Module) -> list[str]:
             for name, k in calls.items() if k > 1]
 
 
+class _InsideForward:
+    """Marks ``running[id(unit)]`` while the unit's own ``forward`` runs, by an instance attribute
+    ``forward`` that wraps it (what ``Module.__call__`` calls, inside every hook); ``remove`` puts
+    back what was there."""
+
+    def __init__(self, unit: nn.Module, running: dict):
+        self.unit, self.saved = unit, unit.__dict__.get("forward", _MISSING)
+        inner = unit.forward  # the module's own (bound method, or the instance attribute already set)
+        key = id(unit)
+
+        def forward(*args, **kwargs):
+            running[key] = running.get(key, 0) + 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                running[key] -= 1
+
+        unit.__dict__["forward"] = forward
+
+    def remove(self) -> None:
+        if self.saved is _MISSING:
+            self.unit.__dict__.pop("forward", None)
+        else:
+            self.unit.__dict__["forward"] = self.saved
+
+
+_MISSING = object()
+
+
 def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool) -> list:
     """Hooks that count into ``counts`` the calls of every module owning trainable parameters (rule
     *reuse*); returns their handles. The calls a module inside a generic unit (``shared``: the exact
     modes' units, :func:`registry.generic_units`) gets while that unit's forward runs count once
     together: the unit's per-example gradient is taken over its whole forward, a child it calls twice
-    one term of it (review 33 F2). Its calls from outside the unit (its hooks' too) count each, and so
-    does each call of the unit, whether or not it holds a parameter itself."""
+    one term of it (review 33 F2). "While" is while the unit's own ``forward`` runs (:class:`_InsideForward`),
+    what training reparametrises: its calls from anywhere else (the unit's own hooks, global module
+    hooks, review 35 F1) count each, and so does each call of the unit, whether or not it holds a
+    parameter itself."""
     units = registry.generic_units(model, shared)
     unit_of = {id(sub): id(u) for _, u in units for sub in u.modules() if sub is not u}
     running: dict[int, int] = {}
     inside: set[str] = set()
-    handles = []
-
-    def enter(mod, args):
-        running[id(mod)] = running.get(id(mod), 0) + 1
-
-    def leave(mod, args, out):
-        running[id(mod)] -= 1
-
-    for _, u in units:
-        handles.append(u.register_forward_pre_hook(enter))  # after the loop's own pre-hooks: they run outside it
-        # before the loop's own forward hooks: a child they call is called outside the unit (review 34)
-        handles.append(u.register_forward_hook(leave, always_call=True, prepend=True))
+    handles = [_InsideForward(u, running) for _, u in units]
     unit_ids = {id(u) for _, u in units}
     for name, m in model.named_modules():
         if not registry.owns_trainable(m) and id(m) not in unit_ids:  # a unit of shared weights owns none itself
