@@ -948,3 +948,32 @@ def test_a_global_forward_hook_calling_a_units_child_is_reuse(mode, probe):
     finally:
         handle.remove()
     assert "forward" not in vars(model.u)  # the probe's wrapper is gone
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_is_not_reuse_for_the_probes(reentrant):
+    """Review 34 P2: the dynamic probes' backward recomputes a checkpointed forward, and the reuse
+    count counted the recomputation as a second call, so make_private refused (probe=True) a model
+    that trains with probe=False. Calls inside a backward pass are not counted; two steps land
+    (per_layer: flat refuses a layer recomputed outside the model's forward when it runs)."""
+    mode = "per_layer"
+    torch.manual_seed(0)
+    x = torch.randn(16, 5, 4)
+    model = Checkpointed(reentrant)
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, torch.randint(0, 3, (16,))), batch_size=8), noise_multiplier=1.0,
+        max_grad_norm=1.0, clipping=mode, noise_seed=3)
+    _train(engine, model, opt, loader)

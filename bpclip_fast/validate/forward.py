@@ -82,6 +82,8 @@ def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool) -> list:
             continue
 
         def count(mod, args, _name=name, _unit=unit_of.get(id(m))):
+            if torch._C._current_graph_task_id() != -1:
+                return  # a backward pass recomputing the forward (activation checkpointing): not a use
             if _unit is not None and running.get(_unit):
                 if _name in inside:
                     return
