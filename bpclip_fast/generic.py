@@ -414,6 +414,12 @@ class GenericLayer:
     def _bp_shape_dependent(self, input_shape) -> bool:
         return False
 
+    # Never traced: under torch.compile the unit runs eagerly between compiled regions. Traced, its
+    # inner forward became compiled graphs whose backward the per-example vectorised backward runs
+    # again over the saved graph (retain_graph) and under vmap, which a compiled backward refuses
+    # (donated buffers, aot_eager, once a new batch size recompiled it: every Poisson step) or
+    # cannot run (inductor: a BatchedTensor's storage; review 34 P1).
+    @untraced
     def forward(self, *args, **kwargs):
         base = type(self)._bp_base
         params = self._bp_params()

@@ -977,3 +977,30 @@ def test_activation_checkpointing_is_not_reuse_for_the_probes(reentrant):
         data_loader=DataLoader(TensorDataset(x, torch.randint(0, 3, (16,))), batch_size=8), noise_multiplier=1.0,
         max_grad_norm=1.0, clipping=mode, noise_seed=3)
     _train(engine, model, opt, loader)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("kind", ["custom", "lstm"])
+def test_a_compiled_model_with_units_trains_exactly_across_batch_sizes(kind, backend):
+    """Review 34 P1: a unit's forward traced by dynamo became compiled graphs inside the unit's
+    private graph, whose backward the per-example vectorised backward could not run again
+    (aot_eager: donated buffers, once a new batch size recompiled; inductor: a BatchedTensor's
+    storage at the first step). The unit's forward is never traced now: per_layer under
+    torch.compile releases per-example clipping's sum for each Poisson-like batch size, against
+    float64 truth from batches of one."""
+    torch.manual_seed(3)
+    base = Net(kind).double()
+    model = copy.deepcopy(base)
+    C = 0.5
+    bnn.convert_model(model, clipping="per_layer", max_grad_norm=C)
+    run = torch.compile(model, backend=backend)
+    for seed, B in ((5, 7), (6, 4)):
+        x, y = _inputs(seed, B=B)
+        grads = per_example_grads(copy.deepcopy(base), x, y)
+        truth, scale = clipped_truth(grads, groups_of(model))
+        model.zero_grad()
+        nn.functional.cross_entropy(run(x), y, reduction="sum").backward()
+        for n, p in model.named_parameters():
+            tol = 1000 * EPS64 * float(scale[n].max())  # as test_release_equals_per_example_clipping
+            assert p.grad is not None, n
+            assert torch.all((p.grad - truth[n]).abs() <= tol), (B, n, float((p.grad - truth[n]).abs().max()))
