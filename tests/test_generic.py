@@ -1004,3 +1004,40 @@ def test_a_compiled_model_with_units_trains_exactly_across_batch_sizes(kind, bac
             tol = 1000 * EPS64 * float(scale[n].max())  # as test_release_equals_per_example_clipping
             assert p.grad is not None, n
             assert torch.all((p.grad - truth[n]).abs() <= tol), (B, n, float((p.grad - truth[n]).abs().max()))
+
+
+class UsedOutside(nn.Module):
+    """A unit whose parameter the parent uses too: by plain code, or by calling the unit's child."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.u = _Scaled()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.u(x)
+        if self.how == "functional":  # a tied projection in plain code
+            h = nn.functional.linear(h, self.u.inner.weight)
+        elif self.how == "child_forward":  # the child's forward called directly: no module call to count
+            h = self.u.inner.forward(h)
+        elif self.how == "penalty":  # a term of the loss computed in the forward
+            h = h + self.u.scale.square().sum()
+        return self.head(torch.tanh(h.mean(1)))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("how", ["functional", "child_forward", "penalty"])
+def test_a_units_parameter_used_outside_the_unit_is_refused_at_make_private(how, mode):
+    """Review 35 F4: the gradient-ownership probe skipped the units, so a unit's parameter used
+    outside the unit's forward passed make_private and every step was then refused (weight-reuse)
+    and charged. The dynamic probes now watch every differentiable use of a unit's parameters
+    (validate.unit_uses): outside the unit's own forward, it is refused before anything changes."""
+    model = UsedOutside(how)
+    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+    name = {"penalty": r"u\.scale is", "functional": r"u\.inner\.weight is", "child_forward": r"u\.inner\.bias, u\.inner\.weight are"}[how]
+    with pytest.raises(ValueError, match=rf"{name} used outside this generic unit's forward"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+                                     noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)
+    assert all(not isinstance(m, bnn._Clipped) for m in model.modules())

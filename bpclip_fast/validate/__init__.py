@@ -43,7 +43,9 @@ problem message names the module (qualified name and type) and the rule, and say
        counter): it would be updated from the data and released without noise.
     4. *gradient ownership*: each trainable layer's parameter gradient equals the one the layer
        computes from its own inputs and output gradients. Catches a weight also used in plain code
-       (a tied decoder ``F.linear(z, enc.weight.t())``), by another module, or by two layers.
+       (a tied decoder ``F.linear(z, enc.weight.t())``), by another module, or by two layers. A
+       generic unit's parameters: no differentiable use outside the unit's own forward
+       (:mod:`bpclip_fast.validate.unit_uses`).
     5. *reuse*: no module owning trainable parameters is reached more than once per forward; the
        calls a generic unit's own forward makes to a module inside it count once (the unit's
        per-example gradient covers them), its calls from outside the unit each
@@ -76,6 +78,7 @@ forward while the step's noise is armed (``bpclip_fast.nn``).
 
 The modules, one concern each: ``forward`` (how a model is called; :func:`probe`; rule *reuse*),
 ``probe_input`` (the probe batch), ``probe_pass`` (one recorded pass), ``probes`` (rules 1 to 4),
+``unit_uses`` (rule 4 for the generic units: their parameters used outside their forward),
 ``isolation`` (the copy the probes run on) and ``fix`` (:func:`fix_model`); this file holds the
 entry points.
 """
@@ -93,6 +96,7 @@ from .forward import _cuda_devices, _reuse_problems, probe
 from .isolation import _as_torch_layers, _isolated, _unpacked
 from .probe_input import _has_rows_to_perturb, _probe_batch, _probe_input, _rows_of  # noqa: F401  (_rows_of: criterion)
 from .probe_pass import _SHARED_UNITS, _Pass, _run, _shared_index_layer, _trainable_layers
+from .unit_uses import outside_use_problems
 from .probes import _buffer_problems, _buffer_snapshot, _example_rows_problems, _mixing_problems, \
     _ownership_problems, _restore_buffers
 
@@ -174,6 +178,7 @@ def _probe(model: nn.Module, example_input) -> list[str]:
         problems += _mixing_problems(probe_input, reference, batch, run, labels)
     problems += buffer_problems
     problems += _ownership_problems(model, reference, labels)
+    problems += outside_use_problems(model, reference.outside)
     problems += _reuse_problems(reference.counts, model)
     return problems
 

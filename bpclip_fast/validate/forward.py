@@ -62,7 +62,7 @@ class _InsideForward:
 _MISSING = object()
 
 
-def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool) -> list:
+def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool, running: dict | None = None) -> list:
     """Hooks that count into ``counts`` the calls of every module owning trainable parameters (rule
     *reuse*); returns their handles. The calls a module inside a generic unit (``shared``: the exact
     modes' units, :func:`registry.generic_units`) gets while that unit's forward runs count once
@@ -73,7 +73,7 @@ def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool) -> list:
     parameter itself."""
     units = registry.generic_units(model, shared)
     unit_of = {id(sub): id(u) for _, u in units for sub in u.modules() if sub is not u}
-    running: dict[int, int] = {}
+    running = {} if running is None else running  # id(unit) -> its forward's depth (OutsideUses reads it)
     inside: set[str] = set()
     handles = [_InsideForward(u, running) for _, u in units]
     unit_ids = {id(u) for _, u in units}

@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import batches, broadcast, registry
 from .forward import _call, count_hooks
+from .unit_uses import OutsideUses
 from .probe_input import _SEED, _map_tensors, _random_like, _tensors
 
 
@@ -65,6 +66,7 @@ class _Pass:
     outputs: list[torch.Tensor] = field(default_factory=list)  # the model output's floating-point tensors
     grads: dict[int, torch.Tensor | None] = field(default_factory=dict)  # id(parameter) -> its gradient
     expanded: list[str] = field(default_factory=list)  # layers whose one shared index row was expanded
+    outside: set = field(default_factory=set)  # (unit, parameter) used outside the unit's forward (unit_uses)
 
 
 def _seed(devices: list[int]) -> None:
@@ -77,7 +79,8 @@ def _seed(devices: list[int]) -> None:
 def _record(model: nn.Module, record: _Pass) -> list:
     """Hooks that fill ``record`` during a forward (and the backward after it); returns their handles."""
     layers = {id(m) for _, m in _trainable_layers(model)}
-    handles = count_hooks(model, record.counts, _SHARED_UNITS.get())
+    running: dict[int, int] = {}
+    handles = count_hooks(model, record.counts, _SHARED_UNITS.get(), running)
     for name, m in model.named_modules():
         if not registry.owns_trainable(m):
             continue
@@ -105,6 +108,8 @@ def _record(model: nn.Module, record: _Pass) -> list:
             handles.append(m.register_forward_hook(after))
     for name, unit in registry.generic_units(model, _SHARED_UNITS.get()):
         handles += _unit_hooks(unit, name, record)
+    if _SHARED_UNITS.get():  # last: a torch function mode pushed here is popped by _run's removal of the handles
+        handles.append(OutsideUses(model, registry.generic_units(model, True), running, record.outside))
     return handles
 
 
@@ -208,6 +213,6 @@ def _run(model: nn.Module, probe_input, batch: int, devices: list[int], backward
         if backward:
             record.grads = _parameter_gradients(model, outputs, batch)
     finally:
-        for h in handles:
+        for h in reversed(handles):  # last in, first out: the torch function mode first
             h.remove()
     return record
