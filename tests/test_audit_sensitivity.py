@@ -663,3 +663,36 @@ def test_a_release_that_drifts_in_training_mode_falls_back_to_eval_mode_with_a_n
     report = sensitivity(model, batch_for((6,), 3), engine=engine)
     assert report.training == "eval" and report.ok
     assert any("eval mode" in n and "between two passes" in n for n in report.notes)
+
+
+class _Gain(nn.Module):
+    """A module without a fused layer: a generic unit (its parameter is no weight)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gain = nn.Parameter(1.0 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def unit_net():
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _Gain(8), nn.Linear(8, 3)), (6,), 3
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_the_audit_measures_a_generic_unit(mode):
+    """Review 34 P3: the audit read every clipped layer's weight and bias, so a model with a generic
+    unit crashed it (AttributeError). A unit's parameters are read by their names
+    (noise_free.layer_params): its contributions and its noise (one draw over all of them) are
+    measured, and a unit that draws no noise is caught."""
+    model, engine, *_, shape, classes = private(unit_net, mode)
+    report = sensitivity(model, batch_for(shape, classes, scale=100.0), engine=engine)
+    rows = {r.name: r for r in report.noise}
+    assert report.ok, report.line()
+    assert rows["2"].status == "ok" and "gain" in rows["2"].parts
+    object.__setattr__(model[2], "_bp_noise_multiplier", 0.0)  # past the engine's guard: a unit that forgot σ
+    report = sensitivity(model, batch_for(shape, classes), engine=engine)
+    rows = {r.name: r for r in report.noise}
+    assert not report.ok and rows["2"].status == "under" and rows["0"].status == "ok"

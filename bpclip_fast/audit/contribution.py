@@ -139,7 +139,7 @@ from torch import nn
 from .. import nn as bnn
 from .adversarial import _adversarial
 from .drawn_noise import _noise
-from .noise_free import NoiseFree, _Generators, _delta, _norms, _on, _units
+from .noise_free import NoiseFree, _Generators, _delta, _norms, _on, _units, layer_params
 from .sensitivity_args import _check_batch, _check_layers, _reduction, _unwrap
 from .sensitivity_report import NoiseRow, SensitivityReport, SensitivityRow
 
@@ -195,7 +195,7 @@ def sensitivity(model: nn.Module, batch, loss_fn=None, *, engine=None, loss_redu
     if noise_draws is not None and int(noise_draws) < 0:
         raise ValueError(f"sensitivity: noise_draws must be >= 0 or None, got {noise_draws}")
     audit = NoiseFree(inner, mode, reduction, mean_batch, loss_fn, dtype, training=True)
-    with _Generators(audit.layers[0].weight.device).fork():  # the caller's generator states come back
+    with _Generators(audit.layers[0]._bp_param_device()).fork():  # the caller's generator states come back
         return _audit(inner, engine, audit, mode, reduction, mean_batch, loss_fn, x, y, start,
                       adversarial_steps=int(adversarial_steps), starts=int(starts), scales=tuple(scales),
                       step_size=float(step_size), keep_contributions=keep_contributions, noise_draws=noise_draws,
@@ -313,4 +313,4 @@ def _alone(copy_, units, x, y):
 
 
 def _model_dtype(inner):
-    return bnn.clipped_layers(inner)[0][1].weight.dtype
+    return layer_params(bnn.clipped_layers(inner)[0][1])[0][1].dtype

@@ -13,6 +13,7 @@ import torch
 
 from .. import nn as bnn
 from .noise import NoiseCheck, SumOfSquares
+from .noise_free import layer_params
 from .sensitivity_report import NoiseRow
 
 NOISE_ALPHA = 1e-6          # the noise check's significance, over all its intervals (Bonferroni)
@@ -37,8 +38,8 @@ def _noise(native, inner, engine, deltas, x, y, draws, seed, notes):
     (a key used twice — a bias at its weight's offset, two layers sharing a draw — or non-Gaussian
     noise of the claimed std), None when nothing was measured."""
     drawn, claimed = _claimed_sigmas(inner, engine)
-    sizes = [[(("weight", "bias")[j], p.numel()) for j, p in enumerate((layer.weight, layer.bias))
-              if p is not None and p.requires_grad] for layer in native.layers]
+    sizes = [[(part, p.numel()) for part, p in layer_params(layer) if p is not None and p.requires_grad]
+             for layer in native.layers]
     measured = [k for k, layer in enumerate(native.layers) if sizes[k] and claimed[k] > 0]
     if engine is not None and getattr(engine, "bands", 1) != 1:
         # The copy is armed with the independent draw; training adds the correlated rows (bpclip_fast.banded),

@@ -93,10 +93,10 @@ class NoiseFree:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].weight.dtype
+        return layer_params(self.layers[0])[0][1].dtype
 
     def trainable(self, layer):
-        return [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
+        return [p for _, p in layer_params(layer) if p is not None and p.requires_grad]
 
     def settle(self, x, y) -> tuple[str, str | None]:
         """Training mode with every release starting from one state of the generators; dropout off,
@@ -105,7 +105,7 @@ class NoiseFree:
         :meth:`_Generators.fork`; :func:`_audit` checks the determinism that is left."""
         if not self.model.training:
             return "eval", None
-        gen = _Generators(self.layers[0].weight.device)
+        gen = _Generators(self.layers[0]._bp_param_device())
         self.generators, self._start = gen, gen.state()
 
         def draws_random_numbers():
@@ -192,7 +192,16 @@ def _norms(units, full, other=None):
     return [math.sqrt(float(sum((sq[k] for k in ks if sq[k] is not None), 0.0))) for _, ks, *_ in units]
 
 
+def layer_params(layer) -> list:
+    """``[(part, parameter)]`` a clipped layer releases: a fused layer's ``weight`` and ``bias`` (the
+    bias may be None), a generic unit's parameters by their names in the unit (its one draw covers
+    them all, in this order: ``GenericLayer._bp_params``)."""
+    if "_bp_slots" in layer.__dict__:
+        return list(zip(layer._bp_names, layer._bp_params()))
+    return [("weight", layer.weight), ("bias", layer.bias)]
+
+
 def _on(copy_, x, y):
     """The batch on the copy's device, floating inputs in its dtype."""
-    p = copy_.layers[0].weight
+    p = layer_params(copy_.layers[0])[0][1]
     return (x.to(p.device, p.dtype) if x.is_floating_point() else x.to(p.device)), y.to(p.device)
