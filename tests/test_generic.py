@@ -950,35 +950,6 @@ def test_a_global_forward_hook_calling_a_units_child_is_reuse(mode, probe):
     assert "forward" not in vars(model.u)  # the probe's wrapper is gone
 
 
-class Checkpointed(nn.Module):
-    def __init__(self, reentrant):
-        super().__init__()
-        self.reentrant = reentrant
-        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
-
-    def forward(self, x):
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
-        return self.head(h.mean(1))
-
-
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_is_not_reuse_for_the_probes(reentrant):
-    """Review 34 P2: the dynamic probes' backward recomputes a checkpointed forward, and the reuse
-    count counted the recomputation as a second call, so make_private refused (probe=True) a model
-    that trains with probe=False. Calls inside a backward pass are not counted; two steps land
-    (per_layer: flat refuses a layer recomputed outside the model's forward when it runs)."""
-    mode = "per_layer"
-    torch.manual_seed(0)
-    x = torch.randn(16, 5, 4)
-    model = Checkpointed(reentrant)
-    engine = PrivacyEngine()
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, torch.randint(0, 3, (16,))), batch_size=8), noise_multiplier=1.0,
-        max_grad_norm=1.0, clipping=mode, noise_seed=3)
-    _train(engine, model, opt, loader)
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("kind", ["custom", "lstm"])
 def test_a_compiled_model_with_units_trains_exactly_across_batch_sizes(kind, backend):
@@ -1041,3 +1012,76 @@ def test_a_units_parameter_used_outside_the_unit_is_refused_at_make_private(how,
                                      data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
                                      noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode)
     assert all(not isinstance(m, bnn._Clipped) for m in model.modules())
+
+
+class ReadsChildWeight(nn.Module):
+    """A parent that reads a unit's weight without a gradient reaching it through that read."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.u, self.head = how, _Scaled(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.u(x)
+        w = self.u.inner.weight
+        if self.how == "type_as":
+            h = h.type_as(w)  # its dtype only
+        elif self.how == "to":
+            h = h.to(w)  # dtype and device only
+        elif self.how == "logged_norm":
+            self.last_norm = w.norm().item()  # a statistic, not in the loss
+        elif self.how == "shape_of_a_view":
+            h = h[..., :w.T.shape[0]]
+        return self.head(torch.tanh(h.mean(1)))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("how", ["type_as", "to", "logged_norm", "shape_of_a_view"])
+def test_a_read_of_a_units_parameter_that_reaches_no_gradient_is_not_a_use(how, mode):
+    """Review 36 F5: the probe took any call with a unit's parameter among its arguments and an
+    output requiring a gradient for a use. A use is a call whose own autograd nodes reach the
+    parameter and whose output then gets a gradient: these reads are accepted and train."""
+    torch.manual_seed(0)
+    _train(*_make_private(ReadsChildWeight(how), mode))
+
+
+class _TwoUnits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.u, self.head = nn.Linear(4, 4), _Scaled(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.u(torch.tanh(self.a(x)))).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_make_private_of_a_compiled_model_with_a_unit_trains(mode):
+    """Review 36 F3: dynamo traced the probes' torch function mode inside a compiled model, and the
+    probe pass died, so make_private(torch.compile(model)) refused a model with a unit. The mode
+    steps aside in a traced region; two steps land."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    _train(*_make_private(torch.compile(_TwoUnits(), backend="aot_eager"), mode))
+
+
+class CheckpointedUnit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.u, self.head = _Scaled(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.u(t)), x, use_reentrant=False)
+        return self.head(h.mean(1))
+
+
+def test_flat_refuses_activation_checkpointing_at_make_private():
+    """Review 36 F1: flat clipping cannot train a layer recomputed by activation checkpointing (it
+    refuses the recomputation in every backward). Not counting calls inside a backward pass, to
+    accept checkpointing, let such a model pass make_private into charged refusals; the reuse count
+    keeps counting them, so it is refused before any step."""
+    model = CheckpointedUnit()
+    x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
+    with pytest.raises(ValueError, match=r"reached 2 times.*rule: reuse"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+                                     noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat")

@@ -70,7 +70,9 @@ def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool, running:
     one term of it (review 33 F2). "While" is while the unit's own ``forward`` runs (:class:`_InsideForward`),
     what training reparametrises: its calls from anywhere else (the unit's own hooks, global module
     hooks, review 35 F1) count each, and so does each call of the unit, whether or not it holds a
-    parameter itself."""
+    parameter itself. Calls made inside a backward pass count too (a unit run again by a custom
+    Function's backward is reused, review 36 F2), so the dynamic probes refuse activation
+    checkpointing's recomputation as reuse (uncharged; flat cannot train it at all, review 36 F1)."""
     units = registry.generic_units(model, shared)
     unit_of = {id(sub): id(u) for _, u in units for sub in u.modules() if sub is not u}
     running = {} if running is None else running  # id(unit) -> its forward's depth (OutsideUses reads it)
@@ -82,8 +84,6 @@ def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool, running:
             continue
 
         def count(mod, args, _name=name, _unit=unit_of.get(id(m))):
-            if torch._C._current_graph_task_id() != -1:
-                return  # a backward pass recomputing the forward (activation checkpointing): not a use
             if _unit is not None and running.get(_unit):
                 if _name in inside:
                     return

@@ -10,6 +10,8 @@ while that unit's own forward method is not running (``forward._InsideForward`` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -19,10 +21,14 @@ from .. import registry
 
 
 class OutsideUses(TorchFunctionMode):
-    """Pushed for one probe pass (``remove`` pops it): ``found`` collects the qualified names of the
-    units' parameters that a call made outside their unit's forward differentiates through (an
-    output that requires a gradient). Calls inside a backward pass (activation checkpointing's
-    recomputation) are the forward's again and not looked at."""
+    """Pushed for one probe pass (``remove`` pops it): ``found`` collects ``(unit, parameter)`` for
+    each unit's parameter that a call made outside its unit's forward differentiates itself (the
+    nodes the call made reach the parameter's ``AccumulateGrad``: :func:`_leaves_reached`) and whose
+    output then receives a gradient in the pass's backward (a hook on it). So ``h.type_as(w)``, ``h.to(w)`` (no
+    gradient to ``w``), a logged ``w.norm().item()`` or ``w.T.shape`` (nothing reaches the loss)
+    are not uses (review 36 F5). Not looked at: calls inside a backward pass (they are the reuse
+    rule's), and a traced region (under ``torch.compile`` dynamo would trace this mode; review 36 F3):
+    there such a use is refused at the first step, charged."""
 
     def __init__(self, model: nn.Module, units: list, running: dict, found: set):
         super().__init__()
@@ -39,12 +45,42 @@ class OutsideUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.owner and torch._C._current_graph_task_id() == -1:
-            used = [self.owner[id(a)] for a in pytree.tree_leaves((args, kwargs))
-                    if isinstance(a, torch.Tensor) and id(a) in self.owner]
-            if used and any(isinstance(o, torch.Tensor) and o.requires_grad for o in pytree.tree_leaves(out)):
-                self.found.update((uname, name) for unit, uname, name in used if not self.running.get(unit))
+        if torch.compiler.is_compiling() or not self.owner or torch._C._current_graph_task_id() != -1:
+            return out
+        used = {id(a): self.owner[id(a)] for a in pytree.tree_leaves((args, kwargs))
+                if isinstance(a, torch.Tensor) and id(a) in self.owner}
+        used = {k: v for k, v in used.items() if not self.running.get(v[0])}
+        if used:
+            before = {a.grad_fn for a in pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+                    direct = [used[k] for k in _leaves_reached(o.grad_fn, before) if k in used]
+                    if direct:
+                        o.register_hook(functools.partial(self._landed, direct))
         return out
+
+    def _landed(self, uses, grad):
+        self.found.update((uname, name) for _, uname, name in uses)
+
+
+def _leaves_reached(node, before: set) -> set:
+    """``id`` of each leaf tensor whose ``AccumulateGrad`` the graph from ``node`` reaches through the
+    nodes one call made: the walk stops at the graphs its arguments came with (``before``), so a
+    parameter used by the unit earlier (``h = unit(x); h.type_as(unit.w)``) is not reached through
+    ``h``."""
+    reached, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen or n in before:
+            continue
+        seen.add(n)
+        variable = getattr(n, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+            continue
+        stack.extend(child for child, _ in n.next_functions)
+    return reached
 
 
 def outside_use_problems(model: nn.Module, found: set) -> list[str]:
