@@ -919,16 +919,6 @@ def test_a_module_that_cannot_be_a_unit_is_refused_before_anything_is_converted(
         nn.functional.cross_entropy(model(torch.randn(4, 4)), torch.zeros(4, dtype=torch.long)).backward()
 
 
-class GlobalHooked(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.u = _Scaled()
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.u(x).mean(1)))
-
-
 @pytest.mark.parametrize("probe", [True, False])
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 def test_a_global_forward_hook_calling_a_units_child_is_reuse(mode, probe):
@@ -936,18 +926,18 @@ def test_a_global_forward_hook_calling_a_units_child_is_reuse(mode, probe):
     calls a unit's child after the unit's forward was counted as the unit's own call (the count left
     the unit in a forward hook), and make_private accepted a model whose steps were all refused and
     charged. "Inside the unit" is now while the unit's own forward method runs."""
-    model = GlobalHooked()
+    model = Body(_Scaled())
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda m, args, out: m.inner(out) if isinstance(m, _Scaled) else None)
     try:
         x, y = torch.randn(16, 5, 4), torch.randint(0, 3, (16,))
-        with pytest.raises(ValueError, match=r"u\.inner.*reached 2 times.*rule: reuse"):
+        with pytest.raises(ValueError, match=r"body\.inner.*reached 2 times.*rule: reuse"):
             PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
                                          noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode, probe=probe)
     finally:
         handle.remove()
-    assert "forward" not in vars(model.u)  # the probe's wrapper is gone
+    assert "forward" not in vars(model.body)  # the probe's wrapper is gone
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
