@@ -53,19 +53,25 @@ class _InsideForward:
         unit.__dict__["forward"] = forward
 
     def remove(self) -> None:
-        if self.saved is _MISSING:
-            self.unit.__dict__.pop("forward", None)
-        else:
-            self.unit.__dict__["forward"] = self.saved
+        restore_forward(self.unit, self.saved)
 
 
 _MISSING = object()
 
 
-def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool, running: dict | None = None) -> list:
+def restore_forward(module: nn.Module, saved) -> None:
+    """Puts back the instance attribute ``forward`` a probe replaced (``saved``: what
+    ``module.__dict__.get("forward", _MISSING)`` held before)."""
+    if saved is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = saved
+
+
+def count_hooks(model: nn.Module, counts: dict[str, int], units: list, running: dict | None = None) -> list:
     """Hooks that count into ``counts`` the calls of every module owning trainable parameters (rule
-    *reuse*); returns their handles. The calls a module inside a generic unit (``shared``: the exact
-    modes' units, :func:`registry.generic_units`) gets while that unit's forward runs count once
+    *reuse*); returns their handles. The calls a module inside a generic unit (``units``: the mode's
+    ``[(name, unit)]``, :func:`registry.generic_units`) gets while that unit's forward runs count once
     together: the unit's per-example gradient is taken over its whole forward, a child it calls twice
     one term of it (review 33 F2). "While" is while the unit's own ``forward`` runs (:class:`_InsideForward`),
     what training reparametrises: its calls from anywhere else (the unit's own hooks, global module
@@ -73,7 +79,6 @@ def count_hooks(model: nn.Module, counts: dict[str, int], shared: bool, running:
     parameter itself. Calls made inside a backward pass count too (a unit run again by a custom
     Function's backward is reused, review 36 F2), so the dynamic probes refuse activation
     checkpointing's recomputation as reuse (uncharged; flat cannot train it at all, review 36 F1)."""
-    units = registry.generic_units(model, shared)
     unit_of = {id(sub): id(u) for _, u in units for sub in u.modules() if sub is not u}
     running = {} if running is None else running  # id(unit) -> its forward's depth (OutsideUses reads it)
     inside: set[str] = set()
@@ -113,7 +118,7 @@ def probe(model: nn.Module, example_input, shared: bool = False) -> tuple[list[s
     {qualified name: input shape} of every clipped layer)."""
     calls: dict[str, int] = {}
     shapes: dict[str, tuple] = {}
-    handles = count_hooks(model, calls, shared)
+    handles = count_hooks(model, calls, registry.generic_units(model, shared))
     for name, m in model.named_modules():
         if not registry.owns_trainable(m):
             continue

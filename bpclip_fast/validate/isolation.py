@@ -14,11 +14,11 @@ import types
 from torch import nn
 
 from .. import registry
+from .forward import _MISSING, restore_forward
 from .probe_pass import _SHARED_UNITS
 from .probes import _buffer_snapshot, _restore_buffers
 
 
-_MISSING = object()
 
 
 @contextlib.contextmanager
@@ -75,7 +75,4 @@ def _as_torch_layers(model: nn.Module):
         yield
     finally:
         for m, previous in patched:
-            if previous is _MISSING:
-                del m.forward
-            else:
-                m.forward = previous
+            restore_forward(m, previous)

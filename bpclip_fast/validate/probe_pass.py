@@ -79,8 +79,9 @@ def _seed(devices: list[int]) -> None:
 def _record(model: nn.Module, record: _Pass) -> list:
     """Hooks that fill ``record`` during a forward (and the backward after it); returns their handles."""
     layers = {id(m) for _, m in _trainable_layers(model)}
+    units = registry.generic_units(model, _SHARED_UNITS.get())
     running: dict[int, int] = {}
-    handles = count_hooks(model, record.counts, _SHARED_UNITS.get(), running)
+    handles = count_hooks(model, record.counts, units, running)
     for name, m in model.named_modules():
         if not registry.owns_trainable(m):
             continue
@@ -106,10 +107,10 @@ def _record(model: nn.Module, record: _Pass) -> list:
             handles.append(m.register_forward_pre_hook(functools.partial(_expand_index, record, name), prepend=True))
         if is_layer:
             handles.append(m.register_forward_hook(after))
-    for name, unit in registry.generic_units(model, _SHARED_UNITS.get()):
+    for name, unit in units:
         handles += _unit_hooks(unit, name, record)
     if _SHARED_UNITS.get():  # last: a torch function mode pushed here is popped by _run's removal of the handles
-        handles.append(OutsideUses(model, registry.generic_units(model, True), running, record.outside))
+        handles.append(OutsideUses(model, units, running, record.outside))
     return handles
 
 
