@@ -61,6 +61,11 @@ if _LOAD_ERROR is None:
     def _philox_noise2_fake(w, b, seed, offset, std, accumulate_w, accumulate_b, scale=1.0):
         return None
 
+    @torch.library.register_fake("bpclip_fast::layer_tail_")
+    def _layer_tail_fake(w, b, bias_rows, grad, clipped, factor, norm, input_bound, clip_fn, seed, offset, std,
+                         scale=1.0):
+        return w.new_empty((0,)) if grad is None else torch.empty_like(grad, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("bpclip_fast::banded_row_")
     def _banded_row_fake(ring, outs, starts, newest, weights, seed, offset, std):
         return None

@@ -62,6 +62,15 @@ TORCH_LIBRARY(bpclip_fast, m) {
   m.def(
       "philox_noise2_(Tensor(a!) w, Tensor(b!) b, int seed, int offset, float std, bool accumulate_w,"
       " bool accumulate_b, float scale=1.0) -> ()");
+  // The tail of a backpropagation-clipping layer's backward, one launch (bpclip_fast/tail.h):
+  // w += std z (z: philox_noise_'s stream at offset), b += std z' (offset + 1), each then times scale
+  // where it is not 1, as philox_noise2_(w, b, accumulate) gives; std 0 draws nothing and only
+  // scales. With bias_rows [rows, b.numel()], b is first set to its column sums (tail.h's order).
+  // With grad, returns clip_rows_backward(grad, clipped, factor, norm, input_bound, clip_fn), else
+  // an empty tensor. w, b: contiguous, float32 or float64.
+  m.def(
+      "layer_tail_(Tensor(a!) w, Tensor(b!) b, Tensor? bias_rows, Tensor? grad, Tensor? clipped, Tensor? factor,"
+      " Tensor? norm, float input_bound, str clip_fn, int seed, int offset, float std, float scale=1.0) -> Tensor");
   // One row of the banded mechanism's correlated noise (bpclip_fast/banded.py) in one pass: with
   // z = philox_noise_'s stream at (seed, offset) over the P elements of a ring row,
   //   w_i = std z_i + sum_{a = 1..bands-1} weights[a-1] ring[(newest - a + 1) mod (bands-1), i],

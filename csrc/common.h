@@ -216,6 +216,38 @@ inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double s
   check_noise_scale(scale, "philox_noise2_");
 }
 
+// layer_tail_ (csrc/include/bpclip_fast/tail.h): w and b are a layer's gradients in the
+// accumulation dtype (fp32, fp64), contiguous (the stream is indexed by position); bias_rows, where
+// given, the [rows, b.numel()] matrix whose column sums b receives; grad, where given, the input
+// gradient whose clipping VJP is returned, with the forward's clipped input, factor and norm (the
+// factor in w's dtype: the clip kernels' fac_t is the accumulation dtype).
+inline void check_tail_args(const at::Tensor& w, const at::Tensor& b, const c10::optional<at::Tensor>& bias_rows,
+                            const c10::optional<at::Tensor>& grad, const c10::optional<at::Tensor>& clipped,
+                            const c10::optional<at::Tensor>& factor, const c10::optional<at::Tensor>& norm,
+                            double stdv, double scale) {
+  check_noise2_args(w, b, stdv, scale);
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble, "bpclip_fast.layer_tail_: w is ",
+              w.scalar_type(), "; the layer's gradients are noised in their accumulation dtype (float32 or float64)");
+  TORCH_CHECK(w.is_contiguous() && b.is_contiguous(), "bpclip_fast.layer_tail_: w and b must be contiguous");
+  const bool rows = bias_rows.has_value() && bias_rows->defined();
+  if (rows) {
+    check_same_device(*bias_rows, w, "bias_rows", "w");
+    TORCH_CHECK(bias_rows->dim() == 2 && bias_rows->size(1) == b.numel() && b.numel() > 0 &&
+                    bias_rows->is_contiguous() && bias_rows->scalar_type() == w.scalar_type(),
+                "bpclip_fast.layer_tail_: bias_rows must be a contiguous [rows, ", b.numel(), "] tensor of w's dtype",
+                " (", w.scalar_type(), ") and b non-empty; got ", bias_rows->sizes(), " ", bias_rows->scalar_type());
+  }
+  const bool jvp = grad.has_value() && grad->defined();
+  if (jvp) {
+    TORCH_CHECK(clipped.has_value() && clipped->defined() && factor.has_value() && factor->defined() &&
+                    norm.has_value() && norm->defined(),
+                "bpclip_fast.layer_tail_: grad needs the forward's clipped input, factor and norm");
+    check_same_device(*grad, w, "grad", "w");
+    TORCH_CHECK(factor->scalar_type() == w.scalar_type(), "bpclip_fast.layer_tail_: the factor is ",
+                factor->scalar_type(), " but w is ", w.scalar_type(), "; both are the data's accumulation dtype");
+  }
+}
+
 // clip_rows_rescale: g clipped as clip_rows does, x rescaled by x_factor as scale_rows does; one batch.
 inline void check_clip_rows_rescale_args(const at::Tensor& g, const at::Tensor& x, const at::Tensor& x_factor) {
   check_scale_rows_args(x, x_factor);

@@ -53,6 +53,20 @@ inline void philox_noise2_(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t o
   op.call(w, b, seed, offset, stdv, accumulate_w, accumulate_b, scale);
 }
 
+using OptTensor = c10::optional<at::Tensor>;
+
+inline at::Tensor layer_tail_(at::Tensor& w, at::Tensor& b, const OptTensor& bias_rows, const OptTensor& grad,
+                              const OptTensor& clipped, const OptTensor& factor, const OptTensor& norm,
+                              double input_bound, c10::string_view clip_fn, int64_t seed, int64_t offset, double stdv,
+                              double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("bpclip_fast::layer_tail_", "")
+                       .typed<at::Tensor(at::Tensor&, at::Tensor&, const OptTensor&, const OptTensor&,
+                                         const OptTensor&, const OptTensor&, const OptTensor&, double,
+                                         c10::string_view, int64_t, int64_t, double, double)>();
+  return op.call(w, b, bias_rows, grad, clipped, factor, norm, input_bound, clip_fn, seed, offset, stdv, scale);
+}
+
 inline std::tuple<at::Tensor, at::Tensor> scale_rows2(const at::Tensor& x, const at::Tensor& x_factor,
                                                       const at::Tensor& y, const at::Tensor& y_factor, bool mask_y) {
   static auto op =

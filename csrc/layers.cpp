@@ -9,16 +9,14 @@
 #include "common.h"
 #include "dispatch.h"
 #include "host_cache.h"
+#include "bpclip_fast/tail.h"
 
 namespace bpclip {
 namespace {
 
 using Triple = ops::Triple;
 using ops::clip_rows;
-using ops::clip_rows_backward;
 using ops::clip_rows_rescale;
-using ops::philox_noise2_;
-using ops::philox_noise_;
 
 void check_layer_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         const char* layer) {
@@ -79,22 +77,19 @@ ops::Quad clipped_pair(const at::Tensor& grad_out, const at::Tensor& x, const at
   return clip_rows_rescale(grad_out, nonfinite, a.grad_bound, grad_norm, a.clip_fn, a.gamma, x, x_factor);
 }
 
-// The weight's (and the bias') noise, both draws in one launch: the weight at the key's offset, the
-// bias at offset + 1, added to the gradients, then the mean-loss scale in the same launch (without a
-// draw, a mul_ of each).
-void add_layer_noise(at::Tensor& gw, at::Tensor& gb, const BackwardArgs& a, bool accumulate_w = true) {
-  if (a.noise_std <= 0.0) {
-    if (a.scale != 1.0) {
-      gw.mul_(a.scale);
-      if (a.has_bias) gb.mul_(a.scale);
-    }
-    return;
-  }
-  if (a.has_bias) {
-    philox_noise2_(gw, gb, a.seed, a.offset, a.noise_std, accumulate_w, true, a.scale);
-  } else {
-    philox_noise_(gw, a.seed, a.offset, a.noise_std, accumulate_w, a.scale);
-  }
+// The backward's epilogue, one op (layer_tail_, bpclip_fast/tail.h): the weight's noise (stream
+// offset) and the bias' (offset + 1) added to the gradients, then the mean-loss scale; the bias' sum
+// over the rows where bias_rows is given; and, where the input gradient is wanted, the input
+// clipping's VJP of grad_xc. One launch for what were three (noise, bias sum, VJP).
+at::Tensor layer_tail(at::Tensor& gw, at::Tensor& gb, const c10::optional<at::Tensor>& bias_rows,
+                      const at::Tensor& grad_xc, const at::Tensor& x_clipped, const at::Tensor& x_factor,
+                      const at::Tensor& x_norm, const BackwardArgs& a) {
+  const bool jvp = a.input_grad && grad_xc.defined();
+  return ops::layer_tail_(gw, gb, bias_rows, jvp ? c10::optional<at::Tensor>(grad_xc) : c10::nullopt,
+                          jvp ? c10::optional<at::Tensor>(x_clipped) : c10::nullopt,
+                          jvp ? c10::optional<at::Tensor>(x_factor) : c10::nullopt,
+                          jvp ? c10::optional<at::Tensor>(x_norm) : c10::nullopt, a.input_bound, a.clip_fn, a.seed,
+                          a.offset, a.noise_std, a.scale);
 }
 
 // fp16/bf16 weight and bias gradients are summed over the batch, noised and scaled (the mean-loss
@@ -125,26 +120,20 @@ Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   const at::Tensor g2 = gc.reshape({-1, out_f});
   const at::Tensor x2 = x_clipped.reshape({-1, in_f});
 
-  // The bias sum first. Scale 1 with a draw: the noise written (the bias' added), then the GEMM
-  // accumulated onto it (in cache, inside the GEMM's blocks); otherwise the GEMM, then the noise added
-  // and the scale applied in one launch (csrc/exact_release.cpp, linear_clipped_grads, says why).
+  // fp16/bf16: the weight and bias gradients in fp32 (see widened), the input gradient in the data dtype.
   const at::Tensor g2w = widened(g2), x2w = widened(x2);
   at::Tensor gw = host_empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
-  at::Tensor gb = a.has_bias ? g2w.sum(0) : weight.new_empty({0});
-  if (a.noise_std > 0.0 && a.scale == 1.0) {
-    add_layer_noise(gw, gb, a, false);
-    gw.addmm_(g2w.t(), x2w);
-  } else {
-    at::mm_out(gw, g2w.t(), x2w);
-    add_layer_noise(gw, gb, a);
-  }
+  at::mm_out(gw, g2w.t(), x2w);
+  // The bias' sum inside the tail's launch up to kTailBiasRowsMax rows (bpclip_fast/tail.h), ATen's above.
+  const bool rows_in_tail = a.has_bias && g2w.size(0) <= kTailBiasRowsMax;
+  at::Tensor gb = !a.has_bias ? gw.new_empty({0}) : rows_in_tail ? gw.new_empty({out_f}) : g2w.sum(0);
+  at::Tensor gxc;
+  if (a.input_grad) gxc = at::mm(g2, weight).reshape(x_clipped.sizes());
+  at::Tensor gx = layer_tail(gw, gb, rows_in_tail ? c10::optional<at::Tensor>(g2w) : c10::nullopt, gxc, x_clipped,
+                             x_factor, x_norm, a);
   if (a.has_bias) gb = gb.to(weight.scalar_type());
   gw = gw.to(weight.scalar_type());
-  at::Tensor gx = x_clipped.new_empty({0});
-  if (a.input_grad) {
-    const at::Tensor gxc = at::mm(g2, weight).reshape(x_clipped.sizes());
-    gx = clip_rows_backward(gxc, x_clipped, x_factor, x_norm, a.input_bound, a.clip_fn);
-  }
+  if (!a.input_grad) gx = x_clipped.new_empty({0});
   return {gx, gw, gb};
 }
 
@@ -170,8 +159,9 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   auto [gc, gfactor, gnorm, x_clipped] = clipped_pair(grad_out, x, x_factor, nonfinite, a, grad_norm);
   at::Tensor gx_c, gw, gb;
   if (x_clipped.size(0) == 0) {
-    gw = at::zeros_like(weight, at::MemoryFormat::Contiguous);
-    if (a.has_bias) gb = at::zeros({weight.size(0)}, weight.options());
+    const auto acc = weight.options().dtype(low_precision(weight) ? at::kFloat : weight.scalar_type());
+    gw = at::zeros(weight.sizes(), acc);
+    if (a.has_bias) gb = at::zeros({weight.size(0)}, acc);
     if (a.input_grad) gx_c = at::zeros_like(x_clipped);
   } else {
     const std::vector<int64_t> bias_sizes{weight.size(0)};
@@ -190,14 +180,13 @@ Triple conv2d_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
     gw = std::get<1>(grads).contiguous();
     gb = std::get<2>(grads);
   }
-  // ATen's convolution backward has no accumulate-into-output form, so here the noise is added to
-  // the fresh gradient buffers in place: the same memory traffic as writing them first.
-  add_layer_noise(gw, gb, a);
+  // ATen's convolution backward has no accumulate-into-output form, so the noise is added to the
+  // fresh gradient buffers in place: the same memory traffic as writing them first.
+  if (!a.has_bias) gb = gw.new_empty({0});
+  at::Tensor gx = layer_tail(gw, gb, c10::nullopt, gx_c, x_clipped, x_factor, x_norm, a);
   gw = gw.to(weight.scalar_type());
-  if (a.has_bias) gb = gb.to(weight.scalar_type());
-  if (!a.has_bias) gb = weight.new_empty({0});
-  at::Tensor gx = x_clipped.new_empty({0});
-  if (a.input_grad) gx = clip_rows_backward(gx_c, x_clipped, x_factor, x_norm, a.input_bound, a.clip_fn);
+  gb = a.has_bias ? gb.to(weight.scalar_type()) : weight.new_empty({0});
+  if (!a.input_grad) gx = x_clipped.new_empty({0});
   return {gx, gw, gb};
 }
 

@@ -223,6 +223,27 @@ def test_philox_noise2_grid_stride_and_misaligned(sim, request, blocks, threads,
                                   accumulate_b=True, blocks=blocks, threads=threads, misalign=misalign) == []
 
 
+# layer_tail_ (tail_kernels.cuh): one launch of three jobs by block range. w and b bit for bit with
+# the CPU op (the bias' sum in bpclip_fast/tail.h's slice order: rows fewer than, not a multiple of
+# and many times the 8 slices; columns within and past one 32-column block), the VJP as clip_rows_backward's;
+# a draw or only a scale; w misaligned (unpacked noise); a one-SM device (warps stride over w's
+# tiles); the counter word wrapping between w's key and b's.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("nw,nb,R,jvp_rows,N,std,scale,misalign,offset,sms", [
+    (300, 37, 19, 5, 70, 0.8, 1.0, 0, 5, 132),
+    (300, 37, 3, 0, 0, 0.8, 0.5, 0, 5, 132),
+    (10007, 70, 200, 2, 4100, 1.1, 0.25, 0, 2**64 - 1, 1),
+    (4099, 40, 0, 0, 0, 1.3, 0.25, 1, 9, 132),
+    (257, 3, 2, 3, 33, 0.0, 2.0, 0, 5, 132),
+    (257, 3, 0, 3, 33, 0.0, 1.0, 0, 5, 132),
+    (600, 0, 0, 9, 33, 0.5, 1.5, 0, 7, 132),
+])
+def test_layer_tail_matches_cpu(sim, request, dtype, nw, nb, R, jvp_rows, N, std, scale, misalign, offset, sms):
+    _schedule(sim, request)
+    assert harness.compare_layer_tail(sim, dtype, nw, nb, R, jvp_rows, N, std, scale, misalign, offset=offset,
+                                      sm_count=sms) == []
+
+
 # banded_row_: one correlated-noise row (band_kernels.cuh) vs the CPU op, ring and outs bit for bit.
 # Rows under one group, of one tile exactly, a tile + a partial group, several tiles + a tail; b = 2
 # (one slot, read then overwritten), 3 and 16 (several ages, the slot walk wrapping from every
@@ -346,7 +367,7 @@ def test_every_global_kernel_is_launched(sim):
     assert {"row_partial_kernel", "finalize_rows_kernel", "scale_rows_kernel", "clip_jvp_kernel",
             "philox_noise_kernel", "philox_noise2_kernel", "scale_rows2_kernel", "ln_affine_partial_kernel",
             "gn_affine_partial_kernel", "affine_finalize_kernel", "examples_bound_kernel",
-            "examples_release_kernel", "banded_row_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
+            "examples_release_kernel", "banded_row_kernel", "layer_tail_kernel"} <= kernels, "the __global__ scan of csrc/cuda finds too little"
     sim.schedule("random", 7)
     assert harness.sweep(sim) == []
     launched = {harness.kernel_base_name(name) for name in sim.stats()}

@@ -367,6 +367,11 @@ at::Tensor clip_rows_backward_cpu(const at::Tensor& grad_in, const at::Tensor& c
 
 }  // namespace
 
+at::Tensor clip_rows_backward_into(const at::Tensor& grad, const at::Tensor& clipped, const at::Tensor& factor,
+                                   const at::Tensor& norms, double bound, c10::string_view clip_fn) {
+  return clip_rows_backward_cpu(grad, clipped, factor, norms, bound, clip_fn);
+}
+
 TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
   m.impl("clip_rows", &clip_rows_cpu);
   m.impl("clip_rows_backward", &clip_rows_backward_cpu);

@@ -326,6 +326,10 @@ void philox_normals(uint64_t seed, uint64_t offset, uint64_t first_group, int64_
   }
 }
 
+void philox_noise_into(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate, double scale) {
+  philox_noise_cpu(buf, seed, offset, stdv, accumulate, scale);
+}
+
 TORCH_LIBRARY_IMPL(bpclip_fast, CPU, m) {
   m.impl("philox_noise_", &philox_noise_cpu);
   m.impl("philox_noise2_", &philox_noise2_cpu);

@@ -135,12 +135,12 @@ __global__ void scale_rows2_kernel(const T* __restrict__ x, const fac_t* __restr
 
 // grad_x = s g - c xc per row, c = rho (xc . g) / (xc . xc) (clip_jvp_coef in bpclip_fast/clip.h;
 // sums[b], sums[B + b] = the dot product and the squared norm), in double, rounded once to fp32
-// (fp64) and then to T.
+// (fp64) and then to T: tile t (tile t % tiles of row t / tiles) of the output.
 template <typename T, typename fac_t>
-__global__ void clip_jvp_kernel(const T* __restrict__ g, const T* __restrict__ xc, const fac_t* __restrict__ factor,
-                                const fac_t* __restrict__ norm, const double* __restrict__ sums, double bound_eff,
-                                int fn, int64_t B, int64_t N, int64_t tiles, T* __restrict__ out) {
-  const int64_t t = blockIdx.x;
+__device__ __forceinline__ void clip_jvp_tile(const T* __restrict__ g, const T* __restrict__ xc,
+                                              const fac_t* __restrict__ factor, const fac_t* __restrict__ norm,
+                                              const double* __restrict__ sums, double bound_eff, int fn, int64_t B,
+                                              int64_t N, int64_t tiles, int64_t t, T* __restrict__ out) {
   const int64_t b = t / tiles;
   const int64_t lo = b * N + (t % tiles) * kScaleTile;
   const int64_t hi = min64(lo + kScaleTile, (b + 1) * N);
@@ -150,6 +150,13 @@ __global__ void clip_jvp_kernel(const T* __restrict__ g, const T* __restrict__ x
     out[i] = s == 0.0 ? from_acc<T>(fac_t(0))
                       : from_acc<T>(static_cast<fac_t>(s * to_f64(g[i]) - c * to_f64(xc[i])));
   }
+}
+
+template <typename T, typename fac_t>
+__global__ void clip_jvp_kernel(const T* __restrict__ g, const T* __restrict__ xc, const fac_t* __restrict__ factor,
+                                const fac_t* __restrict__ norm, const double* __restrict__ sums, double bound_eff,
+                                int fn, int64_t B, int64_t N, int64_t tiles, T* __restrict__ out) {
+  clip_jvp_tile(g, xc, factor, norm, sums, bound_eff, fn, B, N, tiles, static_cast<int64_t>(blockIdx.x), out);
 }
 
 }  // namespace cuda

@@ -33,6 +33,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 #include "noise_launch.cuh"
 #include "norm_affine_launch.cuh"
 #include "patches_launch.cuh"
+#include "tail_launch.cuh"
 
 namespace {
 
@@ -168,6 +169,24 @@ int simt_philox_noise2(int dtype, void* w, int64_t nw, void* b, int64_t nb, uint
       launch_philox_noise2<T>(static_cast<T*>(w), nw, static_cast<T*>(b), nb, seed, offset, stdv, accumulate_w != 0,
                               accumulate_b != 0, blocks, threads, scale);
     }
+  });
+}
+
+// layer_tail_ over caller buffers: w, b and rows in dtype's accumulation type (fac_t), g, xc and out
+// in dtype; g null: no VJP (B = N = 0); rows null: b noised as it holds.
+int simt_layer_tail(int dtype, void* w, int64_t nw, void* b, int64_t nb, const void* rows, int64_t R, uint64_t seed,
+                    uint64_t offset, float stdv, int draw, double scale, const void* g, const void* xc,
+                    const void* factor, const void* norm, int64_t B, int64_t N, double bound, int fn, void* out,
+                    int sm_count) {
+  const RowGeometry r = make_row_geometry(B, N, 1, N, kReduceChunk);
+  return dispatch(dtype, [&]<typename T, typename fac_t>() {
+    auto partial = poisoned(backward_partial_count(r));
+    auto sums = poisoned(backward_sums_count(r));
+    layer_tail_device<T, fac_t>(static_cast<fac_t*>(w), nw, static_cast<fac_t*>(b), nb,
+                                static_cast<const fac_t*>(rows), R, seed, offset, stdv, draw != 0, scale,
+                                static_cast<const T*>(g), static_cast<const T*>(xc),
+                                static_cast<const fac_t*>(factor), static_cast<const fac_t*>(norm), r, bound, fn,
+                                partial.data(), sums.data(), static_cast<T*>(out), sm_count);
   });
 }
 

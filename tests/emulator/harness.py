@@ -161,6 +161,8 @@ class Simt:
         lib.simt_scale_rows2.argtypes = [i32, vp, vp, i64, vp, vp, vp, i64, i32, i64, vp]
         lib.simt_clip_rows_rescale.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp, vp, vp,
                                                i64, vp]
+        lib.simt_layer_tail.argtypes = [i32, vp, i64, vp, i64, vp, i64, u64, u64, ctypes.c_float, i32, dbl, vp, vp, vp,
+                                        vp, i64, i64, dbl, i32, vp, i32]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
         lib.simt_position_split.argtypes = [i64]
@@ -479,6 +481,59 @@ def compare_noise2(sim: Simt, nw: int, nb: int, dtype, seed: int, offset: int, s
             problems.append(f"{name}: noise written past the end of the buffer")
         if not torch.equal(_bits(view), _bits(ref)):
             problems.append(f"{name}: noise differs at {(view != ref).sum().item()} of {n} elements")
+    return problems
+
+
+def compare_layer_tail(sim: Simt, dtype, nw: int, nb: int, R: int, jvp_rows: int, N: int, std: float,
+                       scale: float, misalign: int = 0, seed: int = 11, offset: int = 5,
+                       sm_count: int = H100_SMS):
+    """Emulated layer_tail_ vs the CPU op: w and b bit-identical (the same noise streams and the bias'
+    sum in bpclip_fast/tail.h's order), the input gradient within storage tolerance (as
+    compare_clip_rows_backward), nothing written outside any buffer. ``R`` > 0: b from the column sums
+    of a [R, nb] matrix; ``jvp_rows`` > 0: the VJP of a [jvp_rows, N] input clipping; ``misalign``
+    offsets w's view (the unpacked noise path)."""
+    acc = acc_dtype(dtype)
+    gen = torch.Generator().manual_seed(nw + 7 * nb + 13 * R + jvp_rows)
+    w0 = torch.randn(nw, generator=gen, dtype=torch.float64).to(acc)
+    b0 = torch.randn(nb, generator=gen, dtype=torch.float64).to(acc)
+    rows = torch.randn(R, nb, generator=gen, dtype=torch.float64).to(acc) if R else None
+    g = xc = factor = nrm = None
+    bound = 0.5 * N ** 0.5 if N else 1.0
+    if jvp_rows:
+        x = torch.randn(jvp_rows, N, generator=gen).to(dtype)
+        cnt = torch.zeros(1, dtype=torch.int64)
+        xc, factor, nrm = torch.ops.bpclip_fast.clip_rows(x, cnt, bound, "l2", "clip", 0.01)
+        g = torch.randn(jvp_rows, N, generator=gen).to(dtype)
+    wr, br = w0.clone(), b0.clone()
+    signed = offset - 2 ** 64 if offset >= 2 ** 63 else offset
+    ref_gx = torch.ops.bpclip_fast.layer_tail_(wr, br, rows, g, xc, factor, nrm, bound, "clip", seed, signed, std,
+                                               scale)
+    fill = 7.0
+    wbuf = torch.full((misalign + nw + GUARD,), fill, dtype=acc)
+    wv = wbuf[misalign:misalign + nw]
+    wv.copy_(w0)
+    bbuf = torch.full((nb + GUARD,), fill, dtype=acc)
+    bv = bbuf[:nb]
+    bv.copy_(b0)
+    obuf, out = guarded(g.numel(), dtype) if jvp_rows else (None, None)
+    g_in, xc_in = (guarded_copy(g), guarded_copy(xc)) if jvp_rows else (None, None)  # held through the call
+    sim.call("simt_layer_tail", DTYPES[dtype], _ptr(wv), nw, _ptr(bv), nb, _ptr_or_null(rows), R, seed, offset, std,
+             int(std > 0), scale, _ptr_or_null(g_in), _ptr_or_null(xc_in), _ptr_or_null(factor), _ptr_or_null(nrm),
+             jvp_rows, N if jvp_rows else 0, bound, CLIP_FNS["clip"], _ptr_or_null(out), sm_count)
+    problems = []
+    for name, buf, view, ref, n, lead in (("w", wbuf, wv, wr, nw, misalign), ("b", bbuf, bv, br, nb, 0)):
+        if not bool((buf[:lead] == fill).all()):
+            problems.append(f"{name}: written before the start of the buffer")
+        if not _guard_intact(buf[lead:], n, fill):
+            problems.append(f"{name}: written past the end of the buffer")
+        if not torch.equal(_bits(view), _bits(ref)):
+            problems.append(f"{name}: differs at {(view != ref).sum().item()} of {n} elements")
+    if jvp_rows:
+        if not _guard_intact(obuf, g.numel(), float("nan")):
+            problems.append("grad: written past its end")
+        ref_scale = ref_gx.abs().max().item()
+        if not _close(out.reshape(g.shape), ref_gx, _storage_tol(dtype), _storage_tol(dtype) * 1e-2 * ref_scale):
+            problems.append(f"grad differs: max abs {(out.reshape(g.shape).double() - ref_gx.double()).abs().max():.3g}")
     return problems
 
 
@@ -888,6 +943,14 @@ def sweep(sim: Simt) -> list[str]:
                          for p in compare_noise2(sim, n, 37, dtype, 9, 3, 1.3, False, True, blocks, misalign=mis)]
             problems += [f"noise2+ {label}: {p}"
                          for p in compare_noise2(sim, 300, n, dtype, 4, 8, 0.7, True, False, blocks, misalign=mis)]
+        # layer_tail_: with and without the VJP, the bias' sum (rows not a multiple of the 8 slices,
+        # columns past one block) or its own values, a draw or only a scale, w misaligned.
+        for nw, nb, R, jvp_rows, N, std, scale, mis in ((300, 37, 19, 5, 70, 0.8, 1.0, 0),
+                                                         (4099, 40, 0, 0, 0, 1.3, 0.25, 1),
+                                                         (257, 3, 2, 3, 4100, 0.0, 2.0, 0),
+                                                         (600, 0, 0, 9, 33, 0.5, 1.5, 0)):
+            problems += [f"layer_tail {dtype} nw={nw} nb={nb} R={R}: {p}"
+                         for p in compare_layer_tail(sim, dtype, nw, nb, R, jvp_rows, N, std, scale, mis)]
         if dtype in (torch.float32, torch.float64):
             # a row of 2 tiles + a partial group, outs covering part of it; b = 2, 3, 16; a grid far
             # smaller than the row (the tile stride)

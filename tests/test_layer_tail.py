@@ -1,0 +1,102 @@
+"""layer_tail_ (csrc/include/bpclip_fast/tail.h): the epilogue of a backpropagation-clipping layer's
+backward in one op: the weight's and bias' noise, the bias' sum over the rows, the input clipping's
+VJP. Each job against its definition (the noise ops' streams, clip_rows_backward) and the bias sum
+against float64 truth; the layers that use it against float64 truth at the rows where the bias sum
+moves from the tail's launch to ATen's."""
+
+import pytest
+import torch
+from torch import nn
+
+from bpclip_fast import _ops
+
+OPS = torch.ops.bpclip_fast
+pytestmark = pytest.mark.skipif(not _ops.extension_loaded(), reason="needs the extension")
+
+
+def _dyadic(shape, dtype, gen, bits=20):
+    """Integers times 2^-bits below 1 in magnitude: any sum of up to 2^12 of them is a multiple of
+    2^-bits below 2^12, exact in float64 (32 significant bits) whatever the order, so the float64 sum is
+    the truth and the op's one rounding of it is checkable bit for bit."""
+    return (torch.randint(-(1 << bits), 1 << bits, shape, generator=gen) * 2.0 ** -bits).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("R,nb", [(1, 1), (7, 33), (8, 5), (19, 64), (2048, 3)])
+def test_bias_sum_is_the_exact_column_sum_rounded_once(device, dtype, R, nb):
+    gen = torch.Generator().manual_seed(R * 100 + nb)
+    rows = _dyadic((R, nb), dtype, gen).to(device)
+    w, b = torch.zeros(4, 3, dtype=dtype, device=device), torch.full((nb,), 7.0, dtype=dtype, device=device)
+    OPS.layer_tail_(w, b, rows, None, None, None, None, 1.0, "clip", 1, 2, 0.0, 1.0)
+    truth = rows.double().sum(0)
+    assert torch.equal(b, truth.to(dtype)), "the column sums, rounded once to the dtype"
+    assert torch.equal(w, torch.zeros_like(w)), "std 0 and scale 1 leave w as it was"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_noise_is_philox_noise2_accumulated_then_scaled(device, dtype, scale, with_rows):
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(5, 300, generator=gen, dtype=dtype).to(device)
+    b0 = torch.randn(5, generator=gen, dtype=dtype).to(device)
+    rows = _dyadic((11, 5), dtype, gen).to(device) if with_rows else None
+    w, b = w0.clone(), b0.clone()
+    gx = OPS.layer_tail_(w, b, rows, None, None, None, None, 1.0, "clip", 2**40 + 3, 2**63 - 1, 0.7, scale)
+    assert gx.numel() == 0
+    wr, br = w0.clone(), rows.double().sum(0).to(dtype) if with_rows else b0.clone()
+    OPS.philox_noise2_(wr, br, 2**40 + 3, 2**63 - 1, 0.7, True, True, scale)  # b's key wraps to -2^63
+    assert torch.equal(w, wr) and torch.equal(b, br)
+    assert not torch.equal(w, w0 * scale), "a draw was added"
+
+
+def test_std_zero_draws_nothing_and_only_scales(device):
+    gen = torch.Generator().manual_seed(4)
+    w0, b0 = torch.randn(6, 7, generator=gen).to(device), torch.randn(6, generator=gen).to(device)
+    w, b = w0.clone(), b0.clone()
+    OPS.layer_tail_(w, b, None, None, None, None, None, 1.0, "clip", 1, 2, 0.0, 2.5)
+    assert torch.equal(w, w0.mul(2.5)) and torch.equal(b, b0.mul(2.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("clip_fn", ["clip", "normalize", "global"])
+def test_vjp_is_clip_rows_backward(device, dtype, clip_fn):
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 40, generator=gen) * torch.tensor([0.1, 1, 3, 10, 0.5, 30]).unsqueeze(1)).to(dtype)
+    x, g = x.to(device), torch.randn(6, 40, generator=gen).to(dtype).to(device)
+    cnt = torch.zeros(1, dtype=torch.int64, device=device)
+    xc, factor, nrm = OPS.clip_rows(x, cnt, 5.0, "l2", clip_fn, 0.01)
+    acc = factor.dtype
+    w, b = torch.zeros(3, 2, dtype=acc, device=device), torch.zeros(3, dtype=acc, device=device)
+    gx = OPS.layer_tail_(w, b, None, g, xc, factor, nrm, 5.0, clip_fn, 1, 2, 0.3, 1.0)
+    assert torch.equal(gx, OPS.clip_rows_backward(g, xc, factor, nrm, 5.0, clip_fn))
+
+
+def test_bad_arguments_are_named(device):
+    w, b = torch.zeros(4, 3, device=device), torch.zeros(4, device=device)
+    args = (None, None, None, None, None, 1.0, "clip", 1, 2, 0.5, 1.0)
+    with pytest.raises(RuntimeError, match="accumulation dtype"):
+        OPS.layer_tail_(w.half(), b.half(), *args)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        OPS.layer_tail_(torch.zeros(3, 4, device=device).t(), b, *args)
+    with pytest.raises(RuntimeError, match=r"bias_rows must be a contiguous \[rows, 4\]"):
+        OPS.layer_tail_(w, b, torch.zeros(5, 3, device=device), *args[1:])
+    with pytest.raises(RuntimeError, match="grad needs the forward's clipped input"):
+        OPS.layer_tail_(w, b, None, torch.zeros(2, 3, device=device), None, None, None, *args[5:])
+    with pytest.raises(RuntimeError, match="overlap"):
+        OPS.layer_tail_(w.view(-1)[:4], w.view(-1)[2:6], *args)
+
+
+@pytest.mark.parametrize("rows", [2048, 2049])
+def test_linear_at_the_bias_sum_threshold_matches_float64_truth(device, rows):
+    """kTailBiasRowsMax rows: the bias summed in the tail's launch; one more: by ATen. Both against
+    the float64 oracle (tests/test_layers.py's tolerance and comparison)."""
+    from test_layers import assert_matches_float64_truth, paired
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 4))
+    ours, ref = paired(model, input_clip=1.5, grad_clip=0.3, clip_fn="clip")
+    B = 2 if rows == 2048 else 3
+    x = torch.randn(B, rows // B, 5, device=device) * 2
+    assert B * x.shape[1] == rows
+    assert_matches_float64_truth(ours.to(device), ref.to(device), x)
