@@ -156,6 +156,33 @@ def test_noise2_device_is_two_noise_calls_bit_for_bit(dtype, acc_w, acc_b):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_layer_tail_device_is_its_parts(dtype, scale):
+    """layer_tail_ on the device: w as the device's philox_noise_ (accumulate, scale) bit for bit; b
+    as that noise on the CPU op's column sums (float64 slice sums, no FMA to contract: the same
+    bits); the VJP as the device's clip_rows_backward, to rounding."""
+    gen = torch.Generator().manual_seed(6)
+    acc = harness.acc_dtype(dtype)
+    w0, rows = torch.randn(70, 33, generator=gen).to(acc), torch.randn(300, 70, generator=gen).to(acc)
+    x, g = torch.randn(9, 200, generator=gen).to(dtype), torch.randn(9, 200, generator=gen).to(dtype)
+    cnt = torch.zeros(1, dtype=torch.int64, device="cuda")
+    xc, f, n = torch.ops.bpclip_fast.clip_rows(x.cuda(), cnt, 5.0, "l2", "clip", 0.01)
+    w, b = w0.cuda(), torch.empty(70, dtype=acc, device="cuda")
+    gx = torch.ops.bpclip_fast.layer_tail_(w, b, rows.cuda(), g.cuda(), xc, f, n, 5.0, "clip", 8, -1,
+                                           0.9, scale)
+    rw = w0.cuda()
+    torch.ops.bpclip_fast.philox_noise_(rw, 8, -1, 0.9, True, scale)
+    sums = torch.empty(70, dtype=acc)
+    torch.ops.bpclip_fast.layer_tail_(torch.zeros(1, dtype=acc), sums, rows, None, None, None, None, 1.0, "clip", 0, 0,
+                                      0.0, 1.0)
+    rb = sums.cuda()
+    torch.ops.bpclip_fast.philox_noise_(rb, 8, 0, 0.9, True, scale)  # offset -1 + 1 wraps to 0
+    assert torch.equal(harness._bits(w.cpu()), harness._bits(rw.cpu()))
+    assert torch.equal(harness._bits(b.cpu()), harness._bits(rb.cpu()))
+    _close(gx, torch.ops.bpclip_fast.clip_rows_backward(g.cuda(), xc, f, n, 5.0, "clip"), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scale_rows2_and_clip_rows_rescale_device_agree_with_their_parts(dtype):
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(9, 300, generator=gen) * 10).to(dtype).cuda()
