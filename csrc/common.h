@@ -216,36 +216,62 @@ inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double s
   check_noise_scale(scale, "philox_noise2_");
 }
 
-// layer_tail_ (csrc/include/bpclip_fast/tail.h): w and b are a layer's gradients in the
-// accumulation dtype (fp32, fp64), contiguous (the stream is indexed by position); bias_rows, where
-// given, the [rows, b.numel()] matrix whose column sums b receives; grad, where given, the input
+// Whether two tensors may share memory (ATen's overlap test; an interleaved pair of views of one
+// storage, "too hard" for it to decide, counts as sharing).
+inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const at::MemOverlapStatus overlap = at::get_overlap_status(a, b);
+  return overlap != at::MemOverlapStatus::No &&
+         !(overlap == at::MemOverlapStatus::TooHard && !a.storage().is_alias_of(b.storage()));
+}
+
+// layer_tail_ (csrc/include/bpclip_fast/tail.h), every check before anything is written (a refused
+// call leaves w and b as they were on every device): w and b are a layer's gradients in the
+// accumulation dtype (fp32, fp64), contiguous (the stream is indexed by position), disjoint; bias_rows,
+// where given, the [rows, b.numel()] matrix whose column sums b receives; grad, where given, the input
 // gradient whose clipping VJP is returned, with the forward's clipped input, factor and norm (the
-// factor in w's dtype: the clip kernels' fac_t is the accumulation dtype).
-inline void check_tail_args(const at::Tensor& w, const at::Tensor& b, const c10::optional<at::Tensor>& bias_rows,
-                            const c10::optional<at::Tensor>& grad, const c10::optional<at::Tensor>& clipped,
-                            const c10::optional<at::Tensor>& factor, const c10::optional<at::Tensor>& norm,
-                            double stdv, double scale) {
-  check_noise2_args(w, b, stdv, scale);
+// factor in w's dtype: the clip kernels' fac_t is the accumulation dtype), and input_bound the bound
+// the forward clipped against. Nothing read may share memory with w or b. Returns the parsed clip_fn.
+inline int check_tail_args(const at::Tensor& w, const at::Tensor& b, const c10::optional<at::Tensor>& bias_rows,
+                           const c10::optional<at::Tensor>& grad, const c10::optional<at::Tensor>& clipped,
+                           const c10::optional<at::Tensor>& factor, const c10::optional<at::Tensor>& norm,
+                           double input_bound, c10::string_view clip_fn, double stdv, double scale) {
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble, "bpclip_fast.layer_tail_: w is ",
               w.scalar_type(), "; the layer's gradients are noised in their accumulation dtype (float32 or float64)");
+  TORCH_CHECK(b.scalar_type() == w.scalar_type(), "bpclip_fast.layer_tail_: w is ", w.scalar_type(), " but b is ",
+              b.scalar_type(), "; a layer's two gradients share the accumulation dtype");
+  check_same_device(w, b, "w", "b");
   TORCH_CHECK(w.is_contiguous() && b.is_contiguous(), "bpclip_fast.layer_tail_: w and b must be contiguous");
-  const bool rows = bias_rows.has_value() && bias_rows->defined();
-  if (rows) {
+  TORCH_CHECK(!may_share_memory(w, b), "bpclip_fast.layer_tail_: w and b overlap in memory; pass separate buffers");
+  TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.layer_tail_: std must be finite and >= 0, got ", stdv);
+  check_noise_scale(scale, "layer_tail_");
+  const int fn = parse_clip_fn(clip_fn);
+  auto disjoint = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(!may_share_memory(t, w) && !may_share_memory(t, b), "bpclip_fast.layer_tail_: ", what,
+                " shares memory with w or b, which the op writes; pass a separate tensor");
+  };
+  if (bias_rows.has_value() && bias_rows->defined()) {
     check_same_device(*bias_rows, w, "bias_rows", "w");
     TORCH_CHECK(bias_rows->dim() == 2 && bias_rows->size(1) == b.numel() && b.numel() > 0 &&
                     bias_rows->is_contiguous() && bias_rows->scalar_type() == w.scalar_type(),
                 "bpclip_fast.layer_tail_: bias_rows must be a contiguous [rows, ", b.numel(), "] tensor of w's dtype",
                 " (", w.scalar_type(), ") and b non-empty; got ", bias_rows->sizes(), " ", bias_rows->scalar_type());
+    disjoint(*bias_rows, "bias_rows");
   }
-  const bool jvp = grad.has_value() && grad->defined();
-  if (jvp) {
+  if (grad.has_value() && grad->defined()) {
     TORCH_CHECK(clipped.has_value() && clipped->defined() && factor.has_value() && factor->defined() &&
                     norm.has_value() && norm->defined(),
                 "bpclip_fast.layer_tail_: grad needs the forward's clipped input, factor and norm");
     check_same_device(*grad, w, "grad", "w");
+    check_clip_backward_args(*grad, *clipped, *factor, *norm, input_bound, clip_fn);
     TORCH_CHECK(factor->scalar_type() == w.scalar_type(), "bpclip_fast.layer_tail_: the factor is ",
                 factor->scalar_type(), " but w is ", w.scalar_type(), "; both are the data's accumulation dtype");
+    disjoint(*grad, "grad");
+    disjoint(*clipped, "clipped");
+    disjoint(*factor, "factor");
+    disjoint(*norm, "norm");
   }
+  return fn;
 }
 
 // clip_rows_rescale: g clipped as clip_rows does, x rescaled by x_factor as scale_rows does; one batch.

@@ -131,8 +131,8 @@ Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   if (a.input_grad) gxc = at::mm(g2, weight).reshape(x_clipped.sizes());
   at::Tensor gx = layer_tail(gw, gb, rows_in_tail ? c10::optional<at::Tensor>(g2w) : c10::nullopt, gxc, x_clipped,
                              x_factor, x_norm, a);
-  if (a.has_bias) gb = gb.to(weight.scalar_type());
   gw = gw.to(weight.scalar_type());
+  gb = a.has_bias ? gb.to(weight.scalar_type()) : weight.new_empty({0});
   if (!a.input_grad) gx = x_clipped.new_empty({0});
   return {gx, gw, gb};
 }

@@ -75,16 +75,61 @@ def test_vjp_is_clip_rows_backward(device, dtype, clip_fn):
 def test_bad_arguments_are_named(device):
     w, b = torch.zeros(4, 3, device=device), torch.zeros(4, device=device)
     args = (None, None, None, None, None, 1.0, "clip", 1, 2, 0.5, 1.0)
-    with pytest.raises(RuntimeError, match="accumulation dtype"):
+    with pytest.raises(RuntimeError, match="layer_tail_: w is Half; .*accumulation dtype"):
         OPS.layer_tail_(w.half(), b.half(), *args)
-    with pytest.raises(RuntimeError, match="contiguous"):
+    with pytest.raises(RuntimeError, match="layer_tail_: w is Float but b is Double"):
+        OPS.layer_tail_(w, b.double(), *args)
+    with pytest.raises(RuntimeError, match="layer_tail_: w and b must be contiguous"):
         OPS.layer_tail_(torch.zeros(3, 4, device=device).t(), b, *args)
-    with pytest.raises(RuntimeError, match=r"bias_rows must be a contiguous \[rows, 4\]"):
+    with pytest.raises(RuntimeError, match=r"layer_tail_: bias_rows must be a contiguous \[rows, 4\]"):
         OPS.layer_tail_(w, b, torch.zeros(5, 3, device=device), *args[1:])
-    with pytest.raises(RuntimeError, match="grad needs the forward's clipped input"):
+    with pytest.raises(RuntimeError, match="layer_tail_: grad needs the forward's clipped input"):
         OPS.layer_tail_(w, b, None, torch.zeros(2, 3, device=device), None, None, None, *args[5:])
-    with pytest.raises(RuntimeError, match="overlap"):
+    with pytest.raises(RuntimeError, match="layer_tail_: w and b overlap"):
         OPS.layer_tail_(w.view(-1)[:4], w.view(-1)[2:6], *args)
+    with pytest.raises(RuntimeError, match="layer_tail_: std must be finite"):
+        OPS.layer_tail_(w, b, *args[:-2], -1.0, 1.0)
+    with pytest.raises(RuntimeError, match="clip_fn must be"):  # checked with or without grad
+        OPS.layer_tail_(w, b, None, None, None, None, None, 1.0, "bogus", 1, 2, 0.5, 1.0)
+
+
+def _vjp_args(device, **bad):
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(7)).to(device)
+    cnt = torch.zeros(1, dtype=torch.int64, device=device)
+    xc, f, n = OPS.clip_rows(x, cnt, 1.0, "l2", "clip", 0.01)
+    g = torch.randn(3, bad.get("grad_cols", 5), device=device)
+    return g, xc, f, n.to(bad.get("norm_dtype", n.dtype)), bad.get("bound", 1.0), bad.get("clip_fn", "clip")
+
+
+@pytest.mark.parametrize("bad", [dict(clip_fn="bogus"), dict(grad_cols=6), dict(bound=-1.0),
+                                 dict(norm_dtype=torch.float64)], ids=["clip_fn", "shape", "bound", "norm dtype"])
+def test_a_refused_call_leaves_w_and_b_as_they_were(device, bad):
+    """Every argument is checked before anything is written, on every device (review 37 F2: the CPU
+    kernel had summed the bias and drawn both noises before the VJP's checks raised)."""
+    g, xc, f, n, bound, clip_fn = _vjp_args(device, **bad)
+    w0, b0, rows = (torch.randn(4, 5, device=device), torch.randn(4, device=device),
+                    torch.randn(6, 4, device=device))
+    w, b = w0.clone(), b0.clone()
+    with pytest.raises(RuntimeError):
+        OPS.layer_tail_(w, b, rows, g, xc, f, n, bound, clip_fn, 1, 2, 0.5, 1.0)
+    assert torch.equal(w, w0) and torch.equal(b, b0)
+
+
+@pytest.mark.parametrize("which", ["bias_rows", "grad", "clipped"])
+def test_inputs_sharing_memory_with_w_or_b_are_refused(device, which):
+    """One launch reads the inputs while it rewrites w and b (review 37 F3: bias_rows a view of w gave
+    a result that depended on the block schedule under the emulator)."""
+    w, b = torch.randn(3, 5, device=device), torch.randn(5, device=device)
+    g, xc, f, n, bound, clip_fn = _vjp_args(device)
+    rows = torch.randn(4, 5, device=device)
+    if which == "bias_rows":
+        rows = w
+    elif which == "grad":
+        g = w
+    else:
+        xc = w
+    with pytest.raises(RuntimeError, match=f"layer_tail_: {which} shares memory with w or b"):
+        OPS.layer_tail_(w, b, rows, g, xc, f, n, bound, clip_fn, 1, 2, 0.5, 1.0)
 
 
 @pytest.mark.parametrize("rows", [2048, 2049])

@@ -522,6 +522,9 @@ def _opcheck_cases(device):
         (OPS.linear_forward, (xl, wl, None, c.clone(), 1.0, "global", 0.01)),
         (OPS.linear_backward, (gol, xl, fl, nl, wl, c.clone(), [1.0, 1.0], "clip", 0.01, [True, True], [3, 4], 0.1)),
         (OPS.linear_backward, (gol, xl, fl, nl, wl, c.clone(), [1.0, 1.0], "clip", 0.01, [False, False], [0, 0], 0.0)),
+        # fp16 without a bias: the empty bias output in the weight's dtype, as the fake says (review 37 F1)
+        (OPS.linear_backward, (gol.half(), xl.half(), fl, nl, wl.half(), c.clone(), [1.0, 1.0], "clip", 0.01,
+                               [True, False], [3, 4], 0.1, 0.5)),
         (OPS.conv2d_forward, (x, w, b, c.clone(), [1, 1], [0, 0], [1, 1], 1, 1.0, "clip", 0.01)),
         (OPS.conv2d_forward, (x, w, None, c.clone(), [2, 1], [1, 2], [1, 2], 1, 1.0, "clip", 0.01)),
         (OPS.conv2d_backward, (go, x, f, n, w, c.clone(), [1, 1], [0, 0], [1, 1], 1, "l15", [1.0, 1.0], "clip", 0.01,

@@ -58,7 +58,11 @@ at::Tensor layer_tail_cpu(at::Tensor& w, at::Tensor& b, const c10::optional<at::
                           const c10::optional<at::Tensor>& factor, const c10::optional<at::Tensor>& norm,
                           double input_bound, c10::string_view clip_fn, int64_t seed, int64_t offset, double stdv,
                           double scale) {
-  check_tail_args(w, b, bias_rows, grad, clipped, factor, norm, stdv, scale);
+  check_tail_args(w, b, bias_rows, grad, clipped, factor, norm, input_bound, clip_fn, stdv, scale);
+  // The VJP first: it reads nothing the rest writes, and whatever it raises leaves w and b untouched.
+  at::Tensor gx = grad.has_value() && grad->defined()
+                      ? clip_rows_backward_into(*grad, *clipped, *factor, *norm, input_bound, clip_fn)
+                      : w.new_empty({0});
   if (bias_rows.has_value() && bias_rows->defined()) {
     AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "layer_tail_cpu", [&] {
       column_sums<scalar_t>(bias_rows->const_data_ptr<scalar_t>(), bias_rows->size(0), b.numel(),
@@ -67,8 +71,7 @@ at::Tensor layer_tail_cpu(at::Tensor& w, at::Tensor& b, const c10::optional<at::
   }
   noise_or_scale(w, seed, offset, stdv, scale);
   noise_or_scale(b, seed, static_cast<int64_t>(static_cast<uint64_t>(offset) + 1u), stdv, scale);
-  if (!(grad.has_value() && grad->defined())) return w.new_empty({0});
-  return clip_rows_backward_into(*grad, *clipped, *factor, *norm, input_bound, clip_fn);
+  return gx;
 }
 
 }  // namespace

@@ -19,7 +19,7 @@ at::Tensor layer_tail_cuda(at::Tensor& w, at::Tensor& b, const c10::optional<at:
                            const c10::optional<at::Tensor>& factor, const c10::optional<at::Tensor>& norm,
                            double input_bound, c10::string_view clip_fn, int64_t seed, int64_t offset, double stdv,
                            double scale) {
-  check_tail_args(w, b, bias_rows, grad, clipped, factor, norm, stdv, scale);
+  const int fn = check_tail_args(w, b, bias_rows, grad, clipped, factor, norm, input_bound, clip_fn, stdv, scale);
   const c10::cuda::CUDAGuard guard(w.device());
   const bool rows = bias_rows.has_value() && bias_rows->defined();
   const bool jvp = grad.has_value() && grad->defined();
@@ -37,7 +37,6 @@ at::Tensor layer_tail_cuda(at::Tensor& w, at::Tensor& b, const c10::optional<at:
     });
     return w.new_empty({0});
   }
-  const int fn = check_clip_backward_args(*grad, *clipped, *factor, *norm, input_bound, clip_fn);
   const at::Tensor g = grad->contiguous();
   const at::Tensor xc = clipped->contiguous();
   const at::Tensor fc = factor->contiguous(), nc = norm->contiguous();
