@@ -736,6 +736,17 @@ MUTANTS = {
     "patches_first_pixel_read_as_padding": ("patches_kernels.cuh", "out[e] = src < 0 ?", "out[e] = src <= 0 ?"),
     "patches_grid_rounds_down": ("patches_launch.cuh", "(total + kPatchTile - 1) / kPatchTile",
                                  "total / kPatchTile"),
+    # layer_tail_: the bias' slices read before every warp wrote its own; the bias drawn from the
+    # weight's stream; the weight's noise blocks numbered from the grid's first block (the VJP's and
+    # the bias' blocks counted as noise warps: tiles skipped); the VJP's last tile not launched.
+    "tail_bias_slices_read_before_written": ("tail_kernels.cuh", "    slices[slice][lane] = acc;\n    __syncthreads();",
+                                             "    slices[slice][lane] = acc;"),
+    "tail_bias_draws_the_weight_stream": ("tail_launch.cuh", "const uint64_t offset_b = offset + 1u;",
+                                          "const uint64_t offset_b = offset;"),
+    "tail_weight_blocks_numbered_from_the_grid": ("tail_kernels.cuh",
+                                                  "const int64_t warp = (block - first) * per_block + in_block;",
+                                                  "const int64_t warp = block * per_block + in_block;"),
+    "tail_jvp_grid_skips_last_tile": ("tail_launch.cuh", "jvp_blocks = r.B * tiles;", "jvp_blocks = r.B * tiles - 1;"),
     "factors_kernel_reads_wrong_layer_stride": ("bound_kernels.cuh", "layers_total(bounds + i, L, B, inflate)",
                                                 "layers_total(bounds + i, L, 1, inflate)"),
 }
