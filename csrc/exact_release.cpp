@@ -13,6 +13,7 @@
 #include "common.h"
 #include "dispatch.h"
 #include "host_cache.h"
+#include "bpclip_fast/tail.h"
 
 namespace bpclip {
 namespace {
@@ -109,22 +110,26 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
   const at::Tensor g2 = gs.reshape({-1, weight.size(0)}), x2 = xs.reshape({-1, weight.size(1)});
   const at::TensorOptions out = weight.options().dtype(acc_type_of(weight));
   at::Tensor gw = at::empty({0}, out), gb = gw;
-  if (params[1]) gb = g2.sum(0);  // first, so that its noise goes in with the weight's (one launch)
+  // The draw written first and the GEMM accumulated onto it (beta = 1), at scale 1: the gradient's
+  // update happens inside the GEMM's blocks while they are in cache, where adding the draw after the
+  // GEMM is one more pass over it (4-8% of the CIFAR-10 net's 29.4M-weight Linear at b32).
+  const bool draw_first = params[0] && noise_std > 0.0 && scale == 1.0;
+  // Otherwise (a mean-loss scale: almost every Poisson step) the draw, the scale and the bias' sum
+  // over the rows follow the GEMM in one launch (layer_tail_, bpclip_fast/tail.h), up to
+  // kTailBiasRowsMax rows; the bias summed by ATen first above that.
+  const bool rows_in_tail = params[1] && !draw_first && g2.size(0) <= kTailBiasRowsMax;
+  if (params[1]) gb = rows_in_tail ? at::empty({weight.size(0)}, out) : g2.sum(0);
   if (params[0]) {
     gw = host_empty(weight.sizes(), out);
-    if (noise_std > 0.0 && scale == 1.0) {
-      // The draw written first and the GEMM accumulated onto it (beta = 1): the gradient's update
-      // happens inside the GEMM's blocks while they are in cache, where adding the draw after the
-      // GEMM is one more pass over it (4-8% of the CIFAR-10 net's 29.4M-weight Linear at b32).
+    if (draw_first) {
       add_noise(gw, gb, true, params[1], noise_key, noise_std, false, 1.0);
       gw.addmm_(g2.t(), x2);
       return {gw, gb};
     }
     at::mm_out(gw, g2.t(), x2);
   }
-  // A scale (the mean loss at d != B): the draw added after the GEMM and the scale applied in the
-  // same launch; the draw first, then a mul_ per parameter, would be two launches and two passes more.
-  add_noise(gw, gb, params[0], params[1], noise_key, noise_std, true, scale);
+  ops::layer_tail_(gw, gb, rows_in_tail ? c10::optional<at::Tensor>(g2) : c10::nullopt, c10::nullopt, c10::nullopt,
+                   c10::nullopt, c10::nullopt, 1.0, "clip", noise_key[0], noise_key[1], noise_std, scale);
   return {gw, gb};
 }
 

@@ -145,3 +145,28 @@ def test_linear_at_the_bias_sum_threshold_matches_float64_truth(device, rows):
     x = torch.randn(B, rows // B, 5, device=device) * 2
     assert B * x.shape[1] == rows
     assert_matches_float64_truth(ours.to(device), ref.to(device), x)
+
+
+@pytest.mark.parametrize("rows", [2048, 2049])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exact_release_at_the_bias_sum_threshold_matches_float64_truth(device, rows, dtype):
+    """The exact modes' Linear release at a mean-loss scale sums the bias in layer_tail_ up to
+    kTailBiasRowsMax rows and with ATen above. Against float64 truth: per entry the op rounds c_i g_it
+    toward zero (relative r), sums K = rows products in the accumulation dtype (γ_K(u) of the
+    absolute sum) and scales once (u), so |got − truth| ≤ (K + 3)·u·scale·Σ|c_i g_it x_itᵀ|."""
+    B = 2 if rows == 2048 else 3
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(B, rows // B, 3, generator=gen, dtype=torch.float64).to(dtype)
+    g = torch.randn(B, rows // B, 5, generator=gen, dtype=torch.float64).to(dtype)
+    w = torch.randn(5, 3, generator=gen, dtype=torch.float64).to(dtype)
+    factor = torch.rand(B, generator=gen, dtype=torch.float64).to(dtype)
+    scale = 0.37
+    gw, gb = OPS.linear_clipped_grads(g.to(device), x.to(device), factor.to(device), w.to(device), [True, True],
+                                      [0, 0], 0.0, None, None, scale)
+    gs = factor.double()[:, None, None] * g.double()
+    truth_w, truth_b = scale * torch.einsum("bto,bti->oi", gs, x.double()), scale * gs.sum((0, 1))
+    abs_w = scale * torch.einsum("bto,bti->oi", gs.abs(), x.double().abs())
+    abs_b = scale * gs.abs().sum((0, 1))
+    u = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
+    assert ((gw.cpu().double() - truth_w).abs() <= (rows + 3) * u * abs_w).all()
+    assert ((gb.cpu().double() - truth_b).abs() <= (rows + 3) * u * abs_b).all()
