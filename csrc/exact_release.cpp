@@ -128,8 +128,11 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
     }
     at::mm_out(gw, g2.t(), x2);
   }
-  ops::layer_tail_(gw, gb, rows_in_tail ? c10::optional<at::Tensor>(g2) : c10::nullopt, c10::nullopt, c10::nullopt,
-                   c10::nullopt, c10::nullopt, 1.0, "clip", noise_key[0], noise_key[1], noise_std, scale);
+  if (rows_in_tail || noise_std > 0.0 || scale != 1.0) {  // else nothing to add: no launch
+    ops::layer_tail_(gw, gb, rows_in_tail ? c10::optional<at::Tensor>(g2) : c10::nullopt, c10::nullopt,
+                     c10::nullopt, c10::nullopt, c10::nullopt, 1.0, "clip", noise_key[0], noise_key[1], noise_std,
+                     scale);
+  }
   return {gw, gb};
 }
 

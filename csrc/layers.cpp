@@ -85,6 +85,9 @@ at::Tensor layer_tail(at::Tensor& gw, at::Tensor& gb, const c10::optional<at::Te
                       const at::Tensor& grad_xc, const at::Tensor& x_clipped, const at::Tensor& x_factor,
                       const at::Tensor& x_norm, const BackwardArgs& a) {
   const bool jvp = a.input_grad && grad_xc.defined();
+  if (!jvp && !(bias_rows.has_value() && bias_rows->defined()) && a.noise_std <= 0.0 && a.scale == 1.0) {
+    return gw.new_empty({0});  // nothing to add or compute: no launch
+  }
   return ops::layer_tail_(gw, gb, bias_rows, jvp ? c10::optional<at::Tensor>(grad_xc) : c10::nullopt,
                           jvp ? c10::optional<at::Tensor>(x_clipped) : c10::nullopt,
                           jvp ? c10::optional<at::Tensor>(x_factor) : c10::nullopt,
