@@ -30,6 +30,9 @@ def require_extension() -> None:
         ) from _LOAD_ERROR
 
 
+_MIN_NOISE_STD = 1.1754943508222875e-38  # float32's smallest normal: the smallest std the kernels draw with
+
+
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -367,8 +370,9 @@ def banded_row_(ring, outs, starts, newest, weights, seed, offset, std):
     if not all(math.isfinite(v) for v in weights):
         raise ValueError(f"{op}: weights must be finite, got {weights}")
     std = float(std)
-    if not (0.0 <= std < 1e30):
-        raise ValueError(f"{op}: std must be finite and >= 0, got {std}")
+    if not (std == 0.0 or _MIN_NOISE_STD <= std < 1e30):  # the kernels' rule (csrc/common.h, noise_std_ok)
+        raise ValueError(f"{op}: std must be 0 or between 1.18e-38 (float32's smallest normal: the draws are "
+                         f"float32) and 1e30, got {std}")
     outs, starts = list(outs), [int(s) for s in starts]
     why = banded_row_outs_problem(ring, numel, outs, starts)
     if why is None:

@@ -27,7 +27,7 @@ inline int check_banded_row_args(const at::Tensor& ring, at::TensorList outs, at
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == slots, op, "weights needs one entry per ring slot (", slots,
               "), got ", weights.size());
   for (double w : weights) TORCH_CHECK(std::isfinite(w), op, "weights must be finite, got ", w);
-  TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, op, "std must be finite and >= 0, got ", stdv);
+  TORCH_CHECK(noise_std_ok(stdv), op, "std must be " BPCLIP_NOISE_STD_RULE ", got ", stdv);
   TORCH_CHECK(static_cast<int64_t>(outs.size()) <= kBandMaxOuts, op, "at most ", kBandMaxOuts, " outs, got ",
               outs.size());
   TORCH_CHECK(starts.size() == outs.size(), op, "starts needs one entry per out (", outs.size(), "), got ",

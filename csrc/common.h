@@ -26,6 +26,14 @@ inline int parse_norm(std::string_view s) {
   TORCH_CHECK(false, "bpclip_fast: norm must be 'l2' or 'l15', got '", std::string(s), "'");
 }
 
+// A noise std the kernels can draw with: 0 (no draw), or a float32 normal number below 1e30. The
+// draws are float32 normals times the std as a float32 (bpclip_fast/philox.h), so a std below
+// float32's normal range (1.18e-38) would be drawn as a subnormal or as 0: less noise than asked,
+// silently, for a float64 release (review 38 F2).
+constexpr double kMinNoiseStd = 1.1754943508222875e-38;  // FLT_MIN
+inline bool noise_std_ok(double stdv) { return stdv == 0.0 || (stdv >= kMinNoiseStd && stdv < 1e30); }
+#define BPCLIP_NOISE_STD_RULE "0 or between 1.18e-38 (float32's smallest normal: the draws are float32) and 1e30"
+
 inline void check_bound(double bound, const char* what) {
   TORCH_CHECK(bound > 0.0 && bound < 1e300, "bpclip_fast: ", what, " must be a positive finite number, got ", bound);
 }
@@ -192,7 +200,7 @@ inline void check_noise_scale(double scale, const char* op) {
 
 inline void check_noise_args(const at::Tensor& buf, double stdv, double scale) {
   check_float_tensor(buf, "buf");
-  TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise_: std must be finite and >= 0, got ", stdv);
+  TORCH_CHECK(noise_std_ok(stdv), "bpclip_fast.philox_noise_: std must be " BPCLIP_NOISE_STD_RULE ", got ", stdv);
   check_noise_scale(scale, "philox_noise_");
 }
 
@@ -212,7 +220,7 @@ inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double s
               "philox_noise_ on each");
   TORCH_CHECK(w.scalar_type() == b.scalar_type(), "bpclip_fast.philox_noise2_: w is ", w.scalar_type(),
               " but b is ", b.scalar_type(), "; both tensors need one dtype (or call philox_noise_ on each)");
-  TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.philox_noise2_: std must be finite and >= 0, got ", stdv);
+  TORCH_CHECK(noise_std_ok(stdv), "bpclip_fast.philox_noise2_: std must be " BPCLIP_NOISE_STD_RULE ", got ", stdv);
   check_noise_scale(scale, "philox_noise2_");
 }
 
@@ -243,7 +251,7 @@ inline int check_tail_args(const at::Tensor& w, const at::Tensor& b, const c10::
   check_same_device(w, b, "w", "b");
   TORCH_CHECK(w.is_contiguous() && b.is_contiguous(), "bpclip_fast.layer_tail_: w and b must be contiguous");
   TORCH_CHECK(!may_share_memory(w, b), "bpclip_fast.layer_tail_: w and b overlap in memory; pass separate buffers");
-  TORCH_CHECK(stdv >= 0.0 && stdv < 1e30, "bpclip_fast.layer_tail_: std must be finite and >= 0, got ", stdv);
+  TORCH_CHECK(noise_std_ok(stdv), "bpclip_fast.layer_tail_: std must be " BPCLIP_NOISE_STD_RULE ", got ", stdv);
   check_noise_scale(scale, "layer_tail_");
   const int fn = parse_clip_fn(clip_fn);
   auto disjoint = [&](const at::Tensor& t, const char* what) {

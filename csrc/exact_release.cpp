@@ -93,7 +93,8 @@ void check_grads_args(const at::Tensor& grad_out, const at::Tensor& x, const at:
   TORCH_CHECK(grad_out.scalar_type() == x.scalar_type() && x.scalar_type() == weight.scalar_type(), "bpclip_fast.",
               op, ": grad_out, the input and the weight must share a dtype");
   TORCH_CHECK(noise_key.size() == 2, "bpclip_fast.", op, ": noise_key must be [seed, offset]");
-  TORCH_CHECK(noise_std >= 0.0 && noise_std < 1e30, "bpclip_fast.", op, ": noise_std must be finite and >= 0");
+  TORCH_CHECK(noise_std_ok(noise_std), "bpclip_fast.", op, ": noise_std must be " BPCLIP_NOISE_STD_RULE ", got ",
+              noise_std);
   check_noise_scale(scale, op);
 }
 

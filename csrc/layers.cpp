@@ -48,7 +48,8 @@ BackwardArgs backward_args(at::ArrayRef<double> bounds, c10::string_view clip_fn
   TORCH_CHECK(bounds.size() == 2, "bpclip_fast.", layer, ": bounds must be [input_bound, grad_bound]");
   TORCH_CHECK(noise_key.size() == 2, "bpclip_fast.", layer, ": noise_key must be [seed, offset]");
   check_bound(bounds[1], "grad_bound");
-  TORCH_CHECK(noise_std >= 0.0 && noise_std < 1e30, "bpclip_fast.", layer, ": noise_std must be finite and >= 0");
+  TORCH_CHECK(noise_std_ok(noise_std), "bpclip_fast.", layer, ": noise_std must be " BPCLIP_NOISE_STD_RULE ", got ",
+              noise_std);
   check_noise_scale(scale, layer);
   return {bounds[0], bounds[1], clip_fn, gamma, output_mask[0], output_mask[1], noise_key[0], noise_key[1], noise_std,
           scale};

@@ -233,10 +233,15 @@ def test_philox_noise2_grid_stride_and_misaligned(sim, request, blocks, threads,
     (300, 37, 19, 5, 70, 0.8, 1.0, 0, 5, 132),
     (300, 37, 3, 0, 0, 0.8, 0.5, 0, 5, 132),
     (10007, 70, 200, 2, 4100, 1.1, 0.25, 0, 2**64 - 1, 1),
-    (4099, 40, 0, 0, 0, 1.3, 0.25, 1, 9, 132),
+    (4099, 40, None, 0, 0, 1.3, 0.25, 1, 9, 132),
     (257, 3, 2, 3, 33, 0.0, 2.0, 0, 5, 132),
-    (257, 3, 0, 3, 33, 0.0, 1.0, 0, 5, 132),
-    (600, 0, 0, 9, 33, 0.5, 1.5, 0, 7, 132),
+    (257, 3, None, 3, 33, 0.0, 1.0, 0, 5, 132),
+    (600, 0, None, 9, 33, 0.5, 1.5, 0, 7, 132),
+    # an empty batch's rows ([0, nb], a null pointer): b becomes zeros (+ noise), never its old
+    # values (review 38 F1: the kernel took a null pointer for "no rows" and noised the buffer's garbage)
+    (70, 9, 0, 0, 0, 0.0, 1.0, 0, 5, 132),
+    (70, 9, 0, 0, 0, 0.7, 0.5, 0, 5, 132),
+    (0, 40, 0, 0, 0, 0.9, 1.0, 0, 5, 132),
 ])
 def test_layer_tail_matches_cpu(sim, request, dtype, nw, nb, R, jvp_rows, N, std, scale, misalign, offset, sms):
     _schedule(sim, request)
@@ -746,6 +751,8 @@ MUTANTS = {
     "tail_weight_blocks_numbered_from_the_grid": ("tail_kernels.cuh",
                                                   "const int64_t warp = (block - first) * per_block + in_block;",
                                                   "const int64_t warp = block * per_block + in_block;"),
+    "tail_bias_rows_taken_from_the_pointer": ("tail_kernels.cuh", "  if (sum_rows) {\n    double acc = 0.0;",
+                                              "  if (rows != nullptr) {\n    double acc = 0.0;"),
     "tail_jvp_grid_skips_last_tile": ("tail_launch.cuh", "jvp_blocks = r.B * tiles;", "jvp_blocks = r.B * tiles - 1;"),
     "factors_kernel_reads_wrong_layer_stride": ("bound_kernels.cuh", "layers_total(bounds + i, L, B, inflate)",
                                                 "layers_total(bounds + i, L, 1, inflate)"),

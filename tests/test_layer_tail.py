@@ -87,8 +87,10 @@ def test_bad_arguments_are_named(device):
         OPS.layer_tail_(w, b, None, torch.zeros(2, 3, device=device), None, None, None, *args[5:])
     with pytest.raises(RuntimeError, match="layer_tail_: w and b overlap"):
         OPS.layer_tail_(w.view(-1)[:4], w.view(-1)[2:6], *args)
-    with pytest.raises(RuntimeError, match="layer_tail_: std must be finite"):
+    with pytest.raises(RuntimeError, match="layer_tail_: std must be 0 or between"):
         OPS.layer_tail_(w, b, *args[:-2], -1.0, 1.0)
+    with pytest.raises(RuntimeError, match="layer_tail_: std must be 0 or between 1.18e-38"):  # review 38 F2
+        OPS.layer_tail_(w.double(), b.double(), *args[:-2], 1e-46, 1.0)
     with pytest.raises(RuntimeError, match="clip_fn must be"):  # checked with or without grad
         OPS.layer_tail_(w, b, None, None, None, None, None, 1.0, "bogus", 1, 2, 0.5, 1.0)
 
@@ -170,3 +172,17 @@ def test_exact_release_at_the_bias_sum_threshold_matches_float64_truth(device, r
     u = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
     assert ((gw.cpu().double() - truth_w).abs() <= (rows + 3) * u * abs_w).all()
     assert ((gb.cpu().double() - truth_b).abs() <= (rows + 3) * u * abs_b).all()
+
+
+@pytest.mark.parametrize("std,scale", [(0.0, 1.0), (0.7, 0.5)])
+def test_an_empty_batch_sums_the_bias_to_zero_not_to_the_buffer(device, std, scale):
+    """Zero rows sum to zero: the bias buffer (uninitialised memory in the layers, here 1234.5) is never
+    read where its sum is asked for. Review 38 F1: an empty tensor's data pointer is null, and the
+    CUDA kernel took a null pointer for "no sum asked", so an empty batch released the buffer's old
+    contents (plus the noise; none at std 0)."""
+    w, b = torch.zeros(0, device=device), torch.full((9,), 1234.5, device=device)
+    OPS.layer_tail_(w, b, torch.zeros(0, 9, device=device), None, None, None, None, 1.0, "clip", 3, 8, std, scale)
+    ref = torch.zeros(9, device=device)
+    if std > 0:
+        OPS.philox_noise_(ref, 3, 9, std, True, scale)
+    assert torch.equal(b, ref)

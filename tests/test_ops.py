@@ -355,10 +355,17 @@ def test_noise_noncontiguous_uses_row_major_positions(device):
 
 
 def test_noise_rejects_bad_std(device):
-    with pytest.raises(RuntimeError, match="std must be finite"):
+    with pytest.raises(RuntimeError, match="std must be 0 or between"):
         _ops.philox_noise_(torch.zeros(3, device=device), 1, 0, float("nan"))
-    with pytest.raises(RuntimeError, match="std must be finite"):
+    with pytest.raises(RuntimeError, match="std must be 0 or between"):
         _ops.philox_noise_(torch.zeros(3, device=device), 1, 0, -1.0)
+    # Below float32's normal range the float32 draw would be a subnormal or 0: less noise than asked
+    # on a float64 buffer, silently (review 38 F2). The smallest normal itself is drawn.
+    with pytest.raises(RuntimeError, match=r"std must be 0 or between 1.18e-38"):
+        _ops.philox_noise_(torch.zeros(3, dtype=torch.float64, device=device), 1, 0, 1e-46)
+    buf = torch.zeros(16, dtype=torch.float64, device=device)
+    _ops.philox_noise_(buf, 1, 0, 1.1754943508222875e-38)
+    assert bool((buf != 0).all())
 
 
 @pytest.mark.cuda
@@ -437,8 +444,10 @@ def test_banded_row_rejects_bad_arguments(device):
         call(weights=[0.5])
     with pytest.raises(ValueError, match="newest must be a ring slot"):
         call(newest=2)
-    with pytest.raises(ValueError, match="std must be finite"):
+    with pytest.raises(ValueError, match="std must be 0 or between"):
         call(std=float("nan"))
+    with pytest.raises(ValueError, match="std must be 0 or between"):
+        call(std=1e-40)
     with pytest.raises(ValueError, match="outside the row"):
         call(starts=[7])
     with pytest.raises(ValueError, match="is torch.float64"):

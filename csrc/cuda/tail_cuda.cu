@@ -30,7 +30,7 @@ at::Tensor layer_tail_cuda(at::Tensor& w, at::Tensor& b, const c10::optional<at:
   if (!jvp) {
     AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "layer_tail_cuda", [&] {
       layer_tail_device<scalar_t, scalar_t>(
-          w.mutable_data_ptr<scalar_t>(), w.numel(), b.mutable_data_ptr<scalar_t>(), b.numel(),
+          w.mutable_data_ptr<scalar_t>(), w.numel(), b.mutable_data_ptr<scalar_t>(), b.numel(), rows,
           rows ? bias_rows->const_data_ptr<scalar_t>() : nullptr, R, seed_u, offset_u, std_f, stdv > 0.0, scale,
           static_cast<const scalar_t*>(nullptr), nullptr, nullptr, nullptr, make_row_geometry(0, 0, 1, 0, 1), 0.0, 0,
           nullptr, nullptr, nullptr, sm_count);
@@ -48,7 +48,7 @@ at::Tensor layer_tail_cuda(at::Tensor& w, at::Tensor& b, const c10::optional<at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "layer_tail_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     layer_tail_device<typename DeviceType<scalar_t>::type, acc_t>(
-        w.mutable_data_ptr<acc_t>(), w.numel(), b.mutable_data_ptr<acc_t>(), b.numel(),
+        w.mutable_data_ptr<acc_t>(), w.numel(), b.mutable_data_ptr<acc_t>(), b.numel(), rows,
         rows ? bias_rows->const_data_ptr<acc_t>() : nullptr, R, seed_u, offset_u, std_f, stdv > 0.0, scale,
         dev_ptr(g.const_data_ptr<scalar_t>()), dev_ptr(xc.const_data_ptr<scalar_t>()), fc.const_data_ptr<acc_t>(),
         nc.const_data_ptr<acc_t>(), r, input_bound, fn, partial.mutable_data_ptr<double>(),

@@ -30,16 +30,18 @@ __device__ __forceinline__ A tail_value(A old, uint64_t seed, uint64_t offset, i
   return s.on ? from_acc<A>(to_acc(old) * static_cast<A>(s.scale)) : old;
 }
 
-// Columns block * 32 .. + 31 of b: warp k sums rows k, k + 8, ... of its lane's column (each load a
-// coalesced row segment), warp 0 adds the 8 slices in order (tail.h) and stores the noised value.
+// Columns block * 32 .. + 31 of b: with sum_rows, warp k sums rows k, k + 8, ... of its lane's column
+// (each load a coalesced row segment) and warp 0 adds the 8 slices in order (tail.h), so b's old
+// value is never read (R = 0: zeros; an empty tensor's pointer is null, so "sum the rows" is a flag
+// of its own, never `rows != nullptr`: review 38 F1); then warp 0 stores the noised value.
 template <typename A>
-__device__ __forceinline__ void tail_bias_block(A* __restrict__ b, int64_t nb, const A* __restrict__ rows, int64_t R,
-                                                int64_t block, uint64_t seed, uint64_t offset_b, float stdv, int draw,
-                                                const NoiseScale& s, double (*slices)[kTailColumns]) {
+__device__ __forceinline__ void tail_bias_block(A* __restrict__ b, int64_t nb, int sum_rows, const A* __restrict__ rows,
+                                                int64_t R, int64_t block, uint64_t seed, uint64_t offset_b, float stdv,
+                                                int draw, const NoiseScale& s, double (*slices)[kTailColumns]) {
   const int lane = static_cast<int>(threadIdx.x) % kNoiseLanes;
   const int slice = static_cast<int>(threadIdx.x) / kNoiseLanes;
   const int64_t j = block * kTailColumns + lane;
-  if (rows != nullptr) {
+  if (sum_rows) {
     double acc = 0.0;
     if (j < nb) {
       for (int64_t r = slice; r < R; r += kTailSlices) acc += to_f64(rows[r * nb + j]);
@@ -49,7 +51,7 @@ __device__ __forceinline__ void tail_bias_block(A* __restrict__ b, int64_t nb, c
   }
   if (slice != 0 || j >= nb) return;
   A old;
-  if (rows != nullptr) {
+  if (sum_rows) {
     double total = 0.0;
     for (int k = 0; k < kTailSlices; ++k) total += slices[k][lane];
     old = static_cast<A>(total);
@@ -62,8 +64,8 @@ __device__ __forceinline__ void tail_bias_block(A* __restrict__ b, int64_t nb, c
 // T: the data dtype (the VJP's), A: the accumulation dtype (the gradients' and the factors').
 template <typename T, typename A, bool kPackedW>
 __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
-    layer_tail_kernel(A* __restrict__ w, int64_t nw, A* __restrict__ b, int64_t nb, const A* __restrict__ rows,
-                      int64_t R, uint64_t seed, uint64_t offset_w, uint64_t offset_b, float stdv, int draw,
+    layer_tail_kernel(A* __restrict__ w, int64_t nw, A* __restrict__ b, int64_t nb, int sum_rows,
+                      const A* __restrict__ rows, int64_t R, uint64_t seed, uint64_t offset_w, uint64_t offset_b, float stdv, int draw,
                       double scale, const T* __restrict__ g, const T* __restrict__ xc, const A* __restrict__ factor,
                       const A* __restrict__ norm, const double* __restrict__ sums, double bound_eff, int fn,
                       int64_t B, int64_t N, int64_t tiles, T* __restrict__ out, int64_t jvp_blocks,
@@ -77,7 +79,7 @@ __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
     return;
   }
   if (block < jvp_blocks + bias_blocks) {
-    tail_bias_block(b, nb, rows, R, block - jvp_blocks, seed, offset_b, stdv, draw, s, slices);
+    tail_bias_block(b, nb, sum_rows, rows, R, block - jvp_blocks, seed, offset_b, stdv, draw, s, slices);
     return;
   }
   const int64_t first = jvp_blocks + bias_blocks;

@@ -10,11 +10,11 @@
 namespace bpclip {
 namespace cuda {
 
-// g == nullptr: no VJP (r unused, partial and sums may be null); rows == nullptr: b is noised as it
-// holds. partial and sums: backward_partial_count(r) and backward_sums_count(r) doubles. The weight's
+// g == nullptr: no VJP (r unused, partial and sums may be null); sum_rows: b is first set to the
+// column sums of rows [R, nb] (R may be 0, rows then null: b becomes zeros), else noised as it holds. partial and sums: backward_partial_count(r) and backward_sums_count(r) doubles. The weight's
 // blocks as philox_noise_device's grid for w alone (one resident wave at most).
 template <typename T, typename A>
-void layer_tail_device(A* w, int64_t nw, A* b, int64_t nb, const A* rows, int64_t R, uint64_t seed, uint64_t offset,
+void layer_tail_device(A* w, int64_t nw, A* b, int64_t nb, bool sum_rows, const A* rows, int64_t R, uint64_t seed, uint64_t offset,
                        float stdv, bool draw, double scale, const T* g, const T* xc, const A* factor, const A* norm,
                        const RowGeometry& r, double bound, int fn, double* partial, double* sums, T* out,
                        int sm_count) {
@@ -28,7 +28,7 @@ void layer_tail_device(A* w, int64_t nw, A* b, int64_t nb, const A* rows, int64_
     jvp_blocks = r.B * tiles;
   }
   const bool touch = draw || scale != 1.0;
-  const int64_t bias_blocks = nb > 0 && (touch || rows != nullptr) ? (nb + kTailColumns - 1) / kTailColumns : 0;
+  const int64_t bias_blocks = nb > 0 && (touch || sum_rows) ? (nb + kTailColumns - 1) / kTailColumns : 0;
   int64_t noise_blocks = 0;
   if (nw > 0 && touch) {
     const int64_t tiles_w = (nw + kNoiseTile - 1) / kNoiseTile;
@@ -40,12 +40,12 @@ void layer_tail_device(A* w, int64_t nw, A* b, int64_t nb, const A* rows, int64_
   const int64_t blocks = jvp_blocks + bias_blocks + noise_blocks;
   const uint64_t offset_b = offset + 1u;  // wraps as an unsigned counter word, as the CPU op's
   if (reinterpret_cast<uintptr_t>(w) % alignof(NoisePack<A>) == 0) {
-    launch(layer_tail_kernel<T, A, true>, blocks, kNoiseThreads, w, nw, b, nb, rows, R, seed, offset, offset_b, stdv,
-           draw ? 1 : 0, scale, g, xc, factor, norm, static_cast<const double*>(sums), bound_eff, fn, r.B, r.N, tiles,
+    launch(layer_tail_kernel<T, A, true>, blocks, kNoiseThreads, w, nw, b, nb, sum_rows ? 1 : 0, rows, R, seed, offset,
+           offset_b, stdv, draw ? 1 : 0, scale, g, xc, factor, norm, static_cast<const double*>(sums), bound_eff, fn, r.B, r.N, tiles,
            out, jvp_blocks, bias_blocks);
   } else {
-    launch(layer_tail_kernel<T, A, false>, blocks, kNoiseThreads, w, nw, b, nb, rows, R, seed, offset, offset_b,
-           stdv, draw ? 1 : 0, scale, g, xc, factor, norm, static_cast<const double*>(sums), bound_eff, fn, r.B, r.N,
+    launch(layer_tail_kernel<T, A, false>, blocks, kNoiseThreads, w, nw, b, nb, sum_rows ? 1 : 0, rows, R, seed,
+           offset, offset_b, stdv, draw ? 1 : 0, scale, g, xc, factor, norm, static_cast<const double*>(sums), bound_eff, fn, r.B, r.N,
            tiles, out, jvp_blocks, bias_blocks);
   }
 }

@@ -173,8 +173,9 @@ int simt_philox_noise2(int dtype, void* w, int64_t nw, void* b, int64_t nb, uint
 }
 
 // layer_tail_ over caller buffers: w, b and rows in dtype's accumulation type (fac_t), g, xc and out
-// in dtype; g null: no VJP (B = N = 0); rows null: b noised as it holds.
-int simt_layer_tail(int dtype, void* w, int64_t nw, void* b, int64_t nb, const void* rows, int64_t R, uint64_t seed,
+// in dtype; g null: no VJP (B = N = 0); sum_rows 0: b noised as it holds (rows ignored).
+int simt_layer_tail(int dtype, void* w, int64_t nw, void* b, int64_t nb, int sum_rows, const void* rows, int64_t R,
+                    uint64_t seed,
                     uint64_t offset, float stdv, int draw, double scale, const void* g, const void* xc,
                     const void* factor, const void* norm, int64_t B, int64_t N, double bound, int fn, void* out,
                     int sm_count) {
@@ -182,7 +183,7 @@ int simt_layer_tail(int dtype, void* w, int64_t nw, void* b, int64_t nb, const v
   return dispatch(dtype, [&]<typename T, typename fac_t>() {
     auto partial = poisoned(backward_partial_count(r));
     auto sums = poisoned(backward_sums_count(r));
-    layer_tail_device<T, fac_t>(static_cast<fac_t*>(w), nw, static_cast<fac_t*>(b), nb,
+    layer_tail_device<T, fac_t>(static_cast<fac_t*>(w), nw, static_cast<fac_t*>(b), nb, sum_rows != 0,
                                 static_cast<const fac_t*>(rows), R, seed, offset, stdv, draw != 0, scale,
                                 static_cast<const T*>(g), static_cast<const T*>(xc),
                                 static_cast<const fac_t*>(factor), static_cast<const fac_t*>(norm), r, bound, fn,

@@ -161,8 +161,8 @@ class Simt:
         lib.simt_scale_rows2.argtypes = [i32, vp, vp, i64, vp, vp, vp, i64, i32, i64, vp]
         lib.simt_clip_rows_rescale.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp, vp, vp,
                                                i64, vp]
-        lib.simt_layer_tail.argtypes = [i32, vp, i64, vp, i64, vp, i64, u64, u64, ctypes.c_float, i32, dbl, vp, vp, vp,
-                                        vp, i64, i64, dbl, i32, vp, i32]
+        lib.simt_layer_tail.argtypes = [i32, vp, i64, vp, i64, i32, vp, i64, u64, u64, ctypes.c_float, i32, dbl, vp, vp,
+                                        vp, vp, i64, i64, dbl, i32, vp, i32]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
         lib.simt_position_split.argtypes = [i64]
@@ -489,14 +489,15 @@ def compare_layer_tail(sim: Simt, dtype, nw: int, nb: int, R: int, jvp_rows: int
                        sm_count: int = H100_SMS):
     """Emulated layer_tail_ vs the CPU op: w and b bit-identical (the same noise streams and the bias'
     sum in bpclip_fast/tail.h's order), the input gradient within storage tolerance (as
-    compare_clip_rows_backward), nothing written outside any buffer. ``R`` > 0: b from the column sums
-    of a [R, nb] matrix; ``jvp_rows`` > 0: the VJP of a [jvp_rows, N] input clipping; ``misalign``
-    offsets w's view (the unpacked noise path)."""
+    compare_clip_rows_backward), nothing written outside any buffer. ``R`` not None: b from the column
+    sums of a [R, nb] matrix (R = 0: an empty one, whose pointer is null: b becomes zeros, never its old
+    values); ``jvp_rows`` > 0: the VJP of a [jvp_rows, N] input clipping; ``misalign`` offsets w's view
+    (the unpacked noise path)."""
     acc = acc_dtype(dtype)
-    gen = torch.Generator().manual_seed(nw + 7 * nb + 13 * R + jvp_rows)
+    gen = torch.Generator().manual_seed(nw + 7 * nb + 13 * (R or 0) + jvp_rows)
     w0 = torch.randn(nw, generator=gen, dtype=torch.float64).to(acc)
     b0 = torch.randn(nb, generator=gen, dtype=torch.float64).to(acc)
-    rows = torch.randn(R, nb, generator=gen, dtype=torch.float64).to(acc) if R else None
+    rows = torch.randn(R, nb, generator=gen, dtype=torch.float64).to(acc) if R is not None else None
     g = xc = factor = nrm = None
     bound = 0.5 * N ** 0.5 if N else 1.0
     if jvp_rows:
@@ -517,7 +518,8 @@ def compare_layer_tail(sim: Simt, dtype, nw: int, nb: int, R: int, jvp_rows: int
     bv.copy_(b0)
     obuf, out = guarded(g.numel(), dtype) if jvp_rows else (None, None)
     g_in, xc_in = (guarded_copy(g), guarded_copy(xc)) if jvp_rows else (None, None)  # held through the call
-    sim.call("simt_layer_tail", DTYPES[dtype], _ptr(wv), nw, _ptr(bv), nb, _ptr_or_null(rows), R, seed, offset, std,
+    sim.call("simt_layer_tail", DTYPES[dtype], _ptr(wv), nw, _ptr(bv), nb, int(rows is not None),
+             _ptr_or_null(rows if rows is not None and rows.numel() else None), R or 0, seed, offset, std,
              int(std > 0), scale, _ptr_or_null(g_in), _ptr_or_null(xc_in), _ptr_or_null(factor), _ptr_or_null(nrm),
              jvp_rows, N if jvp_rows else 0, bound, CLIP_FNS["clip"], _ptr_or_null(out), sm_count)
     problems = []
@@ -946,9 +948,11 @@ def sweep(sim: Simt) -> list[str]:
         # layer_tail_: with and without the VJP, the bias' sum (rows not a multiple of the 8 slices,
         # columns past one block) or its own values, a draw or only a scale, w misaligned.
         for nw, nb, R, jvp_rows, N, std, scale, mis in ((300, 37, 19, 5, 70, 0.8, 1.0, 0),
-                                                         (4099, 40, 0, 0, 0, 1.3, 0.25, 1),
+                                                         (4099, 40, None, 0, 0, 1.3, 0.25, 1),
                                                          (257, 3, 2, 3, 4100, 0.0, 2.0, 0),
-                                                         (600, 0, 0, 9, 33, 0.5, 1.5, 0)):
+                                                         (600, 0, None, 9, 33, 0.5, 1.5, 0),
+                                                         (70, 9, 0, 0, 0, 0.0, 1.0, 0),
+                                                         (70, 9, 0, 0, 0, 0.7, 0.5, 0)):
             problems += [f"layer_tail {dtype} nw={nw} nb={nb} R={R}: {p}"
                          for p in compare_layer_tail(sim, dtype, nw, nb, R, jvp_rows, N, std, scale, mis)]
         if dtype in (torch.float32, torch.float64):
