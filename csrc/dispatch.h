@@ -67,6 +67,17 @@ inline at::Tensor layer_tail_(at::Tensor& w, at::Tensor& b, const OptTensor& bia
   return op.call(w, b, bias_rows, grad, clipped, factor, norm, input_bound, clip_fn, seed, offset, stdv, scale);
 }
 
+// layer_tail_ where it has work (a draw, a scale, a bias sum or a VJP); otherwise no launch and an
+// empty result, as the op returns without a VJP. The layers' one way to call it.
+inline at::Tensor layer_tail_if_needed(at::Tensor& w, at::Tensor& b, const OptTensor& bias_rows, const OptTensor& grad,
+                                       const OptTensor& clipped, const OptTensor& factor, const OptTensor& norm,
+                                       double input_bound, c10::string_view clip_fn, int64_t seed, int64_t offset,
+                                       double stdv, double scale) {
+  const bool rows = bias_rows.has_value() && bias_rows->defined(), vjp = grad.has_value() && grad->defined();
+  if (!rows && !vjp && stdv <= 0.0 && scale == 1.0) return w.new_empty({0});
+  return layer_tail_(w, b, bias_rows, grad, clipped, factor, norm, input_bound, clip_fn, seed, offset, stdv, scale);
+}
+
 inline std::tuple<at::Tensor, at::Tensor> scale_rows2(const at::Tensor& x, const at::Tensor& x_factor,
                                                       const at::Tensor& y, const at::Tensor& y_factor, bool mask_y) {
   static auto op =

@@ -118,7 +118,7 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
   // Otherwise (a mean-loss scale: almost every Poisson step) the draw, the scale and the bias' sum
   // over the rows follow the GEMM in one launch (layer_tail_, bpclip_fast/tail.h), up to
   // kTailBiasRowsMax rows; the bias summed by ATen first above that.
-  const bool rows_in_tail = params[1] && !draw_first && g2.size(0) <= kTailBiasRowsMax;
+  const bool rows_in_tail = params[1] && !draw_first && tail_sums_bias(g2.size(0));
   if (params[1]) gb = rows_in_tail ? at::empty({weight.size(0)}, out) : g2.sum(0);
   if (params[0]) {
     gw = host_empty(weight.sizes(), out);
@@ -129,11 +129,9 @@ Pair linear_clipped_grads(const at::Tensor& grad_out, const at::Tensor& x, const
     }
     at::mm_out(gw, g2.t(), x2);
   }
-  if (rows_in_tail || noise_std > 0.0 || scale != 1.0) {  // else nothing to add: no launch
-    ops::layer_tail_(gw, gb, rows_in_tail ? c10::optional<at::Tensor>(g2) : c10::nullopt, c10::nullopt,
-                     c10::nullopt, c10::nullopt, c10::nullopt, 1.0, "clip", noise_key[0], noise_key[1], noise_std,
-                     scale);
-  }
+  ops::layer_tail_if_needed(gw, gb, rows_in_tail ? c10::optional<at::Tensor>(g2) : c10::nullopt, c10::nullopt,
+                            c10::nullopt, c10::nullopt, c10::nullopt, 1.0, "clip", noise_key[0], noise_key[1],
+                            noise_std, scale);
   return {gw, gb};
 }
 

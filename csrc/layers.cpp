@@ -86,10 +86,7 @@ at::Tensor layer_tail(at::Tensor& gw, at::Tensor& gb, const c10::optional<at::Te
                       const at::Tensor& grad_xc, const at::Tensor& x_clipped, const at::Tensor& x_factor,
                       const at::Tensor& x_norm, const BackwardArgs& a) {
   const bool jvp = a.input_grad && grad_xc.defined();
-  if (!jvp && !(bias_rows.has_value() && bias_rows->defined()) && a.noise_std <= 0.0 && a.scale == 1.0) {
-    return gw.new_empty({0});  // nothing to add or compute: no launch
-  }
-  return ops::layer_tail_(gw, gb, bias_rows, jvp ? c10::optional<at::Tensor>(grad_xc) : c10::nullopt,
+  return ops::layer_tail_if_needed(gw, gb, bias_rows, jvp ? c10::optional<at::Tensor>(grad_xc) : c10::nullopt,
                           jvp ? c10::optional<at::Tensor>(x_clipped) : c10::nullopt,
                           jvp ? c10::optional<at::Tensor>(x_factor) : c10::nullopt,
                           jvp ? c10::optional<at::Tensor>(x_norm) : c10::nullopt, a.input_bound, a.clip_fn, a.seed,
@@ -129,7 +126,7 @@ Triple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at
   at::Tensor gw = host_empty(weight.sizes(), weight.options().dtype(g2w.scalar_type()));
   at::mm_out(gw, g2w.t(), x2w);
   // The bias' sum inside the tail's launch up to kTailBiasRowsMax rows (bpclip_fast/tail.h), ATen's above.
-  const bool rows_in_tail = a.has_bias && g2w.size(0) <= kTailBiasRowsMax;
+  const bool rows_in_tail = a.has_bias && tail_sums_bias(g2w.size(0));
   at::Tensor gb = !a.has_bias ? gw.new_empty({0}) : rows_in_tail ? gw.new_empty({out_f}) : g2w.sum(0);
   at::Tensor gxc;
   if (a.input_grad) gxc = at::mm(g2, weight).reshape(x_clipped.sizes());

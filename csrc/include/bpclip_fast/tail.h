@@ -18,5 +18,6 @@ constexpr int kTailSlices = 8;
 // columns would leave each warp rows / kTailSlices dependent loads, where a reduction over more
 // blocks finishes sooner than the launch it saves.
 constexpr int64_t kTailBiasRowsMax = 2048;
+constexpr bool tail_sums_bias(int64_t rows) { return rows <= kTailBiasRowsMax; }
 
 }  // namespace bpclip
