@@ -36,8 +36,17 @@ after warm-up steps; on a GPU each is one kernel launch):
   ``nonzero``, ``equal``/``allclose``, or a Python-level ``Tensor.tolist/numpy/cpu`` during the step
   (patched for the counted step only).
 
-Host time is the median wall time of ``--reps`` steps at batch 2 with ``torch.set_num_threads(1)``,
+Host time is the median time of ``--reps`` steps at batch 2 with ``torch.set_num_threads(1)``,
 profiler off; at batch 2 almost all of it is Python and dispatch, which is what a GPU step waits on.
+The methods of one model are timed in ``--rounds`` interleaved blocks (each block's first step, the one
+after the switch, is not counted), so a drift of the machine (another process, frequency) falls on
+every method alike instead of on whichever ran last; ``--clock cpu`` reads this process's CPU time
+instead of the wall clock (on a shared machine: the time others took is not counted).
+
+``--breakdown N`` prints, per method, the N entries of ``torch.profiler``'s self CPU time per step that
+grew most over non-private: the Python bodies of autograd nodes (``_ExactLayerBackward``: the node's
+own Python, its ops counted apart), the engine's ``AccumulateGrad`` (with the gradient hooks it runs),
+each op. Where a private step's host time goes, to aim the next change at.
 """
 
 from __future__ import annotations
@@ -320,8 +329,11 @@ def _uncheck(opt) -> None:
     opt._verify = lambda: [False] * len(engine._steps_of)
 
 
-def measure(method: str, name: str, reps: int, warmup: int, expected_batch: float | None = None) -> dict:
-    fetch, step = build(method, name, expected_batch=expected_batch)  # bpclip_fast's methods only take it
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def count_step(fetch, step, warmup: int) -> dict:
+    """Leaf ops, syncs and the op histogram of one step (after ``warmup`` steps)."""
     for _ in range(warmup):
         step(fetch())
     from torch.profiler import ProfilerActivity, profile
@@ -332,14 +344,76 @@ def measure(method: str, name: str, reps: int, warmup: int, expected_batch: floa
     with mode, python_syncs(py):
         step(batch)
     ops, syncs, hist = count(mode.names, inner)
-    times = []
-    for _ in range(reps):
-        batch = fetch()
-        t0 = time.perf_counter()
-        step(batch)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"model": name, "method": method, "ops": ops, "syncs": syncs + py[0], "host_ms": statistics.median(times),
-            "hist": dict(hist.most_common())}
+    return {"ops": ops, "syncs": syncs + py[0], "hist": dict(hist.most_common())}
+
+
+def self_times(fetch, step, steps: int = 20) -> dict:
+    """``{profiler key: self CPU µs per step}`` over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(fetch())
+    return {e.key: e.self_cpu_time_total / steps for e in prof.key_averages()}
+
+
+def host_times(cells: dict, reps: int, rounds: int, clock: str = "wall") -> dict:
+    """``{method: median step ms}``: ``reps`` steps of each cell's ``(fetch, step)``, in ``rounds``
+    interleaved blocks (methods alternating); the first step of each block, after the switch from
+    another method, is run but not counted."""
+    tick = _CLOCKS[clock]
+    rounds = max(1, min(rounds, reps))
+    times: dict = {m: [] for m in cells}
+    for r in range(rounds):
+        n = reps // rounds + (r < reps % rounds)
+        for m, (fetch, step) in cells.items():
+            step(fetch())
+            for _ in range(n):
+                batch = fetch()
+                t0 = tick()
+                step(batch)
+                times[m].append((tick() - t0) * 1e3)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def measure_model(name: str, methods, reps: int, warmup: int, expected_batch: float | None = None,
+                  rounds: int = 5, clock: str = "wall", breakdown: int = 0) -> list:
+    """One row per method of model ``name``: leaf ops, syncs and histogram counted method by method,
+    host times measured interleaved (:func:`host_times`); a method that cannot train the model is a
+    row with an ``error``. ``breakdown``: each row also gets ``grew``, the ``breakdown`` profiler
+    entries whose self CPU time per step grew most over non-private's (over the first method's where
+    non-private is not among them)."""
+    rows, cells, selfs = [], {}, {}
+    for method in methods:
+        try:
+            fetch, step = build(method, name, expected_batch=expected_batch)  # bpclip_fast's methods only take it
+            r = {"model": name, "method": method, **count_step(fetch, step, warmup)}
+            if breakdown:
+                selfs[method] = self_times(fetch, step)
+        except Exception as exc:  # noqa: BLE001 -- a method that cannot train this model is a table cell
+            rows.append({"model": name, "method": method, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+            continue
+        cells[method] = (fetch, step)
+        rows.append(r)
+    if cells:
+        host = host_times(cells, reps, rounds, clock)
+        for r in rows:
+            if r["method"] in host:
+                r["host_ms"] = host[r["method"]]
+    if breakdown and selfs:
+        against = "nonprivate" if "nonprivate" in selfs else next(iter(selfs))
+        base = selfs[against]
+        for r in rows:
+            own = selfs.get(r["method"])
+            if own is None or r["method"] == against:
+                continue
+            grew = {k: own.get(k, 0.0) - base.get(k, 0.0) for k in set(own) | set(base)}
+            r["grew"] = sorted(((k, v) for k, v in grew.items() if v > 0), key=lambda kv: -kv[1])[:breakdown]
+    return rows
+
+
+def measure(method: str, name: str, reps: int, warmup: int, expected_batch: float | None = None) -> dict:
+    """One method's row alone (:func:`measure_model`)."""
+    return measure_model(name, [method], reps, warmup, expected_batch)[0]
 
 
 def table(rows: list) -> str:
@@ -351,7 +425,7 @@ def table(rows: list) -> str:
             continue
         b = base.get(r["model"])
         ro = f"{r['ops'] / b['ops']:.2f}" if b else ""
-        rt = f"{r['host_ms'] / b['host_ms']:.2f}" if b else ""
+        rt = f"{r['host_ms'] / b['host_ms']:.2f}" if b and "host_ms" in b else ""
         out.append(f"| {r['model']} | {r['method']} | {r['ops']} | {ro} | {r['syncs']} | {r['host_ms']:.2f} | {rt} |")
     return "\n".join(out)
 
@@ -367,23 +441,34 @@ def main(argv=None) -> list:
     p.add_argument("--expected-batch", type=float, default=None,
                    help="bpclip_fast's mean loss divides by this B̄ rather than the batch (2): the step of a Poisson "
                         "batch whose size differs from B̄, which multiplies every release by d/B̄ (e.g. 2.5)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="the methods of a model are timed in this many interleaved blocks of steps")
+    p.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
+                   help="wall: the wall clock; cpu: this process's CPU time (a machine shared with other work)")
+    p.add_argument("--breakdown", type=int, default=0, metavar="N",
+                   help="print the N profiler entries (self CPU per step) that grew most over the first method")
     a = p.parse_args(argv)
+    if a.rounds < 1 or a.reps < 1:
+        p.error("--reps and --rounds must be at least 1")
     torch.set_num_threads(1)
     rows = []
+    methods = a.methods.split(",")
+    for method in methods:
+        if method not in METHODS:
+            raise SystemExit(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
     for name in a.models.split(","):
         if name not in MODELS:
             raise SystemExit(f"--models: unknown model {name!r} (one of {', '.join(MODELS)})")
-        for method in a.methods.split(","):
-            if method not in METHODS:
-                raise SystemExit(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
-            try:
-                r = measure(method, name, a.reps, a.warmup, a.expected_batch)
-            except Exception as exc:  # noqa: BLE001 -- a method that cannot train this model is a table cell
-                r = {"model": name, "method": method, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-            rows.append(r)
+        model_rows = measure_model(name, methods, a.reps, a.warmup, a.expected_batch, a.rounds, a.clock, a.breakdown)
+        rows += model_rows
+        for r in model_rows:
             if a.ops and "hist" in r:
-                print(f"# {name} {method}: " + ", ".join(f"{k.split('::')[1]} {v}" for k, v in r["hist"].items()),
+                print(f"# {name} {r['method']}: " + ", ".join(f"{k.split('::')[1]} {v}" for k, v in r["hist"].items()),
                       file=sys.stderr)
+            if r.get("grew"):
+                print(f"# {name} {r['method']}, self CPU µs per step above "
+                      f"{'nonprivate' if 'nonprivate' in methods else methods[0]}: "
+                      + ", ".join(f"{k} +{v:.0f}" for k, v in r["grew"]), file=sys.stderr)
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -215,3 +215,38 @@ def test_flat_unchecked_is_flat_without_the_boundary_and_only_on_request():
             assert all(st.enforce and st._handles for st in steps)
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(grads["flat"], grads["flat_unchecked"], strict=True))
+
+
+def test_host_times_interleave_the_methods_and_drop_each_blocks_first_step():
+    """The methods of a model are timed in alternating blocks (a machine's drift falls on all alike);
+    each block starts with one uncounted step after the switch; every method gets exactly ``reps``
+    counted steps, also when ``reps`` does not divide into the rounds."""
+    calls = []
+
+    def cell(name):
+        return (lambda: name, lambda batch: calls.append(batch))
+    cells = {"a": cell("a"), "b": cell("b")}
+    host = launches.host_times(cells, reps=7, rounds=3)
+    assert set(host) == {"a", "b"}
+    # blocks of 1 + 3, 1 + 2, 1 + 2 steps, a then b in each round
+    assert calls == ["a"] * 4 + ["b"] * 4 + ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
+    calls.clear()
+    launches.host_times(cells, reps=2, rounds=5)  # never more rounds than counted steps
+    assert calls == ["a", "a", "b", "b"] * 2
+
+
+def test_the_breakdown_names_the_private_steps_own_nodes():
+    """``--breakdown``: per method, the profiler entries whose self CPU time grew over non-private's,
+    largest first; the flat collector's node exists only in the private step, so it must be among
+    them, and the non-private row has none."""
+    from bpclip_fast import _ops
+
+    if not _ops.extension_loaded():
+        pytest.skip("the bpclip_fast extension is not built")
+    rows = launches.measure_model("digits", ["nonprivate", "flat"], reps=2, warmup=1, rounds=2, breakdown=200)
+    by = {r["method"]: r for r in rows}
+    assert "grew" not in by["nonprivate"] and by["nonprivate"]["host_ms"] > 0
+    grew = by["flat"]["grew"]
+    assert any(k == "_CollectorBackward" for k, _ in grew), grew
+    assert all(v > 0 for _, v in grew) and [v for _, v in grew] == sorted((v for _, v in grew), reverse=True)
+    assert by["flat"]["ops"] > by["nonprivate"]["ops"] and by["flat"]["host_ms"] > 0
