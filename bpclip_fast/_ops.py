@@ -30,7 +30,15 @@ def require_extension() -> None:
         ) from _LOAD_ERROR
 
 
-_MIN_NOISE_STD = 1.1754943508222875e-38  # float32's smallest normal: the smallest std the kernels draw with
+# The noise std range of every kernel (csrc/common.h, noise_std_ok, where the floor is proved): 0, or in
+# [2^-80, 1e30), so that every nonzero float32 draw times the std is a float32 normal number.
+MIN_NOISE_STD = 2.0 ** -80
+MAX_NOISE_STD = 1e30
+NOISE_STD_RULE = "0 or between 2^-80 = 8.27e-25 (every float32 draw times it a normal number) and 1e30"
+
+
+def noise_std_ok(std: float) -> bool:
+    return std == 0.0 or MIN_NOISE_STD <= std < MAX_NOISE_STD
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -370,9 +378,8 @@ def banded_row_(ring, outs, starts, newest, weights, seed, offset, std):
     if not all(math.isfinite(v) for v in weights):
         raise ValueError(f"{op}: weights must be finite, got {weights}")
     std = float(std)
-    if not (std == 0.0 or _MIN_NOISE_STD <= std < 1e30):  # the kernels' rule (csrc/common.h, noise_std_ok)
-        raise ValueError(f"{op}: std must be 0 or between 1.18e-38 (float32's smallest normal: the draws are "
-                         f"float32) and 1e30, got {std}")
+    if not noise_std_ok(std):  # the kernels' rule (csrc/common.h, noise_std_ok)
+        raise ValueError(f"{op}: std must be {NOISE_STD_RULE}, got {std}")
     outs, starts = list(outs), [int(s) for s in starts]
     why = banded_row_outs_problem(ring, numel, outs, starts)
     if why is None:

@@ -49,6 +49,7 @@ import weakref
 
 import torch
 
+from . import _ops
 from .band_step import BandRelease
 from .data import derive_seed
 from .fingerprint import fingerprint
@@ -491,6 +492,8 @@ class LayerStep(BandRelease):
         if not (std >= 0 and math.isfinite(std)):
             raise ValueError(f"{self.name}: noise_multiplier must be finite and >= 0, got "
                              f"{self.layer._bp_noise_multiplier!r}")
+        if self.band is None and not _ops.noise_std_ok(std / d):  # banded: σΔ/B̄, of no batch's size
+            self._refuse_std()
         if self.enforce:
             self._pass_noised = True
         else:
@@ -502,6 +505,18 @@ class LayerStep(BandRelease):
             self._band_due = self._band_noise(self._band_std(std * scale / d))
             return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
+
+    def _refuse_std(self) -> None:
+        """A std outside the kernels' range (``make_private`` refuses settings that allow one,
+        :mod:`bpclip_fast.engine.noise_range`): refused before anything is drawn, charged, and in words
+        that name no value (the value would tell the batch's size)."""
+        details = (f"{self.name}: this backward's noise std (noise_multiplier·Δ/rows) is outside the range the "
+                   f"kernels draw in ({_ops.NOISE_STD_RULE})")
+        if self.enforce:
+            self.check_budget("a backward")
+            self.refuse("bounds", details)
+        raise ValueError(details + "; use a clipping norm and noise_multiplier whose product is not so small (or "
+                         "so large)")
 
     def take_draw(self):
         """``(seed, offset)`` of the next draw of this step: the step's own for the first, then a fresh

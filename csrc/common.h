@@ -26,13 +26,17 @@ inline int parse_norm(std::string_view s) {
   TORCH_CHECK(false, "bpclip_fast: norm must be 'l2' or 'l15', got '", std::string(s), "'");
 }
 
-// A noise std the kernels can draw with: 0 (no draw), or a float32 normal number below 1e30. The
-// draws are float32 normals times the std as a float32 (bpclip_fast/philox.h), so a std below
-// float32's normal range (1.18e-38) would be drawn as a subnormal or as 0: less noise than asked,
-// silently, for a float64 release (review 38 F2).
-constexpr double kMinNoiseStd = 1.1754943508222875e-38;  // FLT_MIN
+// A noise std the kernels can draw with: 0 (no draw), or in [2^-80, 1e30). The draws are float32
+// normals z times the std as a float32 (bpclip_fast/philox.h), so std·z must be a float32 normal
+// number for every z != 0 the construction gives, or a CPU running with flush-to-zero
+// (torch.set_flush_denormal(True)) draws exactly 0 on some coordinates and the release carries them
+// unnoised (review 39 F2; review 38 F2: below float32's smallest normal every draw is subnormal). The
+// smallest nonzero |z| is r·|sin| at the largest u1 below 1 (r = 3.45e-4) and the angle step
+// (|sin| = 3.7e-7), 1.29e-10 = 2^-32.85 (tests/test_noise_floor.py enumerates both), so std·|z| >=
+// 2^-80 · 2^-32.85 = 2^-112.85, 2^13 above FLT_MIN = 2^-126: margin for the GPU's FMA contraction.
+constexpr double kMinNoiseStd = 0x1p-80;  // 8.27e-25
 inline bool noise_std_ok(double stdv) { return stdv == 0.0 || (stdv >= kMinNoiseStd && stdv < 1e30); }
-#define BPCLIP_NOISE_STD_RULE "0 or between 1.18e-38 (float32's smallest normal: the draws are float32) and 1e30"
+#define BPCLIP_NOISE_STD_RULE "0 or between 2^-80 = 8.27e-25 (every float32 draw times it a normal number) and 1e30"
 
 inline void check_bound(double bound, const char* what) {
   TORCH_CHECK(bound > 0.0 && bound < 1e300, "bpclip_fast: ", what, " must be a positive finite number, got ", bound);
@@ -224,13 +228,27 @@ inline void check_noise2_args(const at::Tensor& w, const at::Tensor& b, double s
   check_noise_scale(scale, "philox_noise2_");
 }
 
-// Whether two tensors may share memory (ATen's overlap test; an interleaved pair of views of one
-// storage, "too hard" for it to decide, counts as sharing).
+// The bytes a tensor's elements span, [first, last + 1): what it can read or write.
+inline std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
+  int64_t lo = 0, hi = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t span = (t.size(d) - 1) * t.stride(d);
+    (span < 0 ? lo : hi) += span;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto size = static_cast<int64_t>(t.element_size());
+  return {base + static_cast<uintptr_t>(lo * size), base + static_cast<uintptr_t>((hi + 1) * size)};
+}
+
+// Whether two tensors may share memory: within one storage, ATen's overlap test (an interleaved pair
+// of views, "too hard" for it to decide, counts as sharing); across storages, whether the bytes they
+// span intersect (two storages can wrap the same memory: torch.from_numpy of one array twice,
+// review 39 L2).
 inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  const at::MemOverlapStatus overlap = at::get_overlap_status(a, b);
-  return overlap != at::MemOverlapStatus::No &&
-         !(overlap == at::MemOverlapStatus::TooHard && !a.storage().is_alias_of(b.storage()));
+  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
+  if (a.storage().is_alias_of(b.storage())) return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
+  const auto ea = byte_extent(a), eb = byte_extent(b);
+  return ea.first < eb.second && eb.first < ea.second;
 }
 
 // layer_tail_ (csrc/include/bpclip_fast/tail.h), every check before anything is written (a refused

@@ -74,7 +74,7 @@ inline at::Tensor layer_tail_if_needed(at::Tensor& w, at::Tensor& b, const OptTe
                                        double input_bound, c10::string_view clip_fn, int64_t seed, int64_t offset,
                                        double stdv, double scale) {
   const bool rows = bias_rows.has_value() && bias_rows->defined(), vjp = grad.has_value() && grad->defined();
-  if (!rows && !vjp && stdv <= 0.0 && scale == 1.0) return w.new_empty({0});
+  if (!rows && !vjp && stdv == 0.0 && scale == 1.0) return w.new_empty({0});  // anything else: the op checks it
   return layer_tail_(w, b, bias_rows, grad, clipped, factor, norm, input_bound, clip_fn, seed, offset, stdv, scale);
 }
 

@@ -70,7 +70,8 @@ inline ReleaseNoise check_release_args(const ExamplesArgs& a, const at::Tensor& 
               a.like.scalar_type(), " values, got ", factor.scalar_type());
   TORCH_CHECK(noise_key.size() == 2, pre, "noise_key must be [seed, offset]");
   TORCH_CHECK(noise_std_ok(noise_std), pre, "noise_std must be " BPCLIP_NOISE_STD_RULE ", got ", noise_std);
-  TORCH_CHECK(scale > 0.0 && scale < 1e300, pre, "scale must be a positive finite number, got ", scale);
+  TORCH_CHECK(scale > 0.0 && scale < 1e30, pre, "scale must be finite and > 0 (below 1e30, as every noise op's), got ",
+              scale);
   return {static_cast<uint64_t>(noise_key[0]), static_cast<uint64_t>(noise_key[1]), static_cast<float>(noise_std)};
 }
 

@@ -215,3 +215,5 @@ def test_bad_arguments_name_the_rule():
         _ops.examples_release(w, None, torch.ones(3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="noise_std must be 0 or between"):
         _ops.examples_release(w, None, torch.ones(3), std=float("inf"))
+    with pytest.raises(RuntimeError, match="scale must be finite and > 0 .below 1e30"):  # as every noise op's (review 39 L3)
+        _ops.examples_release(w, None, torch.ones(3), scale=1e31)

@@ -89,8 +89,8 @@ def test_bad_arguments_are_named(device):
         OPS.layer_tail_(w.view(-1)[:4], w.view(-1)[2:6], *args)
     with pytest.raises(RuntimeError, match="layer_tail_: std must be 0 or between"):
         OPS.layer_tail_(w, b, *args[:-2], -1.0, 1.0)
-    with pytest.raises(RuntimeError, match="layer_tail_: std must be 0 or between 1.18e-38"):  # review 38 F2
-        OPS.layer_tail_(w.double(), b.double(), *args[:-2], 1e-46, 1.0)
+    with pytest.raises(RuntimeError, match=r"layer_tail_: std must be 0 or between 2\^-80"):  # reviews 38, 39 F2
+        OPS.layer_tail_(w.double(), b.double(), *args[:-2], 1e-30, 1.0)
     with pytest.raises(RuntimeError, match="clip_fn must be"):  # checked with or without grad
         OPS.layer_tail_(w, b, None, None, None, None, None, 1.0, "bogus", 1, 2, 0.5, 1.0)
 
@@ -132,6 +132,22 @@ def test_inputs_sharing_memory_with_w_or_b_are_refused(device, which):
         xc = w
     with pytest.raises(RuntimeError, match=f"layer_tail_: {which} shares memory with w or b"):
         OPS.layer_tail_(w, b, rows, g, xc, f, n, bound, clip_fn, 1, 2, 0.5, 1.0)
+
+
+def test_two_storages_over_the_same_memory_are_refused():
+    """Two tensors of distinct storages can wrap one memory (``torch.from_numpy`` of one array twice):
+    their bytes are compared, not only their storages (review 39 L2); disjoint memory passes."""
+    import numpy as np
+
+    mem = np.zeros(9, dtype=np.float32)
+    b = torch.from_numpy(mem)[:5]
+    rows = torch.from_numpy(mem)[4:9].reshape(1, 5)  # another storage, one float shared with b
+    w = torch.zeros(3, 5)
+    with pytest.raises(RuntimeError, match="layer_tail_: bias_rows shares memory with w or b"):
+        OPS.layer_tail_(w, b, rows, None, None, None, None, 1.0, "clip", 1, 2, 0.5, 1.0)
+    apart = torch.from_numpy(np.zeros(5, dtype=np.float32)).reshape(1, 5)
+    OPS.layer_tail_(w, b, apart, None, None, None, None, 1.0, "clip", 1, 2, 0.5, 1.0)
+    assert b.abs().sum() > 0  # the bias: zero rows summed, plus its draw
 
 
 @pytest.mark.parametrize("rows", [2048, 2049])

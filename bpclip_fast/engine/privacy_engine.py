@@ -16,7 +16,8 @@ from .. import pca as _pca
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
-from . import arguments, budget, checkpoint, correlated, distributed, guards, model_checks, refusal, seeds, thresholds
+from . import (arguments, budget, checkpoint, correlated, distributed, guards, model_checks, noise_range, refusal, seeds,
+               thresholds)
 from .optimizer import DPOptimizer
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
 
@@ -209,6 +210,7 @@ class PrivacyEngine:
         self._flat_group = self._mode.collector(self._layers)
         thresholds.prepare(self, r.adaptive, sigma, plan)
         self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
+        self._check_noise_range(plan)
         self._handle = handles.register(self)  # the name the compiled forward's check op finds it by
         inner.register_forward_pre_hook(guards.OutsideCheck(self))
         compiled.require_parameter_guards()
@@ -218,6 +220,22 @@ class PrivacyEngine:
         self.loss_reduction = r.loss_reduction
         self.max_input_shape = r.max_input_shape
         return module, inner
+
+    def _check_noise_range(self, plan) -> None:
+        """Every std a step of this run can draw within the kernels' range, whatever the batch
+        (:mod:`bpclip_fast.engine.noise_range`)."""
+        layers, deltas = [], []
+        for layer in self._layers:
+            try:
+                deltas.append(float(layer.sensitivity))
+            except RuntimeError:  # a shape-dependent Δ never fixed: its noise is refused at the forward
+                continue
+            layers.append(layer)
+        bad = noise_range.problems(layers, deltas, self.gradient_noise_multiplier, plan.num_samples, plan.batch_size,
+                                   self.world_size, len(self._mode.threshold_attrs), self._thresholds is not None)
+        if bad:
+            raise ValueError("make_private: the noise std would leave the range the kernels draw in:\n  - "
+                             + "\n  - ".join(bad))
 
     def _prepare_steps(self, layers, mean_batch) -> None:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""

@@ -1,0 +1,148 @@
+"""The noise std's range (csrc/common.h, ``noise_std_ok``; bpclip_fast/engine/noise_range.py) and why
+its floor is 2^-80: every nonzero float32 draw times a std at the floor is a float32 normal number,
+so a CPU in flush-to-zero mode draws the same bits as one without (review 39 F2), and no std a run
+can draw leaves the range on some batch sizes only (review 39 F1)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bpclip_fast import PrivacyEngine, _ops
+from bpclip_fast.rules import StepRefused
+
+F = np.float32
+FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
+def _log_pos(x):
+    """csrc/include/bpclip_fast/philox.h's log_pos, operation for operation in float32 (the CPU build
+    has no FMA contraction: -ffp-contract=off)."""
+    bits = x.view(np.uint32)
+    e = (((bits >> 23) & 0xFF).astype(np.int32) - 126).astype(F)
+    m = ((bits & 0x007FFFFF) | 0x3F000000).astype(np.uint32).view(F)
+    small = (m < F(0.70710678118654752)).astype(F)
+    e = e - small
+    m = (m + m * small) - F(1.0)
+    z = m * m
+    y = F(7.0376836292e-2)
+    for c in (-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1, -1.6668057665e-1,
+              2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1):
+        y = y * m + F(c)
+    y = y * m * z
+    y = y + F(-2.12194440e-4) * e
+    y = y + F(-0.5) * z
+    return m + y + F(0.693359375) * e
+
+
+def _sin_cos_2pi(u):
+    """philox.h's cos_sin_2pi before the quadrant's swap and signs (which do not change magnitudes)."""
+    q = u * F(4.0)
+    j = (q + F(0.5)).astype(np.int32).astype(F)
+    phi = (q - j) * F(1.57079632679489662)
+    p2 = phi * phi
+    s = F(-1.9515295891e-4)
+    s = s * p2 + F(8.3321608736e-3)
+    s = s * p2 - F(1.6666654611e-1)
+    s = phi + phi * p2 * s
+    c = F(2.443315711809948e-5)
+    c = c * p2 - F(1.388731625493765e-3)
+    c = c * p2 + F(4.166664568298827e-2)
+    c = F(1.0) - F(0.5) * p2 + p2 * p2 * c
+    return s, c
+
+
+def test_the_smallest_nonzero_draw_times_the_floor_is_a_normal_number():
+    """Enumerates the construction: every radius below 1 (u1 over every float32 in (0, 1): the
+    smallest radii come from u1 in [1/2, 1)) and every 24-bit angle; the smallest nonzero |z| times
+    the floor, rounded down by the product's half ulp, clears FLT_MIN with a margin of 2^12 (room
+    for the GPU's FMA contraction, a few ulp)."""
+    u1 = np.arange(0x3F000000, 0x3F800000, dtype=np.uint32).view(F)  # [1/2, 1)
+    t = F(-2.0) * _log_pos(u1)
+    r = np.sqrt(np.where(t > 0, t, F(0)))
+    assert (r > 0).all()  # only u1 = 1 gives radius 0 (then z = 0: no draw to flush)
+    below = np.arange(0x00800000, 0x3F000000, 4099, dtype=np.uint32).view(F)  # normal u1 < 1/2: r > 1.17
+    assert np.sqrt(F(-2.0) * _log_pos(below)).min() > r.min()
+    angle = (np.arange(1 << 24).astype(np.int32)).astype(F) * F(2.0 ** -24)
+    s, c = _sin_cos_2pi(angle)
+    trig = np.abs(np.concatenate([s, c]))
+    z_min = float(r.min()) * float(trig[trig > 0].min())
+    assert 2.0 ** -34 < z_min < 2.0 ** -32  # 1.29e-10 = 2^-32.85, as csrc/common.h says
+    assert _ops.MIN_NOISE_STD * z_min * (1 - 2.0 ** -24) >= FLT_MIN * 2.0 ** 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flush_to_zero_draws_the_same_bits_at_the_floor(dtype):
+    """At the smallest std the kernels accept, a CPU with flush-to-zero on draws exactly what it draws
+    with it off (below the floor, 1e-37, it zeroed ~10% of the coordinates: review 39 F2)."""
+    n = 1 << 18
+    draws = {}
+    for ftz in (False, True):
+        if not torch.set_flush_denormal(ftz) and ftz:
+            pytest.skip("this CPU has no flush-to-zero mode")
+        try:
+            buf = torch.zeros(n, dtype=dtype)
+            _ops.philox_noise_(buf, 7, 3, _ops.MIN_NOISE_STD)
+            draws[ftz] = buf
+        finally:
+            torch.set_flush_denormal(False)
+    assert torch.equal(draws[False], draws[True])
+    # and every nonzero draw is normal: no coordinate depends on the flush mode
+    nz = draws[False][draws[False] != 0].abs()
+    assert float(nz.min()) >= torch.finfo(dtype).tiny
+
+
+def _private(max_grad_norm, sigma=1.0, n=64, adaptive=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    loader = DataLoader(TensorDataset(torch.randn(n, 4), torch.randint(0, 3, (n,))), batch_size=8)
+    kwargs = {} if adaptive is None else {"adaptive": adaptive}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                            data_loader=loader, noise_multiplier=sigma, max_grad_norm=max_grad_norm,
+                                            clipping="flat", **kwargs)
+
+
+def test_make_private_refuses_a_std_that_some_batch_would_take_out_of_range():
+    """σ·C/d must stay in range for every d a run can sample (1 .. N): σC = 2^-74 is in range for d
+    up to 64 = N and accepted; 2^-75 would leave it at d = 64 (not at d = 1) and is refused before
+    training, whatever the batch; so is a std above 1e30 at d = 1."""
+    _private(2.0 ** -74, n=64)
+    with pytest.raises(ValueError, match=r"noise std .* outside the kernels' range"):
+        _private(2.0 ** -75, n=64)
+    with pytest.raises(ValueError, match=r"noise std .* outside the kernels' range"):
+        _private(1e31)
+
+
+def test_adaptive_thresholds_are_checked_over_their_whole_clamp():
+    """Adaptive thresholds move within 10^6 of their start, so the std's range is checked over it."""
+    from bpclip_fast import Adaptive
+
+    _private(2.0 ** -60, n=64)  # σC/N = 2^-66
+    with pytest.raises(ValueError, match="the adaptive thresholds' clamp"):
+        _private(2.0 ** -60, n=64, adaptive=Adaptive())  # down to 2^-66/10^6 < 2^-80
+
+
+def test_a_backward_whose_std_left_the_range_is_refused_charged_and_names_no_value():
+    """The backstop: a std set out of range after make_private (here by writing the layer's noise
+    multiplier past its guard) is refused in the backward before anything is drawn, charged, and its message does
+    not carry the std (σΔ/d would tell the batch's size)."""
+    model, opt, loader = _private(1.0)
+    layer = next(m for m in model.modules() if getattr(m, "_bp_step", None) is not None)
+    layer.__dict__["_bp_noise_multiplier"] = 1e-30  # past __setattr__'s guard: the backstop's own case
+    engine = opt.engine
+    assert engine.get_epsilon(1e-5) == 0
+    x, y = next(iter(loader))
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(StepRefused) as info:
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert info.value.charged and engine.get_epsilon(1e-5) > 0
+    d = max(len(x), 1)
+    assert f"{1e-30 / d:g}" not in str(info.value) and "e-3" not in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
