@@ -146,6 +146,7 @@ class LayerStep(BandRelease):
         self.band_std = None
         self._band_due = None
         self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
+        self.std_span = None        # set by the engine: (σ, span), every std of the run in σΔ·span (engine.noise_range)
 
     # ------------------------------------------------------------------ parameters and hooks
     @property

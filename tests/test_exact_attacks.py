@@ -53,7 +53,7 @@ def test_flat_two_passes_over_one_batch_reaching_disjoint_layers_exceed_c():
     """Multi-task loop: the same batch, one backward per head. Each layer sees the batch once (rows
     check passes), but each pass's c_i covers only the layers it reached: ‖release‖ = √2·C."""
     X, Y = data(n=1)
-    _, model, opt, loader = exact_private(TwoHeads(), X, Y, "flat", sigma=1e-30, loss_reduction="sum")
+    _, model, opt, loader = exact_private(TwoHeads(), X, Y, "flat", sigma=1e-20, loss_reduction="sum")
     x, y = next(iter(loader))
 
     def loop():
@@ -69,7 +69,7 @@ def test_flat_freezing_alternate_layers_between_passes_exceeds_c():
     """Same batch, pass 1 with fc2 frozen, pass 2 with fc1 frozen: a frozen layer adds no norm to the
     book, so each pass clips to C over the other layer alone: ‖release‖ = √2·C."""
     X, Y = data(n=1)
-    _, model, opt, loader = exact_private(mlp(), X, Y, "flat", sigma=1e-30, loss_reduction="sum")
+    _, model, opt, loader = exact_private(mlp(), X, Y, "flat", sigma=1e-20, loss_reduction="sum")
     x, y = next(iter(loader))
 
     def loop():
@@ -90,7 +90,7 @@ def test_flat_backward_inputs_split_over_two_forwards_exceeds_c():
     of the same example: fc1 lands only from pass 1, fc2 only from pass 2, each clipped with its
     own c_i, so the example's total exceeds C."""
     X, Y = data(n=1)
-    _, model, opt, loader = exact_private(mlp(), X, Y, "flat", sigma=1e-30, loss_reduction="sum")
+    _, model, opt, loader = exact_private(mlp(), X, Y, "flat", sigma=1e-20, loss_reduction="sum")
     x, y = next(iter(loader))
 
     def loop():
@@ -125,7 +125,7 @@ def test_flat_layers_run_on_disjoint_chunks_in_one_forward_mix_examples():
     net = Chunked()
     expect = clipped_sum({k: 1e3 * v for k, v in per_example(copy.deepcopy(net).double(), X.double(), Y).items()},
                          "flat", C)
-    _, model, opt, loader = exact_private(copy.deepcopy(net), X, Y, "flat", sigma=1e-30, loss_reduction="sum")
+    _, model, opt, loader = exact_private(copy.deepcopy(net), X, Y, "flat", sigma=1e-20, loss_reduction="sum")
     x, y = next(iter(loader))
     g = released_or_refused(model, opt, lambda: loss_fn(model(x), y).backward())
     if g is not None:
@@ -139,7 +139,7 @@ def test_threshold_changed_after_make_private_is_not_covered_by_the_noise(mode):
     scaled to the old one: the thresholds (and the noise bound) are fixed, the assignment raises,
     and a step still releases at most the C the noise is scaled to."""
     X, Y = data(n=1)
-    _, model, opt, loader = exact_private(mlp(), X, Y, mode, sigma=1e-30, loss_reduction="sum")
+    _, model, opt, loader = exact_private(mlp(), X, Y, mode, sigma=1e-20, loss_reduction="sum")
     with pytest.raises(AttributeError):
         if mode == "flat":
             model.fc1._bp_flat.max_grad_norm = 100.0
@@ -163,7 +163,7 @@ def test_flat_autograd_grad_then_backward_over_one_forward_releases_the_clipped_
     net = mlp()
     expect = clipped_sum({k: 1e3 * v for k, v in per_example(copy.deepcopy(net).double(), X.double(), Y).items()},
                          "flat", C)
-    _, model, opt, loader = exact_private(copy.deepcopy(net), X, Y, "flat", sigma=1e-30, loss_reduction="sum")
+    _, model, opt, loader = exact_private(copy.deepcopy(net), X, Y, "flat", sigma=1e-20, loss_reduction="sum")
     x, y = next(iter(loader))
     x = x.clone().requires_grad_()
 

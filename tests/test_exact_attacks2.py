@@ -26,7 +26,7 @@ def test_flat_threshold_replaced_after_make_private_is_not_covered_by_the_noise(
     model's layers a new group with any C, and the group's ``_clipping`` can be rewritten. The noise
     stays σ·0.9 while one example moves the release by up to the new C."""
     X, Y = data(n=1)
-    _, model, opt, loader = exact_private(mlp(), X, Y, "flat", sigma=1e-30, loss_reduction="sum")
+    _, model, opt, loader = exact_private(mlp(), X, Y, "flat", sigma=1e-20, loss_reduction="sum")
     try:
         if how == "attach_flat":
             exact.attach_flat(model, [model.fc1, model.fc2], 100.0, "clip", 0.01)
@@ -72,7 +72,7 @@ def test_flat_rows_permuted_between_layers_pair_the_norms_of_different_examples(
     Y = torch.ones(2)
 
     def release(X, Y):
-        _, model, opt, loader = exact_private(SwapRows(), X, Y, "flat", sigma=1e-30, loss_reduction="sum")
+        _, model, opt, loader = exact_private(SwapRows(), X, Y, "flat", sigma=1e-20, loss_reduction="sum")
         x, y = next(iter(loader))
         assert len(x) == len(X)  # Poisson at rate 1: the whole data set
         return released_or_refused(model, opt, lambda: (model(x).squeeze(1) * y).sum().backward())

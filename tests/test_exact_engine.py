@@ -67,7 +67,7 @@ def test_release_is_the_clipped_mean_plus_one_draw_of_std_sigma_c(mode, microbat
     updates = {}
     for seed in (SEED, SEED2):
         model = copy.deepcopy(net)
-        _, model, opt, loader = exact_private(model, X, Y, mode, seed=seed, sigma=1e-30)
+        _, model, opt, loader = exact_private(model, X, Y, mode, seed=seed, sigma=1e-20)
         before = snapshot(model)
         legit_step(model, opt, loader, microbatches=microbatches)
         updates[seed] = moved(model, before)
@@ -132,7 +132,7 @@ def test_examples_reaching_the_backward_twice_are_refused_and_charged(mode, patt
 @pytest.mark.parametrize("mode", MODES)
 def test_zeroing_between_passes_keeps_one_draw_and_editing_is_refused(mode):
     X, Y = data(n=4)
-    engine, model, opt, loader = exact_private(mlp(), X, Y, mode, sigma=1e-30)
+    engine, model, opt, loader = exact_private(mlp(), X, Y, mode, sigma=1e-20)
     x, y = next(iter(loader))
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -205,7 +205,7 @@ def test_nonfinite_example_is_dropped_counted_and_does_not_spread(mode):
     net = mlp()
     keep = [0, 2, 3]
     expect = clipped_sum(per_example(copy.deepcopy(net).double(), X[keep].double(), Y[keep]), mode, C)
-    engine, model, opt, loader = exact_private(copy.deepcopy(net), X, Y, mode, sigma=1e-30)
+    engine, model, opt, loader = exact_private(copy.deepcopy(net), X, Y, mode, sigma=1e-20)
     before = snapshot(model)
     legit_step(model, opt, loader)
     for k, v in moved(model, before).items():

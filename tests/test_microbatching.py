@@ -48,7 +48,7 @@ def test_the_readme_loop_with_uneven_micro_batches_releases_the_clipped_mean(mod
     net = mlp()
     expect = clipped_sum(per_example(copy.deepcopy(net).double(), X.double(), Y), mode, C)
     model = copy.deepcopy(net)
-    _, model, opt, loader = exact_private(model, X, Y, mode, seed=SEED, sigma=1e-30)
+    _, model, opt, loader = exact_private(model, X, Y, mode, seed=SEED, sigma=1e-20)
     before = snapshot(model)
     x, y = next(iter(loader))
     assert [len(m) for m in x.split(3)] == [3, 3, 1]
@@ -68,7 +68,7 @@ def test_dividing_by_the_number_of_micro_batches_is_the_run_at_k_times_the_clip_
     habit = {k: v / K for k, v in clipped_sum(grads, mode, K * C).items()}
     intended = clipped_sum(grads, mode, C)
     model = copy.deepcopy(net)
-    _, model, opt, loader = exact_private(model, X, Y, mode, seed=SEED, sigma=1e-30)
+    _, model, opt, loader = exact_private(model, X, Y, mode, seed=SEED, sigma=1e-20)
     before = snapshot(model)
     habit_step(model, opt, loader)
     released = {k: -v.double() for k, v in moved(model, before).items()}

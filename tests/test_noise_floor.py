@@ -97,22 +97,28 @@ def test_flush_to_zero_draws_the_same_bits_at_the_floor(dtype):
     assert float(nz.min()) >= torch.finfo(dtype).tiny
 
 
-def _private(max_grad_norm, sigma=1.0, n=64, adaptive=None):
+def _private(max_grad_norm, sigma=1.0, n=64, adaptive=None, model=None, loss_reduction="mean", clipping="flat",
+             **kwargs):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3))
+    model = model if model is not None else nn.Sequential(nn.Linear(4, 3))
     loader = DataLoader(TensorDataset(torch.randn(n, 4), torch.randint(0, 3, (n,))), batch_size=8)
-    kwargs = {} if adaptive is None else {"adaptive": adaptive}
+    if adaptive is not None:
+        kwargs["adaptive"] = adaptive
+    if clipping == "backprop":
+        kwargs.update(input_clip=1.0, grad_clip=max_grad_norm)
+    else:
+        kwargs.update(clipping=clipping, max_grad_norm=max_grad_norm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                            data_loader=loader, noise_multiplier=sigma, max_grad_norm=max_grad_norm,
-                                            clipping="flat", **kwargs)
+                                            data_loader=loader, noise_multiplier=sigma,
+                                            loss_reduction=loss_reduction, **kwargs)
 
 
 def test_make_private_refuses_a_std_that_some_batch_would_take_out_of_range():
-    """σ·C/d must stay in range for every d a run can sample (1 .. N): σC = 2^-74 is in range for d
-    up to 64 = N and accepted; 2^-75 would leave it at d = 64 (not at d = 1) and is refused before
-    training, whatever the batch; so is a std above 1e30 at d = 1."""
+    """Mean loss: σ·C/d must stay in range for every d a run can sample (1 .. N): σC = 2^-74 is in
+    range for d up to 64 = N and accepted; 2^-75 would leave it at d = 64 (not at d = 1) and is refused
+    before training, whatever the batch; so is a std above 1e30 at d = 1."""
     _private(2.0 ** -74, n=64)
     with pytest.raises(ValueError, match=r"noise std .* outside the kernels' range"):
         _private(2.0 ** -75, n=64)
@@ -120,19 +126,67 @@ def test_make_private_refuses_a_std_that_some_batch_would_take_out_of_range():
         _private(1e31)
 
 
+def test_under_the_sum_loss_the_std_does_not_shrink_with_the_batch():
+    """Sum loss: every backward draws σC itself (and the fallback σC/W), so a norm that the mean loss
+    refuses for a large N is accepted (review 40 F5: the check had assumed d up to N rows)."""
+    with pytest.raises(ValueError, match="outside the kernels' range"):
+        _private(2.0 ** -75, n=64)
+    _private(2.0 ** -75, n=64, loss_reduction="sum")
+    with pytest.raises(ValueError, match="outside the kernels' range"):
+        _private(2.0 ** -81, n=64, loss_reduction="sum")
+
+
 def test_adaptive_thresholds_are_checked_over_their_whole_clamp():
-    """Adaptive thresholds move within 10^6 of their start, so the std's range is checked over it."""
+    """Adaptive thresholds move within 10^6 of their start (and a factor 2 for a checkpoint at the
+    clamp's edge), so the std's range is checked over all of it."""
     from bpclip_fast import Adaptive
 
     _private(2.0 ** -60, n=64)  # σC/N = 2^-66
     with pytest.raises(ValueError, match="the adaptive thresholds' clamp"):
-        _private(2.0 ** -60, n=64, adaptive=Adaptive())  # down to 2^-66/10^6 < 2^-80
+        _private(2.0 ** -60, n=64, adaptive=Adaptive())  # down to 2^-67/10^6 < 2^-80
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "backprop"])
+def test_a_refused_make_private_says_how_to_retry(clipping):
+    """The range is checked once Δ is fixed, after the conversion and before the layers are armed
+    (review 40 F4: a retry had been refused as 'make_private called twice'): the refusal says to
+    build the model afresh, and a fresh model with other settings is made private."""
+    with pytest.raises(ValueError, match="build the model afresh"):
+        _private(1e-40, model=nn.Sequential(nn.Linear(4, 3)), clipping=clipping)
+    _private(1.0, model=nn.Sequential(nn.Linear(4, 3)), clipping=clipping)
+
+
+def test_set_max_input_shape_after_make_private_is_checked_against_the_range():
+    """A smaller max_input_shape lowers a shape-dependent Δ (a biased Linear over [B, T, in]): it is
+    refused where the std would leave the range for some batch size, before anything changes
+    (review 40 F3: accepted, the backward then refused exactly the batches above some size)."""
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x.view(len(x), 2, 2).repeat(1, 1, 2)).mean(1)
+
+    model = Seq()
+    shape = (16, 4)
+    _, opt, _ = _private(1.0, model=model, clipping="backprop", max_input_shape=(4,))
+    layer = model.fc
+    layer.set_max_input_shape(shape)  # a larger Δ, in range
+    delta = layer.sensitivity
+    sigma, (low, high) = layer._bp_step.std_span
+    assert low < 1 <= high and sigma > 0
+    # a grad_clip whose σΔ sits just above the floor at the larger shape leaves it at the smaller one
+    layer.__dict__["_bp_step"].std_span = (sigma, (2.0 ** -80 / (sigma * delta) * 1.001, high))
+    with pytest.raises(ValueError, match=r"set_max_input_shape\(1, 4\): .*outside the kernels' range"):
+        layer.set_max_input_shape((1, 4))
+    assert layer.max_input_shape == shape  # unchanged
 
 
 def test_a_backward_whose_std_left_the_range_is_refused_charged_and_names_no_value():
     """The backstop: a std set out of range after make_private (here by writing the layer's noise
-    multiplier past its guard) is refused in the backward before anything is drawn, charged, and its message does
-    not carry the std (σΔ/d would tell the batch's size)."""
+    multiplier past its guard) is refused in the backward before anything is drawn, charged, and its
+    message does not carry the std (σΔ/d would tell the batch's size)."""
     model, opt, loader = _private(1.0)
     layer = next(m for m in model.modules() if getattr(m, "_bp_step", None) is not None)
     layer.__dict__["_bp_noise_multiplier"] = 1e-30  # past __setattr__'s guard: the backstop's own case

@@ -1,19 +1,24 @@
 """The noise std range, checked where it cannot depend on the data.
 
 Every draw's std must be 0 or within the kernels' range (:func:`bpclip_fast._ops.noise_std_ok`:
-``[2^-80, 1e30)``). A layer's backward draws ``σ·Δ/d`` under the mean loss, ``d`` the rows of the
-sampled batch, so a std that leaves the range only for some ``d`` would make the backward fail on
+``[2^-80, 1e30)``). Under the mean loss a layer's backward draws ``σ·Δ/d``, ``d`` the rows of the
+sampled batch, so a std that left the range only for some ``d`` would make the backward fail on
 some batch sizes and not others: an error that depends on the data, and a loop that caught it and
 stepped would release noise alone for those batches and the clipped sum for the rest (review 39 F1).
-``make_private`` therefore refuses a setting whose std could leave the range for any batch, and the
-layers' backward refuses (charged, with a message that names no value) whatever still gets out of it.
+``make_private`` therefore refuses a setting whose std could leave the range for any batch (and so
+does a later ``set_max_input_shape`` that moves ``Δ``), and the layers' backward refuses (charged,
+with a message that names no value) whatever still gets out of it.
 
-Over one run ``d`` ranges over ``1 .. N`` (``N`` the data set's size: a Poisson batch is at most all
-of it; a DDP rank's shard too), the fallback draw of a layer no backward reached is ``σ·Δ/(B̄·W)``,
-and adaptive thresholds keep each threshold within a factor ``10^6`` of its initial value, so ``Δ``
-within ``10^(6k)`` for a mode of ``k`` thresholds per layer (backprop's ``Δ`` is their product). Every
-std a step can draw lies in ``[σΔ/(F·max(N, B̄)·W), σΔ·F]`` with ``F`` that factor, and it is checked
-at both ends.
+The std a step can draw, per layer, is ``σΔ`` times:
+
+* under ``loss_reduction="mean"``: ``1/d`` in the backward, ``d`` from 1 to at most ``N`` (the
+  data set's size; a DDP rank's share is smaller), and ``1/(B̄·W)`` for the fallback draw of a layer
+  no backward reached (``W`` processes, each adding the same draw divided by ``W``);
+* under ``"sum"``: 1 in the backward, ``1/W`` for the fallback draw;
+
+and adaptive thresholds keep each threshold within ``10^6`` of its initial value, so ``Δ`` within
+``10^(6k)`` for a mode of ``k`` thresholds per layer (backprop's ``Δ`` is their product); a factor 2
+beyond that covers a checkpoint's thresholds at the clamp's edge and its log-space rounding.
 """
 
 from __future__ import annotations
@@ -22,25 +27,23 @@ from .. import _ops
 from .. import adaptive as _adaptive
 
 
-def problems(layers, sensitivities, sigma: float, num_samples: int, expected_batch: float, world_size: int,
-             thresholds_per_layer: int, adaptive: bool) -> list:
-    """The layers whose noise std could leave the kernels' range in some step: ``[message]``."""
+def multipliers(mean_loss: bool, num_samples: int, expected_batch: float, world_size: int,
+                thresholds_per_layer: int, adaptive: bool) -> tuple[float, float]:
+    """``(low, high)``: every std a step of this run draws for a layer lies in ``σΔ·[low, high]``."""
+    factor = 2.0 * float(_adaptive._CLAMP) ** thresholds_per_layer if adaptive else 1.0
+    w = max(int(world_size), 1)
+    rows = max(float(num_samples), float(expected_batch) * w, 1.0) if mean_loss else float(w)
+    return 1.0 / (factor * rows), factor
+
+
+def problem(name: str, sigma: float, delta: float, span: tuple[float, float]) -> str | None:
+    """Why ``σ·Δ`` over ``span`` (:func:`multipliers`) leaves the kernels' range, or ``None``."""
     if sigma == 0:
-        return []
-    factor = float(_adaptive._CLAMP) ** thresholds_per_layer if adaptive else 1.0
-    rows = max(float(num_samples), float(expected_batch), 1.0) * max(int(world_size), 1)
-    out = []
-    for layer, delta in zip(layers, sensitivities):
-        low, high = sigma * delta / factor / rows, sigma * delta * factor
-        if low < _ops.MIN_NOISE_STD or high >= _ops.MAX_NOISE_STD:
-            out.append(f"{layer.layer_name}: its noise std σ·Δ/d = {sigma:g}·{delta:g}/d would range over "
-                       f"[{low:.3g}, {high:.3g}] over the batches this run can sample (d up to {rows:g} rows"
-                       + (", the adaptive thresholds' clamp" if adaptive else "") + f"), outside the kernels' "
-                       f"range ({_ops.NOISE_STD_RULE}); scale the data or the loss so that the clipping norm "
-                       "is not so small (or so large)")
-    return out
-
-
-def out_of_range(std: float) -> bool:
-    """Whether a draw's std is outside the kernels' range (0 is no draw)."""
-    return not _ops.noise_std_ok(std)
+        return None
+    low, high = sigma * delta * span[0], sigma * delta * span[1]
+    if _ops.MIN_NOISE_STD <= low and high < _ops.MAX_NOISE_STD:
+        return None
+    return (f"{name}: its noise std σ·Δ = {sigma:g}·{delta:g} times [{span[0]:.3g}, {span[1]:.3g}] (the batch sizes, "
+            f"the fallback draw and the adaptive thresholds' clamp this run allows) would reach [{low:.3g}, {high:.3g}], "
+            f"outside the kernels' range ({_ops.NOISE_STD_RULE}); use a clipping norm and noise_multiplier whose "
+            "product is not so small (or so large), or scale the data or the loss")

@@ -209,8 +209,12 @@ class PrivacyEngine:
         self._layers = [layer for _, layer in layers]
         self._flat_group = self._mode.collector(self._layers)
         thresholds.prepare(self, r.adaptive, sigma, plan)
+        span = noise_range.multipliers(r.loss_reduction == "mean", plan.num_samples, plan.batch_size, self.world_size,
+                                       len(self._mode.threshold_attrs), self._thresholds is not None)
+        self._check_noise_range(span)  # before the layers are armed: a refused call can be retried
         self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
-        self._check_noise_range(plan)
+        for st in self._steps_of:  # σ of the engine, the same on every rank (a layer's own is 0 but on rank 0)
+            st.std_span = (self.gradient_noise_multiplier, span)
         self._handle = handles.register(self)  # the name the compiled forward's check op finds it by
         inner.register_forward_pre_hook(guards.OutsideCheck(self))
         compiled.require_parameter_guards()
@@ -221,21 +225,23 @@ class PrivacyEngine:
         self.max_input_shape = r.max_input_shape
         return module, inner
 
-    def _check_noise_range(self, plan) -> None:
+    def _check_noise_range(self, span) -> None:
         """Every std a step of this run can draw within the kernels' range, whatever the batch
         (:mod:`bpclip_fast.engine.noise_range`)."""
-        layers, deltas = [], []
+        bad = []
         for layer in self._layers:
             try:
-                deltas.append(float(layer.sensitivity))
+                delta = float(layer.sensitivity)
             except RuntimeError:  # a shape-dependent Δ never fixed: its noise is refused at the forward
                 continue
-            layers.append(layer)
-        bad = noise_range.problems(layers, deltas, self.gradient_noise_multiplier, plan.num_samples, plan.batch_size,
-                                   self.world_size, len(self._mode.threshold_attrs), self._thresholds is not None)
+            why = noise_range.problem(layer.layer_name, self.gradient_noise_multiplier, delta, span)
+            if why is not None:
+                bad.append(why)
         if bad:
             raise ValueError("make_private: the noise std would leave the range the kernels draw in:\n  - "
-                             + "\n  - ".join(bad))
+                             + "\n  - ".join(bad) + "\n(the model's layers were converted to clipped layers with these "
+                             "settings, and not armed: build the model afresh, or load its state_dict into a fresh one, to "
+                             "make it private with others)")
 
     def _prepare_steps(self, layers, mean_batch) -> None:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""

@@ -196,7 +196,14 @@ class _Clipped:
             raise RuntimeError(f"{self.layer_name}: set_max_input_shape after make_private(noise='banded') would "
                                "change Δ between steps, and the correlated noise rows need one noise scale for the "
                                "whole run; pass max_input_shape to make_private on a fresh model instead")
-        self.sensitivity_for((1, *shape))  # validates the shape
+        delta = self.sensitivity_for((1, *shape))  # validates the shape
+        if step is not None and step.enforce and step.std_span is not None:  # σΔ/d in range for every d, still
+            from ..engine import noise_range
+
+            sigma, span = step.std_span
+            why = noise_range.problem(self.layer_name, sigma, delta, span)
+            if why is not None:
+                raise ValueError(f"set_max_input_shape{shape}: {why}")
         self._bp_max_shape = shape
 
     @property
