@@ -69,7 +69,7 @@ def _radius_uniform(hi, lo):
     f32 = np.float32
     a = f32(hi >> 1) * f32(2.0 ** -31) + f32(hi & 1) * f32(2.0 ** -32)
     b = f32(lo >> 1) * f32(2.0 ** -63) + f32(lo & 1) * f32(2.0 ** -64)
-    return min(float(a + (b + f32(2.0 ** -65))), 1.0)
+    return min(float(a + (b + f32(2.0 ** -65))), 1.0 - 2.0 ** -24)  # philox.h: never 1 (r = 0)
 
 
 def _reference_normals(seed, offset, n):
@@ -79,7 +79,7 @@ def _reference_normals(seed, offset, n):
 
     def bm(hi, lo, angle):
         r = math.sqrt(-2.0 * math.log(_radius_uniform(hi, lo)))
-        u2 = (angle >> 8) * 2.0 ** -24
+        u2 = ((angle >> 9) * 2 + 1) * 2.0 ** -24  # a cell's midpoint: never on an axis
         return r * math.cos(2 * math.pi * u2), r * math.sin(2 * math.pi * u2)
 
     out = []

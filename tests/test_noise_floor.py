@@ -57,23 +57,32 @@ def _sin_cos_2pi(u):
     return s, c
 
 
-def test_the_smallest_nonzero_draw_times_the_floor_is_a_normal_number():
-    """Enumerates the construction: every radius below 1 (u1 over every float32 in (0, 1): the
-    smallest radii come from u1 in [1/2, 1)) and every 24-bit angle; the smallest nonzero |z| times
-    the floor, rounded down by the product's half ulp, clears FLT_MIN with a margin of 2^12 (room
-    for the GPU's FMA contraction, a few ulp)."""
-    u1 = np.arange(0x3F000000, 0x3F800000, dtype=np.uint32).view(F)  # [1/2, 1)
+def test_no_draw_is_zero_and_the_smallest_times_the_floor_is_a_normal_number():
+    """Enumerates the construction: every radius the clamped u1 gives (u1 over every float32 in
+    [1/2, 1 - 2^-24]: the smallest radii; below 1/2 they exceed 1.17) and every one of the 2^23
+    angle cells' midpoints. No radius and no sine or cosine is 0, so no draw is exactly 0 (review 40
+    F1); the smallest |z| times the floor, rounded down by the product's half ulp, clears FLT_MIN
+    with a margin of 2^12 (room for the GPU's FMA contraction, a few ulp)."""
+    u1 = np.arange(0x3F000000, 0x3F800000, dtype=np.uint32).view(F)  # [1/2, 1): philox.h clamps u1 below 1
     t = F(-2.0) * _log_pos(u1)
     r = np.sqrt(np.where(t > 0, t, F(0)))
-    assert (r > 0).all()  # only u1 = 1 gives radius 0 (then z = 0: no draw to flush)
+    assert (r > 0).all()
     below = np.arange(0x00800000, 0x3F000000, 4099, dtype=np.uint32).view(F)  # normal u1 < 1/2: r > 1.17
     assert np.sqrt(F(-2.0) * _log_pos(below)).min() > r.min()
-    angle = (np.arange(1 << 24).astype(np.int32)).astype(F) * F(2.0 ** -24)
+    angle = ((np.arange(1 << 23) * 2 + 1).astype(np.int32)).astype(F) * F(2.0 ** -24)  # (2k + 1) 2^-24, exact
     s, c = _sin_cos_2pi(angle)
     trig = np.abs(np.concatenate([s, c]))
-    z_min = float(r.min()) * float(trig[trig > 0].min())
+    assert (trig > 0).all()
+    z_min = float(r.min()) * float(trig.min())
     assert 2.0 ** -34 < z_min < 2.0 ** -32  # 1.29e-10 = 2^-32.85, as csrc/common.h says
     assert _ops.MIN_NOISE_STD * z_min * (1 - 2.0 ** -24) >= FLT_MIN * 2.0 ** 12
+
+
+def test_a_large_draw_has_no_zero():
+    """2^24 normals (at the cells' left ends ~2 of them would be exactly 0)."""
+    buf = torch.empty(1 << 24)
+    _ops.philox_noise_(buf, 11, 5, 1.0)
+    assert int((buf == 0).sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

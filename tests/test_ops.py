@@ -191,11 +191,11 @@ def test_philox_matches_known_answer_via_uniforms():
         b = f32(lo >> 1) * f32(2.0 ** -63) + f32(lo & 1) * f32(2.0 ** -64)
         u1 = float(a + (b + f32(2.0 ** -65)))
         assert abs(u1 - (hi * 2.0 ** 32 + lo + 0.5) * 2.0 ** -64) <= 2.0 ** -22 * u1  # full relative precision
-        return min(u1, 1.0)
+        return min(u1, 1.0 - 2.0 ** -24)  # philox.h: never 1 (r = 0)
 
     def box_muller(hi, lo, angle):
         u1 = radius_uniform(hi, lo)
-        u2 = (angle >> 8) * 2.0 ** -24
+        u2 = ((angle >> 9) * 2 + 1) * 2.0 ** -24  # a cell's midpoint: never on an axis
         r = math.sqrt(-2.0 * math.log(u1))
         return r * math.cos(2 * math.pi * u2), r * math.sin(2 * math.pi * u2)
 

@@ -8,7 +8,7 @@
 // 2^62 groups, so every (offset, element) has its own counters.
 // The only difference between backends is FMA contraction on the GPU (a few ulp).
 //
-// The Gaussian tail. A pair takes a 64-bit radius word K = hi 2^32 + lo and a 24-bit angle.
+// The Gaussian tail. A pair takes a 64-bit radius word K = hi 2^32 + lo and a 23-bit angle.
 // radius_uniform(hi, lo) = u1 = (K + 1/2) 2^-64, evaluated in float with full relative precision
 // near 0: its smallest value, for K = 0, is exactly 2^-65, so |z| <= r(2^-65) = sqrt(2 ln 2^65) =
 // sqrt(130 ln 2) = 9.4926 (the former 33-bit uniform stopped at 6.76, truncating 2^-32 per pair).
@@ -126,12 +126,19 @@ BPCLIP_HD_INLINE float radius_uniform(uint32_t hi, uint32_t lo) {
   return a + (b + 0x1p-65f);
 }
 
-// Box-Muller on a 64-bit radius word (hi, lo) and an angle word, of which 24 bits are used (the
+// Box-Muller on a 64-bit radius word (hi, lo) and an angle word, of which 23 bits are used (the
 // angle needs no more): z0 = r cos(2 pi u2), z1 = r sin(2 pi u2), r = sqrt(-2 ln u1).
+// No draw is exactly 0 (review 40 F1: one was on ~1.5e-7 of the coordinates, which then released the
+// clipped sum itself). The angle is the midpoint of one of 2^23 equal cells, u2 = (2k + 1) 2^-24
+// (exact in float), so 4 u2 is never an integer: |phi| >= 2^-22 pi/2 and cos_sin_2pi's pair is never
+// 0 (at the cells' left ends four angles gave sin or cos exactly 0). u1 rounds to 1 for the top
+// cells of the radius word (K >= 2^64 (1 - 2^-25), probability 2^-25), where log would give r = 0:
+// those take the largest float below 1, r = 3.45e-4 (their ideal radii are below 2.4e-4: a
+// discretisation of the same kind as every cell's midpoint, not a truncation of the tail).
 BPCLIP_HD_INLINE void box_muller(uint32_t hi, uint32_t lo, uint32_t angle, float* z0, float* z1) {
   const float u1 = radius_uniform(hi, lo);
-  const float u2 = static_cast<float>(static_cast<int32_t>(angle >> 8)) * 0x1p-24f;
-  const float l = log_pos(u1 < 1.0f ? u1 : 1.0f);
+  const float u2 = static_cast<float>(static_cast<int32_t>(((angle >> 9) << 1) | 1u)) * 0x1p-24f;
+  const float l = log_pos(u1 < 1.0f ? u1 : 0x1.fffffep-1f);
   const float r = sqrtf(-2.0f * l > 0.0f ? -2.0f * l : 0.0f);
   float c, s;
   cos_sin_2pi(u2, &c, &s);
