@@ -209,3 +209,19 @@ def test_a_backward_whose_std_left_the_range_is_refused_charged_and_names_no_val
     d = max(len(x), 1)
     assert f"{1e-30 / d:g}" not in str(info.value) and "e-3" not in str(info.value)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_float64_parameters_are_warned_of_the_float32_noise():
+    """A float64 release minus its clipped sum is a float32 number (review 40 F2): make_private says
+    so for float64 parameters, and not for float32 ones."""
+    from bpclip_fast import Float64NoiseWarning
+
+    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,))), batch_size=8)
+    for dtype, warned in ((torch.float64, True), (torch.float32, False)):
+        model = nn.Sequential(nn.Linear(4, 3)).to(dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                         clipping="flat")
+        assert any(issubclass(w.category, Float64NoiseWarning) for w in caught) == warned, dtype
