@@ -119,9 +119,9 @@ def _private(max_grad_norm, sigma=1.0, n=64, adaptive=None, model=None, loss_red
         kwargs.update(clipping=clipping, max_grad_norm=max_grad_norm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                            data_loader=loader, noise_multiplier=sigma,
-                                            loss_reduction=loss_reduction, **kwargs)
+        engine = PrivacyEngine(**({"accountant": kwargs.pop("accountant")} if "accountant" in kwargs else {}))
+        return engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                   data_loader=loader, noise_multiplier=sigma, loss_reduction=loss_reduction, **kwargs)
 
 
 def test_make_private_refuses_a_std_that_some_batch_would_take_out_of_range():
@@ -133,6 +133,16 @@ def test_make_private_refuses_a_std_that_some_batch_would_take_out_of_range():
         _private(2.0 ** -75, n=64)
     with pytest.raises(ValueError, match=r"noise std .* outside the kernels' range"):
         _private(1e31)
+
+
+def test_fixed_size_batches_bound_d_by_the_batch_size():
+    """Without Poisson sampling a backward's rows are at most the loader's batch size (8 here), not
+    N (review 41): σC = 2^-77 leaves the range only past d = 8."""
+    with pytest.raises(ValueError, match="outside the kernels' range"):
+        _private(2.0 ** -77, n=64)
+    _private(2.0 ** -77, n=64, poisson_sampling=False, accountant="zcdp")
+    with pytest.raises(ValueError, match="outside the kernels' range"):
+        _private(2.0 ** -78, n=64, poisson_sampling=False, accountant="zcdp")
 
 
 def test_under_the_sum_loss_the_std_does_not_shrink_with_the_batch():
@@ -156,19 +166,24 @@ def test_adaptive_thresholds_are_checked_over_their_whole_clamp():
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "backprop"])
-def test_a_refused_make_private_says_how_to_retry(clipping):
-    """The range is checked once Δ is fixed, after the conversion and before the layers are armed
-    (review 40 F4: a retry had been refused as 'make_private called twice'): the refusal says to
-    build the model afresh, and a fresh model with other settings is made private."""
+def test_a_refused_make_private_is_not_retried_on_its_converted_model(clipping):
+    """The range is checked once Δ is fixed, after the conversion and before the layers are armed. A
+    retry on the converted model is refused by name (review 41: per_layer and backprop took the
+    refused call's bounds for layers the user built and reported the new ones), and a fresh model
+    with other settings is made private."""
+    model = nn.Sequential(nn.Linear(4, 3))
     with pytest.raises(ValueError, match="build the model afresh"):
-        _private(1e-40, model=nn.Sequential(nn.Linear(4, 3)), clipping=clipping)
+        _private(1e-40, model=model, clipping=clipping)
+    with pytest.raises(ValueError, match="a make_private refused because the noise std"):
+        _private(1.0, model=model, clipping=clipping)
     _private(1.0, model=nn.Sequential(nn.Linear(4, 3)), clipping=clipping)
 
 
-def test_set_max_input_shape_after_make_private_is_checked_against_the_range():
-    """A smaller max_input_shape lowers a shape-dependent Δ (a biased Linear over [B, T, in]): it is
-    refused where the std would leave the range for some batch size, before anything changes
-    (review 40 F3: accepted, the backward then refused exactly the batches above some size)."""
+def test_set_max_input_shape_after_make_private_never_lowers_delta():
+    """A smaller max_input_shape lowers a shape-dependent Δ (a biased Linear over [B, T, in]) below the
+    one make_private checked the noise range for: refused, before anything changes (review 40 F3:
+    accepted, the backward then refused exactly the batches above some size; review 41: a re-check
+    at moved adaptive thresholds misjudged it). A larger shape is accepted, with its high end checked."""
     class Seq(nn.Module):
         def __init__(self):
             super().__init__()
@@ -178,18 +193,19 @@ def test_set_max_input_shape_after_make_private_is_checked_against_the_range():
             return self.fc(x.view(len(x), 2, 2).repeat(1, 1, 2)).mean(1)
 
     model = Seq()
-    shape = (16, 4)
-    _, opt, _ = _private(1.0, model=model, clipping="backprop", max_input_shape=(4,))
+    _private(1.0, model=model, clipping="backprop", max_input_shape=(4,))
     layer = model.fc
-    layer.set_max_input_shape(shape)  # a larger Δ, in range
-    delta = layer.sensitivity
-    sigma, (low, high) = layer._bp_step.std_span
-    assert low < 1 <= high and sigma > 0
-    # a grad_clip whose σΔ sits just above the floor at the larger shape leaves it at the smaller one
-    layer.__dict__["_bp_step"].std_span = (sigma, (2.0 ** -80 / (sigma * delta) * 1.001, high))
-    with pytest.raises(ValueError, match=r"set_max_input_shape\(1, 4\): .*outside the kernels' range"):
+    fixed = layer.max_input_shape
+    with pytest.raises(ValueError, match=r"would lower Δ below"):
         layer.set_max_input_shape((1, 4))
-    assert layer.max_input_shape == shape  # unchanged
+    assert layer.max_input_shape == fixed  # unchanged
+    layer.set_max_input_shape((16, 4))  # a larger Δ, in range
+    assert layer.max_input_shape == (16, 4)
+    sigma, (divisor, factor) = layer._bp_step.std_span
+    layer._bp_step.std_span = (sigma, (divisor, 1e30 / (sigma * layer.sensitivity_for((1, 32, 4)))))
+    with pytest.raises(ValueError, match=r"set_max_input_shape\(32, 4\): .*outside the kernels' range"):
+        layer.set_max_input_shape((32, 4))  # its high end past 1e30
+    assert layer.max_input_shape == (16, 4)
 
 
 def test_a_backward_whose_std_left_the_range_is_refused_charged_and_names_no_value():

@@ -123,7 +123,12 @@ def check_batch_inputs(batch_inputs):
 
 
 def check_built_layers(inner, clipping, max_grad_norm) -> None:
-    """Clipped layers the user built must clip as the engine does (flat: with its ``C``)."""
+    """Clipped layers the user built must clip as the engine does (flat: with its ``C``); none may come
+    from a refused make_private (its bounds would pass for the user's own)."""
+    refused = [f"{name}: {layer.__dict__['_bp_refused_setup']}" for name, layer in bnn.clipped_layers(inner)
+               if "_bp_refused_setup" in layer.__dict__]
+    if refused:
+        raise ValueError("make_private: " + "; ".join(refused))
     bad = [f"{name} is clipping={layer._bp_clipping!r}" for name, layer in bnn.clipped_layers(inner)
            if layer._bp_clipping != clipping]
     bad += modes.strategy(clipping).built_layer_problems(bnn.clipped_layers(inner), max_grad_norm)

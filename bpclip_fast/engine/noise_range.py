@@ -11,14 +11,21 @@ with a message that names no value) whatever still gets out of it.
 
 The std a step can draw, per layer, is ``σΔ`` times:
 
-* under ``loss_reduction="mean"``: ``1/d`` in the backward, ``d`` from 1 to at most ``N`` (the
-  data set's size; a DDP rank's share is smaller), and ``1/(B̄·W)`` for the fallback draw of a layer
-  no backward reached (``W`` processes, each adding the same draw divided by ``W``);
+* under ``loss_reduction="mean"``: ``1/d`` in the backward, ``d`` from 1 to at most ``N`` under
+  Poisson sampling (the data set's size; a DDP rank's share is smaller) or the loader's batch size
+  (fixed batches), and ``1/(B̄·W)`` for the fallback draw of a layer no backward reached (``W``
+  processes, each adding the same draw divided by ``W``);
 * under ``"sum"``: 1 in the backward, ``1/W`` for the fallback draw;
 
 and adaptive thresholds keep each threshold within ``10^6`` of its initial value, so ``Δ`` within
 ``10^(6k)`` for a mode of ``k`` thresholds per layer (backprop's ``Δ`` is their product); a factor 2
-beyond that covers a checkpoint's thresholds at the clamp's edge and its log-space rounding.
+beyond that covers a checkpoint's thresholds at the clamp's edge and its log-space rounding. The
+smallest std is computed as ``σΔ`` divided by the largest divisor, as the backward divides
+(``σΔ/d``), so the two round alike at the edge.
+
+Banded noise draws its rows at ``σΔ/(B̄·c₀)`` (:mod:`bpclip_fast.banded`), a std of no batch's
+size: outside the range, its op refuses at the first step whatever the data (an error, not a leak),
+so it is not part of this check.
 """
 
 from __future__ import annotations
@@ -27,23 +34,27 @@ from .. import _ops
 from .. import adaptive as _adaptive
 
 
-def multipliers(mean_loss: bool, num_samples: int, expected_batch: float, world_size: int,
+def multipliers(mean_loss: bool, num_samples: int, batch_size: float, world_size: int, poisson: bool,
                 thresholds_per_layer: int, adaptive: bool) -> tuple[float, float]:
-    """``(low, high)``: every std a step of this run draws for a layer lies in ``σΔ·[low, high]``."""
+    """``(divisor, factor)``: every std a step of this run draws for a layer lies in
+    ``[σΔ/divisor, σΔ·factor]``."""
     factor = 2.0 * float(_adaptive._CLAMP) ** thresholds_per_layer if adaptive else 1.0
     w = max(int(world_size), 1)
-    rows = max(float(num_samples), float(expected_batch) * w, 1.0) if mean_loss else float(w)
-    return 1.0 / (factor * rows), factor
+    fallback = float(batch_size) * w if mean_loss else float(w)
+    backward = (float(num_samples) if poisson else float(batch_size)) if mean_loss else 1.0
+    return factor * max(fallback, backward, 1.0), factor
 
 
-def problem(name: str, sigma: float, delta: float, span: tuple[float, float]) -> str | None:
-    """Why ``σ·Δ`` over ``span`` (:func:`multipliers`) leaves the kernels' range, or ``None``."""
+def problem(name: str, sigma: float, delta: float, span: tuple[float, float], low_end: bool = True) -> str | None:
+    """Why ``σ·Δ`` over ``span`` (:func:`multipliers`) leaves the kernels' range, or ``None``.
+    ``low_end=False``: only the high end (a Δ that grew: its low end cannot have left the range)."""
     if sigma == 0:
         return None
-    low, high = sigma * delta * span[0], sigma * delta * span[1]
-    if _ops.MIN_NOISE_STD <= low and high < _ops.MAX_NOISE_STD:
+    std = sigma * delta
+    low, high = std / span[0], std * span[1]  # low as the backward divides: σΔ/d
+    if (not low_end or _ops.MIN_NOISE_STD <= low) and high < _ops.MAX_NOISE_STD:
         return None
-    return (f"{name}: its noise std σ·Δ = {sigma:g}·{delta:g} times [{span[0]:.3g}, {span[1]:.3g}] (the batch sizes, "
-            f"the fallback draw and the adaptive thresholds' clamp this run allows) would reach [{low:.3g}, {high:.3g}], "
-            f"outside the kernels' range ({_ops.NOISE_STD_RULE}); use a clipping norm and noise_multiplier whose "
-            "product is not so small (or so large), or scale the data or the loss")
+    return (f"{name}: its noise std σ·Δ = {sigma:g}·{delta:g} over the batch sizes, the fallback draw and the adaptive "
+            f"thresholds' clamp this run allows would reach [{low:.3g}, {high:.3g}], outside the kernels' range "
+            f"({_ops.NOISE_STD_RULE}); use a clipping norm and noise_multiplier whose product is not so small (or so "
+            "large), or scale the data or the loss")

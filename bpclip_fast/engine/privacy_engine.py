@@ -212,7 +212,7 @@ class PrivacyEngine:
         self._flat_group = self._mode.collector(self._layers)
         thresholds.prepare(self, r.adaptive, sigma, plan)
         span = noise_range.multipliers(r.loss_reduction == "mean", plan.num_samples, plan.batch_size, self.world_size,
-                                       len(self._mode.threshold_attrs), self._thresholds is not None)
+                                       plan.poisson, len(self._mode.threshold_attrs), self._thresholds is not None)
         self._check_noise_range(span)  # before the layers are armed: a refused call can be retried
         self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
         for st in self._steps_of:  # σ of the engine, the same on every rank (a layer's own is 0 but on rank 0)
@@ -240,10 +240,14 @@ class PrivacyEngine:
             if why is not None:
                 bad.append(why)
         if bad:
+            refused = ("a make_private refused because the noise std would leave the kernels' range converted it; "
+                       "build the model afresh, or load its state_dict into a fresh one")
+            for layer in self._layers:  # converted with the refused bounds: a retry must not take them silently
+                nn.Module.__setattr__(layer, "_bp_refused_setup", refused)
             raise ValueError("make_private: the noise std would leave the range the kernels draw in:\n  - "
                              + "\n  - ".join(bad) + "\n(the model's layers were converted to clipped layers with these "
-                             "settings, and not armed: build the model afresh, or load its state_dict into a fresh one, to "
-                             "make it private with others)")
+                             "settings and cannot be made private again: build the model afresh, or load its state_dict "
+                             "into a fresh one, to make it private with others)")
 
     def _prepare_steps(self, layers, mean_batch) -> None:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
@@ -502,4 +506,4 @@ def _warn_float64(layers) -> None:
                       "set's release is not, so an observer who knows the other examples can tell them apart (a "
                       "floating-point attack the stated ε does not cover); train in float32 (model.float()), "
                       "where the noise and the sum share one precision (what remains there: the README's "
-                      "'Floating-point noise')", Float64NoiseWarning, stacklevel=4)
+                      "'Floating-point noise')", Float64NoiseWarning, stacklevel=5)
