@@ -147,6 +147,7 @@ class LayerStep(BandRelease):
         self._band_due = None
         self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
         self.std_span = None        # set by the engine: (σ, span), every std of the run in σΔ·span (engine.noise_range)
+        self.checked_shape = None   # set by the engine: the max_input_shape whose Δ that range was checked at
 
     # ------------------------------------------------------------------ parameters and hooks
     @property
@@ -494,7 +495,7 @@ class LayerStep(BandRelease):
             raise ValueError(f"{self.name}: noise_multiplier must be finite and >= 0, got "
                              f"{self.layer._bp_noise_multiplier!r}")
         if self.band is None and not _ops.noise_std_ok(std / d):  # banded: σΔ/B̄, of no batch's size
-            self._refuse_std()
+            self._refuse_std(rows)
         if self.enforce:
             self._pass_noised = True
         else:
@@ -507,14 +508,18 @@ class LayerStep(BandRelease):
             return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
 
-    def _refuse_std(self) -> None:
+    def _refuse_std(self, rows) -> None:
         """A std outside the kernels' range (``make_private`` refuses settings that allow one,
         :mod:`bpclip_fast.engine.noise_range`): refused before anything is drawn, charged, and in words
-        that name no value (the value would tell the batch's size)."""
+        that name no value (the value would tell the batch's size). A backward over more rows than the
+        batch drawn is the rows rule's refusal whatever the std (the rule named must not tell whether
+        the std left the range: review 42)."""
         details = (f"{self.name}: this backward's noise std (noise_multiplier·Δ/rows) is outside the range the "
                    f"kernels draw in ({_ops.NOISE_STD_RULE})")
         if self.enforce:
             self.check_budget("a backward")
+            if self.batch_rows is not None and int(rows) > self.batch_rows():
+                self.refuse("rows", f"{self.name}'s backward saw more example rows than the batch drawn for the step")
             self.refuse("bounds", details)
         raise ValueError(details + "; use a clipping norm and noise_multiplier whose product is not so small (or "
                          "so large)")

@@ -174,9 +174,32 @@ def test_a_refused_make_private_is_not_retried_on_its_converted_model(clipping):
     model = nn.Sequential(nn.Linear(4, 3))
     with pytest.raises(ValueError, match="build the model afresh"):
         _private(1e-40, model=model, clipping=clipping)
-    with pytest.raises(ValueError, match="a make_private refused because the noise std"):
+    with pytest.raises(ValueError, match="a make_private that was refused converted or configured this layer"):
         _private(1.0, model=model, clipping=clipping)
     _private(1.0, model=nn.Sequential(nn.Linear(4, 3)), clipping=clipping)
+
+
+class _Tokens(nn.Module):
+    """A biased Linear over [B, 2, 4]: its backprop Δ depends on the 2 positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.view(len(x), 2, 2).repeat(1, 1, 2)).mean(1)
+
+
+def test_a_retry_after_any_refusal_past_the_conversion_is_refused_by_name():
+    """Any refusal after the conversion (here: a shape-dependent Δ with no max_input_shape) marks the
+    layers, so that a retry on the same model cannot take the refused call's bounds for the user's
+    own (review 42 F1: it trained at them while the engine reported the new ones)."""
+    model = _Tokens()
+    with pytest.raises(ValueError, match="max_input_shape"):
+        _private(0.5, model=model, clipping="backprop")
+    with pytest.raises(ValueError, match="a make_private that was refused converted or configured this layer"):
+        _private(2.0, model=model, clipping="backprop", max_input_shape=(4,))
+    _private(2.0, model=_Tokens(), clipping="backprop", max_input_shape=(4,))
 
 
 def test_set_max_input_shape_after_make_private_never_lowers_delta():
@@ -184,20 +207,15 @@ def test_set_max_input_shape_after_make_private_never_lowers_delta():
     one make_private checked the noise range for: refused, before anything changes (review 40 F3:
     accepted, the backward then refused exactly the batches above some size; review 41: a re-check
     at moved adaptive thresholds misjudged it). A larger shape is accepted, with its high end checked."""
-    class Seq(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.fc(x.view(len(x), 2, 2).repeat(1, 1, 2)).mean(1)
-
-    model = Seq()
+    model = _Tokens()
     _private(1.0, model=model, clipping="backprop", max_input_shape=(4,))
     layer = model.fc
     fixed = layer.max_input_shape
+    assert fixed == (2, 4) == layer._bp_step.checked_shape
     with pytest.raises(ValueError, match=r"would lower Δ below"):
         layer.set_max_input_shape((1, 4))
+    with pytest.raises(ValueError, match=r"would lower Δ below"):  # smaller in one dimension is enough
+        layer.set_max_input_shape((1, 4, 4))
     assert layer.max_input_shape == fixed  # unchanged
     layer.set_max_input_shape((16, 4))  # a larger Δ, in range
     assert layer.max_input_shape == (16, 4)
@@ -241,3 +259,16 @@ def test_float64_parameters_are_warned_of_the_float32_noise():
                                          data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
                                          clipping="flat")
         assert any(issubclass(w.category, Float64NoiseWarning) for w in caught) == warned, dtype
+
+
+def test_a_backward_over_more_rows_than_the_batch_is_the_rows_rule_whatever_the_std():
+    """The backstop names the rows rule for a backward over more rows than the batch drawn, so the
+    rule named does not tell whether σΔ/d left the range (review 42)."""
+    model, opt, loader = _private(1.0)
+    layer = next(m for m in model.modules() if getattr(m, "_bp_step", None) is not None)
+    layer.__dict__["_bp_noise_multiplier"] = 1e-30  # past __setattr__'s guard
+    x, y = next(iter(loader))
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(StepRefused) as info:
+        nn.functional.cross_entropy(model(torch.cat([x, x])), torch.cat([y, y])).backward()
+    assert info.value.rule == "rows" and info.value.charged

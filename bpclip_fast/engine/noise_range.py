@@ -5,16 +5,17 @@ Every draw's std must be 0 or within the kernels' range (:func:`bpclip_fast._ops
 sampled batch, so a std that left the range only for some ``d`` would make the backward fail on
 some batch sizes and not others: an error that depends on the data, and a loop that caught it and
 stepped would release noise alone for those batches and the clipped sum for the rest (review 39 F1).
-``make_private`` therefore refuses a setting whose std could leave the range for any batch (and so
-does a later ``set_max_input_shape`` that moves ``Δ``), and the layers' backward refuses (charged,
-with a message that names no value) whatever still gets out of it.
+``make_private`` therefore refuses a setting whose std could leave the range for any batch (and a
+later ``set_max_input_shape`` takes no shape smaller than the one checked), and the layers' backward
+refuses (charged, with a message that names no value) whatever still gets out of it.
 
 The std a step can draw, per layer, is ``σΔ`` times:
 
 * under ``loss_reduction="mean"``: ``1/d`` in the backward, ``d`` from 1 to at most ``N`` under
-  Poisson sampling (the data set's size; a DDP rank's share is smaller) or the loader's batch size
-  (fixed batches), and ``1/(B̄·W)`` for the fallback draw of a layer no backward reached (``W``
-  processes, each adding the same draw divided by ``W``);
+  Poisson sampling (the data set's size; a DDP rank's share is smaller) or the global batch ``B·W``
+  for fixed batches (a rank's share of a shuffled global batch can exceed ``B``), and ``1/(B̄·W)`` for
+  the fallback draw of a layer no backward reached (``W`` processes, each adding the same draw
+  divided by ``W``);
 * under ``"sum"``: 1 in the backward, ``1/W`` for the fallback draw;
 
 and adaptive thresholds keep each threshold within ``10^6`` of its initial value, so ``Δ`` within
@@ -41,7 +42,7 @@ def multipliers(mean_loss: bool, num_samples: int, batch_size: float, world_size
     factor = 2.0 * float(_adaptive._CLAMP) ** thresholds_per_layer if adaptive else 1.0
     w = max(int(world_size), 1)
     fallback = float(batch_size) * w if mean_loss else float(w)
-    backward = (float(num_samples) if poisson else float(batch_size)) if mean_loss else 1.0
+    backward = (float(num_samples) if poisson else float(batch_size) * w) if mean_loss else 1.0  # a rank's share
     return factor * max(fallback, backward, 1.0), factor
 
 

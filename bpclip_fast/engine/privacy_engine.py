@@ -198,6 +198,28 @@ class PrivacyEngine:
                 raise ValueError("make_private: wrap a container module in DDP, not a bare layer")
             inner = module = converted
         layers = bnn.clipped_layers(inner)
+        try:
+            self._configure_layers(r, inner, layers, shapes, sigma, plan)
+        except BaseException:
+            # The layers were converted (and the mode's bounds set on them, the user's own included): a
+            # retry on this model must not take those bounds for the user's (review 42 F1).
+            refused = ("a make_private that was refused converted or configured this layer; build the model afresh, "
+                       "or load its state_dict into a fresh one")
+            for _, layer in bnn.clipped_layers(inner):
+                nn.Module.__setattr__(layer, "_bp_refused_setup", refused)
+            raise
+        self._handle = handles.register(self)  # the name the compiled forward's check op finds it by
+        inner.register_forward_pre_hook(guards.OutsideCheck(self))
+        compiled.require_parameter_guards()
+        broadcast.install(inner)  # each call's rows: an Embedding's shared index row is looked up per example
+        self._inner = inner
+        self.loss_reduction = r.loss_reduction
+        self.max_input_shape = r.max_input_shape
+        return module, inner
+
+    def _configure_layers(self, r: arguments.Request, inner, layers, shapes, sigma, plan) -> None:
+        """Fixes every converted layer's Δ, the mode's bounds and σ, checks the noise range and arms the
+        layers with their step state."""
         if not layers:
             raise ValueError(_no_layer_message(r.clipping))
         model_checks.fix_sensitivities(layers, shapes, r.max_input_shape is not None)
@@ -213,19 +235,12 @@ class PrivacyEngine:
         thresholds.prepare(self, r.adaptive, sigma, plan)
         span = noise_range.multipliers(r.loss_reduction == "mean", plan.num_samples, plan.batch_size, self.world_size,
                                        plan.poisson, len(self._mode.threshold_attrs), self._thresholds is not None)
-        self._check_noise_range(span)  # before the layers are armed: a refused call can be retried
+        self._check_noise_range(span)
         self._prepare_steps(layers, float(plan.batch_size) if r.loss_reduction == "mean" else None)
         for st in self._steps_of:  # σ of the engine, the same on every rank (a layer's own is 0 but on rank 0)
             st.std_span = (self.gradient_noise_multiplier, span)
-        self._handle = handles.register(self)  # the name the compiled forward's check op finds it by
-        inner.register_forward_pre_hook(guards.OutsideCheck(self))
-        compiled.require_parameter_guards()
-        broadcast.install(inner)  # each call's rows: an Embedding's shared index row is looked up per example
-        self._inner = inner
+            st.checked_shape = st.layer.max_input_shape  # the shape whose Δ the range was checked at
         self._noise_multiplier = sigma
-        self.loss_reduction = r.loss_reduction
-        self.max_input_shape = r.max_input_shape
-        return module, inner
 
     def _check_noise_range(self, span) -> None:
         """Every std a step of this run can draw within the kernels' range, whatever the batch
@@ -240,10 +255,6 @@ class PrivacyEngine:
             if why is not None:
                 bad.append(why)
         if bad:
-            refused = ("a make_private refused because the noise std would leave the kernels' range converted it; "
-                       "build the model afresh, or load its state_dict into a fresh one")
-            for layer in self._layers:  # converted with the refused bounds: a retry must not take them silently
-                nn.Module.__setattr__(layer, "_bp_refused_setup", refused)
             raise ValueError("make_private: the noise std would leave the range the kernels draw in:\n  - "
                              + "\n  - ".join(bad) + "\n(the model's layers were converted to clipped layers with these "
                              "settings and cannot be made private again: build the model afresh, or load its state_dict "

@@ -197,18 +197,21 @@ class _Clipped:
                                "change Δ between steps, and the correlated noise rows need one noise scale for the "
                                "whole run; pass max_input_shape to make_private on a fresh model instead")
         delta = self.sensitivity_for((1, *shape))  # validates the shape
-        if step is not None and step.enforce and step.std_span is not None:
-            # make_private checked σΔ/d for every d, Δ at its shape over the thresholds' clamp: a smaller Δ
-            # would leave that check behind (at thresholds moved since, its own range is not known here)
-            fixed = self.sensitivity_for((1, *self._bp_max_shape)) if self._bp_max_shape is not None else None
-            if fixed is not None and delta < fixed:
-                raise ValueError(f"{self.layer_name}: set_max_input_shape{shape} after make_private would lower Δ "
-                                 f"below the {fixed:.6g} the noise range was checked for; pass max_input_shape to "
-                                 "make_private on a fresh model instead")
+        if (step is not None and step.enforce and step.std_span is not None and not self.exact
+                and self._bp_shape_dependent(None)):
+            # make_private checked σΔ/d for every d with Δ at the shape it fixed, over the thresholds' whole
+            # clamp; Δ grows with every dimension of the shape, so a shape at least as large in each keeps
+            # that check (compared as shapes: Δs at the thresholds of the moment can round equal, review 42)
+            checked = step.checked_shape
+            if checked is not None and (len(shape) != len(checked) or any(a < b for a, b in zip(shape, checked))):
+                raise ValueError(f"{self.layer_name}: set_max_input_shape{shape} after make_private: the noise "
+                                 f"range was checked for Δ at max_input_shape {tuple(checked)}, and a shape smaller in "
+                                 "any dimension would lower Δ below it; pass max_input_shape to make_private on a "
+                                 "fresh model instead")
             from ..engine import noise_range
 
-            sigma, span = step.std_span
-            why = noise_range.problem(self.layer_name, sigma, delta, span, low_end=fixed is None)  # None: a first Δ
+            sigma, span = step.std_span  # a first shape (none fixed at make_private: never trained) checks both ends
+            why = noise_range.problem(self.layer_name, sigma, delta, span, low_end=checked is None)
             if why is not None:
                 raise ValueError(f"set_max_input_shape{shape}: {why}")
         self._bp_max_shape = shape
