@@ -272,3 +272,26 @@ def test_a_backward_over_more_rows_than_the_batch_is_the_rows_rule_whatever_the_
     with pytest.raises(StepRefused) as info:
         nn.functional.cross_entropy(model(torch.cat([x, x])), torch.cat([y, y])).backward()
     assert info.value.rule == "rows" and info.value.charged
+
+
+def test_set_max_input_shape_refuses_empty_dimensions():
+    """Δ's formulas assume a shape a layer can run on (review 43: an empty dimension gave a Δ that
+    fell with a larger shape)."""
+    model = _Tokens()
+    _private(1.0, model=model, clipping="backprop", max_input_shape=(4,))
+    with pytest.raises(ValueError, match="every dimension must be at least 1"):
+        model.fc.set_max_input_shape((0, 4))
+
+
+def test_float64_warning_points_at_the_callers_line():
+    """Float64NoiseWarning names the line that called make_private (review 43: one call level more)."""
+    from bpclip_fast import Float64NoiseWarning
+
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,))), batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat")
+    hits = [w for w in caught if issubclass(w.category, Float64NoiseWarning)]
+    assert hits and hits[0].filename == __file__

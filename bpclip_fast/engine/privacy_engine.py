@@ -517,4 +517,4 @@ def _warn_float64(layers) -> None:
                       "set's release is not, so an observer who knows the other examples can tell them apart (a "
                       "floating-point attack the stated ε does not cover); train in float32 (model.float()), "
                       "where the noise and the sum share one precision (what remains there: the README's "
-                      "'Floating-point noise')", Float64NoiseWarning, stacklevel=5)
+                      "'Floating-point noise')", Float64NoiseWarning, stacklevel=6)

@@ -196,6 +196,8 @@ class _Clipped:
             raise RuntimeError(f"{self.layer_name}: set_max_input_shape after make_private(noise='banded') would "
                                "change Δ between steps, and the correlated noise rows need one noise scale for the "
                                "whole run; pass max_input_shape to make_private on a fresh model instead")
+        if any(s < 1 for s in shape):  # Δ's formulas assume a shape a layer can run on (review 43)
+            raise ValueError(f"{self.layer_name}: set_max_input_shape{shape}: every dimension must be at least 1")
         delta = self.sensitivity_for((1, *shape))  # validates the shape
         if (step is not None and step.enforce and step.std_span is not None and not self.exact
                 and self._bp_shape_dependent(None)):
@@ -210,8 +212,12 @@ class _Clipped:
                                  "fresh model instead")
             from ..engine import noise_range
 
-            sigma, span = step.std_span  # a first shape (none fixed at make_private: never trained) checks both ends
-            why = noise_range.problem(self.layer_name, sigma, delta, span, low_end=checked is None)
+            sigma, span = step.std_span
+            # A first shape (none fixed at make_private: never trained, its thresholds where they started)
+            # checks both ends. Otherwise adaptive thresholds may have moved down by up to span[1] since, and
+            # the high end is checked as from the top of their clamp (review 43).
+            why = (noise_range.problem(self.layer_name, sigma, delta, span) if checked is None else
+                   noise_range.problem(self.layer_name, sigma, delta * span[1], span, low_end=False))
             if why is not None:
                 raise ValueError(f"set_max_input_shape{shape}: {why}")
         self._bp_max_shape = shape
