@@ -79,17 +79,22 @@ int main() {
   }
 
   // Box-Muller extremes: radius words 0 give the largest radius sqrt(2 ln 2^65) = sqrt(130 ln 2)
-  // = 9.4926 (angle word 0: all of it on z0); radius words ~0 give 0.
+  // = 9.4926 (angle word 0, the first cell's midpoint 2^-24 of a turn: almost all of it on z0, and
+  // z1 = 9.4926 sin(2 pi 2^-24), never exactly 0); radius words ~0 give the smallest radius, 3.45e-4.
   {
     float z0, z1;
     bpclip::box_muller(0u, 0u, 0u, &z0, &z1);
-    check(isfinite(z0) && isfinite(z1) && fabs(z0 - sqrt(130.0 * log(2.0))) < 1e-5 && fabsf(z1) < 1e-6f,
-          "box_muller(0, 0 | 0) = (9.4926, 0)");
+    const double z1_want = sqrt(130.0 * log(2.0)) * sin(2.0 * 3.14159265358979323846 * 0x1p-24);
+    check(isfinite(z0) && isfinite(z1) && fabs(z0 - sqrt(130.0 * log(2.0))) < 1e-5 && z1 != 0.0f &&
+              fabs(z1 - z1_want) < 1e-6 * z1_want,
+          "box_muller(0, 0 | 0) = (9.4926, 9.4926 sin(2 pi 2^-24))");
     printf("test_philox: largest |z| = %.6f (sqrt(130 ln 2) = %.6f)\n", z0, sqrt(130.0 * log(2.0)));
     bpclip::box_muller(0u, 0u, 0x40000000u, &z0, &z1);  // angle 1/4 turn: all of it on z1
-    check(fabsf(z0) < 1e-5f && fabs(z1 - sqrt(130.0 * log(2.0))) < 1e-5, "box_muller(0, 0 | 1/4) = (0, 9.4926)");
+    check(fabsf(z0) < 1e-5f && z0 != 0.0f && fabs(z1 - sqrt(130.0 * log(2.0))) < 1e-5,
+          "box_muller(0, 0 | 1/4) = (~0 but not 0, 9.4926)");
     bpclip::box_muller(0xffffffffu, 0xffffffffu, 0xffffffffu, &z0, &z1);
-    check(isfinite(z0) && isfinite(z1) && fabsf(z0) <= 1e-3f && fabsf(z1) <= 1e-3f, "box_muller(~0, ~0 | ~0) ~ 0");
+    check(isfinite(z0) && isfinite(z1) && fabsf(z0) <= 1e-3f && fabsf(z1) <= 1e-3f && (z0 != 0.0f || z1 != 0.0f),
+          "box_muller(~0, ~0 | ~0) ~ 0, never both 0");
   }
 
   // The group layout: group g uses blocks g, g + 2^62, g + 2^63 and the documented pairing.
