@@ -57,7 +57,7 @@ inline ExamplesArgs check_examples_args(const std::optional<at::Tensor>& weight,
 
 struct ReleaseNoise {
   uint64_t seed, offset;
-  float stdv;
+  double stdv;  // rounded to float only for the float normals (a float64 release draws in double)
 };
 
 inline ReleaseNoise check_release_args(const ExamplesArgs& a, const at::Tensor& factor, at::IntArrayRef noise_key,
@@ -72,7 +72,7 @@ inline ReleaseNoise check_release_args(const ExamplesArgs& a, const at::Tensor& 
   TORCH_CHECK(noise_std_ok(noise_std), pre, "noise_std must be " BPCLIP_NOISE_STD_RULE ", got ", noise_std);
   TORCH_CHECK(scale > 0.0 && scale < 1e30, pre, "scale must be finite and > 0 (below 1e30, as every noise op's), got ",
               scale);
-  return {static_cast<uint64_t>(noise_key[0]), static_cast<uint64_t>(noise_key[1]), static_cast<float>(noise_std)};
+  return {static_cast<uint64_t>(noise_key[0]), static_cast<uint64_t>(noise_key[1]), noise_std};
 }
 
 }  // namespace bpclip

@@ -11,8 +11,9 @@ import torch
 from bpclip_fast import _ops, banded
 
 
-def _draw(key, numel):
-    z = torch.empty(numel)
+def _draw(key, numel, dtype):
+    """The row's normals: float64 rows draw float64 normals, float32 rows float32 ones."""
+    z = torch.empty(numel, dtype=dtype)
     _ops.philox_noise_(z, *key, 1.0)
     return z.double()
 
@@ -53,7 +54,7 @@ def test_rows_follow_the_float64_recursion_with_skips_and_outs(dtype, bands):
     for a in range(1, bands):
         made.setdefault(11 - a, layer.ring[(layer.newest - a + 1) % (bands - 1)].double().clone())
     for r in range(3, 11):
-        z = _draw(key(r), numel)
+        z = _draw(key(r), numel, dtype)
         terms = [std / c[0] * z] + [weights[a - 1] * w.get(r - a, torch.zeros(numel, dtype=torch.float64))
                                     for a in range(1, bands)]
         w[r] = sum(terms)

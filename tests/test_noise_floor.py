@@ -1,11 +1,16 @@
 """The noise std's range (csrc/common.h, ``noise_std_ok``; bpclip_fast/engine/noise_range.py) and why
 its floor is 2^-80: every nonzero float32 draw times a std at the floor is a float32 normal number,
 so a CPU in flush-to-zero mode draws the same bits as one without (review 39 F2), and no std a run
-can draw leaves the range on some batch sizes only (review 39 F1)."""
+can draw leaves the range on some batch sizes only (review 39 F1). And the float64 draw of float64
+buffers (philox.h, ``box_muller_f64``): a float32 draw left every released coordinate minus its sum a
+float32 number (review 40 F2)."""
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +20,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bpclip_fast import PrivacyEngine, _ops
 from bpclip_fast.rules import StepRefused
+
+from philox_ref import philox4x32_10
+
+sys.path.insert(0, str(Path(__file__).parent / "emulator"))
+import harness  # noqa: E402
 
 F = np.float32
 FLT_MIN = float(np.finfo(np.float32).tiny)
@@ -245,22 +255,6 @@ def test_a_backward_whose_std_left_the_range_is_refused_charged_and_names_no_val
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_float64_parameters_are_warned_of_the_float32_noise():
-    """A float64 release minus its clipped sum is a float32 number (review 40 F2): make_private says
-    so for float64 parameters, and not for float32 ones."""
-    from bpclip_fast import Float64NoiseWarning
-
-    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,))), batch_size=8)
-    for dtype, warned in ((torch.float64, True), (torch.float32, False)):
-        model = nn.Sequential(nn.Linear(4, 3)).to(dtype)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                                         clipping="flat")
-        assert any(issubclass(w.category, Float64NoiseWarning) for w in caught) == warned, dtype
-
-
 def test_a_backward_over_more_rows_than_the_batch_is_the_rows_rule_whatever_the_std():
     """The backstop names the rows rule for a backward over more rows than the batch drawn, so the
     rule named does not tell whether σΔ/d left the range (review 42)."""
@@ -283,15 +277,190 @@ def test_set_max_input_shape_refuses_empty_dimensions():
         model.fc.set_max_input_shape((0, 4))
 
 
-def test_float64_warning_points_at_the_callers_line():
-    """Float64NoiseWarning names the line that called make_private (review 43: one call level more)."""
-    from bpclip_fast import Float64NoiseWarning
 
-    model = nn.Sequential(nn.Linear(4, 3)).double()
-    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,))), batch_size=8)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat")
-    hits = [w for w in caught if issubclass(w.category, Float64NoiseWarning)]
-    assert hits and hits[0].filename == __file__
+# ---------------------------------------------------------------- the float64 draw
+
+D = np.float64
+DBL_MIN = float(np.finfo(np.float64).tiny)
+
+
+def _log_pos_f64(x):
+    """philox.h's log_pos_f64, operation for operation in float64 numpy (no FMA, as the CPU build)."""
+    bits = x.view(np.uint64)
+    e = (((bits >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64) - 1022).astype(D)
+    m = ((bits & np.uint64(0x000FFFFFFFFFFFFF)) | np.uint64(0x3FE0000000000000)).view(D)
+    small = (m < D(0.70710678118654752440)).astype(D)
+    e = e - small
+    m = m + m * small
+    s = (m - D(1.0)) / (m + D(1.0))
+    s2 = s * s
+    p = np.full_like(s, D(1.0) / D(21.0))
+    for k in (19, 17, 15, 13, 11, 9, 7, 5, 3):
+        p = p * s2 + D(1.0) / D(k)
+    log_m = D(2.0) * s + D(2.0) * s * (s2 * p)
+    return e * D(0.693145751953125) + (log_m + e * D(1.42860682030941723212e-6))
+
+
+def _cos_sin_2pi_f64(u):
+    """philox.h's cos_sin_2pi_f64 in float64 numpy."""
+    q = u * D(4.0)
+    j = (q + D(0.5)).astype(np.int64)
+    phi = (q - j.astype(D)) * D(1.5707963267948966192)
+    p2 = phi * phi
+    fact = [float(math.factorial(k)) for k in range(18)]
+    s = np.full_like(phi, D(-1.0) / D(fact[17]))
+    for k, sign in ((15, 1), (13, -1), (11, 1), (9, -1), (7, 1), (5, -1), (3, 1)):
+        s = s * p2 + D(sign) * (D(1.0) / D(fact[k]))
+    s = phi - phi * p2 * s
+    c = np.full_like(phi, D(1.0) / D(fact[16]))
+    for k, sign in ((14, -1), (12, 1), (10, -1), (8, 1), (6, -1), (4, 1)):
+        c = c * p2 + D(sign) * (D(1.0) / D(fact[k]))
+    c = D(1.0) - D(0.5) * p2 + p2 * p2 * c
+    quadrant = j & 3
+    swap = (quadrant & 1) == 1
+    cq, sq = np.where(swap, s, c), np.where(swap, c, s)
+    cq = np.where(((quadrant + 1) & 2) != 0, -cq, cq)
+    sq = np.where((quadrant & 2) != 0, -sq, sq)
+    return cq, sq
+
+
+def _box_muller_f64(hi, lo, angle, angle_lo):
+    """philox.h's box_muller_f64 on uint32 word arrays, in float64 numpy."""
+    hi, lo, angle, angle_lo = (np.asarray(w, dtype=np.uint64) for w in (hi, lo, angle, angle_lo))
+    u1 = hi.astype(D) * D(2.0 ** -32) + (lo.astype(D) * D(2.0 ** -64) + D(2.0 ** -65))
+    k = ((angle >> np.uint64(9)) << np.uint64(29)) | (angle_lo >> np.uint64(3))
+    u2 = ((k << np.uint64(1)) | np.uint64(1)).astype(np.int64).astype(D) * D(2.0 ** -53)
+    t = D(-2.0) * _log_pos_f64(np.where(u1 < 1.0, u1, D(1.0) - D(2.0 ** -53)))
+    r = np.sqrt(np.where(t > 0, t, D(0.0)))
+    c, s = _cos_sin_2pi_f64(u2)
+    return r * c, r * s, r
+
+
+def _group_words(seed, offset, groups):
+    """Words [4 blocks, 4 words, groups] of groups 0..groups-1 (block j of group g: g + j 2^62)."""
+    mask = 0xFFFFFFFF
+    out = np.zeros((4, 4, groups), dtype=np.uint64)
+    for g in range(groups):
+        for j in range(4):
+            blk = g + (j << 62)
+            out[j, :, g] = philox4x32_10([blk & mask, blk >> 32, offset & mask, offset >> 32],
+                                         [seed & mask, seed >> 32])
+    return out
+
+
+def _f64_normals(seed, offset, groups):
+    """Element 8g + q of a float64 buffer's draw (philox.h, normals_of_group's double overload)."""
+    w = _group_words(seed, offset, groups)
+    b0, b1, b2, b3 = w
+    pairs = [(b0[0], b0[1], b2[0], b3[0]), (b0[2], b0[3], b2[1], b3[1]),
+             (b1[0], b1[1], b2[2], b3[2]), (b1[2], b1[3], b2[3], b3[3])]
+    z = np.zeros((groups, 8))
+    for q, words in enumerate(pairs):
+        z0, z1, _ = _box_muller_f64(*words)
+        z[:, 2 * q], z[:, 2 * q + 1] = z0, z1
+    return z.reshape(-1)
+
+
+def test_a_float64_buffer_draws_the_float64_construction_bit_for_bit():
+    """philox_noise_ on a float64 buffer is philox.h's float64 construction (two full vectorised
+    batches of 16 groups and a ragged tail), bit for bit against its float64 replica, and within a
+    few double ulp of the exact radius and angle (u1 from the integer word, libm's log, sin, cos)."""
+    seed, offset, groups = 0x0123456789ABCDEF, (5 << 20) | (3 << 1), 37
+    n = groups * 8 - 5
+    buf = torch.zeros(n, dtype=torch.float64)
+    _ops.philox_noise_(buf, seed, offset, 1.0, False)
+    replica = _f64_normals(seed, offset, groups)[:n]
+    assert np.array_equal(buf.numpy(), replica)
+    w = _group_words(seed, offset, groups)
+    b0, b1, b2, b3 = w
+    exact = []
+    for g in range(groups):
+        for hi, lo, a, al in ((b0[0], b0[1], b2[0], b3[0]), (b0[2], b0[3], b2[1], b3[1]),
+                              (b1[0], b1[1], b2[2], b3[2]), (b1[2], b1[3], b2[3], b3[3])):
+            K = (int(hi[g]) << 32) | int(lo[g])
+            u1 = (2 * K + 1) / 2.0 ** 65  # one rounding (Python's true division of ints is correctly rounded)
+            r = math.sqrt(-2.0 * math.log(min(u1, 1.0 - 2.0 ** -53)))
+            turn = 2 * math.pi * ((((int(a[g]) >> 9) << 29 | (int(al[g]) >> 3)) * 2 + 1) / 2.0 ** 53)
+            exact += [(r * math.cos(turn), r), (r * math.sin(turn), r)]
+    for got, (z, r) in zip(buf.tolist(), exact[:n]):
+        # log, sqrt, the angle's product by 2 pi and sin/cos: each a few ulp of r at most
+        assert abs(got - z) <= 16 * 2.0 ** -53 * r
+
+
+def test_a_float64_release_minus_its_sum_is_not_a_float32_number():
+    """Review 40 F2's attack: with float32 normals every coordinate of out − sum was a float32 number,
+    and 5.58M of 16.8M coordinates of a neighbouring data set's were not. With float64 normals neither
+    hypothesis is on the float32 grid (a double is a float32 with chance ~2^-29), and the draw refines
+    the float32 one: the same radius word and angle cell (tests/cpp/test_philox.cpp derives the bound)."""
+    torch.manual_seed(0)
+    n = 1 << 16
+    sum_d = torch.randn(n, dtype=torch.float64) * 3
+    sum_neighbour = sum_d + torch.randn(n, dtype=torch.float64) * 0.1
+    out = sum_d.clone()
+    _ops.philox_noise_(out, 5, 11, 1.0, True)
+    for hypothesis in (sum_d, sum_neighbour):
+        r = out - hypothesis
+        assert int((r.float().double() == r).sum()) == 0
+    z64 = torch.zeros(n, dtype=torch.float64)
+    _ops.philox_noise_(z64, 5, 11, 1.0, False)
+    z32 = torch.zeros(n)
+    _ops.philox_noise_(z32, 5, 11, 1.0, False)
+    r = torch.hypot(z64[0::2], z64[1::2]).repeat_interleave(2)
+    # the half angle cell and float rounding, plus the float radius' error: its u1 carries up to three
+    # roundings and its log one (δr² ≤ 2^-21), and r32 ≥ 3.45e-4 (its clamp): |r64 − r32| ≤ 2^-21/max(r, 3.4e-4)
+    bound = r * (math.pi * 2.0 ** -23 + 2.0 ** -21) + 2.0 ** -21 / r.clamp(min=3.4e-4)
+    assert bool(((z64 - z32.double()).abs() <= bound).all())
+
+
+def test_every_float64_noise_op_draws_float64_normals():
+    """philox_noise2_, layer_tail_, examples_release and banded_row_ on float64 buffers add exactly
+    philox_noise_'s float64 draw (zero sums, std 1: the outputs are the draws)."""
+    n, seed, offset = 1000, 9, 40
+    z = torch.zeros(n, dtype=torch.float64)
+    _ops.philox_noise_(z, seed, offset, 1.0, False)
+    zb = torch.zeros(7, dtype=torch.float64)
+    _ops.philox_noise_(zb, seed, offset + 1, 1.0, False)
+    assert int((z.float().double() == z).sum()) == 0
+    w, b = torch.zeros(n, dtype=torch.float64), torch.zeros(7, dtype=torch.float64)
+    _ops.philox_noise2_(w, b, seed, offset, 1.0)
+    assert torch.equal(w, z) and torch.equal(b, zb)
+    w, b = torch.zeros(n, dtype=torch.float64), torch.zeros(7, dtype=torch.float64)
+    torch.ops.bpclip_fast.layer_tail_(w, b, None, None, None, None, None, 1.0, "clip", seed, offset, 1.0)
+    assert torch.equal(w, z) and torch.equal(b, zb)
+    gw, gb = _ops.examples_release(torch.ones(3, n, dtype=torch.float64), torch.ones(3, 7, dtype=torch.float64),
+                                   torch.zeros(3, dtype=torch.float64), seed, offset, 1.0)
+    assert torch.equal(gw, z) and torch.equal(gb, zb)
+    ring = torch.zeros(1, n, dtype=torch.float64)
+    row = _ops.banded_row_(ring, [], [], 0, [0.5], seed, offset, 1.0)
+    assert torch.equal(row, z)
+
+
+def test_the_float64_draw_has_no_zero_and_its_smallest_clears_the_floor():
+    """The extremes of the float64 construction: the largest radius (word 0: u1 = 2^-65, the same tail
+    as the float draw), the smallest (the top words, clamped to 1 − 2^-53: r = 2^-26), and the angle
+    cells next to each axis (4 u2 at 2^-51 from an integer, the nearest any midpoint comes): no sine
+    or cosine is 0, and the smallest |z| times the std floor is far inside float64's normals. The same
+    words through the emulated device build give the same bits."""
+    top = 0xFFFFFFFF
+    hi = np.array([0, top, top, 0x7FFFFFFF], dtype=np.uint64)
+    lo = np.array([0, top, top - 7, top], dtype=np.uint64)
+    _, _, r = _box_muller_f64(hi, lo, np.zeros(4), np.zeros(4))
+    assert r[0] == pytest.approx(math.sqrt(130 * math.log(2)), rel=1e-15)
+    assert r[1] == r[2] == pytest.approx(2.0 ** -26, rel=1e-12)  # clamped: never r = 0
+    k_axis = [0, (1 << 52) - 1] + [(q << 50) + d for q in (1, 2, 3) for d in (-1, 0)]  # cells beside an axis
+    angle = np.array([(k >> 29) << 9 for k in k_axis], dtype=np.uint64)
+    angle_lo = np.array([(k & ((1 << 29) - 1)) << 3 for k in k_axis], dtype=np.uint64)
+    ones = np.full(len(k_axis), top, dtype=np.uint64)
+    z0, z1, _ = _box_muller_f64(ones, ones, angle, angle_lo)
+    smallest = float(np.abs(np.concatenate([z0, z1])).min())
+    assert smallest > 0
+    assert smallest == pytest.approx(2.0 ** -26 * math.sin(math.pi / 2 * 2.0 ** -51), rel=1e-12)
+    assert smallest > 2.0 ** -77
+    assert _ops.MIN_NOISE_STD * smallest > DBL_MIN * 2.0 ** 800
+    sim = harness.Simt(harness.build_library())
+    words = np.stack([np.concatenate([hi, ones]), np.concatenate([lo, ones]),
+                      np.concatenate([np.zeros(4, dtype=np.uint64), angle]),
+                      np.concatenate([np.zeros(4, dtype=np.uint64), angle_lo])], axis=1)
+    device = sim.box_muller_f64(torch.from_numpy(words.astype(np.int64)))
+    host = _box_muller_f64(*words.T)
+    assert np.array_equal(device[:, 0].numpy(), host[0]) and np.array_equal(device[:, 1].numpy(), host[1])

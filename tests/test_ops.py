@@ -229,7 +229,8 @@ def test_the_cpu_noise_kernels_inline_box_muller():
         pytest.skip("binutils' nm is not installed")
     symbols = subprocess.run([nm, "-C", ext.__file__], capture_output=True, text=True, timeout=120, check=True).stdout
     assert "box_muller_batch" in symbols  # the check reads the right binary
-    assert not [line for line in symbols.splitlines() if line.split(" ", 2)[-1].startswith("bpclip::box_muller(")]
+    assert not [line for line in symbols.splitlines()
+                if line.split(" ", 2)[-1].startswith(("bpclip::box_muller(", "bpclip::box_muller_f64("))]
 
 
 def test_cpu_noise_is_the_same_for_every_philox_version(tmp_path):
@@ -250,7 +251,9 @@ def test_cpu_noise_is_the_same_for_every_philox_version(tmp_path):
         "_ops.philox_noise_(a, 0x0123456789ABCDEF, 12345, 1.5, False)\n"
         "b = torch.ones(70_001)\n"
         "_ops.philox_noise_(b, 7, (1 << 33) + 5, 0.25, True)\n"
-        "torch.save([a, b], sys.argv[1])\n")
+        "c = torch.ones(70_001, dtype=torch.float64)\n"  # the float64 draw: four blocks a group
+        "_ops.philox_noise_(c, 7, (1 << 33) + 5, 0.25, True)\n"
+        "torch.save([a, b, c], sys.argv[1])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outs = []
     for i, env_extra in enumerate([{}, {"BPCLIP_PHILOX": "avx2"}, {"BPCLIP_PHILOX": "portable"},
@@ -409,7 +412,7 @@ def test_banded_row_matches_float64_recursion(device, dtype, bands, P, newest):
     outs_before = [o.clone() for o in outs]
     seed, offset = 2**40 + 17, (3 << 33) | 5
     slot = _ops.banded_row_(ring, outs, starts, newest, weights, seed, offset, std)
-    z = torch.empty(P, device=device)
+    z = torch.empty(P, dtype=dtype, device=device)  # a float64 row draws float64 normals
     _ops.philox_noise_(z, seed, offset, 1.0)
     terms = [std * z.double()] + [weights[a - 1] * before[(newest - a + 1) % (bands - 1)].double()
                                   for a in range(1, bands)]

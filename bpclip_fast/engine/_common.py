@@ -13,10 +13,6 @@ class InsecureSeedWarning(UserWarning):
     """An explicit noise seed: reproducible, and whoever knows it can subtract the noise."""
 
 
-class Float64NoiseWarning(UserWarning):
-    """Float64 parameters get float32 noise: a floating-point attack tells neighbouring data sets apart."""
-
-
 # An engine holds the secret noise and sampling seeds and the live step records: a pickled or copied
 # engine (or an optimizer holding it) would carry the seed into a file, or continue the same draws.
 NO_PICKLE = ("{} cannot be pickled or copied: it holds the secret noise seed and the live step state. "

@@ -20,7 +20,7 @@ from ..boundary import LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefu
 from . import (arguments, budget, checkpoint, correlated, distributed, guards, model_checks, noise_range, refusal, seeds,
                thresholds)
 from .optimizer import DPOptimizer
-from ._common import NO_PICKLE, Float64NoiseWarning, InsecureSeedWarning, accounting, positive
+from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
 
@@ -230,7 +230,6 @@ class PrivacyEngine:
         if r.sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
             sigma = r.sigma_effective * self._mode.sigma_factor(len(layers))
         self._layers = [layer for _, layer in layers]
-        _warn_float64(self._layers)
         self._flat_group = self._mode.collector(self._layers)
         thresholds.prepare(self, r.adaptive, sigma, plan)
         span = noise_range.multipliers(r.loss_reduction == "mean", plan.num_samples, plan.batch_size, self.world_size,
@@ -506,15 +505,3 @@ def _no_layer_message(clipping: str) -> str:
             f"{', '.join(fused)}); clipping='flat' or 'per_layer' train any module")
 
 
-def _warn_float64(layers) -> None:
-    """The noise is float32 normals times a float32 std, added to float64 sums: every released
-    coordinate minus its clipped sum is then a float32 number, which a neighbouring data set's release
-    is not, so an observer who knows the other examples tells the two apart (review 40 F2; docs/design.md,
-    "Open: floating-point noise on the gradient"). Until float64 draws exist, said at make_private."""
-    if any(p.dtype == torch.float64 for layer in layers for p in layer.parameters() if p.requires_grad):
-        warnings.warn("bpclip_fast: float64 parameters get float32 noise (float32 normals times a float32 std): each "
-                      "released coordinate minus its clipped sum is a float32 number, which a neighbouring data "
-                      "set's release is not, so an observer who knows the other examples can tell them apart (a "
-                      "floating-point attack the stated ε does not cover); train in float32 (model.float()), "
-                      "where the noise and the sum share one precision (what remains there: the README's "
-                      "'Floating-point noise')", Float64NoiseWarning, stacklevel=6)

@@ -28,7 +28,7 @@ template <typename T>
 void band_span(T* ring, int64_t P, int slots, int newest, const T* weights, T stdv, T* const* outs,
                const int64_t* starts, const int64_t* ends, int n_outs, uint64_t seed, uint64_t offset, int64_t glo,
                int64_t ghi) {
-  float z[kGroupsPerBatch * kNormalsPerGroup];
+  normal_t<T> z[kGroupsPerBatch * kNormalsPerGroup];  // float64 rows draw float64 normals (philox.h)
   T* dst = ring + static_cast<int64_t>((newest + 1) % slots) * P;
   for (int64_t g = glo; g < ghi; g += kGroupsPerBatch) {
     const int64_t groups = std::min<int64_t>(kGroupsPerBatch, ghi - g);

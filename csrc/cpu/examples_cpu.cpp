@@ -127,7 +127,9 @@ BPCLIP_VECTOR_CLONES void add_row(float* p, const float* v, int64_t m) {
 // out[o] for o in [lo, hi) of one tensor ([B, N] per-example values x), counter offset `offset`.
 template <typename scalar_t, typename acc_t>
 void release_span(const scalar_t* x, const acc_t* factor, int64_t B, int64_t N, int64_t lo, int64_t hi,
-                  uint64_t seed, uint64_t offset, float stdv, acc_t scale, scalar_t* out) {
+                  uint64_t seed, uint64_t offset, double std_in, acc_t scale, scalar_t* out) {
+  using Z = normal_t<scalar_t>;  // float64 values draw float64 normals times the double std (philox.h)
+  const Z stdv = static_cast<Z>(std_in);
   const int64_t m = hi - lo;
   acc_t part[kReleaseParts][kReleaseSpan] = {};
   for (int64_t b = 0; b < B; ++b) {  // example b into part b mod kReleaseParts, in increasing b
@@ -148,16 +150,16 @@ void release_span(const scalar_t* x, const acc_t* factor, int64_t B, int64_t N, 
   // The span's normals in one batch (philox_normals: philox_normal8's values, its groups kLanes at a
   // time through the vectorised Philox and Box-Muller; one group at a time was 17 ns a normal, 16x
   // philox_noise_'s, and most of a kept conv's release).
-  float z[(kReleaseSpan / kNormalsPerGroup + 1) * kNormalsPerGroup];
+  Z z[(kReleaseSpan / kNormalsPerGroup + 1) * kNormalsPerGroup];
   const int64_t g_lo = lo / kNormalsPerGroup;
-  if (stdv > 0.0f && m > 0)
+  if (stdv > Z(0) && m > 0)
     philox_normals(seed, offset, static_cast<uint64_t>(g_lo), (hi - 1) / kNormalsPerGroup + 1 - g_lo, z);
   for (int64_t t = 0; t < m; ++t) {
     const int64_t o = lo + t;
     acc_t column[kReleaseParts];
     for (int q = 0; q < kReleaseParts; ++q) column[q] = part[q][t];
     acc_t v = release_parts_total(column);
-    if (stdv > 0.0f)  // philox_noise_'s accumulate: one float product, one add in acc_t
+    if (stdv > Z(0))  // philox_noise_'s accumulate: one product (float, or double for float64), one add in acc_t
       v = v + static_cast<acc_t>(stdv * z[o - g_lo * kNormalsPerGroup]);
     if (scale != acc_t(1)) v = v * scale;
     out[o] = static_cast<scalar_t>(v);
@@ -166,7 +168,7 @@ void release_span(const scalar_t* x, const acc_t* factor, int64_t B, int64_t N, 
 
 template <typename scalar_t>
 void release_tensor(const at::Tensor& x, const at::Tensor& factor, int64_t B, int64_t N, uint64_t seed,
-                    uint64_t offset, float stdv, double scale, at::Tensor& out) {
+                    uint64_t offset, double stdv, double scale, at::Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
   const scalar_t* xp = B ? x.const_data_ptr<scalar_t>() : nullptr;
   const acc_t* fp = factor.const_data_ptr<acc_t>();

@@ -208,11 +208,41 @@ void box_muller_batch(const uint32_t r[kBlocksPerGroup][4][kLanes], float z[kNor
   }
 }
 
+// The same for a float64 buffer's normals (philox.h): the fourth block's words as the angles' low bits.
+BPCLIP_VECTOR_CLONES
+void box_muller_batch(const uint32_t r[kBlocksPerGroupF64][4][kLanes], double z[kNormalsPerGroup][kLanes]) {
+  for (int l = 0; l < kLanes; ++l) {
+    double q[kNormalsPerGroup];
+    normals_of_group(U4{r[0][0][l], r[0][1][l], r[0][2][l], r[0][3][l]},
+                     U4{r[1][0][l], r[1][1][l], r[1][2][l], r[1][3][l]},
+                     U4{r[2][0][l], r[2][1][l], r[2][2][l], r[2][3][l]},
+                     U4{r[3][0][l], r[3][1][l], r[3][2][l], r[3][3][l]}, q);
+    for (int k = 0; k < kNormalsPerGroup; ++k) z[k][l] = q[k];
+  }
+}
+
+template <typename Z>
 void normals_batch(PhiloxBatchFn philox_batch, uint64_t seed, uint64_t offset, uint64_t first,
-                   float z[kNormalsPerGroup][kLanes]) {
-  uint32_t r[kBlocksPerGroup][4][kLanes];
-  for (int j = 0; j < kBlocksPerGroup; ++j) philox_batch(seed, offset, group_block(first, j), r[j]);
+                   Z z[kNormalsPerGroup][kLanes]) {
+  constexpr int kBlocks = std::is_same_v<Z, double> ? kBlocksPerGroupF64 : kBlocksPerGroup;
+  uint32_t r[kBlocks][4][kLanes];
+  for (int j = 0; j < kBlocks; ++j) philox_batch(seed, offset, group_block(first, j), r[j]);
   box_muller_batch(r, z);
+}
+
+// Groups first..first+lanes-1 into z (lane-major), whole batches through the vectorised path.
+template <typename Z>
+void normals_lanes(PhiloxBatchFn philox_batch, uint64_t seed, uint64_t offset, uint64_t first, int64_t lanes,
+                   Z z[kNormalsPerGroup][kLanes]) {
+  if (lanes == kLanes) {
+    normals_batch<Z>(philox_batch, seed, offset, first, z);
+    return;
+  }
+  for (int64_t l = 0; l < lanes; ++l) {
+    Z q[kNormalsPerGroup];
+    philox_normal8(seed, offset, first + static_cast<uint64_t>(l), q);
+    for (int k = 0; k < kNormalsPerGroup; ++k) z[k][l] = q[k];
+  }
 }
 
 // out[8l + q] (+)= stdv * z[q][l] for a full fp32 batch, then times `scale` where it is not 1. Its own
@@ -235,27 +265,23 @@ void store_batch_f32(float* out, const float z[kNormalsPerGroup][kLanes], float 
   }
 }
 
+// A float64 buffer draws float64 normals times the double std (philox.h); every other dtype float
+// normals times the std rounded to float.
 template <typename scalar_t>
-void noise_span(PhiloxBatchFn philox_batch, scalar_t* p, int64_t n, uint64_t seed, uint64_t offset, float stdv,
+void noise_span(PhiloxBatchFn philox_batch, scalar_t* p, int64_t n, uint64_t seed, uint64_t offset, double std_in,
                 bool accumulate, double scale, int64_t glo, int64_t ghi) {
   using acc_t = at::opmath_type<scalar_t>;
+  using Z = normal_t<scalar_t>;
+  const Z stdv = static_cast<Z>(std_in);
   // The scale as mul_(scale) would apply it to the stored values afterwards: in the opmath type,
   // one product, rounded to scalar_t (so scale 1 leaves the bits as they are, and is not applied).
   const bool scaled = scale != 1.0;
   const acc_t s = static_cast<acc_t>(scale);
   constexpr int64_t kPer = kNormalsPerGroup;
-  float z[kPer][kLanes];
+  Z z[kPer][kLanes];
   for (int64_t first = glo; first < ghi; first += kLanes) {
     const int64_t lanes = std::min<int64_t>(kLanes, ghi - first);
-    if (lanes == kLanes) {
-      normals_batch(philox_batch, seed, offset, static_cast<uint64_t>(first), z);
-    } else {
-      for (int64_t l = 0; l < lanes; ++l) {
-        float q[kPer];
-        philox_normal8(seed, offset, static_cast<uint64_t>(first + l), q);
-        for (int k = 0; k < kPer; ++k) z[k][l] = q[k];
-      }
-    }
+    normals_lanes<Z>(philox_batch, seed, offset, static_cast<uint64_t>(first), lanes, z);
     const int64_t base = first * kPer;
     const int64_t count = std::min<int64_t>(kPer * lanes, n - base);
     scalar_t* out = p + base;
@@ -289,7 +315,7 @@ void philox_noise_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double stdv
     scalar_t* p = work.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t glo, int64_t ghi) {
       noise_span<scalar_t>(philox_batch, p, n, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                           static_cast<float>(stdv), accumulate, scale, glo, ghi);
+                           stdv, accumulate, scale, glo, ghi);
     });
   });
   if (!work.is_same(buf)) buf.copy_(work);
@@ -304,26 +330,26 @@ void philox_noise2_cpu(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t offse
   philox_noise_cpu(b, seed, static_cast<int64_t>(static_cast<uint64_t>(offset) + 1u), stdv, accumulate_b, scale);
 }
 
-}  // namespace
-
-void philox_normals(uint64_t seed, uint64_t offset, uint64_t first_group, int64_t groups, float* z) {
+template <typename Z>
+void philox_normals_as(uint64_t seed, uint64_t offset, uint64_t first_group, int64_t groups, Z* z) {
   static const PhiloxBatchFn philox_batch = choose_philox_batch();
-  float zb[kNormalsPerGroup][kLanes];
+  Z zb[kNormalsPerGroup][kLanes];
   for (int64_t g0 = 0; g0 < groups; g0 += kLanes) {
     const int64_t lanes = std::min<int64_t>(kLanes, groups - g0);
-    const uint64_t first = first_group + static_cast<uint64_t>(g0);
-    if (lanes == kLanes) {
-      normals_batch(philox_batch, seed, offset, first, zb);
-    } else {
-      for (int64_t l = 0; l < lanes; ++l) {
-        float q[kNormalsPerGroup];
-        philox_normal8(seed, offset, first + static_cast<uint64_t>(l), q);
-        for (int k = 0; k < kNormalsPerGroup; ++k) zb[k][l] = q[k];
-      }
-    }
+    normals_lanes<Z>(philox_batch, seed, offset, first_group + static_cast<uint64_t>(g0), lanes, zb);
     for (int64_t l = 0; l < lanes; ++l)
       for (int k = 0; k < kNormalsPerGroup; ++k) z[kNormalsPerGroup * (g0 + l) + k] = zb[k][l];
   }
+}
+
+}  // namespace
+
+void philox_normals(uint64_t seed, uint64_t offset, uint64_t first_group, int64_t groups, float* z) {
+  philox_normals_as<float>(seed, offset, first_group, groups, z);
+}
+
+void philox_normals(uint64_t seed, uint64_t offset, uint64_t first_group, int64_t groups, double* z) {
+  philox_normals_as<double>(seed, offset, first_group, groups, z);
 }
 
 void philox_noise_into(at::Tensor& buf, int64_t seed, int64_t offset, double stdv, bool accumulate, double scale) {

@@ -41,7 +41,7 @@ struct BandRowArgs {
 };
 
 template <typename T>
-__device__ __forceinline__ T band_value(float z, const T* ring, int64_t P, int64_t i,
+__device__ __forceinline__ T band_value(normal_t<T> z, const T* ring, int64_t P, int64_t i,
                                         const BandRowArgs<T>& a) {
   T v = a.stdv * static_cast<T>(z);
   int s = a.newest;
@@ -56,15 +56,15 @@ __device__ __forceinline__ T band_value(float z, const T* ring, int64_t P, int64
 template <typename T>
 __global__ void __launch_bounds__(kBandThreads)
     banded_row_kernel(T* ring, int64_t P, uint64_t seed, uint64_t offset, const __grid_constant__ BandRowArgs<T> a) {
-  __shared__ float z_of_warp[kBandThreads / kNoiseLanes][kNoiseTile];
+  __shared__ normal_t<T> z_of_warp[kBandThreads / kNoiseLanes][kNoiseTile];  // float64 rows: float64 normals
   const NoiseWarp t = noise_warp();
-  float* stage = z_of_warp[t.in_block];
+  normal_t<T>* stage = z_of_warp[t.in_block];
   T* dst = ring + static_cast<int64_t>((a.newest + 1) % a.slots) * P;
   const int64_t tiles = (P + kNoiseTile - 1) / kNoiseTile;
   for (int64_t tile = t.warp; tile < tiles; tile += t.warps) {
     const int64_t base = tile * kNoiseTile;
     if (base + static_cast<int64_t>(t.lane) * kNormalsPerGroup < P) {
-      float z[kNormalsPerGroup];
+      normal_t<T> z[kNormalsPerGroup];
       philox_normal8(seed, offset, static_cast<uint64_t>(tile) * kNoiseLanes + static_cast<uint64_t>(t.lane), z);
       for (int q = 0; q < kNormalsPerGroup; ++q) stage[t.lane * kNormalsPerGroup + q] = z[q];
     }

@@ -56,7 +56,7 @@ __global__ void examples_bound_kernel(const T* __restrict__ w, const T* __restri
 template <typename T, typename acc_t>
 __global__ void examples_release_kernel(const T* __restrict__ w, const T* __restrict__ bias,
                                         const acc_t* __restrict__ factor, int64_t B, int64_t Nw, int64_t Nb,
-                                        int64_t tiles_w, uint64_t seed, uint64_t offset, float stdv, acc_t scale,
+                                        int64_t tiles_w, uint64_t seed, uint64_t offset, double stdv, acc_t scale,
                                         T* __restrict__ out_w, T* __restrict__ out_b) {
   __shared__ acc_t part[kReleaseParts][kReleaseTile];
   const bool is_w = static_cast<int64_t>(blockIdx.x) < tiles_w;
@@ -81,10 +81,10 @@ __global__ void examples_release_kernel(const T* __restrict__ w, const T* __rest
   acc_t column[kReleaseParts];
   for (int q = 0; q < kReleaseParts; ++q) column[q] = part[q][lane];
   acc_t v = release_parts_total(column);
-  if (stdv > 0.0f) {
-    float z[kNormalsPerGroup];
+  if (stdv > 0.0) {
+    normal_t<acc_t> z[kNormalsPerGroup];
     philox_normal8(seed, off, static_cast<uint64_t>(o / kNormalsPerGroup), z);
-    v = noise_store_value<acc_t, true>(v, z[o % kNormalsPerGroup], stdv);
+    v = noise_store_value<acc_t, true>(v, z[o % kNormalsPerGroup], static_cast<normal_t<acc_t>>(stdv));
   }
   if (scale != acc_t(1)) v = v * scale;
   out[o] = from_acc<T>(v);

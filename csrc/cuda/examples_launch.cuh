@@ -33,7 +33,7 @@ void examples_factors_device(const T* w, const T* bias, int64_t B, int64_t Nw, i
 // out_w [Nw], out_b [Nb] from the per-example values w [B, Nw], bias [B, Nb] and factor [B].
 template <typename T, typename acc_t>
 void examples_release_device(const T* w, const T* bias, const acc_t* factor, int64_t B, int64_t Nw, int64_t Nb,
-                             uint64_t seed, uint64_t offset, float stdv, acc_t scale, T* out_w, T* out_b) {
+                             uint64_t seed, uint64_t offset, double stdv, acc_t scale, T* out_w, T* out_b) {
   const int64_t tiles_w = (Nw + kReleaseTile - 1) / kReleaseTile;
   const int64_t tiles_b = (Nb + kReleaseTile - 1) / kReleaseTile;
   launch(examples_release_kernel<T, acc_t>, tiles_w + tiles_b, kReleaseParts * kReleaseTile, w, bias, factor, B, Nw,

@@ -23,7 +23,7 @@ void philox_noise_cuda(at::Tensor& buf, int64_t seed, int64_t offset, double std
   const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, work.scalar_type(), "philox_noise_cuda", [&] {
     philox_noise_device(dev_ptr(work.mutable_data_ptr<scalar_t>()), n, static_cast<uint64_t>(seed),
-                        static_cast<uint64_t>(offset), static_cast<float>(stdv), accumulate, sm_count, scale);
+                        static_cast<uint64_t>(offset), stdv, accumulate, sm_count, scale);
   });
   if (!work.is_same(buf)) buf.copy_(work);
 }
@@ -41,7 +41,7 @@ void philox_noise2_cuda(at::Tensor& w, at::Tensor& b, int64_t seed, int64_t offs
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ww.scalar_type(), "philox_noise2_cuda", [&] {
     philox_noise2_device(dev_ptr(ww.mutable_data_ptr<scalar_t>()), ww.numel(), dev_ptr(bw.mutable_data_ptr<scalar_t>()),
                          bw.numel(), static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                         static_cast<float>(stdv), accumulate_w, accumulate_b, sm_count, scale);
+                         stdv, accumulate_w, accumulate_b, sm_count, scale);
   });
   if (!ww.is_same(w)) w.copy_(ww);
   if (!bw.is_same(b)) b.copy_(bw);

@@ -45,12 +45,12 @@ constexpr int kPackElems = static_cast<int>(16 / sizeof(T));
 template <typename T>
 constexpr int kPacksPerGroup = kNormalsPerGroup / kPackElems<T>;  // fp16/bf16 1, fp32 2, fp64 4
 
-// The stored value of one element: stdv z (+ the old value), rounded once to T. The same
-// expressions as the CPU kernel (noise_cpu.cpp). `old` is read only when accumulating (it may be
-// uninitialised otherwise).
+// The stored value of one element: stdv z (+ the old value), rounded once to T, with z and stdv in
+// normal_t<T> (double for a float64 buffer, float otherwise: philox.h). The same expressions as the
+// CPU kernel (noise_cpu.cpp). `old` is read only when accumulating (it may be uninitialised otherwise).
 template <typename T, bool kAccumulate>
-__device__ __forceinline__ T noise_store_value(const T& old, float z, float stdv) {
-  const float v = stdv * z;
+__device__ __forceinline__ T noise_store_value(const T& old, normal_t<T> z, normal_t<T> stdv) {
+  const normal_t<T> v = stdv * z;
   if constexpr (kAccumulate) {
     return from_acc<T>(to_acc(old) + v);
   } else {
@@ -67,7 +67,7 @@ struct NoiseScale {
 };
 
 template <typename T, bool kAccumulate>
-__device__ __forceinline__ T noise_store_value(const T& old, float z, float stdv, const NoiseScale& s) {
+__device__ __forceinline__ T noise_store_value(const T& old, normal_t<T> z, normal_t<T> stdv, const NoiseScale& s) {
   const T r = noise_store_value<T, kAccumulate>(old, z, stdv);
   if (!s.on) return r;
   using A = decltype(to_acc(r));
@@ -78,10 +78,10 @@ __device__ __forceinline__ T noise_store_value(const T& old, float z, float stdv
 // of it below n. Uncoalesced, but at most 255 elements per call.
 template <typename T, bool kAccumulate>
 __device__ void philox_noise_tail(T* __restrict__ buf, int64_t n, int64_t first, int lane, uint64_t seed,
-                                  uint64_t offset, float stdv, NoiseScale scale) {
+                                  uint64_t offset, normal_t<T> stdv, NoiseScale scale) {
   const int64_t base = first + static_cast<int64_t>(lane) * kNormalsPerGroup;
   if (base >= n) return;
-  float z[kNormalsPerGroup];
+  normal_t<T> z[kNormalsPerGroup];
   philox_normal8(seed, offset, static_cast<uint64_t>(base / kNormalsPerGroup), z);
   for (int l = 0; l < kNormalsPerGroup; ++l) {
     if (base + l >= n) break;
@@ -115,11 +115,13 @@ struct NoiseSlots<T, false> {
 // One buffer's share of a launch, grid-stride over its warp tiles: warp w (of `warps`, numbered
 // from this buffer's first) takes tiles w, w + warps, ...; the warp after the last full tile's owner
 // in that order takes the tail. kPacked: buf is 16-byte aligned (the launcher checks). stage: the
-// warp's slice of shared memory, free on entry and on return.
+// warp's slice of shared memory, free on entry and on return. std_in: as the op got it, rounded here
+// to normal_t<T> (float for every dtype but float64, as the CPU kernel does).
 template <typename T, bool kAccumulate, bool kPacked>
 __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset,
-                                                   float stdv, NoiseScale scale, int64_t warp, int64_t warps,
+                                                   double std_in, NoiseScale scale, int64_t warp, int64_t warps,
                                                    int lane, NoisePack<T>* stage) {
+  const normal_t<T> stdv = static_cast<normal_t<T>>(std_in);
   using Slots = NoiseSlots<T, kPacked>;
   using Pack = NoisePack<T>;
   constexpr int kPacks = kPacksPerGroup<T>;
@@ -132,7 +134,7 @@ __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t 
       // fp16/bf16: the lane's group is one pack and pack l is already slot l: no regrouping.
       Pack p;
       if constexpr (kAccumulate) p = Slots::load(tile, lane);
-      float z[kNormalsPerGroup];
+      normal_t<T> z[kNormalsPerGroup];
       philox_normal8(seed, offset, group, z);
       for (int l = 0; l < kNormalsPerGroup; ++l) {
         p.e[l] = noise_store_value<T, kAccumulate>(p.e[l], z[l], stdv, scale);
@@ -147,7 +149,7 @@ __device__ __forceinline__ void philox_noise_tiles(T* __restrict__ buf, int64_t 
       if constexpr (kPreload) {
         for (int k = 0; k < Slots::kPerLane; ++k) held[k] = Slots::load(tile, k * kNoiseLanes + lane);
       }
-      float z[kNormalsPerGroup];
+      normal_t<T> z[kNormalsPerGroup];
       philox_normal8(seed, offset, group, z);
       if constexpr (kAccumulate) {
         for (int k = 0; k < Slots::kPerLane; ++k) {
@@ -201,7 +203,7 @@ using NoiseStage = NoisePack<T>[kNoiseThreads / kNoiseLanes][kNoiseLanes * kPack
 // blockDim.x: a multiple of 32, at most kNoiseThreads.
 template <typename T, bool kAccumulate, bool kPacked>
 __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
-    philox_noise_kernel(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, double scale) {
+    philox_noise_kernel(T* __restrict__ buf, int64_t n, uint64_t seed, uint64_t offset, double stdv, double scale) {
   __shared__ NoiseStage<T> stage_of_warp;
   const NoiseWarp t = noise_warp();
   philox_noise_tiles<T, kAccumulate, kPacked>(buf, n, seed, offset, stdv, NoiseScale{scale, scale != 1.0}, t.warp,
@@ -216,7 +218,7 @@ __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
 template <typename T, bool kAccW, bool kPackedW, bool kAccB>
 __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
     philox_noise2_kernel(T* __restrict__ w, int64_t nw, T* __restrict__ b, int64_t nb, uint64_t seed,
-                         uint64_t offset_w, uint64_t offset_b, float stdv, double scale) {
+                         uint64_t offset_w, uint64_t offset_b, double stdv, double scale) {
   __shared__ NoiseStage<T> stage_of_warp;
   const NoiseWarp t = noise_warp();
   const NoiseScale s{scale, scale != 1.0};

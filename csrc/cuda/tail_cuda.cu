@@ -25,13 +25,12 @@ at::Tensor layer_tail_cuda(at::Tensor& w, at::Tensor& b, const c10::optional<at:
   const bool jvp = grad.has_value() && grad->defined();
   const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const auto seed_u = static_cast<uint64_t>(seed), offset_u = static_cast<uint64_t>(offset);
-  const float std_f = static_cast<float>(stdv);
   const int64_t R = rows ? bias_rows->size(0) : 0;
   if (!jvp) {
     AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "layer_tail_cuda", [&] {
       layer_tail_device<scalar_t, scalar_t>(
           w.mutable_data_ptr<scalar_t>(), w.numel(), b.mutable_data_ptr<scalar_t>(), b.numel(), rows,
-          rows ? bias_rows->const_data_ptr<scalar_t>() : nullptr, R, seed_u, offset_u, std_f, stdv > 0.0, scale,
+          rows ? bias_rows->const_data_ptr<scalar_t>() : nullptr, R, seed_u, offset_u, stdv, stdv > 0.0, scale,
           static_cast<const scalar_t*>(nullptr), nullptr, nullptr, nullptr, make_row_geometry(0, 0, 1, 0, 1), 0.0, 0,
           nullptr, nullptr, nullptr, sm_count);
     });
@@ -49,7 +48,7 @@ at::Tensor layer_tail_cuda(at::Tensor& w, at::Tensor& b, const c10::optional<at:
     using acc_t = at::opmath_type<scalar_t>;
     layer_tail_device<typename DeviceType<scalar_t>::type, acc_t>(
         w.mutable_data_ptr<acc_t>(), w.numel(), b.mutable_data_ptr<acc_t>(), b.numel(), rows,
-        rows ? bias_rows->const_data_ptr<acc_t>() : nullptr, R, seed_u, offset_u, std_f, stdv > 0.0, scale,
+        rows ? bias_rows->const_data_ptr<acc_t>() : nullptr, R, seed_u, offset_u, stdv, stdv > 0.0, scale,
         dev_ptr(g.const_data_ptr<scalar_t>()), dev_ptr(xc.const_data_ptr<scalar_t>()), fc.const_data_ptr<acc_t>(),
         nc.const_data_ptr<acc_t>(), r, input_bound, fn, partial.mutable_data_ptr<double>(),
         sums.mutable_data_ptr<double>(), dev_ptr(out.mutable_data_ptr<scalar_t>()), sm_count);

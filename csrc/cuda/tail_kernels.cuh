@@ -20,12 +20,12 @@ static_assert(kNoiseThreads / kNoiseLanes == kTailSlices, "a tail block's warps 
 // The weight's or bias' element i: noised as philox_noise_(accumulate) gives it where draw, else
 // only scaled (as mul_(scale) would, std 0).
 template <typename A>
-__device__ __forceinline__ A tail_value(A old, uint64_t seed, uint64_t offset, int64_t i, float stdv, int draw,
+__device__ __forceinline__ A tail_value(A old, uint64_t seed, uint64_t offset, int64_t i, double stdv, int draw,
                                         const NoiseScale& s) {
   if (draw) {
-    float z[kNormalsPerGroup];
+    normal_t<A> z[kNormalsPerGroup];
     philox_normal8(seed, offset, static_cast<uint64_t>(i / kNormalsPerGroup), z);
-    return noise_store_value<A, true>(old, z[i % kNormalsPerGroup], stdv, s);
+    return noise_store_value<A, true>(old, z[i % kNormalsPerGroup], static_cast<normal_t<A>>(stdv), s);
   }
   return s.on ? from_acc<A>(to_acc(old) * static_cast<A>(s.scale)) : old;
 }
@@ -36,7 +36,7 @@ __device__ __forceinline__ A tail_value(A old, uint64_t seed, uint64_t offset, i
 // of its own, never `rows != nullptr`: review 38 F1); then warp 0 stores the noised value.
 template <typename A>
 __device__ __forceinline__ void tail_bias_block(A* __restrict__ b, int64_t nb, int sum_rows, const A* __restrict__ rows,
-                                                int64_t R, int64_t block, uint64_t seed, uint64_t offset_b, float stdv,
+                                                int64_t R, int64_t block, uint64_t seed, uint64_t offset_b, double stdv,
                                                 int draw, const NoiseScale& s, double (*slices)[kTailColumns]) {
   const int lane = static_cast<int>(threadIdx.x) % kNoiseLanes;
   const int slice = static_cast<int>(threadIdx.x) / kNoiseLanes;
@@ -65,7 +65,7 @@ __device__ __forceinline__ void tail_bias_block(A* __restrict__ b, int64_t nb, i
 template <typename T, typename A, bool kPackedW>
 __global__ void __launch_bounds__(kNoiseThreads, kNoiseBlocksPerSm)
     layer_tail_kernel(A* __restrict__ w, int64_t nw, A* __restrict__ b, int64_t nb, int sum_rows,
-                      const A* __restrict__ rows, int64_t R, uint64_t seed, uint64_t offset_w, uint64_t offset_b, float stdv, int draw,
+                      const A* __restrict__ rows, int64_t R, uint64_t seed, uint64_t offset_w, uint64_t offset_b, double stdv, int draw,
                       double scale, const T* __restrict__ g, const T* __restrict__ xc, const A* __restrict__ factor,
                       const A* __restrict__ norm, const double* __restrict__ sums, double bound_eff, int fn,
                       int64_t B, int64_t N, int64_t tiles, T* __restrict__ out, int64_t jvp_blocks,

@@ -15,7 +15,7 @@ namespace cuda {
 // blocks as philox_noise_device's grid for w alone (one resident wave at most).
 template <typename T, typename A>
 void layer_tail_device(A* w, int64_t nw, A* b, int64_t nb, bool sum_rows, const A* rows, int64_t R, uint64_t seed, uint64_t offset,
-                       float stdv, bool draw, double scale, const T* g, const T* xc, const A* factor, const A* norm,
+                       double stdv, bool draw, double scale, const T* g, const T* xc, const A* factor, const A* norm,
                        const RowGeometry& r, double bound, int fn, double* partial, double* sums, T* out,
                        int sm_count) {
   int64_t jvp_blocks = 0, tiles = 0;

@@ -139,6 +139,60 @@ int main() {
     check(max_abs < 6.8, "2^22 normals stay inside 6.8 sigma (probability of leaving ~4e-5)");
   }
 
+  // The float64 draw (float64 buffers): blocks g, g + 2^62, g + 2^63 as the float one plus g + 3 2^62,
+  // whose words give the angles 29 more bits; each normal is the float draw's, refined: the same
+  // radius word and angle cell, so |z64 - z32| <= r (pi 2^-23 + 2^-21) (the half cell, float rounding
+  // of the trig and product) + |r64 - r32|, where the float u1 carries up to three roundings and its
+  // log one (delta r^2 <= 2^-21) and r32 >= 3.45e-4 (the float clamp), so
+  // |r64 - r32| <= 2^-21 / (r32 + r64) <= 2^-21 / max(r64, 3.4e-4); the moments of 2^22 of them; and
+  // the extremes (the same tail; the clamped top radius 2^-26, never 0).
+  {
+    const uint64_t seed = 0x0123456789abcdefull, offset = 77, g = 0x1234567890ull;
+    bpclip::U4 b[4];
+    for (int j = 0; j < 4; ++j) b[j] = bpclip::philox_block(seed, offset, g + (static_cast<uint64_t>(j) << 62));
+    double z[8], e[8];
+    bpclip::philox_normal8(seed, offset, g, z);
+    bpclip::box_muller_f64(b[0].x, b[0].y, b[2].x, b[3].x, &e[0], &e[1]);
+    bpclip::box_muller_f64(b[0].z, b[0].w, b[2].y, b[3].y, &e[2], &e[3]);
+    bpclip::box_muller_f64(b[1].x, b[1].y, b[2].z, b[3].z, &e[4], &e[5]);
+    bpclip::box_muller_f64(b[1].z, b[1].w, b[2].w, b[3].w, &e[6], &e[7]);
+    bool same = true;
+    for (int i = 0; i < 8; ++i) same = same && z[i] == e[i];
+    check(same, "philox_normal8 (double) layout");
+    const uint64_t n_groups = 1u << 19;
+    double s1 = 0.0, s2 = 0.0, s4 = 0.0, max_gap = 0.0, worst = 0.0;  // worst: gap / its bound
+    for (uint64_t q = 0; q < n_groups; ++q) {
+      double d[8];
+      float f[8];
+      bpclip::philox_normal8(12345u, 7u, q, d);
+      bpclip::philox_normal8(12345u, 7u, q, f);
+      for (int i = 0; i < 8; ++i) {
+        s1 += d[i];
+        s2 += d[i] * d[i];
+        s4 += d[i] * d[i] * d[i] * d[i];
+        const double r = hypot(d[i & ~1], d[i | 1]);
+        const double gap = fabs(d[i] - f[i]);
+        const double bound = r * (3.14159265358979323846 * 0x1p-23 + 0x1p-21) + 0x1p-21 / fmax(r, 3.4e-4);
+        if (gap > max_gap) max_gap = gap;
+        if (gap / bound > worst) worst = gap / bound;
+      }
+    }
+    const double n = 8.0 * n_groups, mean = s1 / n, var = s2 / n - mean * mean, kurt = s4 / n;
+    printf("test_philox: %.0f float64 normals: mean %.5f var %.5f E[z^4] %.4f max|z64 - z32| %.3g\n", n, mean, var,
+           kurt, max_gap);
+    check(fabs(mean) < 5.0 * sqrt(1.0 / n), "float64 normal mean ~ 0");
+    check(fabs(var - 1.0) < 5.0 * sqrt(2.0 / n), "float64 normal variance ~ 1");
+    check(fabs(kurt - 3.0) < 5.0 * sqrt(96.0 / n), "float64 normal 4th moment ~ 3");
+    printf("test_philox: max |z64 - z32| / its bound %.3f\n", worst);
+    check(worst <= 1.0, "the float64 draw refines the float draw (same radius word, same angle cell)");
+    double z0, z1;
+    bpclip::box_muller_f64(0u, 0u, 0u, 0u, &z0, &z1);
+    check(fabs(z0 - sqrt(130.0 * log(2.0))) < 1e-13 && z1 != 0.0, "box_muller_f64(0, 0 | 0, 0): the tail, z1 != 0");
+    bpclip::box_muller_f64(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, &z0, &z1);
+    check(fabs(hypot(z0, z1) - 0x1p-26) < 1e-12 * 0x1p-26 && z0 != 0.0 && z1 != 0.0,
+          "box_muller_f64(~0, ~0 | ~0, ~0): radius 2^-26, never 0");
+  }
+
   printf("test_philox: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -74,12 +74,25 @@ __global__ void box_muller_probe_kernel(const uint32_t* words, int64_t pairs, fl
   bpclip::box_muller(words[3 * i], words[3 * i + 1], words[3 * i + 2], &out[2 * i], &out[2 * i + 1]);
 }
 
+// The float64 construction: (hi, lo, angle, angle_lo) per pair.
+__global__ void box_muller_f64_probe_kernel(const uint32_t* words, int64_t pairs, double* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= pairs) return;
+  bpclip::box_muller_f64(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3], &out[2 * i],
+                         &out[2 * i + 1]);
+}
+
 }  // namespace bpclip_test
 
 extern "C" {
 
 int simt_box_muller_probe(const uint32_t* words, int64_t pairs, float* out) {
   launch(bpclip_test::box_muller_probe_kernel, (pairs + 63) / 64, 64, words, pairs, out);
+  return simt::has_error() ? 1 : 0;
+}
+
+int simt_box_muller_f64_probe(const uint32_t* words, int64_t pairs, double* out) {
+  launch(bpclip_test::box_muller_f64_probe_kernel, (pairs + 63) / 64, 64, words, pairs, out);
   return simt::has_error() ? 1 : 0;
 }
 
@@ -116,7 +129,7 @@ int simt_clip_rows_backward(int dtype, const void* g, const void* xc, const void
 // blocks <= 0: the launcher's own grid (noise_launch.cuh) for a device of sm_count multiprocessors;
 // otherwise this grid, to exercise the kernel's grid-stride loop on small buffers (the variant is
 // chosen by buf's alignment, as the launcher does).
-int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, float stdv, int accumulate,
+int simt_philox_noise(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, double stdv, int accumulate,
                       int64_t blocks, int threads, int sm_count, double scale) {
   return dispatch(dtype, [&]<typename T, typename fac_t>() {
     if (blocks <= 0) {
@@ -159,7 +172,7 @@ int simt_banded_row(int dtype, void* ring, int64_t slots, int64_t P, void* const
 }
 
 // philox_noise2_ over two caller buffers; blocks as simt_philox_noise.
-int simt_philox_noise2(int dtype, void* w, int64_t nw, void* b, int64_t nb, uint64_t seed, uint64_t offset, float stdv,
+int simt_philox_noise2(int dtype, void* w, int64_t nw, void* b, int64_t nb, uint64_t seed, uint64_t offset, double stdv,
                        int accumulate_w, int accumulate_b, int64_t blocks, int threads, int sm_count, double scale) {
   return dispatch(dtype, [&]<typename T, typename fac_t>() {
     if (blocks <= 0) {
@@ -176,7 +189,7 @@ int simt_philox_noise2(int dtype, void* w, int64_t nw, void* b, int64_t nb, uint
 // in dtype; g null: no VJP (B = N = 0); sum_rows 0: b noised as it holds (rows ignored).
 int simt_layer_tail(int dtype, void* w, int64_t nw, void* b, int64_t nb, int sum_rows, const void* rows, int64_t R,
                     uint64_t seed,
-                    uint64_t offset, float stdv, int draw, double scale, const void* g, const void* xc,
+                    uint64_t offset, double stdv, int draw, double scale, const void* g, const void* xc,
                     const void* factor, const void* norm, int64_t B, int64_t N, double bound, int fn, void* out,
                     int sm_count) {
   const RowGeometry r = make_row_geometry(B, N, 1, N, kReduceChunk);
@@ -256,7 +269,7 @@ int simt_examples_factors(int dtype, const void* w, const void* bias, int64_t B,
 
 // examples_release: out_w [Nw], out_b [Nb] of the values' dtype; factor [B] of the accumulation dtype.
 int simt_examples_release(int dtype, const void* w, const void* bias, const void* factor, int64_t B, int64_t Nw,
-                          int64_t Nb, uint64_t seed, uint64_t offset, float stdv, double scale, void* out_w,
+                          int64_t Nb, uint64_t seed, uint64_t offset, double stdv, double scale, void* out_w,
                           void* out_b) {
   return dispatch(dtype, [&]<typename T, typename acc_t>() {
     examples_release_device<T, acc_t>(static_cast<const T*>(w), static_cast<const T*>(bias),

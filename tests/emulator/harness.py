@@ -154,14 +154,15 @@ class Simt:
         lib.simt_clip_rows_backward.argtypes = [i32, vp, vp, vp, vp, i64, i64, dbl, i32, vp]
         lib.simt_scale_rows.argtypes = [i32, vp, vp, i64, i64, vp]
         lib.simt_box_muller_probe.argtypes = [vp, i64, vp]
-        lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, ctypes.c_float, i32, i64, i32, i32, dbl]
-        lib.simt_philox_noise2.argtypes = [i32, vp, i64, vp, i64, u64, u64, ctypes.c_float, i32, i32, i64, i32, i32,
+        lib.simt_box_muller_f64_probe.argtypes = [vp, i64, vp]
+        lib.simt_philox_noise.argtypes = [i32, vp, i64, u64, u64, dbl, i32, i64, i32, i32, dbl]
+        lib.simt_philox_noise2.argtypes = [i32, vp, i64, vp, i64, u64, u64, dbl, i32, i32, i64, i32, i32,
                                            dbl]
         lib.simt_banded_row.argtypes = [i32, vp, i64, i64, vp, vp, vp, i32, i32, vp, u64, u64, dbl, i64, i32, i32]
         lib.simt_scale_rows2.argtypes = [i32, vp, vp, i64, vp, vp, vp, i64, i32, i64, vp]
         lib.simt_clip_rows_rescale.argtypes = [i32, vp, i64, i64, i64, i64, i32, dbl, i32, dbl, vp, vp, vp, vp, vp, vp,
                                                i64, vp]
-        lib.simt_layer_tail.argtypes = [i32, vp, i64, vp, i64, i32, vp, i64, u64, u64, ctypes.c_float, i32, dbl, vp, vp,
+        lib.simt_layer_tail.argtypes = [i32, vp, i64, vp, i64, i32, vp, i64, u64, u64, dbl, i32, dbl, vp, vp,
                                         vp, vp, i64, i64, dbl, i32, vp, i32]
         lib.simt_norm_affine.argtypes = [i32, vp, vp, vp, vp, i32, i64, i64, i64, i64, vp, vp]
         lib.simt_exact_bound.argtypes = [i32, vp, vp, vp, vp, vp, vp, i32, vp, vp, vp, vp]
@@ -169,7 +170,7 @@ class Simt:
         lib.simt_exact_factors.argtypes = [vp, i64, i64, dbl, dbl, i32, dbl, i32, vp, vp, vp]
         lib.simt_examples_bound.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp]
         lib.simt_examples_factors.argtypes = [i32, vp, vp, i64, i64, i64, vp, vp, i32, vp, dbl, i32, dbl]
-        lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, ctypes.c_float, dbl, vp, vp]
+        lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, dbl, dbl, vp, vp]
         lib.simt_conv_patches.argtypes = [i32, vp, vp, vp]
         lib.simt_word_checksum.argtypes = [vp, i64, vp, i64, i32]
         lib.simt_set_schedule.argtypes = [i32, u64]
@@ -274,6 +275,13 @@ class Simt:
         w = words.to(torch.int64).to(torch.int32).contiguous()  # the bit patterns, 32 bits each
         out = torch.full((w.shape[0], 2), float("nan"))
         self.call("simt_box_muller_probe", _ptr(w), w.shape[0], _ptr(out))
+        return out
+
+    def box_muller_f64(self, words: torch.Tensor) -> torch.Tensor:
+        """philox.h's box_muller_f64 as emulated device code on [pairs, 4] uint32 words (as int64)."""
+        w = words.to(torch.int64).to(torch.int32).contiguous()
+        out = torch.full((w.shape[0], 2), float("nan"), dtype=torch.float64)
+        self.call("simt_box_muller_f64_probe", _ptr(w), w.shape[0], _ptr(out))
         return out
 
     def word_checksum(self, words, blocks=0, sm_count=H100_SMS):

@@ -167,4 +167,128 @@ BPCLIP_HD inline void philox_normal8(uint64_t seed, uint64_t offset, uint64_t gr
                    philox_block(seed, offset, group_block(group, 2)), z);
 }
 
+// ---- float64 normals, for float64 buffers ------------------------------------------------------
+// Why: a float64 release noised with float32 normals times a float32 std differs from the clipped sum
+// by a float32 number on every coordinate, which the neighbouring data set's sum almost never does, so
+// one coordinate tells the two apart (review 40 F2, Mironov's floating-point attack in its strongest
+// form). A float64 buffer therefore draws its normals in double, with a 52-bit angle, from the same
+// counters: the float draw's three blocks plus a fourth, group_block(g, 3), whose words give each
+// pair's angle 29 more bits. The draw refines the float one: the same radius word, the angle inside
+// the float draw's angle cell (tests/cpp/test_philox.cpp bounds |z64 - z32|).
+//
+// Radius: u1 = (K + 1/2) 2^-64 as in radius_uniform, rounded once to double (the smallest value, K = 0,
+// is 2^-65 exactly: the same tail, |z| <= 9.4926, and the same truncation argument as above). u1
+// rounds to 1 for K >= 2^64 (1 - 2^-54); those take the largest double below 1, r = 2^-26.
+// Angle: u2 = (2k + 1) 2^-53 for the 52-bit k = (angle >> 9) 2^29 + (angle_lo >> 3), the midpoint of
+// one of 2^52 cells (exact in double; 4 u2 is never an integer, so no draw is exactly 0: review 40 F1).
+// Smallest nonzero |z|: 2^-26 sin(2 pi 2^-53) > 2^-77, times the std floor 2^-80 a normal double.
+// log, cos and sin are series written out here (both backends, as the float ones) and are within a
+// few double ulp: log m = 2 atanh s, s = (m - 1) / (m + 1), |s| <= 3 - 2 sqrt 2, truncated after s^21
+// (remainder below s^23 / 23 < 2^-60 relative); sin and cos of |phi| <= pi/4 by Taylor series to
+// phi^17 and phi^16 (remainders below (pi/4)^18 / 18! < 2^-58).
+
+// log(x) for a positive normal double x.
+BPCLIP_HD_INLINE double log_pos_f64(double x) {
+  const uint64_t bits = double_bits(x);
+  double e = static_cast<double>(static_cast<int>((bits >> 52) & 0x7ffu) - 1022);
+  double m = bits_double((bits & 0x000fffffffffffffull) | 0x3fe0000000000000ull);  // x = m 2^e, m in [0.5, 1)
+  const double small = static_cast<double>(m < 0.70710678118654752440);
+  e -= small;
+  m = m + m * small;  // m in [sqrt(1/2), sqrt(2)): m - 1 is exact (Sterbenz)
+  const double s = (m - 1.0) / (m + 1.0);
+  const double s2 = s * s;
+  double p = 1.0 / 21.0;
+  p = p * s2 + 1.0 / 19.0;
+  p = p * s2 + 1.0 / 17.0;
+  p = p * s2 + 1.0 / 15.0;
+  p = p * s2 + 1.0 / 13.0;
+  p = p * s2 + 1.0 / 11.0;
+  p = p * s2 + 1.0 / 9.0;
+  p = p * s2 + 1.0 / 7.0;
+  p = p * s2 + 1.0 / 5.0;
+  p = p * s2 + 1.0 / 3.0;
+  const double log_m = 2.0 * s + 2.0 * s * (s2 * p);
+  // ln 2 split so that e ln2_hi is exact (ln2_hi has 14 significant bits, |e| < 2^11).
+  return e * 0.693145751953125 + (log_m + e * 1.42860682030941723212e-6);
+}
+
+// (cos, sin) of 2 pi u for u in [0, 1), as cos_sin_2pi: 4u splits exactly into a quadrant and a
+// remainder in [-1/2, 1/2].
+BPCLIP_HD_INLINE void cos_sin_2pi_f64(double u, double* c_out, double* s_out) {
+  const double q = u * 4.0;
+  const double j = static_cast<double>(static_cast<int>(q + 0.5));
+  const double phi = (q - j) * 1.5707963267948966192;
+  const double p2 = phi * phi;
+  double s = -1.0 / 355687428096000.0;                       // -1/17!
+  s = s * p2 + 1.0 / 1307674368000.0;                        // 1/15!
+  s = s * p2 - 1.0 / 6227020800.0;                           // -1/13!
+  s = s * p2 + 1.0 / 39916800.0;                             // 1/11!
+  s = s * p2 - 1.0 / 362880.0;                               // -1/9!
+  s = s * p2 + 1.0 / 5040.0;                                 // 1/7!
+  s = s * p2 - 1.0 / 120.0;                                  // -1/5!
+  s = s * p2 + 1.0 / 6.0;                                    // 1/3!
+  s = phi - phi * p2 * s;
+  double c = 1.0 / 20922789888000.0;                         // 1/16!
+  c = c * p2 - 1.0 / 87178291200.0;                          // -1/14!
+  c = c * p2 + 1.0 / 479001600.0;                            // 1/12!
+  c = c * p2 - 1.0 / 3628800.0;                              // -1/10!
+  c = c * p2 + 1.0 / 40320.0;                                // 1/8!
+  c = c * p2 - 1.0 / 720.0;                                  // -1/6!
+  c = c * p2 + 1.0 / 24.0;                                   // 1/4!
+  c = 1.0 - 0.5 * p2 + p2 * p2 * c;
+  const uint32_t quadrant = static_cast<uint32_t>(static_cast<int>(j)) & 3u;
+  const bool swap = (quadrant & 1u) != 0u;
+  const double base_c = swap ? s : c;
+  const double base_s = swap ? c : s;
+  *c_out = bits_double(double_bits(base_c) ^ (static_cast<uint64_t>(((quadrant + 1u) & 2u)) << 62));
+  *s_out = bits_double(double_bits(base_s) ^ (static_cast<uint64_t>(quadrant & 2u) << 62));
+}
+
+// u1 = (hi 2^32 + lo + 1/2) 2^-64 rounded once to double: hi 2^-32 and (2 lo + 1) 2^-65 are exact.
+BPCLIP_HD_INLINE double radius_uniform_f64(uint32_t hi, uint32_t lo) {
+  return static_cast<double>(hi) * 0x1p-32 + (static_cast<double>(lo) * 0x1p-64 + 0x1p-65);
+}
+
+BPCLIP_HD_INLINE void box_muller_f64(uint32_t hi, uint32_t lo, uint32_t angle, uint32_t angle_lo, double* z0,
+                                     double* z1) {
+  const double u1 = radius_uniform_f64(hi, lo);
+  const uint64_t k = (static_cast<uint64_t>(angle >> 9) << 29) | static_cast<uint64_t>(angle_lo >> 3);
+  const double u2 = static_cast<double>(static_cast<int64_t>((k << 1) | 1u)) * 0x1p-53;
+  const double l = log_pos_f64(u1 < 1.0 ? u1 : 0x1.fffffffffffffp-1);
+  const double r = sqrt(-2.0 * l > 0.0 ? -2.0 * l : 0.0);
+  double c, s;
+  cos_sin_2pi_f64(u2, &c, &s);
+  *z0 = r * c;
+  *z1 = r * s;
+}
+
+constexpr int kBlocksPerGroupF64 = 4;
+
+// The float pairs' words, and block 3's word q as pair q's low angle bits.
+BPCLIP_HD_INLINE void normals_of_group(const U4& b0, const U4& b1, const U4& b2, const U4& b3, double z[8]) {
+  box_muller_f64(b0.x, b0.y, b2.x, b3.x, &z[0], &z[1]);
+  box_muller_f64(b0.z, b0.w, b2.y, b3.y, &z[2], &z[3]);
+  box_muller_f64(b1.x, b1.y, b2.z, b3.z, &z[4], &z[5]);
+  box_muller_f64(b1.z, b1.w, b2.w, b3.w, &z[6], &z[7]);
+}
+
+// The eight float64 normals of group `group`; float64 buffers draw these (same element layout).
+BPCLIP_HD inline void philox_normal8(uint64_t seed, uint64_t offset, uint64_t group, double z[8]) {
+  normals_of_group(philox_block(seed, offset, group_block(group, 0)), philox_block(seed, offset, group_block(group, 1)),
+                   philox_block(seed, offset, group_block(group, 2)), philox_block(seed, offset, group_block(group, 3)),
+                   z);
+}
+
+// The normals' type for a buffer of T: double for double, float for every other dtype.
+template <typename T>
+struct NormalOf {
+  using type = float;
+};
+template <>
+struct NormalOf<double> {
+  using type = double;
+};
+template <typename T>
+using normal_t = typename NormalOf<T>::type;
+
 }  // namespace bpclip
