@@ -24,5 +24,5 @@ def build_info() -> dict:
 from . import autograd, modules, nn, reference  # noqa: E402,F401
 from .adaptive import Adaptive  # noqa: E402,F401
 from .boundary import StepRefused  # noqa: E402,F401
-from .engine import DPOptimizer, InsecureSeedWarning, PrivacyEngine  # noqa: E402,F401
+from .engine import DPOptimizer, Float64NoiseWarning, InsecureSeedWarning, PrivacyEngine  # noqa: E402,F401
 from .validate import fix_model  # noqa: E402,F401

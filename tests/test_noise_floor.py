@@ -387,6 +387,21 @@ def test_a_float64_buffer_draws_the_float64_construction_bit_for_bit():
         assert abs(got - z) <= 16 * 2.0 ** -53 * r
 
 
+def test_float64_parameters_no_longer_warn_and_the_warning_still_imports():
+    """make_private issues no Float64NoiseWarning (float64 parameters draw float64 normals); the class
+    stays importable for code that filters it (review 44 F2)."""
+    from bpclip_fast import Float64NoiseWarning
+
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    loader = DataLoader(TensorDataset(torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))),
+                        batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, clipping="flat")
+    assert not [w for w in caught if issubclass(w.category, Float64NoiseWarning)]
+
+
 def test_a_float64_release_minus_its_sum_is_not_a_float32_number():
     """Review 40 F2's attack: with float32 normals every coordinate of out − sum was a float32 number,
     and 5.58M of 16.8M coordinates of a neighbouring data set's were not. With float64 normals neither
@@ -464,3 +479,59 @@ def test_the_float64_draw_has_no_zero_and_its_smallest_clears_the_floor():
     device = sim.box_muller_f64(torch.from_numpy(words.astype(np.int64)))
     host = _box_muller_f64(*words.T)
     assert np.array_equal(device[:, 0].numpy(), host[0]) and np.array_equal(device[:, 1].numpy(), host[1])
+
+
+
+# ---------------------------------------------------------------- the pair-lattice attack (open)
+
+
+def _pair_consistent(y, s, std, u_window=12, k_window=6):
+    """The adversary of review 44 F1: is the float64 release pair ``y`` (coordinates 2i, 2i+1) exactly
+    what some draw of the construction, a double u1 and a 52-bit angle cell near the ones that invert
+    (y − s)/std, gives from the sums ``s`` (philox_noise_ accumulating: fl(s + fl(std·z)))?"""
+    L = np.longdouble
+    zc = (y.astype(L) - s.astype(L)) / L(std)
+    z0, z1 = zc[0::2], zc[1::2]
+    u1c = np.exp(-(z0 * z0 + z1 * z1) / 2).astype(D)
+    turn = np.arctan2(z1, z0) / (2 * np.pi)
+    kc = np.floor(np.where(turn < 0, turn + 1, turn) * L(2.0 ** 52)).astype(np.int64)
+    ok = np.zeros(len(z0), bool)
+    candidates, up, down = [u1c], u1c.copy(), u1c.copy()
+    for _ in range(u_window):
+        up, down = np.nextafter(up, 2.0), np.nextafter(down, 0.0)
+        candidates += [up, down]
+    for u1 in candidates:
+        t = D(-2.0) * _log_pos_f64(np.minimum(u1, D(1.0) - D(2.0 ** -53)))
+        r = np.sqrt(np.where(t > 0, t, D(0.0)))
+        for dk in range(-k_window, k_window + 1):
+            k = np.mod(kc + dk, 1 << 52).astype(np.uint64)
+            u2 = (k >> np.uint64(29)).astype(D) * D(2.0 ** -23) + \
+                (((k & np.uint64((1 << 29) - 1)) << np.uint64(1)) | np.uint64(1)).astype(D) * D(2.0 ** -53)
+            c, sn = _cos_sin_2pi_f64(u2)
+            ok |= (s[0::2] + std * (r * c) == y[0::2]) & (s[1::2] + std * (r * sn) == y[1::2])
+    return ok
+
+
+def _lattice_release(pairs=2000, shift=1e-9):
+    sums = np.zeros(2 * pairs)
+    y = torch.from_numpy(sums.copy())
+    _ops.philox_noise_(y, 21, 8, 1.0, True)
+    return y.numpy(), sums, sums + shift
+
+
+def test_the_pair_lattice_adversary_accepts_the_true_sums_on_every_pair():
+    """The adversary's test of review 44 F1 is exact: it finds the draw behind every release pair
+    under the true sums (the check of the next test's harness)."""
+    y, truth, _ = _lattice_release()
+    assert _pair_consistent(y, truth, 1.0).all()
+
+
+@pytest.mark.xfail(strict=True, reason="open (review 44 F1): Box–Muller pairs lie on a sparse lattice of doubles, so "
+                   "a neighbour's sums are ruled out on ~97% of pairs; the fix is a snapped or discrete release "
+                   "(docs/design.md, 'Open: floating-point noise')")
+def test_a_neighbours_sums_are_consistent_with_almost_every_release_pair():
+    """What a release must give an adversary who knows the sums but one example's share: every pair
+    of the release is as consistent with the neighbouring sums (here every coordinate shifted by 1e-9,
+    a billionth of the noise) as with the true ones. Fails today: ~3% of pairs are."""
+    y, _, neighbour = _lattice_release()
+    assert _pair_consistent(y, neighbour, 1.0).mean() >= 0.99

@@ -122,9 +122,9 @@ True)`` adds the seeds: the explicit, insecure opt-in for a bit-for-bit reproduc
 Loading an optimizer state without the privacy state into a ``DPOptimizer`` raises.
 """
 from ..boundary import StepRefused
-from ._common import InsecureSeedWarning
+from ._common import Float64NoiseWarning, InsecureSeedWarning
 from .guards import _no_check_factory  # noqa: F401  (models pickled before the package refer to it here)
 from .optimizer import DPOptimizer
 from .privacy_engine import PrivacyEngine
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "StepRefused"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "InsecureSeedWarning", "Float64NoiseWarning", "StepRefused"]

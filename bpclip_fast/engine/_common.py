@@ -13,6 +13,11 @@ class InsecureSeedWarning(UserWarning):
     """An explicit noise seed: reproducible, and whoever knows it can subtract the noise."""
 
 
+class Float64NoiseWarning(UserWarning):
+    """No longer issued: float64 parameters draw float64 normals. Kept so that code filtering it
+    still imports (the floating-point attack that remains: the README, "Floating-point noise")."""
+
+
 # An engine holds the secret noise and sampling seeds and the live step records: a pickled or copied
 # engine (or an optimizer holding it) would carry the seed into a file, or continue the same draws.
 NO_PICKLE = ("{} cannot be pickled or copied: it holds the secret noise seed and the live step state. "

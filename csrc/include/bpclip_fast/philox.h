@@ -126,8 +126,9 @@ BPCLIP_HD_INLINE float radius_uniform(uint32_t hi, uint32_t lo) {
   return a + (b + 0x1p-65f);
 }
 
-// Box-Muller on a 64-bit radius word (hi, lo) and an angle word, of which 23 bits are used (the
-// angle needs no more): z0 = r cos(2 pi u2), z1 = r sin(2 pi u2), r = sqrt(-2 ln u1).
+// Box-Muller on a 64-bit radius word (hi, lo) and an angle word, of which 23 bits are used (float's
+// precision; not enough against a floating-point attack, which no number of bits ends: the pairs lie on
+// a lattice, review 44 F1, docs/design.md): z0 = r cos(2 pi u2), z1 = r sin(2 pi u2), r = sqrt(-2 ln u1).
 // No draw is exactly 0 (review 40 F1: one was on ~1.5e-7 of the coordinates, which then released the
 // clipped sum itself). The angle is the midpoint of one of 2^23 equal cells, u2 = (2k + 1) 2^-24
 // (exact in float), so 4 u2 is never an integer: |phi| >= 2^-22 pi/2 and cos_sin_2pi's pair is never
@@ -171,7 +172,8 @@ BPCLIP_HD inline void philox_normal8(uint64_t seed, uint64_t offset, uint64_t gr
 // Why: a float64 release noised with float32 normals times a float32 std differs from the clipped sum
 // by a float32 number on every coordinate, which the neighbouring data set's sum almost never does, so
 // one coordinate tells the two apart (review 40 F2, Mironov's floating-point attack in its strongest
-// form). A float64 buffer therefore draws its normals in double, with a 52-bit angle, from the same
+// form). Float64 draws end that form, not the attack: a pair's two normals share (u1, angle), so the
+// pairs a release can hold are a sparse lattice of double pairs (review 44 F1; open, docs/design.md). A float64 buffer therefore draws its normals in double, with a 52-bit angle, from the same
 // counters: the float draw's three blocks plus a fourth, group_block(g, 3), whose words give each
 // pair's angle 29 more bits. The draw refines the float one: the same radius word, the angle inside
 // the float draw's angle cell (tests/cpp/test_philox.cpp bounds |z64 - z32|).
@@ -187,10 +189,15 @@ BPCLIP_HD inline void philox_normal8(uint64_t seed, uint64_t offset, uint64_t gr
 // (remainder below s^23 / 23 < 2^-60 relative); sin and cos of |phi| <= pi/4 by Taylor series to
 // phi^17 and phi^16 (remainders below (pi/4)^18 / 18! < 2^-58).
 
+// Written, like the float versions, so that a lane loop of them vectorises with AVX2 or AVX-512F
+// alone: 64-bit integer conversions (AVX-512DQ) are avoided by exact tricks (an integer below 2^52 is
+// read out of 2^52 + it, and words enter as int32 halves), which give the same values.
+
 // log(x) for a positive normal double x.
 BPCLIP_HD_INLINE double log_pos_f64(double x) {
   const uint64_t bits = double_bits(x);
-  double e = static_cast<double>(static_cast<int>((bits >> 52) & 0x7ffu) - 1022);
+  // the exponent field as a double: the low bits of 2^52 + field, read back exactly
+  double e = bits_double((bits >> 52) | 0x4330000000000000ull) - (0x1p52 + 1022.0);
   double m = bits_double((bits & 0x000fffffffffffffull) | 0x3fe0000000000000ull);  // x = m 2^e, m in [0.5, 1)
   const double small = static_cast<double>(m < 0.70710678118654752440);
   e -= small;
@@ -214,9 +221,12 @@ BPCLIP_HD_INLINE double log_pos_f64(double x) {
 
 // (cos, sin) of 2 pi u for u in [0, 1), as cos_sin_2pi: 4u splits exactly into a quadrant and a
 // remainder in [-1/2, 1/2].
+// j = the integer nearest 4u: 4u is never a half-integer here (box_muller_f64's u), so rounding to
+// nearest (2^52 + q, in which j is the low bits) is the float version's floor(q + 1/2).
 BPCLIP_HD_INLINE void cos_sin_2pi_f64(double u, double* c_out, double* s_out) {
   const double q = u * 4.0;
-  const double j = static_cast<double>(static_cast<int>(q + 0.5));
+  const double shifted = q + 0x1p52;
+  const double j = shifted - 0x1p52;
   const double phi = (q - j) * 1.5707963267948966192;
   const double p2 = phi * phi;
   double s = -1.0 / 355687428096000.0;                       // -1/17!
@@ -236,24 +246,31 @@ BPCLIP_HD_INLINE void cos_sin_2pi_f64(double u, double* c_out, double* s_out) {
   c = c * p2 - 1.0 / 720.0;                                  // -1/6!
   c = c * p2 + 1.0 / 24.0;                                   // 1/4!
   c = 1.0 - 0.5 * p2 + p2 * p2 * c;
-  const uint32_t quadrant = static_cast<uint32_t>(static_cast<int>(j)) & 3u;
+  const uint64_t quadrant = double_bits(shifted) & 3u;
   const bool swap = (quadrant & 1u) != 0u;
   const double base_c = swap ? s : c;
   const double base_s = swap ? c : s;
-  *c_out = bits_double(double_bits(base_c) ^ (static_cast<uint64_t>(((quadrant + 1u) & 2u)) << 62));
-  *s_out = bits_double(double_bits(base_s) ^ (static_cast<uint64_t>(quadrant & 2u) << 62));
+  *c_out = bits_double(double_bits(base_c) ^ (((quadrant + 1u) & 2u) << 62));
+  *s_out = bits_double(double_bits(base_s) ^ ((quadrant & 2u) << 62));
+}
+
+// A 32-bit word as a double, exactly, through int32 conversions (its upper 31 bits, then its low bit).
+BPCLIP_HD_INLINE double word_f64(uint32_t w) {
+  return static_cast<double>(static_cast<int32_t>(w >> 1)) * 2.0 + static_cast<double>(static_cast<int32_t>(w & 1u));
 }
 
 // u1 = (hi 2^32 + lo + 1/2) 2^-64 rounded once to double: hi 2^-32 and (2 lo + 1) 2^-65 are exact.
 BPCLIP_HD_INLINE double radius_uniform_f64(uint32_t hi, uint32_t lo) {
-  return static_cast<double>(hi) * 0x1p-32 + (static_cast<double>(lo) * 0x1p-64 + 0x1p-65);
+  return word_f64(hi) * 0x1p-32 + (word_f64(lo) * 0x1p-64 + 0x1p-65);
 }
 
 BPCLIP_HD_INLINE void box_muller_f64(uint32_t hi, uint32_t lo, uint32_t angle, uint32_t angle_lo, double* z0,
                                      double* z1) {
   const double u1 = radius_uniform_f64(hi, lo);
-  const uint64_t k = (static_cast<uint64_t>(angle >> 9) << 29) | static_cast<uint64_t>(angle_lo >> 3);
-  const double u2 = static_cast<double>(static_cast<int64_t>((k << 1) | 1u)) * 0x1p-53;
+  // u2 = (2k + 1) 2^-53, k = (angle >> 9) 2^29 + (angle_lo >> 3): the two parts' bits do not overlap,
+  // so their sum is exact
+  const double u2 = static_cast<double>(static_cast<int32_t>(angle >> 9)) * 0x1p-23 +
+                    static_cast<double>(static_cast<int32_t>(((angle_lo >> 3) << 1) | 1u)) * 0x1p-53;
   const double l = log_pos_f64(u1 < 1.0 ? u1 : 0x1.fffffffffffffp-1);
   const double r = sqrt(-2.0 * l > 0.0 ? -2.0 * l : 0.0);
   double c, s;
