@@ -207,9 +207,9 @@ class _Clipped:
             checked = step.checked_shape
             if checked is not None and (len(shape) != len(checked) or any(a < b for a, b in zip(shape, checked))):
                 raise ValueError(f"{self.layer_name}: set_max_input_shape{shape} after make_private: the noise "
-                                 f"range was checked for Δ at max_input_shape {tuple(checked)}, and a shape smaller in "
-                                 "any dimension would lower Δ below it; pass max_input_shape to make_private on a "
-                                 "fresh model instead")
+                                 f"range was checked for Δ at max_input_shape {tuple(checked)}; a new shape must have "
+                                 "its rank and be at least as large in every dimension (a smaller one would lower Δ "
+                                 "below it); pass max_input_shape to make_private on a fresh model instead")
             from ..engine import noise_range
 
             sigma, span = step.std_span
