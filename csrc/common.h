@@ -34,6 +34,8 @@ inline int parse_norm(std::string_view s) {
 // smallest nonzero |z| is r·|sin| at the largest u1 below 1 (r = 3.45e-4) and the angle step
 // (|sin| = 3.7e-7), 1.29e-10 = 2^-32.85 (tests/test_noise_floor.py enumerates both), so std·|z| >=
 // 2^-80 · 2^-32.85 = 2^-112.85, 2^13 above FLT_MIN = 2^-126: margin for the GPU's FMA contraction.
+// A float64 buffer's draws are float64 normals times the std in double: their smallest nonzero |z| is
+// 2^-26 sin(2 pi 2^-53) > 2^-77, so std·|z| > 2^-157, far above DBL_MIN = 2^-1022.
 constexpr double kMinNoiseStd = 0x1p-80;  // 8.27e-25
 inline bool noise_std_ok(double stdv) { return stdv == 0.0 || (stdv >= kMinNoiseStd && stdv < 1e30); }
 #define BPCLIP_NOISE_STD_RULE "0 or between 2^-80 = 8.27e-25 (every float32 draw times it a normal number) and 1e30"
