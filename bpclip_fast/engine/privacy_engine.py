@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import warnings
 
 import torch
 from torch import nn
