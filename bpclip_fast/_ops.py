@@ -191,6 +191,10 @@ if _LOAD_ERROR is None:
     def _word_checksum_fake(words):
         return words.new_empty((), dtype=torch.int64)
 
+    @torch.library.register_fake("bpclip_fast::discrete_gaussian_")
+    def _discrete_gaussian_fake(out, seed, offset, sigma):
+        return None
+
     def _layer_norm_row_size(x, mean):
         """Mirrors layer_norm_row_size in csrc/common.h."""
         if mean.numel() > 0:
@@ -273,6 +277,18 @@ def philox_noise_(buf, seed, offset, std, accumulate=False, scale=1.0):
     then ``buf *= scale`` in the same pass where ``scale != 1`` (bit for bit a later ``buf.mul_(scale)``)."""
     torch.ops.bpclip_fast.philox_noise_(buf, int(seed), int(offset), float(std), bool(accumulate), float(scale))
     return buf
+
+
+def discrete_gaussian_(out, seed, offset, sigma):
+    """``out[i]`` = a draw of the discrete Gaussian ``N_Z(0, sigma^2)`` (``P(y)`` proportional to
+    ``exp(-y^2 / (2 sigma^2))`` on the integers) for contiguous position ``i``, exact but for an event
+    of probability below 2^-129 per element (``csrc/include/bpclip_fast/discrete_gaussian.h``).
+    ``out``: int64; ``sigma``: an integer in [0, 2^52], 0 drawing zeros; the same bits on every
+    backend."""
+    if isinstance(sigma, bool) or int(sigma) != sigma:
+        raise TypeError(f"bpclip_fast.discrete_gaussian_: sigma must be an integer, got {sigma!r}")
+    torch.ops.bpclip_fast.discrete_gaussian_(out, int(seed), int(offset), int(sigma))
+    return out
 
 
 def philox_noise2_(w, b, seed, offset, std, accumulate_w=False, accumulate_b=False, scale=1.0):

@@ -195,6 +195,10 @@ TORCH_LIBRARY(bpclip_fast, m) {
   // over int64 words (a tensor's bytes, in logical order), the sum of w + (w >> 33) (arithmetic
   // shift) modulo 2^64, as an int64 scalar on the words' device. One pass; the same bits in any order.
   m.def("word_checksum(Tensor words) -> Tensor");
+  // out[i] = a draw of the discrete Gaussian N_Z(0, sigma^2) for contiguous position i, from
+  // Philox words keyed by (seed, offset, i) with integer arithmetic only
+  // (bpclip_fast/discrete_gaussian.h); sigma an integer in [0, 2^52], 0 drawing zeros. out: int64.
+  m.def("discrete_gaussian_(Tensor(a!) out, int seed, int offset, int sigma) -> ()");
   m.def("_build_config() -> str", &build_config);
   // The CPU storage cache of the ops' outputs and scratch (csrc/host_cache.h): limit >= 0 sets its
   // bytes (0 empties it), poison fills its idle storages with 0xFF. Returns [limit, held, idle, storages].

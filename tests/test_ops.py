@@ -589,6 +589,8 @@ def _opcheck_cases(device):
         (OPS.banded_row_, (torch.randn(1, 9, dtype=torch.float64, device=device), [], [], 0, [-0.5], 5, 6, 0.7)),
         (OPS.word_checksum, (torch.randint(-(1 << 62), 1 << 62, (37,), dtype=torch.int64, device=device),)),
         (OPS.word_checksum, (torch.zeros(0, dtype=torch.int64, device=device),)),
+        (OPS.discrete_gaussian_, (torch.zeros(3, 5, dtype=torch.int64, device=device), 7, 8, 1 << 27)),
+        (OPS.discrete_gaussian_, (torch.zeros(0, dtype=torch.int64, device=device), 7, 8, 0)),
     ]
 
 

@@ -29,6 +29,7 @@ void launch(void (*kernel)(KArgs...), int64_t blocks, int threads, Args&&... arg
 #include "bound_launch.cuh"
 #include "checksum_launch.cuh"
 #include "clip_launch.cuh"
+#include "dgauss_launch.cuh"
 #include "examples_launch.cuh"
 #include "noise_launch.cuh"
 #include "norm_affine_launch.cuh"
@@ -335,6 +336,19 @@ int simt_word_checksum(const int64_t* words, int64_t n, uint64_t* out, int64_t b
     word_checksum_device(w, n, o, sm_count);
   } else {
     launch(word_checksum_kernel, blocks, kChecksumThreads, w, n, o);
+  }
+  return simt::has_error() ? 1 : 0;
+}
+
+// discrete_gaussian_ of n elements into out; blocks <= 0: the launcher's grid for a device of
+// sm_count multiprocessors, otherwise this grid (the grid-stride loop).
+int simt_discrete_gaussian(int64_t* out, int64_t n, uint64_t seed, uint64_t offset, uint64_t sigma, int64_t blocks,
+                           int sm_count) {
+  auto* o = reinterpret_cast<long long*>(out);
+  if (blocks <= 0) {
+    discrete_gaussian_device(o, n, seed, offset, sigma, sm_count);
+  } else {
+    launch(discrete_gaussian_kernel, blocks, kDgThreads, o, n, seed, offset, sigma);
   }
   return simt::has_error() ? 1 : 0;
 }

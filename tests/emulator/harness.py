@@ -173,6 +173,7 @@ class Simt:
         lib.simt_examples_release.argtypes = [i32, vp, vp, vp, i64, i64, i64, u64, u64, dbl, dbl, vp, vp]
         lib.simt_conv_patches.argtypes = [i32, vp, vp, vp]
         lib.simt_word_checksum.argtypes = [vp, i64, vp, i64, i32]
+        lib.simt_discrete_gaussian.argtypes = [vp, i64, u64, u64, u64, i64, i32]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
             getattr(lib, name).argtypes = [vp, vp, i64, i32]
@@ -290,6 +291,14 @@ class Simt:
         w = words.contiguous()
         out = torch.zeros((), dtype=torch.int64)
         self.call("simt_word_checksum", _ptr(w), w.numel(), _ptr(out), blocks, sm_count)
+        return out
+
+    def discrete_gaussian(self, n, seed, offset, sigma, blocks=0, sm_count=H100_SMS):
+        """discrete_gaussian_ of ``n`` elements as emulated device code (int64); blocks=0: the
+        launcher's grid for a device of ``sm_count`` SMs, else that grid."""
+        out = torch.full((n,), -(1 << 63), dtype=torch.int64)
+        self.call("simt_discrete_gaussian", _ptr(out), n, seed % (1 << 64), offset % (1 << 64), sigma, blocks,
+                  sm_count)
         return out
 
     def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256, sm_count=H100_SMS,
@@ -897,12 +906,26 @@ def compare_word_checksum(sim: Simt, words: torch.Tensor, blocks: int = 0) -> li
     return problems
 
 
+def compare_discrete_gaussian(sim: Simt, n: int, seed: int, offset: int, sigma: int, blocks: int = 0) -> list[str]:
+    """The emulated kernel against the CPU op: the same integers, element for element."""
+    got = sim.discrete_gaussian(n, seed, offset, sigma, blocks)
+    cpu = torch.empty(n, dtype=torch.int64)
+    torch.ops.bpclip_fast.discrete_gaussian_(cpu, seed, offset, sigma)
+    bad = (got != cpu).nonzero().reshape(-1)
+    if bad.numel():
+        i = int(bad[0])
+        return [f"element {i} of {bad.numel()} differing: emulated {int(got[i])} != CPU {int(cpu[i])} "
+                f"(n={n}, sigma={sigma}, blocks={blocks})"]
+    return []
+
+
 def sweep(sim: Simt) -> list[str]:
     """A small run of every op, dtype and kernel path; the problems it finds, labelled."""
     problems = []
     gen = torch.Generator().manual_seed(5)
     words = torch.randint(-(1 << 63), (1 << 63) - 1, (1000,), generator=gen, dtype=torch.int64)
     problems += [f"word_checksum: {p}" for p in compare_word_checksum(sim, words)]
+    problems += [f"discrete_gaussian: {p}" for p in compare_discrete_gaussian(sim, 300, 3, 4, 1 << 27)]
     for dtype in (torch.float32, torch.float64):
         for T, ghost, per, conv in ((1, False, 1, False), (5, True, 2, True), (40, False, 1, True), (40, True, 1, False)):
             xs, gs, gb, wa, wb = bound_inputs(dtype, 6, T, 7, 3, per, ghost, gen, conv_layout=conv)

@@ -1,0 +1,117 @@
+"""The discrete Gaussian draw of ``csrc/include/bpclip_fast/discrete_gaussian.h`` in plain Python
+integers, written from its header comment (the stream's counters and key, Lemire's uniform, CKS
+Algorithms 1-3 with the exponent split into integer parts): the reference the tests compare the
+CPU op and the emulated CUDA kernel with, bit for bit."""
+
+from __future__ import annotations
+
+from philox_ref import philox4x32_10
+
+MASK32 = (1 << 32) - 1
+MASK64 = (1 << 64) - 1
+TAG_NOISE = 1
+TRIALS, MAX_V, MAX_K, LEMIRE_RETRIES = 512, 96, 40, 16
+
+
+class Capped(Exception):
+    """A cap of the header was reached: the draw is 0."""
+
+
+class Stream:
+    """Element ``element``'s words: block j is Philox at counter (j, lo(element), lo(offset),
+    hi(offset)) under key (lo(seed) ^ (tag << 24 | bits 32..55 of element), hi(seed))."""
+
+    def __init__(self, seed: int, offset: int, element: int, tag: int = TAG_NOISE):
+        seed, offset = seed & MASK64, offset & MASK64
+        self.key = [(seed & MASK32) ^ ((tag << 24) | ((element >> 32) & 0xFFFFFF)), seed >> 32]
+        self.rest = [element & MASK32, offset & MASK32, offset >> 32]
+        self.block = 0
+        self.words: list[int] = []
+
+    def word32(self) -> int:
+        if not self.words:
+            self.words = philox4x32_10([self.block, *self.rest], self.key)
+            self.block += 1
+        return self.words.pop(0)
+
+    def word64(self) -> int:
+        hi = self.word32()
+        return hi << 32 | self.word32()
+
+
+def uniform_below(st: Stream, m: int) -> int:
+    product = st.word64() * m
+    threshold = (1 << 64) % m
+    retries = 0
+    while product & MASK64 < threshold:
+        if retries == LEMIRE_RETRIES:
+            raise Capped
+        product = st.word64() * m
+        retries += 1
+    return product >> 64
+
+
+def bernoulli_ratio(st: Stream, n: int, d: int) -> bool:
+    if n == 0:
+        return False
+    if n == d:
+        return True
+    return uniform_below(st, d) < n
+
+
+def _exp_loop(st: Stream, step) -> bool:
+    """CKS Algorithm 1: K = 1, 2, ... while ``step(K)`` (a Bernoulli(gamma / K)) succeeds; [K odd]."""
+    k = 1
+    while step(k):
+        k += 1
+        if k > MAX_K:
+            raise Capped
+    return k % 2 == 1
+
+
+def bernoulli_exp_frac(st: Stream, n: int, d: int) -> bool:
+    return _exp_loop(st, lambda k: (k == 1 or bernoulli_ratio(st, 1, k)) and bernoulli_ratio(st, n, d))
+
+
+def bernoulli_exp_square(st: Stream, r: int, s: int) -> bool:
+    return _exp_loop(st, lambda k: bernoulli_ratio(st, 1, 2 * k) and bernoulli_ratio(st, r, s)
+                     and bernoulli_ratio(st, r, s))
+
+
+def _trial(st: Stream, s: int):
+    u = uniform_below(st, s)
+    if not bernoulli_exp_frac(st, u, s):
+        return None
+    v = 0
+    while bernoulli_exp_frac(st, 1, 1):
+        v += 1
+        if v == MAX_V:
+            raise Capped
+    x = u + s * v
+    negative = st.word32() & 1
+    if negative and x == 0:
+        return None
+    q, r = divmod(abs(x - s), s)
+    for _ in range(q * q // 2 + q * r // s):
+        if not bernoulli_exp_frac(st, 1, 1):
+            return None
+    if q % 2 and not bernoulli_exp_frac(st, 1, 2):
+        return None
+    if not bernoulli_exp_frac(st, q * r % s, s) or not bernoulli_exp_square(st, r, s):
+        return None
+    return -x if negative else x
+
+
+def discrete_gaussian(seed: int, offset: int, element: int, s: int) -> int:
+    """N_Z(0, s^2) for ``element`` of the draw at (seed, offset); 0 for s = 0 or a capped draw."""
+    if s == 0:
+        return 0
+    st = Stream(seed, offset, element)
+    try:
+        for _ in range(TRIALS):
+            y = _trial(st, s)
+            if y is not None:
+                return y
+    except Capped:
+        pass
+    return 0
