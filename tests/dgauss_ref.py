@@ -1,15 +1,18 @@
 """The discrete Gaussian draw of ``csrc/include/bpclip_fast/discrete_gaussian.h`` in plain Python
 integers, written from its header comment (the stream's counters and key, Lemire's uniform, CKS
-Algorithms 1-3 with the exponent split into integer parts): the reference the tests compare the
-CPU op and the emulated CUDA kernel with, bit for bit."""
+Algorithms 1-3 with the exponent split into integer parts), and the integer release of
+``integer_release.h`` in Python floats (IEEE doubles): the references the tests compare the CPU ops
+and the emulated CUDA kernels with, bit for bit."""
 
 from __future__ import annotations
+
+import math
 
 from philox_ref import philox4x32_10
 
 MASK32 = (1 << 32) - 1
 MASK64 = (1 << 64) - 1
-TAG_NOISE = 1
+TAG_NOISE, TAG_ROUNDING = 1, 2
 TRIALS, MAX_V, MAX_K, LEMIRE_RETRIES = 512, 96, 40, 16
 
 
@@ -115,3 +118,30 @@ def discrete_gaussian(seed: int, offset: int, element: int, s: int) -> int:
     except Capped:
         pass
     return 0
+
+
+def grid_value(x: float, multiplier: float, grid_exp: int) -> float:
+    """clamp((x * multiplier) * 2^-grid_exp, +-2^52), NaN as 0, in doubles."""
+    a = (x * multiplier) * math.ldexp(1.0, -grid_exp)
+    if a != a:
+        return 0.0
+    return max(-2.0 ** 52, min(2.0 ** 52, a))
+
+
+def coupled_round(a: float, word: int) -> int:
+    """floor(a) + [a - floor(a) >= v], v = (word >> 11) 2^-53: floor(a - v) + 1."""
+    v = (word >> 11) * 2.0 ** -53
+    whole = math.floor(a)
+    return whole + (1 if a - whole >= v else 0)
+
+
+def rounding_word(seed: int, offset: int, element: int) -> int:
+    return Stream(seed, offset, element, TAG_ROUNDING).word64()
+
+
+def integer_release_value(x: float, seed: int, offset: int, element: int, multiplier: float, grid_exp: int,
+                          sigma: int, scale: float) -> float:
+    """The released double of one element, before the rounding to the buffer's dtype."""
+    k = coupled_round(grid_value(x, multiplier, grid_exp), rounding_word(seed, offset, element))
+    y = k + discrete_gaussian(seed, offset, element, sigma)
+    return (float(y) * math.ldexp(1.0, grid_exp)) * scale

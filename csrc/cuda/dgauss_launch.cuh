@@ -1,4 +1,4 @@
-// The launch of discrete_gaussian_ over a raw device pointer, shared by the tensor launcher
+// The launches of the integer-noise ops over raw device pointers, shared by the tensor launcher
 // (dgauss_cuda.cu) and the test emulator. Declare `launch` first.
 #pragma once
 
@@ -15,6 +15,15 @@ inline void discrete_gaussian_device(long long* out, int64_t n, uint64_t seed, u
   const int64_t wanted = (n + kDgThreads - 1) / kDgThreads;
   const int64_t cap = 16 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
   launch(discrete_gaussian_kernel, wanted < cap ? wanted : cap, kDgThreads, out, n, seed, offset, sigma);
+}
+
+template <typename T>
+void integer_release_device(T* buf, int64_t n, uint64_t seed, uint64_t offset, double multiplier, int grid_exp,
+                            uint64_t sigma, double scale, int sm_count) {
+  const int64_t wanted = (n + kDgThreads - 1) / kDgThreads;
+  const int64_t cap = 16 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
+  launch(integer_release_kernel<T>, wanted < cap ? wanted : cap, kDgThreads, buf, n, seed, offset, multiplier,
+         grid_exp, sigma, scale);
 }
 
 }  // namespace cuda

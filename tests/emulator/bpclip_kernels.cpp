@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -349,6 +350,26 @@ int simt_discrete_gaussian(int64_t* out, int64_t n, uint64_t seed, uint64_t offs
     discrete_gaussian_device(o, n, seed, offset, sigma, sm_count);
   } else {
     launch(discrete_gaussian_kernel, blocks, kDgThreads, o, n, seed, offset, sigma);
+  }
+  return simt::has_error() ? 1 : 0;
+}
+
+// integer_release_ of n elements of buf in place (dtype kF32 or kF64); blocks as for
+// simt_discrete_gaussian.
+int simt_integer_release(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, double multiplier,
+                         int grid_exp, uint64_t sigma, double scale, int64_t blocks, int sm_count) {
+  auto run = [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    if (blocks <= 0) {
+      integer_release_device<T>(p, n, seed, offset, multiplier, grid_exp, sigma, scale, sm_count);
+    } else {
+      launch(integer_release_kernel<T>, blocks, kDgThreads, p, n, seed, offset, multiplier, grid_exp, sigma, scale);
+    }
+  };
+  if (dtype == kF64) {
+    run(static_cast<double*>(buf));
+  } else {
+    run(static_cast<float*>(buf));
   }
   return simt::has_error() ? 1 : 0;
 }
