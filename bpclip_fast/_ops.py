@@ -196,7 +196,7 @@ if _LOAD_ERROR is None:
         return None
 
     @torch.library.register_fake("bpclip_fast::integer_release_")
-    def _integer_release_fake(buf, seed, offset, multiplier, grid_exp, sigma, scale):
+    def _integer_release_fake(buf, seed, offset, first, multiplier, grid_exp, sigma, scale):
         return None
 
     def _layer_norm_row_size(x, mean):
@@ -295,17 +295,18 @@ def discrete_gaussian_(out, seed, offset, sigma):
     return out
 
 
-def integer_release_(buf, seed, offset, multiplier, grid_exp, sigma, scale=1.0):
+def integer_release_(buf, seed, offset, first, multiplier, grid_exp, sigma, scale=1.0):
     """The integer release of a buffer of clipped sums, in place (``csrc/include/bpclip_fast/
     integer_release.h``): ``buf[i] = ((k + Y) * 2**grid_exp) * scale`` rounded to buf's dtype, where
     ``k`` is ``buf[i] * multiplier`` on the grid ``2**grid_exp`` randomly rounded with a word that does
-    not depend on the data, and ``Y`` is :func:`discrete_gaussian_`'s draw ``i`` at
-    ``(seed, offset, sigma)``. ``buf``: float32 or float64; ``sigma``: an integer in [0, 2^52]."""
-    for name, value in (("grid_exp", grid_exp), ("sigma", sigma)):
+    not depend on the data, and ``Y`` is the discrete Gaussian draw of element ``first + i`` at
+    ``(seed, offset, sigma)`` (:func:`discrete_gaussian_`'s element ``first + i``). ``buf``: float32
+    or float64 (positions row-major); ``sigma``: an integer in [0, 2^52]."""
+    for name, value in (("first", first), ("grid_exp", grid_exp), ("sigma", sigma)):
         if isinstance(value, bool) or int(value) != value:
             raise TypeError(f"bpclip_fast.integer_release_: {name} must be an integer, got {value!r}")
-    torch.ops.bpclip_fast.integer_release_(buf, int(seed), int(offset), float(multiplier), int(grid_exp), int(sigma),
-                                           float(scale))
+    torch.ops.bpclip_fast.integer_release_(buf, int(seed), int(offset), int(first), float(multiplier), int(grid_exp),
+                                           int(sigma), float(scale))
     return buf
 
 

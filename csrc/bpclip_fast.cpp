@@ -201,9 +201,10 @@ TORCH_LIBRARY(bpclip_fast, m) {
   m.def("discrete_gaussian_(Tensor(a!) out, int seed, int offset, int sigma) -> ()");
   // The integer release of a buffer of clipped sums (bpclip_fast/integer_release.h): buf[i] =
   // ((k + Y) 2^grid_exp) scale, k the coupled rounding of buf[i] * multiplier on the grid 2^grid_exp,
-  // Y discrete_gaussian_'s draw i at (seed, offset, sigma). buf: float32 or float64.
-  m.def("integer_release_(Tensor(a!) buf, int seed, int offset, float multiplier, int grid_exp, int sigma, float scale)"
-        " -> ()");
+  // Y the discrete Gaussian draw of element first + i at (seed, offset, sigma) (the words of element
+  // first + i). buf: float32 or float64.
+  m.def("integer_release_(Tensor(a!) buf, int seed, int offset, int first, float multiplier, int grid_exp, int sigma,"
+        " float scale) -> ()");
   m.def("_build_config() -> str", &build_config);
   // The CPU storage cache of the ops' outputs and scratch (csrc/host_cache.h): limit >= 0 sets its
   // bytes (0 empties it), poison fills its idle storages with 0xFF. Returns [limit, held, idle, storages].

@@ -24,8 +24,8 @@ inline void check_discrete_gaussian_args(const at::Tensor& out, int64_t sigma) {
 
 // buf: float32 or float64 (the sums of float16/bfloat16 parameters are to be released from their
 // float32 accumulators, before the rounding to the parameter's dtype).
-inline void check_integer_release_args(const at::Tensor& buf, double multiplier, int64_t grid_exp, int64_t sigma,
-                                       double scale) {
+inline void check_integer_release_args(const at::Tensor& buf, int64_t first, double multiplier, int64_t grid_exp,
+                                       int64_t sigma, double scale) {
   TORCH_CHECK(buf.scalar_type() == at::kFloat || buf.scalar_type() == at::kDouble,
               "bpclip_fast.integer_release_: buf must be float32 or float64 (release a float16/bfloat16 "
               "parameter's sum from its float32 accumulator), got ", buf.scalar_type());
@@ -37,8 +37,9 @@ inline void check_integer_release_args(const at::Tensor& buf, double multiplier,
               "bpclip_fast.integer_release_: sigma must be an integer in [0, 2^52] (0: no noise), got ", sigma);
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "bpclip_fast.integer_release_: scale must be finite and > 0, got ",
               scale);
-  TORCH_CHECK(buf.numel() <= (int64_t{1} << 56), "bpclip_fast.integer_release_: buf has ", buf.numel(),
-              " elements; the stream indexes at most 2^56");
+  TORCH_CHECK(first >= 0 && first <= (int64_t{1} << 56) && buf.numel() <= (int64_t{1} << 56) - first,
+              "bpclip_fast.integer_release_: elements first .. first + numel (", first, " + ", buf.numel(),
+              ") must lie in [0, 2^56], the stream's element range");
 }
 
 }  // namespace bpclip

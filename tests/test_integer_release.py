@@ -43,23 +43,24 @@ def _release(buf, *args):
     return out
 
 
-CASES = [  # multiplier, grid_exp, sigma, scale
-    (1.0, -26, 0, 1.0),
-    (2.5, -26, 1 << 27, 0.4),
-    (256.0, -40, 1000, 1 / 3),
-    (3.7, 0, 1, 1.0),
-    (1.0, 5, 17, 2.0),
+CASES = [  # first, multiplier, grid_exp, sigma, scale
+    (0, 1.0, -26, 0, 1.0),
+    (0, 2.5, -26, 1 << 27, 0.4),
+    (1 << 33, 256.0, -40, 1000, 1 / 3),
+    (7, 3.7, 0, 1, 1.0),
+    (0, 1.0, 5, 17, 2.0),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", CASES)
 def test_the_op_is_the_replica_bit_for_bit(dtype, case):
-    multiplier, grid_exp, sigma, scale = case
+    first, multiplier, grid_exp, sigma, scale = case
     seed, offset = -0x61C8864680B583EB, (1 << 62) + 12345
     buf = _buffer(dtype, seed=grid_exp & 0xFF)
-    got = _release(buf, seed, offset, multiplier, grid_exp, sigma, scale)
-    want = torch.tensor([dgauss_ref.integer_release_value(float(x), seed, offset, i, multiplier, grid_exp, sigma, scale)
+    got = _release(buf, seed, offset, first, multiplier, grid_exp, sigma, scale)
+    want = torch.tensor([dgauss_ref.integer_release_value(float(x), seed, offset, first + i, multiplier, grid_exp, sigma,
+                                                          scale)
                          for i, x in enumerate(buf.tolist())], dtype=torch.float64).to(dtype)
     assert torch.equal(got.view(torch.int32 if dtype == torch.float32 else torch.int64),
                        want.view(torch.int32 if dtype == torch.float32 else torch.int64))
@@ -67,7 +68,7 @@ def test_the_op_is_the_replica_bit_for_bit(dtype, case):
 
 def _integers(buf, seed, offset, multiplier, grid_exp):
     """k of every element: the release without noise, scale 1, read back off the grid (exact in float64)."""
-    out = _release(buf.double(), seed, offset, multiplier, grid_exp, 0, 1.0)
+    out = _release(buf.double(), seed, offset, 0, multiplier, grid_exp, 0, 1.0)
     k = out * 2.0 ** -grid_exp
     assert torch.equal(k, k.round())
     return k
@@ -112,7 +113,7 @@ def test_the_noise_is_discrete_gaussians_draw():
     n, sigma, seed, offset, grid_exp = 3000, 1 << 27, 41, 42, -26
     buf = torch.randn(n, dtype=torch.float64)
     k = _integers(buf, seed, offset, 1.0, grid_exp)
-    noised = _release(buf, seed, offset, 1.0, grid_exp, sigma, 1.0) * 2.0 ** -grid_exp
+    noised = _release(buf, seed, offset, 0, 1.0, grid_exp, sigma, 1.0) * 2.0 ** -grid_exp
     y = torch.empty(n, dtype=torch.int64)
     _ops.discrete_gaussian_(y, seed, offset, sigma)
     assert torch.equal(noised - k, y.double())
@@ -124,15 +125,15 @@ def test_clamp_nan_and_infinities():
     # the clamp holds a = +-2^52, whose fraction is 0: k = a but for a word of 0 (2^-53)
     assert k.tolist()[:4] == [2.0 ** 52, -(2.0 ** 52), 2.0 ** 52, -(2.0 ** 52)]
     assert k.tolist()[4] in (0.0, 1.0)
-    out = _release(buf, 3, 4, 1.0, -26, 1 << 27, 1.0)
+    out = _release(buf, 3, 4, 0, 1.0, -26, 1 << 27, 1.0)
     assert bool(out.isfinite().all())
 
 
 def test_positions_are_row_major_whatever_the_strides():
     base = torch.randn(6, 5, dtype=torch.float64)
     view = base.t()
-    want = _release(view.contiguous().reshape(-1), 9, 10, 1.5, -20, 100, 0.5)
-    _ops.integer_release_(view, 9, 10, 1.5, -20, 100, 0.5)
+    want = _release(view.contiguous().reshape(-1), 9, 10, 0, 1.5, -20, 100, 0.5)
+    _ops.integer_release_(view, 9, 10, 0, 1.5, -20, 100, 0.5)
     assert torch.equal(view.reshape(-1), want)
 
 
@@ -145,16 +146,18 @@ def test_positions_are_row_major_whatever_the_strides():
     (dict(sigma=-1), r"sigma must be an integer in \[0, 2\^52\]"),
     (dict(scale=0.0), r"scale must be finite and > 0"),
     (dict(scale=math.inf), r"scale must be finite and > 0"),
+    (dict(first=-1), r"elements first \.\. first \+ numel"),
+    (dict(first=(1 << 56) - 2), r"elements first \.\. first \+ numel"),
 ])
 def test_argument_errors(bad, match):
-    args = dict(buf=torch.zeros(3), seed=1, offset=2, multiplier=1.0, grid_exp=-20, sigma=5, scale=1.0) | bad
+    args = dict(buf=torch.zeros(3), seed=1, offset=2, first=0, multiplier=1.0, grid_exp=-20, sigma=5, scale=1.0) | bad
     with pytest.raises(RuntimeError, match=match):
         _ops.integer_release_(**args)
 
 
-@pytest.mark.parametrize("name", ["grid_exp", "sigma"])
+@pytest.mark.parametrize("name", ["first", "grid_exp", "sigma"])
 def test_non_integer_arguments_are_refused(name):
-    args = dict(buf=torch.zeros(3), seed=1, offset=2, multiplier=1.0, grid_exp=-20, sigma=5, scale=1.0)
+    args = dict(buf=torch.zeros(3), seed=1, offset=2, first=0, multiplier=1.0, grid_exp=-20, sigma=5, scale=1.0)
     args[name] = 2.5
     with pytest.raises(TypeError, match=f"{name} must be an integer"):
         _ops.integer_release_(**args)
@@ -174,3 +177,10 @@ def test_emulated_device_releases_the_same_bits(sim, dtype, blocks, case):
     sim.schedule("random", blocks * 7 + len(case))
     buf = _buffer(dtype, n=300, seed=blocks)
     assert harness.compare_integer_release(sim, buf, -5, 1 << 40, *case, blocks) == []
+
+
+def test_first_shifts_the_element_words():
+    # a buffer released from element 10 on is the tail of one released from element 0 on
+    buf = torch.randn(30, dtype=torch.float64)
+    whole = _release(buf, 3, 4, 0, 1.0, -20, 50, 1.0)
+    assert torch.equal(_release(buf[10:], 3, 4, 10, 1.0, -20, 50, 1.0), whole[10:])

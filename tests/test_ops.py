@@ -591,8 +591,8 @@ def _opcheck_cases(device):
         (OPS.word_checksum, (torch.zeros(0, dtype=torch.int64, device=device),)),
         (OPS.discrete_gaussian_, (torch.zeros(3, 5, dtype=torch.int64, device=device), 7, 8, 1 << 27)),
         (OPS.discrete_gaussian_, (torch.zeros(0, dtype=torch.int64, device=device), 7, 8, 0)),
-        (OPS.integer_release_, (torch.randn(4, 5, device=device), 7, 8, 2.5, -26, 1 << 27, 0.4)),
-        (OPS.integer_release_, (torch.randn(3, dtype=torch.float64, device=device), 7, 8, 1.0, 0, 0, 1.0)),
+        (OPS.integer_release_, (torch.randn(4, 5, device=device), 7, 8, 0, 2.5, -26, 1 << 27, 0.4)),
+        (OPS.integer_release_, (torch.randn(3, dtype=torch.float64, device=device), 7, 8, 40, 1.0, 0, 0, 1.0)),
     ]
 
 

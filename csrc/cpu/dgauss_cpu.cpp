@@ -25,16 +25,16 @@ void discrete_gaussian_cpu(at::Tensor& out, int64_t seed, int64_t offset, int64_
   if (!work.is_same(out)) out.copy_(work);
 }
 
-void integer_release_cpu(at::Tensor& buf, int64_t seed, int64_t offset, double multiplier, int64_t grid_exp,
-                         int64_t sigma, double scale) {
-  check_integer_release_args(buf, multiplier, grid_exp, sigma, scale);
+void integer_release_cpu(at::Tensor& buf, int64_t seed, int64_t offset, int64_t first, double multiplier,
+                         int64_t grid_exp, int64_t sigma, double scale) {
+  check_integer_release_args(buf, first, multiplier, grid_exp, sigma, scale);
   at::Tensor work = buf.is_contiguous() ? buf : buf.contiguous();
   AT_DISPATCH_FLOATING_TYPES(work.scalar_type(), "integer_release_cpu", [&] {
     scalar_t* p = work.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, work.numel(), 1024, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         p[i] = static_cast<scalar_t>(integer_release_value(static_cast<double>(p[i]), static_cast<uint64_t>(seed),
-                                                           static_cast<uint64_t>(offset), static_cast<uint64_t>(i),
+                                                           static_cast<uint64_t>(offset), static_cast<uint64_t>(first + i),
                                                            multiplier, static_cast<int>(grid_exp),
                                                            static_cast<uint64_t>(sigma), scale));
       }

@@ -26,16 +26,17 @@ void discrete_gaussian_cuda(at::Tensor& out, int64_t seed, int64_t offset, int64
   if (!work.is_same(out)) out.copy_(work);
 }
 
-void integer_release_cuda(at::Tensor& buf, int64_t seed, int64_t offset, double multiplier, int64_t grid_exp,
-                          int64_t sigma, double scale) {
-  check_integer_release_args(buf, multiplier, grid_exp, sigma, scale);
+void integer_release_cuda(at::Tensor& buf, int64_t seed, int64_t offset, int64_t first, double multiplier,
+                          int64_t grid_exp, int64_t sigma, double scale) {
+  check_integer_release_args(buf, first, multiplier, grid_exp, sigma, scale);
   if (buf.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(buf.device());
   at::Tensor work = buf.is_contiguous() ? buf : buf.contiguous();
   const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   AT_DISPATCH_FLOATING_TYPES(work.scalar_type(), "integer_release_cuda", [&] {
     integer_release_device(work.mutable_data_ptr<scalar_t>(), work.numel(), static_cast<uint64_t>(seed),
-                           static_cast<uint64_t>(offset), multiplier, static_cast<int>(grid_exp),
+                           static_cast<uint64_t>(offset), static_cast<uint64_t>(first), multiplier,
+                           static_cast<int>(grid_exp),
                            static_cast<uint64_t>(sigma), scale, sm_count);
   });
   if (!work.is_same(buf)) buf.copy_(work);

@@ -18,12 +18,12 @@ inline void discrete_gaussian_device(long long* out, int64_t n, uint64_t seed, u
 }
 
 template <typename T>
-void integer_release_device(T* buf, int64_t n, uint64_t seed, uint64_t offset, double multiplier, int grid_exp,
-                            uint64_t sigma, double scale, int sm_count) {
+void integer_release_device(T* buf, int64_t n, uint64_t seed, uint64_t offset, uint64_t first, double multiplier,
+                            int grid_exp, uint64_t sigma, double scale, int sm_count) {
   const int64_t wanted = (n + kDgThreads - 1) / kDgThreads;
   const int64_t cap = 16 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
-  launch(integer_release_kernel<T>, wanted < cap ? wanted : cap, kDgThreads, buf, n, seed, offset, multiplier,
-         grid_exp, sigma, scale);
+  launch(integer_release_kernel<T>, wanted < cap ? wanted : cap, kDgThreads, buf, n, seed, offset, first,
+         multiplier, grid_exp, sigma, scale);
 }
 
 }  // namespace cuda

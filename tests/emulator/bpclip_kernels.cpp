@@ -356,14 +356,15 @@ int simt_discrete_gaussian(int64_t* out, int64_t n, uint64_t seed, uint64_t offs
 
 // integer_release_ of n elements of buf in place (dtype kF32 or kF64); blocks as for
 // simt_discrete_gaussian.
-int simt_integer_release(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, double multiplier,
-                         int grid_exp, uint64_t sigma, double scale, int64_t blocks, int sm_count) {
+int simt_integer_release(int dtype, void* buf, int64_t n, uint64_t seed, uint64_t offset, uint64_t first,
+                         double multiplier, int grid_exp, uint64_t sigma, double scale, int64_t blocks, int sm_count) {
   auto run = [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
     if (blocks <= 0) {
-      integer_release_device<T>(p, n, seed, offset, multiplier, grid_exp, sigma, scale, sm_count);
+      integer_release_device<T>(p, n, seed, offset, first, multiplier, grid_exp, sigma, scale, sm_count);
     } else {
-      launch(integer_release_kernel<T>, blocks, kDgThreads, p, n, seed, offset, multiplier, grid_exp, sigma, scale);
+      launch(integer_release_kernel<T>, blocks, kDgThreads, p, n, seed, offset, first, multiplier, grid_exp, sigma,
+             scale);
     }
   };
   if (dtype == kF64) {

@@ -174,7 +174,7 @@ class Simt:
         lib.simt_conv_patches.argtypes = [i32, vp, vp, vp]
         lib.simt_word_checksum.argtypes = [vp, i64, vp, i64, i32]
         lib.simt_discrete_gaussian.argtypes = [vp, i64, u64, u64, u64, i64, i32]
-        lib.simt_integer_release.argtypes = [i32, vp, i64, u64, u64, dbl, i32, u64, dbl, i64, i32]
+        lib.simt_integer_release.argtypes = [i32, vp, i64, u64, u64, u64, dbl, i32, u64, dbl, i64, i32]
         lib.simt_set_schedule.argtypes = [i32, u64]
         for name in ("simt_f32_to_f16", "simt_f32_to_bf16"):
             getattr(lib, name).argtypes = [vp, vp, i64, i32]
@@ -302,11 +302,12 @@ class Simt:
                   sm_count)
         return out
 
-    def integer_release(self, buf, seed, offset, multiplier, grid_exp, sigma, scale, blocks=0, sm_count=H100_SMS):
+    def integer_release(self, buf, seed, offset, first, multiplier, grid_exp, sigma, scale, blocks=0,
+                        sm_count=H100_SMS):
         """integer_release_ of a float32/float64 ``buf`` as emulated device code, on a copy (returned)."""
         out = buf.contiguous().clone()
         self.call("simt_integer_release", DTYPES[out.dtype], _ptr(out), out.numel(), seed % (1 << 64),
-                  offset % (1 << 64), multiplier, grid_exp, sigma, scale, blocks, sm_count)
+                  offset % (1 << 64), first, multiplier, grid_exp, sigma, scale, blocks, sm_count)
         return out
 
     def philox_noise(self, buf, n, seed, offset, std, accumulate, blocks=0, threads=256, sm_count=H100_SMS,
@@ -927,12 +928,12 @@ def compare_discrete_gaussian(sim: Simt, n: int, seed: int, offset: int, sigma: 
     return []
 
 
-def compare_integer_release(sim: Simt, buf: torch.Tensor, seed: int, offset: int, multiplier: float, grid_exp: int,
-                            sigma: int, scale: float, blocks: int = 0) -> list[str]:
+def compare_integer_release(sim: Simt, buf: torch.Tensor, seed: int, offset: int, first: int, multiplier: float,
+                            grid_exp: int, sigma: int, scale: float, blocks: int = 0) -> list[str]:
     """The emulated kernel against the CPU op: the same bits, element for element."""
-    got = sim.integer_release(buf, seed, offset, multiplier, grid_exp, sigma, scale, blocks)
+    got = sim.integer_release(buf, seed, offset, first, multiplier, grid_exp, sigma, scale, blocks)
     cpu = buf.contiguous().clone()
-    torch.ops.bpclip_fast.integer_release_(cpu, seed, offset, multiplier, grid_exp, sigma, scale)
+    torch.ops.bpclip_fast.integer_release_(cpu, seed, offset, first, multiplier, grid_exp, sigma, scale)
     bad = (got.view(-1) != cpu.view(-1)).nonzero().reshape(-1)
     if bad.numel():
         i = int(bad[0])
@@ -950,8 +951,8 @@ def sweep(sim: Simt) -> list[str]:
     problems += [f"discrete_gaussian: {p}" for p in compare_discrete_gaussian(sim, 300, 3, 4, 1 << 27)]
     for dtype in (torch.float32, torch.float64):
         buf = torch.randn(200, generator=gen, dtype=dtype)
-        problems += [f"integer_release {dtype}: {p}" for p in compare_integer_release(sim, buf, 5, 6, 2.5, -26, 1 << 27,
-                                                                                      0.4)]
+        problems += [f"integer_release {dtype}: {p}" for p in compare_integer_release(sim, buf, 5, 6, 70, 2.5, -26,
+                                                                                      1 << 27, 0.4)]
     for dtype in (torch.float32, torch.float64):
         for T, ghost, per, conv in ((1, False, 1, False), (5, True, 2, True), (40, False, 1, True), (40, True, 1, False)):
             xs, gs, gb, wa, wb = bound_inputs(dtype, 6, T, 7, 3, per, ghost, gen, conv_layout=conv)
