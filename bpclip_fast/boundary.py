@@ -49,7 +49,7 @@ import weakref
 
 import torch
 
-from . import _ops
+from . import _ops, integer_noise
 from .band_step import BandRelease
 from .data import derive_seed
 from .fingerprint import fingerprint
@@ -148,6 +148,10 @@ class LayerStep(BandRelease):
         self.budget = None          # set by the engine: raises PrivacyBudgetError unless a charge is covered
         self.std_span = None        # set by the engine: (σ, span), every std of the run in σΔ·span (engine.noise_range)
         self.checked_shape = None   # set by the engine: the max_input_shape whose Δ that range was checked at
+        # integer_noise=True (bpclip_fast.integer_noise), set by the engine: the grid's bits g; the draw
+        # of this pass is released into the tensors the backward returns (produced), not by the op.
+        self.integer_bits = None
+        self._integer_due = None
 
     # ------------------------------------------------------------------ parameters and hooks
     @property
@@ -506,6 +510,10 @@ class LayerStep(BandRelease):
         if self.band is not None:  # the release goes out un-noised from the op; produced() makes w_t into it
             self._band_due = self._band_noise(self._band_std(std * scale / d))
             return 0, 0, 0.0, d, scale
+        if self.integer_bits is not None:  # the op returns the clipped sum; produced() releases it through integers
+            self._integer_due = integer_noise.Due(seed, offset, self.layer._bp_noise_multiplier, sensitivity,
+                                                  self.integer_bits, self.mean_loss_batch or 1.0)
+            return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
 
     def _refuse_std(self, rows) -> None:
@@ -546,7 +554,12 @@ class LayerStep(BandRelease):
 
     def produced(self, grads) -> None:
         """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check;
-        under correlated noise, first makes the row this pass drew into them."""
+        under correlated noise, first makes the row this pass drew into them; under integer noise,
+        first releases this pass's draw into them (in place, before anything records them)."""
+        integer_due = self._integer_due
+        if integer_due is not None:
+            self._integer_due = None
+            integer_noise.release(self.params, grads, integer_due)
         due = self._band_due
         if due is not None:
             self._band_due = None

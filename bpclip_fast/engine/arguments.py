@@ -50,6 +50,7 @@ class Request:
     batch_inputs: object
     noise: str = "independent"
     bands: int = 1
+    integer_noise: bool = False
     sigma_effective: float | None = None
 
     @property

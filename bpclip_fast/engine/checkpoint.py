@@ -30,7 +30,8 @@ def state_dict(engine, include_secrets: bool = False) -> dict:
              "batches_delivered": engine._counter.delivered,
              "batches_claimed": engine._counter.claimed, "noise_multiplier": engine.noise_multiplier,
              "sample_rate": engine.sample_rate, "poisson_sampling": engine.poisson_sampling,
-             "loss_reduction": engine.loss_reduction, "world_size": engine.world_size}
+             "loss_reduction": engine.loss_reduction, "world_size": engine.world_size,
+             "integer_noise": engine.integer_noise}
     sampler = engine.data_loader.batch_sampler
     if engine.bands != 1:
         # The groups must stay the groups (b-min-separation across the resume); the partition is not
@@ -91,6 +92,11 @@ def _check_settings(engine, state) -> None:
                          f"this loader's has {engine.data_loader.batch_sampler.num_samples}: the same partition_seed "
                          "would cut other groups, and an example could change group at the resume (banded noise "
                          "needs each example in one group for the whole run); resume on the same dataset")
+    if bool(state.get("integer_noise", False)) != engine.integer_noise:
+        raise ValueError(f"PrivacyEngine.load_state_dict: the checkpoint was trained with integer_noise="
+                         f"{bool(state.get('integer_noise', False))}, this engine has integer_noise={engine.integer_noise}: "
+                         "its accountant is charged at other orders and factors; make_private with the checkpoint's "
+                         "integer_noise")
     if state["poisson_sampling"] != engine.poisson_sampling:
         raise ValueError("PrivacyEngine.load_state_dict: the checkpoint used a different sampling "
                          "(poisson_sampling) than this engine")

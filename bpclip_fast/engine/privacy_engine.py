@@ -11,13 +11,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import banded, batches, broadcast, compiled, data, handles, modes, ranks as _ranks
+from .. import banded, batches, broadcast, compiled, data, handles, integer_noise, modes, ranks as _ranks
 from .. import pca as _pca
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
-from . import (arguments, budget, checkpoint, correlated, distributed, guards, model_checks, noise_range, refusal, seeds,
-               thresholds)
+from . import (arguments, budget, checkpoint, correlated, distributed, guards, integer, model_checks, noise_range, refusal,
+               seeds, thresholds)
 from .optimizer import DPOptimizer
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
 
@@ -37,6 +37,7 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self._accountant_kwargs = kwargs
         self._made_private = False
+        self.integer_noise = False
 
     def __getstate__(self):
         raise TypeError(NO_PICKLE.format("PrivacyEngine"))
@@ -65,7 +66,8 @@ class PrivacyEngine:
                      poisson_sampling: bool = True, noise_seed: int | None = None,
                      max_epsilon: float | None = None, delta: float | None = None,
                      max_input_shape=None, nonfinite: str = "drop", probe: bool = True, adaptive=None,
-                     criterion=None, batch_inputs: int | None = None, noise: str = "independent", bands: int = 1):
+                     criterion=None, batch_inputs: int | None = None, noise: str = "independent", bands: int = 1,
+                     integer_noise: bool = False):
         """Returns ``(module, optimizer, data_loader)`` ready for private training (module docstring).
 
         ``clipping``: ``"backprop"`` (backpropagation clipping: ``input_clip``/``grad_clip``, per-example
@@ -109,6 +111,12 @@ class PrivacyEngine:
         ``ceil(T/bands)`` steps at the group's rate). Exact or backprop clipping, fixed thresholds, one
         process, float32/float64 parameters; a resumed run continues the band if it loads
         ``noise_state_dict()`` (secret) after the checkpoint, else starts a new one.
+        ``integer_noise``: release each layer's gradient through integers (:mod:`bpclip_fast.integer_noise`:
+        the clipped sum randomly rounded to a fine power-of-two grid plus exact discrete Gaussian noise,
+        the float value a function of that integer), which closes the floating-point attack on the
+        float noise (README, "Floating-point noise"); the accountant is charged ``σ/(1 + 2⁻¹²)`` at
+        integer RDP orders (or zCDP). Independent noise, one process, float32/float64 parameters, the
+        ``rdp`` or ``zcdp`` accountant; each draw costs ~100–250 ns a coordinate on a CPU core.
 
         In phases: arguments, then every problem of the model at once (nothing is changed before
         both have passed), then the model, the seeds, the loader, the optimizer and the budget.
@@ -125,6 +133,9 @@ class PrivacyEngine:
         self.clipping, self.max_grad_norm = r.clipping, r.max_grad_norm
         if r.bands != 1:  # the accountant composes the group's steps (nothing was charged yet)
             self._accountant_kwargs = {**self._accountant_kwargs, "bands": r.bands}
+        if r.integer_noise:  # charged at integer RDP orders (bpclip_fast.integer_noise; nothing was charged yet)
+            self._accountant_kwargs = integer.accountant_kwargs(self.accountant_name, self._accountant_kwargs)
+        if r.bands != 1 or r.integer_noise:
             self.accountant = accounting().make_accountant(self.accountant_name, **self._accountant_kwargs)
         for event in _pca.events_of(inner, r.what):  # a private PCA of the inputs, released before training
             self.accountant.add_event(*event)
@@ -156,6 +167,7 @@ class PrivacyEngine:
                                     batch_inputs=arguments.check_batch_inputs(r.batch_inputs))
             self.rank, self.world_size, self.distributed = distributed.world()
             r = dataclasses.replace(r, bands=correlated.check(r, self.accountant_name, self.distributed))
+            integer.check(r, self.accountant_name, self.distributed)
             inner = distributed.unwrapped(r.module, self.distributed)
             plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what,
                                                bands=r.bands)
@@ -226,8 +238,11 @@ class PrivacyEngine:
         # What the mode sets over all the layers, those built by the user included: flat's one collector,
         # per_layer's noise bound (Σ_l C_l²)^½.
         self._mode.settle(inner, [layer for _, layer in layers], r.max_grad_norm, r.clip_fn, r.gamma)
+        self.integer_noise = r.integer_noise  # before σ_eff is read (effective_noise_multiplier)
         if r.sigma_effective is not None:  # make_private_with_epsilon: σ_eff over the layers clipped
             sigma = r.sigma_effective * self._mode.sigma_factor(len(layers))
+            if r.integer_noise:  # the charge is σ/EFFECTIVE_FACTOR (bpclip_fast.integer_noise)
+                sigma *= integer_noise.EFFECTIVE_FACTOR
         self._layers = [layer for _, layer in layers]
         self._flat_group = self._mode.collector(self._layers)
         thresholds.prepare(self, r.adaptive, sigma, plan)
@@ -239,6 +254,8 @@ class PrivacyEngine:
             st.std_span = (self.gradient_noise_multiplier, span)
             st.checked_shape = st.layer.max_input_shape  # the shape whose Δ the range was checked at
         self._noise_multiplier = sigma
+        if r.integer_noise:
+            integer.prepare(self, len(self._mode.threshold_attrs), self._thresholds is not None)
 
     def _check_noise_range(self, span) -> None:
         """Every std a step of this run can draw within the kernels' range, whatever the batch
@@ -342,6 +359,8 @@ class PrivacyEngine:
             plan = data.SamplingPlan.of_loader(data_loader, distributed.world()[1], poisson, "make_private_with_epsilon",
                                                bands=bands)
             extra = {"bands": bands} if bands != 1 else {}
+            if kwargs.get("integer_noise") is True:  # calibrated at the orders it is charged at
+                extra = integer.accountant_kwargs(self.accountant_name, extra)
             # a private PCA in the model is charged by make_private: σ must leave room for it
             events = _pca.events_of(module, "make_private_with_epsilon")
             sigma_eff = accounting().get_noise_multiplier(
@@ -362,8 +381,9 @@ class PrivacyEngine:
     def effective_noise_multiplier(self) -> float:
         """The noise multiplier of one step's single Gaussian on all layers: ``σ`` under exact clipping
         (sensitivity ``C``, noise ``σC`` on every coordinate), ``(Σ_l σ_l⁻²)^(-1/2) = σ/√L`` under
-        backpropagation clipping."""
-        return self._mode.effective_sigma(self._noise_multiplier, len(self._layers))
+        backpropagation clipping; divided by ``integer_noise.EFFECTIVE_FACTOR`` under integer noise."""
+        sigma = self._mode.effective_sigma(self._noise_multiplier, len(self._layers))
+        return sigma / integer_noise.EFFECTIVE_FACTOR if self.integer_noise else sigma
 
     # σ and the step counter are read by the accountant and key the noise: an assignment would charge
     # one σ while the layers add another, or draw a step's noise twice.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ops
+from .. import _ops, integer_noise
 from . import correlated, distributed, refusal
 from .guards import any_outside, outside_params, owned_ids
 
@@ -108,9 +108,15 @@ def fallback_noise(engine, pending) -> None:
                                          "would release the past steps' noise again); do not clear a layer's "
                                          "gradient between its backward and step()", [st.name])])
             continue
-        # Every rank adds the same draw divided by W: the value DDP's average would have given.
         layer = st.layer
         seed, offset = st.take_draw()
+        if st.integer_bits is not None:  # the integer release of what each gradient holds (zeros where none)
+            due = integer_noise.Due(seed, offset, engine.gradient_noise_multiplier, layer.sensitivity, st.integer_bits,
+                                    st.mean_loss_batch or 1.0)
+            integer_noise.release_into(st.params, due)
+            st.noised = True
+            continue
+        # Every rank adds the same draw divided by W: the value DDP's average would have given.
         std = engine.gradient_noise_multiplier * layer.sensitivity
         if st.mean_loss_batch is not None:
             std /= st.mean_loss_batch
