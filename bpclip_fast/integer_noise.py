@@ -25,20 +25,35 @@ mechanism has the noise multiplier of a Gaussian mechanism with ``σ/(1 + 2⁻¹
 ``Δ_l``, the rounding of its ``d_l ≤ D`` coordinates) and jointly under flat and per_layer (one Δ,
 one grid). The accountant is charged with ``σ_eff/EFFECTIVE_FACTOR``.
 
-**Why a Gaussian accountant holds for the discrete Gaussian.** For integer shifts ``μ`` and integer
-orders ``λ``, ``E_{N_ℤ(0,s²)}[(p_μ/p_0)^λ] = exp(λ(λ−1)‖μ‖²/(2s²))`` exactly: the sum
-``Σ_y exp(−‖y − λμ‖²/(2s²))`` over ``ℤ^D`` equals the normaliser, since ``λμ`` is an integer vector.
-So the Poisson-subsampled RDP in the direction ``D_λ((1−q)P₀ + qP_μ ‖ P₀)`` — a binomial sum of
-those moments — is exactly the continuous sampled Gaussian's at integer orders, which is why the
-RDP accountant uses integer orders only here (``INTEGER_ORDERS``). The other direction,
-``D_λ(P₀ ‖ (1−q)P₀ + qP_μ)``, is bounded by the first for the continuous Gaussian (Mironov, Talwar
-and Zhang 2019); the pair ``(N_ℤ(0), N_ℤ(μ))`` has the same reflection symmetry ``y ↦ μ − y``, and
-the two directions depend only on the law of the privacy loss, so it suffices that the first
-dominates for every symmetric two-point pair: ``h(u) + x·h(v) ≥ 0`` with ``h(t) = t^λ − t^(1−λ)``,
-``u = 1 − q + qx``, ``v = 1 − q + q/x``, for all ``x > 0``. That inequality is checked numerically
-(``tests/test_integer_noise.py``) but not yet proved here: **open**. The PLD accountant is refused
-(no dominance proof for the discrete pair); zCDP holds as is (Canonne, Kamath and Steinke 2020:
-``ρ = ‖μ‖²/(2s²)`` for integer shifts).
+**Why a Gaussian accountant holds for the discrete Gaussian.** Poisson sampling at rate ``q``
+gives the pairs ``M = (1−q)P₀ + qP_μ`` against ``P₀``, ``P_μ = N_ℤ^D(μ, s²)`` with ``μ = k' − k`` an
+integer vector (for fixed rounding words and batch; the mixture over them only lowers the
+divergences, by the joint convexity of ``exp((λ−1)D_λ)``), and RDP must bound both directions.
+
+1. ``D_λ(M ‖ P₀)`` at integer orders ``λ`` is exactly the continuous sampled Gaussian's: it is
+   ``log Σ_j C(λ,j)(1−q)^(λ−j) q^j E_{P₀}[(P_μ/P₀)^j] / (λ−1)``, and
+   ``E_{P₀}[(P_μ/P₀)^j] = exp(j(j−1)‖μ‖²/(2s²))`` because ``Σ_y exp(−‖y − jμ‖²/(2s²))`` over ``ℤ^D``
+   equals the normaliser (``jμ`` is an integer vector); the expression grows with ``‖μ‖``, so
+   ``‖μ‖ ≤ Δ_k`` gives the continuous Gaussian's at ``s/Δ_k ≥ σ/EFFECTIVE_FACTOR``. Hence integer
+   orders only (``INTEGER_ORDERS``; dp-accounting's integer-order formula is this sum).
+2. ``D_λ(P₀ ‖ M) ≤ D_λ(M ‖ P₀)`` for ``q ≤ 1/2`` and ``λ ≥ 1`` (``make_private`` refuses ``q > 1/2``).
+   The involution ``σ(y) = μ − y`` maps ``P₀`` to ``P_μ``, so the likelihood ratio ``ℓ = P_μ/P₀``
+   satisfies ``ℓ(σy) = 1/ℓ(y)`` and ``P₀(σy) = ℓ(y)P₀(y)``. Summing each orbit ``{y, σy}`` together,
+   ``A − B = Σ P₀(y)F(ℓ(y))`` over one point per orbit, where ``A = E_{P₀}[(1−q+qℓ)^λ]``,
+   ``B = E_{P₀}[(1−q+qℓ)^(1−λ)]`` (the two directions' ``exp((λ−1)D_λ)``) and
+   ``F(x) = f(x) + x f(1/x)`` for ``f(ℓ) = (1−q+qℓ)^λ − (1−q+qℓ)^(1−λ)`` (a fixed point has
+   ``ℓ = 1``, ``F(1) = 0``). ``F(x)/(1+x)`` is ``A − B`` for the two-point pair ``P₀ = (b, 1−b)``,
+   ``P₁ = (1−b, b)``, ``b = 1/(1+x)``, whose mixture is ``(a, 1−a)``, ``a = b − q(2b−1)``; relabel so
+   that ``b ≥ 1/2``: then ``q ≤ 1/2`` puts ``a`` in ``[1/2, b]``. With ``s = a/b ≤ 1``,
+   ``t = (1−a)/(1−b) ≥ 1`` and ``h(τ) = τ^λ − τ^(1−λ)``: ``A − B = b·h(s) + (1−b)·h(t)``, and
+   ``h(s) = −s·h(1/s)``, so ``A − B = (1−b)h(t) − a·h(b/a)``. ``h`` is convex on ``[1, ∞)``
+   (``h'' = λ(λ−1)(τ^(λ−2) − τ^(−λ−1)) ≥ 0`` there) with ``h(1) = 0``, so ``h(τ)/(τ−1)`` does not
+   decrease there; ``a ≥ 1/2 ≥ 1 − b`` gives ``t − 1 = (b−a)/(1−b) ≥ (b−a)/a = b/a − 1 ≥ 0``; hence
+   ``(1−b)h(t) = (b−a)·h(t)/(t−1) ≥ (b−a)·h(b/a)/(b/a − 1) = a·h(b/a)``: ``A ≥ B``. (Checked
+   numerically over a grid in ``tests/test_integer_noise.py``.)
+
+The PLD accountant is refused (no dominance proof for the discrete pair); zCDP holds as is
+(Canonne, Kamath and Steinke 2020: ``ρ = ‖μ‖²/(2s²)`` for integer shifts; no sampling there).
 """
 
 from __future__ import annotations
