@@ -91,10 +91,11 @@ def _bench_models():
 MODELS.update(_bench_models())
 DEFAULT_MODELS = ("vit", "resnet20-gn", "digits", "mnist", "cifar10")
 METHODS = ("nonprivate", "backprop", "flat", "per_layer", "opacus_ghost", "opacus_hooks", "flat_generic", "flat_banded",
-           "flat_instantiate", "flat_unchecked")
-# The last four: the generic path, banded noise, instantiated norms (bench.methods), and flat with the
-# step boundary's bookkeeping switched off (_uncheck: a measurement of that bookkeeping's share, NOT private).
-ON_REQUEST = 4
+           "flat_instantiate", "flat_integer", "flat_unchecked")
+# The last five: the generic path, banded noise, instantiated norms (bench.methods), the integer release
+# (integer_noise=True), and flat with the step boundary's bookkeeping switched off (_uncheck: a
+# measurement of that bookkeeping's share, NOT private).
+ON_REQUEST = 5
 
 _ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
           "lift_fresh", "detach", "detach_", "result_type", "is_same_size", "sym_size", "sym_stride",
@@ -243,11 +244,15 @@ def build(method: str, name: str, seed: int = 0, expected_batch: float | None = 
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
     if method == "nonprivate":
         opt, crit = torch.optim.SGD(model.parameters(), lr=LR), nn.CrossEntropyLoss()
-    elif method in ("backprop", "flat", "per_layer", "flat_generic", "flat_banded", "flat_instantiate", "flat_unchecked"):
+    elif method in ("backprop", "flat", "per_layer", "flat_generic", "flat_banded", "flat_instantiate", "flat_integer",
+                    "flat_unchecked"):
         from bpclip_fast import PrivacyEngine
         noise = {}
         if method == "flat_banded":  # 4 bands; the data set is 4 copies of the batch: the group's rate is 1
             noise = dict(noise="banded", bands=4)
+            loader = DataLoader(TensorDataset(x.repeat((4,) + (1,) * (x.dim() - 1)), y.repeat(4)), batch_size=BATCH)
+        if method == "flat_integer":  # 4 copies of the batch: a Poisson rate of 1/4 (the integer release needs <= 1/2)
+            noise = dict(integer_noise=True)
             loader = DataLoader(TensorDataset(x.repeat((4,) + (1,) * (x.dim() - 1)), y.repeat(4)), batch_size=BATCH)
         if method == "flat_generic":  # the same model, every layer by the generic path (bench.methods)
             from bench.methods import _generic_everywhere
