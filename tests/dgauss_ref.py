@@ -13,7 +13,7 @@ from philox_ref import philox4x32_10
 MASK32 = (1 << 32) - 1
 MASK64 = (1 << 64) - 1
 TAG_NOISE, TAG_ROUNDING = 1, 2
-TRIALS, MAX_V, MAX_K, LEMIRE_RETRIES = 512, 96, 40, 16
+TRIALS, MAX_V, MAX_K, LEMIRE_RETRIES, LEMIRE_RETRIES32, SMALL_RANGE = 512, 96, 40, 16, 48, 1 << 28
 
 
 class Capped(Exception):
@@ -30,6 +30,7 @@ class Stream:
         self.rest = [element & MASK32, offset & MASK32, offset >> 32]
         self.block = 0
         self.words: list[int] = []
+        self.bits, self.nbits = 0, 0
 
     def word32(self) -> int:
         if not self.words:
@@ -41,17 +42,26 @@ class Stream:
         hi = self.word32()
         return hi << 32 | self.word32()
 
+    def bit(self) -> int:
+        if self.nbits == 0:
+            self.bits, self.nbits = self.word32(), 32
+        b = self.bits & 1
+        self.bits >>= 1
+        self.nbits -= 1
+        return b
+
 
 def uniform_below(st: Stream, m: int) -> int:
-    product = st.word64() * m
-    threshold = (1 << 64) % m
+    width, word, cap = (32, st.word32, LEMIRE_RETRIES32) if m <= SMALL_RANGE else (64, st.word64, LEMIRE_RETRIES)
+    product = word() * m
+    threshold = (1 << width) % m
     retries = 0
-    while product & MASK64 < threshold:
-        if retries == LEMIRE_RETRIES:
+    while product & ((1 << width) - 1) < threshold:
+        if retries == cap:
             raise Capped
-        product = st.word64() * m
+        product = word() * m
         retries += 1
-    return product >> 64
+    return product >> width
 
 
 def bernoulli_ratio(st: Stream, n: int, d: int) -> bool:
@@ -59,6 +69,8 @@ def bernoulli_ratio(st: Stream, n: int, d: int) -> bool:
         return False
     if n == d:
         return True
+    if d == 2:
+        return bool(st.bit())
     return uniform_below(st, d) < n
 
 
@@ -91,7 +103,7 @@ def _trial(st: Stream, s: int):
         if v == MAX_V:
             raise Capped
     x = u + s * v
-    negative = st.word32() & 1
+    negative = st.bit()
     if negative and x == 0:
         return None
     q, r = divmod(abs(x - s), s)

@@ -152,14 +152,21 @@ int main() {
       check(in_range, "uniform_below(m) < m");
       for (uint64_t v = 0; v < m; ++v) check_frequency(count[v], n, 1.0 / static_cast<double>(m), "uniform_below(m)");
     }
-    const uint64_t m = (uint64_t{1} << 53) - 3;
-    const int64_t n = 1000000;
-    int64_t upper = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      DgStream st = dg_stream(12, 0, static_cast<uint64_t>(i), kDgTagNoise);
-      upper += uniform_below(st, m) >= (m + 1) / 2 ? 1 : 0;
+    // both word widths at their edges: the 32-bit words up to 2^28, the 64-bit ones above
+    const uint64_t large[] = {(uint64_t{1} << 53) - 3, kDgSmallRange, kDgSmallRange + 1, 3 * (uint64_t{1} << 26) + 1};
+    for (uint64_t m : large) {
+      const int64_t n = 1000000;
+      int64_t upper = 0;
+      bool in_range = true;
+      for (int64_t i = 0; i < n; ++i) {
+        DgStream st = dg_stream(12, m, static_cast<uint64_t>(i), kDgTagNoise);
+        const uint64_t u = uniform_below(st, m);
+        in_range = in_range && u < m;
+        upper += u >= (m + 1) / 2 ? 1 : 0;
+      }
+      check(in_range, "uniform_below(m) < m, large m");
+      check_frequency(upper, n, static_cast<double>(m / 2) / static_cast<double>(m), "uniform_below(large m), upper half");
     }
-    check_frequency(upper, n, static_cast<double>(m / 2) / static_cast<double>(m), "uniform_below(2^53 - 3), upper half");
   }
   // The Bernoulli trials against their exact probabilities.
   {

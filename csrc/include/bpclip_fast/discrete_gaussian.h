@@ -9,13 +9,15 @@
 // Stream. Element i of a draw at (seed, offset) reads its own words: block j (j = 0, 1, ...) is
 //   philox4x32_10(counter = (j, lo(i), lo(offset), hi(offset)),
 //                 key = (lo(seed) ^ (tag << 24 | bits 32..55 of i), hi(seed))),
-// four 32-bit words each, consumed in order; a 64-bit word is (first << 32 | second). The tag (1:
+// four 32-bit words each, consumed in order; a 64-bit word is (first << 32 | second), and single
+// bits come from a reservoir of whole words, low bit first. The tag (1:
 // this noise, 2: the rounding words of the release) is never 0, so no key equals the float draw's
 // (lo(seed), hi(seed)) and no two (tag, i) share a key. i < 2^56.
 //
 // Construction (CKS). All Bernoulli trials take fresh words and are exact:
-//  - uniform_below(m): Lemire's multiply-and-reject, uniform on {0, .., m - 1} for 1 <= m <= 2^53.
-//  - bernoulli_ratio(n, d) = [uniform_below(d) < n], P = n/d exactly.
+//  - uniform_below(m): Lemire's multiply-and-reject, uniform on {0, .., m - 1} for 1 <= m <= 2^53,
+//    from one 32-bit word per try for m <= 2^28 and one 64-bit word otherwise.
+//  - bernoulli_ratio(n, d) = [uniform_below(d) < n], P = n/d exactly; d = 2 takes one bit.
 //  - bernoulli_exp_frac(n, d), P = exp(-g) for g = n/d in [0, 1] (CKS Algorithm 1): K = 1, 2, ...
 //    while Bernoulli(g/K) succeeds; return [K odd]. P(stop at K) = g^(K-1)/(K-1)! - g^K/K!, and the
 //    odd K sum to sum_j (-g)^j / j! = exp(-g). Bernoulli(g/K) is Bernoulli(1/K) and Bernoulli(n/d),
@@ -48,14 +50,16 @@
 //    4612 loops of Algorithm 1, an element fewer than 512 * 4612 < 2^22.
 //  - kDgMaxK = 40 steps of Algorithm 1's loop: reached with probability at most 1/40! < 2^-159 per
 //    loop, < 2^-137 per element.
-//  - kDgLemireRetries = 16 rejections in a row in uniform_below(m <= 2^53), each with probability
-//    below m 2^-64 <= 2^-11: below 2^-176 per call, with fewer than 2^22 * 40 * 3 < 2^29 calls.
+//  - Lemire's rejections in a row, each with probability below m 2^-32 <= 2^-4 for the 32-bit words
+//    (m <= 2^28; kDgLemireRetries32 = 48) and m 2^-64 <= 2^-11 for the 64-bit ones (m <= 2^53;
+//    kDgLemireRetries = 16): below 2^-176 per call, with fewer than 2^22 * 40 * 3 < 2^29 calls.
 //  Together under 2^-129 per element: a run of d elements over T steps departs from the exact
 //  mechanism with probability below d T 2^-129, which an (epsilon, delta) statement absorbs into delta
 //  (total variation eta adds (1 + e^epsilon) eta to delta).
-// Word budget: a loop step draws at most 3 uniforms of at most 17 64-bit words, so an element reads
-// at most 512 * (4612 * 40 * 3 * 34 + 35) < 9.7e9 words, 2.5e9 < 2^32 blocks: the 32-bit block
-// counter never wraps (dg_word32 still marks the last block as capped, should the caps change).
+// Word budget: a uniform or a bit reads at most max(49, 17 * 2) = 49 words and a loop step draws at
+// most 3 of them, so an element reads at most 512 * (4612 * 40 * 3 * 49 + 49 + 1) < 1.39e10 words,
+// 3.5e9 < 2^32 blocks: the 32-bit block counter never wraps (dg_word32 still marks the last block
+// as capped, should the caps change).
 #pragma once
 
 #include <stdint.h>
@@ -69,6 +73,8 @@ constexpr int kDgTrials = 512;
 constexpr int kDgMaxV = 96;
 constexpr int kDgMaxK = 40;
 constexpr int kDgLemireRetries = 16;
+constexpr int kDgLemireRetries32 = 48;
+constexpr uint64_t kDgSmallRange = uint64_t{1} << 28;  // uniform_below takes 32-bit words up to here
 constexpr uint64_t kDgMaxSigma = uint64_t{1} << 52;  // s <= 2^52: every product below stays < 2^64
 constexpr uint32_t kDgTagNoise = 1u;
 constexpr uint32_t kDgTagRounding = 2u;
@@ -88,7 +94,9 @@ struct DgStream {
   uint32_t k0, k1, elem_lo, off_lo, off_hi;
   uint32_t block;  // the next block to draw
   uint32_t words[4];
-  int pos;      // next word in `words`; 4: draw a block first
+  int pos;       // next word in `words`; 4: draw a block first
+  uint32_t bits;  // the bit reservoir: its unused bits, low first
+  int nbits;
   bool capped;  // a cap was reached (the value is then 0)
 };
 
@@ -101,6 +109,8 @@ BPCLIP_HD inline DgStream dg_stream(uint64_t seed, uint64_t offset, uint64_t ele
   st.off_hi = static_cast<uint32_t>(offset >> 32);
   st.block = 0;
   st.pos = 4;
+  st.bits = 0;
+  st.nbits = 0;
   st.capped = false;
   return st;
 }
@@ -124,9 +134,36 @@ BPCLIP_HD inline uint64_t dg_word64(DgStream& st) {
   return (hi << 32) | dg_word32(st);
 }
 
-// Uniform on {0, .., m - 1}, 1 <= m <= 2^53 (Lemire 2019): x m = hi 2^64 + lo for a uniform x; the
-// values of x with lo < (2^64 - m) mod m are rejected, leaving exactly floor(2^64 / m) per value of hi.
+BPCLIP_HD inline bool dg_bit(DgStream& st) {
+  if (st.nbits == 0) {
+    st.bits = dg_word32(st);
+    st.nbits = 32;
+  }
+  const bool b = (st.bits & 1u) != 0u;
+  st.bits >>= 1;
+  --st.nbits;
+  return b;
+}
+
+// Uniform on {0, .., m - 1} (Lemire 2019): x m = hi 2^W + lo for a uniform W-bit x; the values of x
+// with lo < (2^W - m) mod m are rejected, leaving exactly floor(2^W / m) per value of hi. W = 32 for
+// m <= 2^28, W = 64 for 2^28 < m <= 2^53.
 BPCLIP_HD inline uint64_t uniform_below(DgStream& st, uint64_t m) {
+  if (m <= kDgSmallRange) {
+    const uint32_t m32 = static_cast<uint32_t>(m);
+    uint64_t p = static_cast<uint64_t>(dg_word32(st)) * m32;
+    if (static_cast<uint32_t>(p) < m32) {
+      const uint32_t threshold = (0u - m32) % m32;
+      for (int retry = 0; static_cast<uint32_t>(p) < threshold; ++retry) {
+        if (retry == kDgLemireRetries32) {
+          st.capped = true;
+          return 0;
+        }
+        p = static_cast<uint64_t>(dg_word32(st)) * m32;
+      }
+    }
+    return p >> 32;
+  }
   uint64_t hi, lo;
   mul_64x64(dg_word64(st), m, &hi, &lo);
   if (lo < m) {
@@ -146,6 +183,7 @@ BPCLIP_HD inline uint64_t uniform_below(DgStream& st, uint64_t m) {
 BPCLIP_HD inline bool bernoulli_ratio(DgStream& st, uint64_t n, uint64_t d) {
   if (n == 0) return false;
   if (n == d) return true;
+  if (d == 2) return dg_bit(st);
   return uniform_below(st, d) < n;
 }
 
@@ -191,7 +229,7 @@ BPCLIP_HD inline bool discrete_gaussian_trial(DgStream& st, uint64_t s, int64_t*
     }
   }
   const uint64_t x = u + s * v;
-  const bool negative = (dg_word32(st) & 1u) != 0u;
+  const bool negative = dg_bit(st);
   if (negative && x == 0) return false;
   const uint64_t a = x >= s ? x - s : s - x;
   const uint64_t q = a / s, r = a % s;
