@@ -231,13 +231,24 @@ BPCLIP_HD inline bool discrete_gaussian_trial(DgStream& st, uint64_t s, int64_t*
   const uint64_t x = u + s * v;
   const bool negative = dg_bit(st);
   if (negative && x == 0) return false;
+  // q, r = divmod(a, s) and divmod(q r, s) by subtraction: a < 95s and q r < 94s, and q is 0 or 1 for
+  // most trials, where a 64-bit division would cost more than the rest of the trial.
   const uint64_t a = x >= s ? x - s : s - x;
-  const uint64_t q = a / s, r = a % s;
-  for (uint64_t i = (q * q) / 2 + (q * r) / s; i > 0; --i) {
+  uint64_t q = 0, r = a;
+  while (r >= s) {
+    r -= s;
+    ++q;
+  }
+  uint64_t qr_whole = 0, qr_rest = q * r;
+  while (qr_rest >= s) {
+    qr_rest -= s;
+    ++qr_whole;
+  }
+  for (uint64_t i = (q * q) / 2 + qr_whole; i > 0; --i) {
     if (!bernoulli_exp_frac(st, 1, 1)) return false;
   }
   if ((q & 1u) != 0u && !bernoulli_exp_frac(st, 1, 2)) return false;
-  if (!bernoulli_exp_frac(st, (q * r) % s, s)) return false;
+  if (!bernoulli_exp_frac(st, qr_rest, s)) return false;
   if (!bernoulli_exp_square(st, r, s)) return false;
   *y = negative ? -static_cast<int64_t>(x) : static_cast<int64_t>(x);
   return true;
