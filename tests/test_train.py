@@ -562,3 +562,20 @@ def test_banded_resume_continues_the_band_from_the_checkpoints_rows(tmp_path, mo
                         lambda self, state: (loaded.append(self.steps), real(self, state)))
     resumed = tiny(epochs=2, checkpoint=ck, resume=True, **common)
     assert loaded == [first["steps"]] and resumed["steps"] == 2 * first["steps"]
+
+
+def test_integer_noise_run_meets_its_budget_at_integer_orders():
+    """--integer-noise: the engine's integer release, calibrated and charged at integer RDP orders
+    with σ/(1 + 2⁻¹²) (dp_accounting's truth), within the budget; refused for Opacus' method."""
+    import dp_accounting as dpa
+
+    from bpclip_fast import integer_noise
+
+    r = tiny(method="flat", epsilon=3.0, epochs=2, integer_noise=True, optimizer="sgd", lr=0.01)
+    assert 3.0 - 0.05 <= r["epsilon"] <= 3.0 and r["privacy"]["integer_noise"] is True
+    truth = dpa.rdp.RdpAccountant(orders=list(integer_noise.INTEGER_ORDERS))
+    truth.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(
+        r["privacy"]["sample_rate"], dpa.GaussianDpEvent(r["sigma"] / integer_noise.EFFECTIVE_FACTOR)), r["steps"]))
+    assert r["epsilon"] == pytest.approx(truth.get_epsilon(1e-5), rel=1e-6)
+    with pytest.raises(ValueError, match="--integer-noise applies to --method"):
+        Config(**{**TINY, "method": "dpsgd", "integer_noise": True}).resolved()

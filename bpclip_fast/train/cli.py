@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "BandMF; cyclic Poisson batches; default: %(default)s)")
     g.add_argument("--bands", type=int, default=_D.bands,
                    help="bands of the correlated noise (--noise banded; default: %(default)s)")
+    g.add_argument("--integer-noise", action="store_true",
+                   help="release the gradients through integers (exact discrete Gaussian noise on a randomly "
+                        "rounded grid; closes the floating-point attack; slower on a CPU)")
     g.add_argument("--noise-seed", type=int, default=None,
                    help="bpclip/flat/per-layer: explicit noise/sampling seed for reproducibility; INSECURE "
                         "(default: OS entropy)")
@@ -178,7 +181,7 @@ def config_from_args(args) -> Config:
                   conv_norm=args.conv_norm, input_clip=args.input_clip, grad_clip=args.grad_clip,
                   max_grad_norm=args.max_grad_norm, adaptive=args.adaptive, target_quantile=args.target_quantile,
                   clip_lr=args.clip_lr, count_noise=args.count_noise, noise=args.noise, bands=args.bands,
-                  pca=args.pca, pca_noise=args.pca_noise, pca_hidden=args.pca_hidden,
+                  integer_noise=args.integer_noise, pca=args.pca, pca_noise=args.pca_noise, pca_hidden=args.pca_hidden,
                   batch_size=args.batch_size, epochs=args.epochs,
                   optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
                   noise_seed=args.noise_seed, device=args.device, threads=args.threads, out=args.out,

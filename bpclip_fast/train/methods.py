@@ -194,7 +194,7 @@ class EngineMethod(_Method):
         loader = DataLoader(train_ds, batch_size=cfg.batch_size)
         kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, clipping=self.clipping,
                       clip_fn=cfg.clip_fn, poisson_sampling=cfg.sampling == "poisson", noise_seed=cfg.noise_seed,
-                      noise=cfg.noise, bands=cfg.bands)
+                      noise=cfg.noise, bands=cfg.bands, integer_noise=cfg.integer_noise)
         if self.clipping == "backprop":
             kwargs.update(input_clip=cfg.input_clip, grad_clip=cfg.grad_clip, conv_norm=cfg.conv_norm)
         else:
@@ -233,7 +233,7 @@ class EngineMethod(_Method):
                 # clipping (the noisy quantile counts take their share of the budget)
                 "gradient_noise_multiplier": e.gradient_noise_multiplier, "count_noise": e.count_noise,
                 "adaptive": None if e.adaptive is None else dataclasses.asdict(e.adaptive),
-                "noise": cfg.noise, "bands": e.bands,
+                "noise": cfg.noise, "bands": e.bands, "integer_noise": e.integer_noise,
                 "n_layers": len(e.clipped_layers),
                 "sample_rate": e.sample_rate, "accounting_sample_rate": e.accounting_sample_rate,
                 "steps": e.steps, "steps_per_epoch": e.steps_per_epoch, "sampling": cfg.sampling,

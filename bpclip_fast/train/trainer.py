@@ -58,7 +58,7 @@ BACKPROP_METHODS = tuple(m for m, mode in methods_mod.ENGINE_METHODS.items() if 
 _RESUME_KEYS = ("data", "val_size", "limit", "model", "activation", "tempered", "method", "epsilon", "sigma",
                 "delta", "accountant", "sampling", "clip_fn", "conv_norm", "input_clip", "grad_clip",
                 "max_grad_norm", "adaptive", "target_quantile", "clip_lr", "count_noise", "batch_size", "optimizer",
-                "lr", "momentum", "seed", "noise", "bands", "pca", "pca_noise", "pca_hidden")
+                "lr", "momentum", "seed", "noise", "bands", "integer_noise", "pca", "pca_noise", "pca_hidden")
 
 
 @dataclass
@@ -94,6 +94,7 @@ class Config:
     count_noise: float | None = None
     noise: str = "independent"
     bands: int = 1
+    integer_noise: bool = False     # the engine's integer release (make_private(integer_noise=True))
     pca: int | None = None          # private PCA input layer of this many components (Abadi et al. 2016)
     pca_noise: float | None = None  # its σ_p
     pca_hidden: int = 256           # the hidden ReLU/--activation units of the MLP on top of it
@@ -168,6 +169,9 @@ class Config:
                              f"{', '.join(methods_mod.ENGINE_METHODS)}, not {c.method}")
         if c.bands != 1 and c.noise != "banded":
             raise ValueError("--bands needs --noise banded")
+        if c.integer_noise and c.method not in methods_mod.ENGINE_METHODS:
+            raise ValueError(f"--integer-noise applies to --method {', '.join(methods_mod.ENGINE_METHODS)}, "
+                             f"not {c.method}")
         if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
             raise ValueError("--epochs, --batch-size and --lr must be positive")
         if c.resume and not c.checkpoint:
@@ -338,7 +342,7 @@ def _load_checkpoint(path, cfg):
     if state.get("format") != "bpclip_fast.train/1":
         raise ValueError(f"{path}: not a bpclip-train checkpoint")
     saved = state["config"]
-    # a key the checkpoint's version did not have yet (noise, bands) had its default then
+    # a key the checkpoint's version did not have yet (noise, bands, integer_noise) had its default then
     diff = [f"{k}: checkpoint {saved.get(k, getattr(_DEFAULTS, k))!r}, now {getattr(cfg, k)!r}" for k in _RESUME_KEYS
             if saved.get(k, getattr(_DEFAULTS, k)) != getattr(cfg, k)]
     if diff:
