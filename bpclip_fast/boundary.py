@@ -400,6 +400,7 @@ class LayerStep(BandRelease):
         self.sync_with_grads(params)
         self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
         self._pass_counts = None
+        self._integer_due = None  # a draw whose tensors never reached produced() is not carried into a new pass
 
     def first_landing(self, ctx) -> None:
         """A forward's examples land in ``.grad`` in one backward pass at most. A second pass over a
@@ -615,6 +616,7 @@ class LayerStep(BandRelease):
             self._draws = 0
         self._pass_landed = set()
         self._band_due = None
+        self._integer_due = None
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""
