@@ -493,7 +493,10 @@ class LayerStep(BandRelease):
             # loss_reduction="mean": proof in bpclip_fast.engine (clip at C/d, noise σΔ/d, times d/B̄).
             d = float(max(int(rows), 1))
             scale = d / float(self.mean_loss_batch)
-        if self.noised or self._pass_noised or self.key is None:
+        # Integer noise: every pass that lands gets a draw of its own (review 46 F1): a later pass's sum
+        # added raw to the released integers would show, noise-free, in the fraction of .grad/γ. Each
+        # example is in one pass (the rows rule), so the passes' releases share no example: no extra charge.
+        if (self.noised and self.integer_bits is None) or self._pass_noised or self.key is None:
             return 0, 0, 0.0, d, scale
         std = float(self.layer._bp_noise_multiplier) * float(sensitivity)
         if not (std >= 0 and math.isfinite(std)):

@@ -36,20 +36,17 @@ divergences, by the joint convexity of ``exp((λ−1)D_λ)``), and RDP must boun
    equals the normaliser (``jμ`` is an integer vector); the expression grows with ``‖μ‖``, so
    ``‖μ‖ ≤ Δ_k`` gives the continuous Gaussian's at ``s/Δ_k ≥ σ/EFFECTIVE_FACTOR``. Hence integer
    orders only (``INTEGER_ORDERS``; dp-accounting's integer-order formula is this sum).
-2. ``D_λ(P₀ ‖ M) ≤ D_λ(M ‖ P₀)`` for ``q ≤ 1/2`` and ``λ ≥ 1`` (``make_private`` refuses ``q > 1/2``).
+2. ``D_λ(P₀ ‖ M) ≤ D_λ(M ‖ P₀)`` for every ``q`` and ``λ ≥ 1`` (review 46 gave this short proof).
    The involution ``σ(y) = μ − y`` maps ``P₀`` to ``P_μ``, so the likelihood ratio ``ℓ = P_μ/P₀``
-   satisfies ``ℓ(σy) = 1/ℓ(y)`` and ``P₀(σy) = ℓ(y)P₀(y)``. Summing each orbit ``{y, σy}`` together,
-   ``A − B = Σ P₀(y)F(ℓ(y))`` over one point per orbit, where ``A = E_{P₀}[(1−q+qℓ)^λ]``,
-   ``B = E_{P₀}[(1−q+qℓ)^(1−λ)]`` (the two directions' ``exp((λ−1)D_λ)``) and
-   ``F(x) = f(x) + x f(1/x)`` for ``f(ℓ) = (1−q+qℓ)^λ − (1−q+qℓ)^(1−λ)`` (a fixed point has
-   ``ℓ = 1``, ``F(1) = 0``). ``F(x)/(1+x)`` is ``A − B`` for the two-point pair ``P₀ = (b, 1−b)``,
-   ``P₁ = (1−b, b)``, ``b = 1/(1+x)``, whose mixture is ``(a, 1−a)``, ``a = b − q(2b−1)``; relabel so
-   that ``b ≥ 1/2``: then ``q ≤ 1/2`` puts ``a`` in ``[1/2, b]``. With ``s = a/b ≤ 1``,
-   ``t = (1−a)/(1−b) ≥ 1`` and ``h(τ) = τ^λ − τ^(1−λ)``: ``A − B = b·h(s) + (1−b)·h(t)``, and
-   ``h(s) = −s·h(1/s)``, so ``A − B = (1−b)h(t) − a·h(b/a)``. ``h`` is convex on ``[1, ∞)``
-   (``h'' = λ(λ−1)(τ^(λ−2) − τ^(−λ−1)) ≥ 0`` there) with ``h(1) = 0``, so ``h(τ)/(τ−1)`` does not
-   decrease there; ``a ≥ 1/2 ≥ 1 − b`` gives ``t − 1 = (b−a)/(1−b) ≥ (b−a)/a = b/a − 1 ≥ 0``; hence
-   ``(1−b)h(t) = (b−a)·h(t)/(t−1) ≥ (b−a)·h(b/a)/(b/a − 1) = a·h(b/a)``: ``A ≥ B``. (Checked
+   satisfies ``ℓ(σy) = 1/ℓ(y)`` and ``P₀(σy) = ℓ(y)P₀(y)``. With ``A = E_{P₀}[(1−q+qℓ)^λ]`` and
+   ``B = E_{P₀}[(1−q+qℓ)^(1−λ)]`` (the two directions' ``exp((λ−1)D_λ)``), summing each orbit
+   ``{y, σy}`` together gives ``A − B = Σ P₀(y)·G(ℓ(y))`` over one point per orbit, where
+   ``G(x) = h(u) + x·h(v)``, ``h(t) = t^λ − t^(1−λ)``, ``u = 1 − q + qx``, ``v = 1 − q + q/x`` (a
+   fixed point has ``ℓ = 1`` and ``G(1) = 0``). ``G(1/x) = G(x)/x``, so take ``x ≥ 1``. From
+   ``h(1/t) = −h(t)/t`` and ``u − 1 = x(1 − v)``: ``G = (u − 1)·(r(u) − r(1/v))`` with
+   ``r(t) = h(t)/(t − 1)``. ``h`` is convex on ``[1, ∞)`` (``h'' = λ(λ−1)(t^(λ−2) − t^(−λ−1)) ≥ 0``
+   there) with ``h(1) = 0``, so ``r`` does not decrease there; and
+   ``uv = (1−q)² + q(1−q)(x + 1/x) + q² ≥ 1``, so ``u ≥ 1/v ≥ 1``: ``G ≥ 0``, ``A ≥ B``. (Checked
    numerically over a grid in ``tests/test_integer_noise.py``.)
 
 The PLD accountant is refused (no dominance proof for the discrete pair); zCDP holds as is

@@ -141,10 +141,13 @@ def grid_value(x: float, multiplier: float, grid_exp: int) -> float:
 
 
 def coupled_round(a: float, word: int) -> int:
-    """floor(a) + [a - floor(a) >= v], v = (word >> 11) 2^-53: floor(a - v) + 1."""
+    """floor(a) + [a - floor(a) >= v], v = (word >> 11) 2^-53: floor(a - v) + 1, exactly (Python's
+    fractions decide the comparison; the header gets it from doubles)."""
+    from fractions import Fraction
+
     v = (word >> 11) * 2.0 ** -53
     whole = math.floor(a)
-    return whole + (1 if a - whole >= v else 0)
+    return whole + (1 if Fraction(a) - whole >= Fraction(v) else 0)
 
 
 def rounding_word(seed: int, offset: int, element: int) -> int:

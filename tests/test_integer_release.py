@@ -184,3 +184,19 @@ def test_first_shifts_the_element_words():
     buf = torch.randn(30, dtype=torch.float64)
     whole = _release(buf, 3, 4, 0, 1.0, -20, 50, 1.0)
     assert torch.equal(_release(buf[10:], 3, 4, 10, 1.0, -20, 50, 1.0), whole[10:])
+
+
+def test_coupled_rounding_is_exact_just_below_zero():
+    """For a in (-1/2, 0), a - floor(a) = a + 1 rounds in double (review 46 F4): a = v - 1 - 2^-55, just
+    below the cell edge v - 1, must give k = floor(a - v) + 1 = -1, where the rounded fraction said 0."""
+    seed, offset = 31, 32
+    v = [(dgauss_ref.rounding_word(seed, offset, i) >> 11) * 2.0 ** -53 for i in range(400)]
+    picks = [i for i, vi in enumerate(v) if vi > 0.75][:40]
+    a = torch.zeros(400, dtype=torch.float64)
+    for i in picks:
+        a[i] = (v[i] - 1.0) - 2.0 ** -55  # exact: |a| < 1/4, whose ulp is at most 2^-55
+        assert a[i] - (v[i] - 1.0) == -(2.0 ** -55) and (a[i] + 1.0) == v[i]  # the rounding that misled
+    k = _integers(a * 2.0 ** -20, seed, offset, 1.0, -20)
+    assert all(k[i] == -1 for i in picks)
+    assert all(k[i] == dgauss_ref.coupled_round(float(a[i]), dgauss_ref.rounding_word(seed, offset, i))
+               for i in range(400))

@@ -9,7 +9,7 @@ from .. import adaptive as _adaptive
 from .. import integer_noise
 
 
-def check(r, accountant_name: str, distributed: bool, plan) -> bool:
+def check(r, accountant_name: str, distributed: bool) -> bool:
     """Whether the run releases through integers; a clear error where it cannot yet."""
     if not isinstance(r.integer_noise, bool):
         raise TypeError(f"{r.what}: integer_noise must be True or False, got {r.integer_noise!r}")
@@ -21,10 +21,6 @@ def check(r, accountant_name: str, distributed: bool, plan) -> bool:
     elif accountant_name == "pld":
         why = ("the PLD accountant has no proof for the discrete Gaussian's privacy loss; use "
                "PrivacyEngine(accountant='rdp') (charged at integer orders) or 'zcdp'")
-    elif plan.poisson and plan.sample_rate > 0.5:
-        why = (f"Poisson sampling at rate {plan.sample_rate:g} > 1/2: the proof that the RDP accountant bounds the "
-               "sampled discrete Gaussian in both directions needs q <= 1/2 (bpclip_fast.integer_noise); use a "
-               "smaller batch_size")
     elif distributed:
         why = ("DDP is not supported yet (each rank would release its part of the sum before DDP's average, "
                "and a float sum of released parts is not a function of the integers); train in one process")

@@ -170,7 +170,7 @@ class PrivacyEngine:
             inner = distributed.unwrapped(r.module, self.distributed)
             plan = data.SamplingPlan.of_loader(r.data_loader, self.world_size, r.poisson_sampling, r.what,
                                                bands=r.bands)
-            integer.check(r, self.accountant_name, self.distributed, plan)
+            integer.check(r, self.accountant_name, self.distributed)
             if r.max_input_shape is not None:
                 r = dataclasses.replace(r, max_input_shape=batches.normal_shapes(r.max_input_shape))
         if self.distributed:  # one global batch, one σ, one accountant: the same on every rank (bpclip_fast.ranks)

@@ -14,7 +14,9 @@
 //
 // The coupled rounding: v = (w >> 11) 2^-53 from the first 64-bit word w of the element's tag-2
 // stream (discrete_gaussian.h: the rounding words), and k = floor(a) + [a - floor(a) >= v], i.e.
-// k = floor(a - v) + 1 (both computations exact: a - floor(a) is a double's fraction). For the same
+// k = floor(a - v) + 1, computed exactly: a - floor(a) is exact (Sterbenz) but for a in (-1/2, 0),
+// where a + 1 rounds (review 46 F4), so there floor(a) = -1 and the test is a >= v - 1 (exact: v is a
+// multiple of 2^-53 in [0, 1)). For the same
 // v, two data sets give |k - k'| < |a - a'| + 1 on every coordinate, so over d coordinates
 // ||k - k'||_2 <= ||a - a'||_2 + sqrt(d) (Minkowski). E[k] = a + O(2^-53): v is uniform on the 2^53
 // multiples of 2^-53 below 1.
@@ -48,7 +50,8 @@ BPCLIP_HD inline double release_grid_value(double x, double multiplier, double i
 BPCLIP_HD inline int64_t coupled_round(double a, uint64_t word) {
   const double v = static_cast<double>(word >> 11) * 1.1102230246251565e-16;  // 2^-53
   const double whole = floor(a);
-  return static_cast<int64_t>(whole) + (a - whole >= v ? 1 : 0);
+  const bool up = whole == -1.0 ? a >= v - 1.0 : a - whole >= v;
+  return static_cast<int64_t>(whole) + (up ? 1 : 0);
 }
 
 // The released value of element i (contiguous position) of a buffer holding x.
