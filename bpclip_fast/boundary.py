@@ -6,7 +6,9 @@ so that ``DPOptimizer.step()`` can verify it before anything is released:
 
 * **One draw per gradient.** Each clipped layer holds this step's Philox key ``(seed, offset)``.
   The first backward pass whose output lands in a *fresh* gradient (none, or one that was zeroed)
-  adds the draw; later passes into the same gradient add none. A gradient cleared after it held a
+  adds the draw; later passes into the same gradient add none (under ``integer_noise=True`` a later
+  backward of the layer in the step is refused instead, ``integer-passes``: its sum would land raw
+  on the released integers). A gradient cleared after it held a
   draw gets a fresh one (:func:`redraw_seed`), never the same again: code outside ``step()`` may
   have seen the discarded gradient. The parameters may not change between the passes of a step
   (version counters; ``param-edit``), so a manual update cannot release a draw twice either.
@@ -493,10 +495,9 @@ class LayerStep(BandRelease):
             # loss_reduction="mean": proof in bpclip_fast.engine (clip at C/d, noise σΔ/d, times d/B̄).
             d = float(max(int(rows), 1))
             scale = d / float(self.mean_loss_batch)
-        # Integer noise: every pass that lands gets a draw of its own (review 46 F1): a later pass's sum
-        # added raw to the released integers would show, noise-free, in the fraction of .grad/γ. Each
-        # example is in one pass (the rows rule), so the passes' releases share no example: no extra charge.
-        if (self.noised and self.integer_bits is None) or self._pass_noised or self.key is None:
+        if self.integer_bits is not None and self.enforce and (self.noised or self._pass_noised):
+            self._refuse_second_integer_backward()
+        if self.noised or self._pass_noised or self.key is None:
             return 0, 0, 0.0, d, scale
         std = float(self.layer._bp_noise_multiplier) * float(sensitivity)
         if not (std >= 0 and math.isfinite(std)):
@@ -519,6 +520,18 @@ class LayerStep(BandRelease):
                                                   self.integer_bits, self.mean_loss_batch or 1.0)
             return 0, 0, 0.0, d, scale
         return seed, offset, std / d, d, scale
+
+    def _refuse_second_integer_backward(self) -> None:
+        """Integer noise releases the layer's whole sum once: a later backward of the layer in the
+        step would land its sum raw on the released integers, where ``.grad/γ`` modulo 1 shows it
+        noise-free (review 46 F1, review 47 N1: a second micro-batch, or two forwards and one backward),
+        and a draw per backward would release a micro-batch split whose examples move between the
+        passes with one example more or less (review 47 N2: √(4m − 3)·Δ over m passes, charged Δ).
+        Refused before the backward runs, charged (the first release was readable in ``.grad``)."""
+        self.check_budget("a backward")
+        self.refuse("integer-passes", f"{self.name}'s backward ran a second time in this step under integer_noise=True "
+                    "(a micro-batch after the first, or the layer's backward twice in one pass)")
+        raise RuntimeError(f"{self.name}: a second backward of this layer in one step under integer_noise=True")
 
     def _refuse_std(self, rows) -> None:
         """A std outside the kernels' range (``make_private`` refuses settings that allow one,

@@ -319,44 +319,48 @@ def test_a_compiled_model_releases_on_the_grid(mode):
             break
 
 
-# ---------------------------------------------------------------- micro-batches (review 46 F1)
+# ---------------------------------------------------------------- micro-batches (reviews 46 F1, 47 N1, N2)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_every_micro_batch_is_released_through_integers(mode):
-    """Each backward pass of a step gets its own draw and release: after every pass, ``.grad`` is the
-    sum of released integers on the grid (float64, sum loss: exact), never a raw clipped sum (the
-    second pass's sum had landed raw, its residue mod γ telling neighbours apart)."""
-    x, y = torch.randn(64, 6, dtype=torch.float64), torch.randint(0, 3, (64,))
-    engine, m, o, dl = _private(_model(torch.float64), x, y, 16, loss_reduction="sum", **MODES[mode])
+def _two_halves(engine, m, o, dl, how):
     xb, yb = next(iter(dl))
     o.zero_grad()
     half = len(xb) // 2
-    seen = []
-    for part in (slice(0, half), slice(half, None)):
-        nn.functional.cross_entropy(m(xb[part]), yb[part], reduction="sum").backward()
-        for st in engine._steps_of:
-            for z in _integers(st, [p.grad for p in st.params], 1.0):
-                assert torch.equal(z, z.round()), st.name
-        seen.append([p.grad.clone() for st in engine._steps_of for p in st.params])
-    o.step()
-    # the two passes drew differently: the second release is not the first's noise again
-    assert all(not torch.equal(a, b) for a, b in zip(*seen))
+    parts = (slice(0, half), slice(half, None))
+    if how == "micro-batches":
+        for part in parts:
+            nn.functional.cross_entropy(m(xb[part]), yb[part], reduction="sum").backward()
+    else:  # two forwards, one backward of their summed loss: each layer's backward runs twice in one pass
+        sum(nn.functional.cross_entropy(m(xb[part]), yb[part], reduction="sum") for part in parts).backward()
 
 
-def test_micro_batches_add_their_noise():
-    """Two passes of zero sums: the step's release is two independent draws, variance 2s²."""
-    x, y = torch.zeros(512, 6), torch.zeros(512, dtype=torch.long)
-    model = nn.Sequential(nn.Linear(6, 400))
-    engine, m, o, dl = _private(model, x, y, 128, sigma=2.0, loss_reduction="sum", **MODES["flat"])
-    xb, _ = next(iter(dl))
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("how", ["micro-batches", "one backward of two forwards"])
+def test_a_second_backward_of_a_layer_in_a_step_is_refused_before_it_lands(mode, how):
+    """A later backward's clipped sum would land raw on the released integers (``.grad/γ`` modulo 1
+    showed it noise-free), and a draw per backward would release a split whose examples move
+    between the passes: refused, charged, before anything of it reaches ``.grad``."""
+    from bpclip_fast.rules import StepRefused
+
+    x, y = torch.randn(64, 6, dtype=torch.float64), torch.randint(0, 3, (64,))
+    engine, m, o, dl = _private(_model(torch.float64), x, y, 16, loss_reduction="sum", **MODES[mode])
+    with pytest.raises(StepRefused, match=r"integer_noise=True") as info:
+        _two_halves(engine, m, o, dl, how)
+    assert info.value.rule == "integer-passes" and info.value.charged
+    assert all(p.grad is None for p in m.parameters())  # discarded
+    assert len(engine.accountant) == 1
+
+
+def test_a_pass_that_lands_nothing_then_the_backward_is_released_once():
+    """``torch.autograd.grad`` with respect to the inputs (adversarial examples) runs the layers'
+    backward without landing; the training backward after it is the step's one release."""
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    engine, m, o, dl = _private(_model(), x, y, 16, **MODES["flat"])
+    xb, yb = next(iter(dl))
     o.zero_grad()
-    for part in xb.chunk(2):
-        (m(part) * 0).sum().backward()
-    st = engine._steps_of[0]
-    delta = float(st.layer.sensitivity)
-    e = integer_noise.grid_exp(delta, st.integer_bits)
-    s = integer_noise.sigma_units(2.0, delta, e)
-    z = torch.cat([t.reshape(-1) for t in _integers(st, [p.grad for p in st.params], 1.0)])
+    xb = xb.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(nn.functional.cross_entropy(m(xb), yb), xb)
+    nn.functional.cross_entropy(m((xb + 0.01 * gx.sign()).detach()), yb).backward()
+    _check_grid(engine, 16.0)
     o.step()
-    assert abs(float(z.pow(2).mean()) / (2 * s ** 2) - 1) <= 6 * math.sqrt(2 / z.numel())
+    assert len(engine.accountant) == 1
