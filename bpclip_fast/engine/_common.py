@@ -47,3 +47,13 @@ def to_device(batch, model):
     if isinstance(batch, Mapping):
         return {k: to_device(v, model) for k, v in batch.items()}
     return batch
+
+
+def half_precision_dtype(optimizer):
+    """The dtype of a trainable parameter of ``optimizer`` that is neither float32 nor float64, or
+    ``None``: the noise that is added to the released gradient itself (banded rows, the integer
+    release) must meet the sum before any rounding to half precision."""
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        if p.requires_grad and p.dtype not in (torch.float32, torch.float64):
+            return p.dtype
+    return None

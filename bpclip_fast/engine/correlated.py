@@ -10,6 +10,7 @@ import functools
 import torch
 
 from .. import banded
+from ._common import half_precision_dtype
 
 NOISES = ("independent", "banded")
 
@@ -36,12 +37,12 @@ def check(r, accountant_name: str, distributed: bool) -> int:
         why = "DDP is not supported yet (every rank would have to hold the same noise rows); train in one process"
     if why is not None:
         raise ValueError(f"{r.what}: noise='banded' is not available here: {why}")
-    for p in (p for group in r.optimizer.param_groups for p in group["params"]):
-        if p.requires_grad and p.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"{r.what}: noise='banded' needs float32 or float64 parameters (found {p.dtype}): the "
-                             "noise row is added to the released gradient in the parameter's dtype, and a half-"
-                             "precision gradient would be rounded before its noise; keep the parameters in float32 "
-                             "(autocast computes in half precision without them)")
+    dtype = half_precision_dtype(r.optimizer)
+    if dtype is not None:
+        raise ValueError(f"{r.what}: noise='banded' needs float32 or float64 parameters (found {dtype}): the "
+                         "noise row is added to the released gradient in the parameter's dtype, and a half-"
+                         "precision gradient would be rounded before its noise; keep the parameters in float32 "
+                         "(autocast computes in half precision without them)")
     return bands
 
 

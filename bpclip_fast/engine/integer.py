@@ -3,10 +3,9 @@ proof: :mod:`bpclip_fast.integer_noise`)."""
 
 from __future__ import annotations
 
-import torch
-
 from .. import adaptive as _adaptive
 from .. import integer_noise
+from ._common import half_precision_dtype
 
 
 def check(r, accountant_name: str, distributed: bool) -> bool:
@@ -26,12 +25,12 @@ def check(r, accountant_name: str, distributed: bool) -> bool:
                "and a float sum of released parts is not a function of the integers); train in one process")
     if why is not None:
         raise ValueError(f"{r.what}: integer_noise=True is not available here: {why}")
-    for p in (p for group in r.optimizer.param_groups for p in group["params"]):
-        if p.requires_grad and p.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"{r.what}: integer_noise=True needs float32 or float64 parameters (found {p.dtype}): "
-                             "the gradient is released from the tensor the layer returns, and a half-precision one "
-                             "is rounded before its noise; keep the parameters in float32 (autocast computes in "
-                             "half precision without them)")
+    dtype = half_precision_dtype(r.optimizer)
+    if dtype is not None:
+        raise ValueError(f"{r.what}: integer_noise=True needs float32 or float64 parameters (found {dtype}): the "
+                         "gradient is released from the tensor the layer returns, and a half-precision one is "
+                         "rounded before its noise; keep the parameters in float32 (autocast computes in half "
+                         "precision without them)")
     return True
 
 

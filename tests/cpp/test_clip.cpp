@@ -8,16 +8,7 @@
 
 #include "bpclip_fast/clip.h"
 
-static int passed = 0, failed = 0;
-
-static void check(bool ok, const char* what) {
-  if (ok) {
-    ++passed;
-  } else {
-    ++failed;
-    std::printf("FAILED: %s\n", what);
-  }
-}
+#include "checks.h"
 
 static bool near(double a, double b, double tol) { return std::fabs(a - b) <= tol * (1.0 + std::fabs(b)); }
 
@@ -145,6 +136,5 @@ int main() {
   check(bpclip::scale_rz_f64(1.5, 0x1p-1074) == 0x1p-1074, "RZ f64: 1.5 * min subnormal -> min subnormal");
   check(bpclip::scale_rz_f64(1.0 - 0x1p-53, 0x1p-1060) == 0x1p-1060 - 0x1p-1074, "RZ f64: subnormal product");
 
-  std::printf("test_clip: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return report("test_clip");
 }

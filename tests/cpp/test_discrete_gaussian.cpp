@@ -18,16 +18,7 @@
 
 #include "bpclip_fast/discrete_gaussian.h"
 
-static int g_passed = 0, g_failed = 0;
-
-static void check(bool ok, const char* what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    fprintf(stderr, "FAIL: %s\n", what);
-  }
-}
+#include "checks.h"
 
 // A binomial frequency within 6 standard errors of p.
 static void check_frequency(int64_t hits, int64_t n, double p, const char* what) {
@@ -228,6 +219,5 @@ int main() {
     const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / n;
     printf("discrete_gaussian(s = 2^27): %.1f ns a draw on one core (sum %lld)\n", ns, static_cast<long long>(acc));
   }
-  printf("test_discrete_gaussian: %d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return report("test_discrete_gaussian");
 }

@@ -12,16 +12,7 @@
 
 #include "bpclip_fast/philox.h"
 
-static int g_passed = 0, g_failed = 0;
-
-static void check(bool ok, const char* what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    fprintf(stderr, "FAIL: %s\n", what);
-  }
-}
+#include "checks.h"
 
 static bool eq(const bpclip::U4& a, const uint32_t b[4]) {
   return a.x == b[0] && a.y == b[1] && a.z == b[2] && a.w == b[3];
@@ -193,6 +184,5 @@ int main() {
           "box_muller_f64(~0, ~0 | ~0, ~0): radius 2^-26, never 0");
   }
 
-  printf("test_philox: %d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return report("test_philox");
 }
