@@ -7,7 +7,7 @@
 #   build        the CUDA extension, sm_90 only unless TORCH_CUDA_ARCH_LIST says more    ~150 s
 #   pytest_cuda  every CUDA test: device-parametrised ops/layers and the emulator-vs-device
 #                agreement (tests/test_emulator_vs_cuda.py), pytest-xdist when installed  ~120 s
-#   bandwidth    bench/test_kernels.py at 32 and 512 MB, then the noise kernel's GB/s as a
+#   bandwidth    bench/test_kernels.py at 32 and 512 MB (the integer release too), then the noise kernel's GB/s as a
 #                percentage of a device copy's (bandwidth_summary.txt)                    ~40 s
 #   norm_cost    bench/norm_cost.py, 3 reps                                               ~20 s
 #   step_bench   bench.step, batch 128, models mnist, cifar10, vit, resnet20-gn, methods
@@ -88,6 +88,9 @@ for b in bench:
         pct = f"{100 * gbps(b) / c:5.1f}% of copy" if c else "(no copy measured)"
         print(f"noise {p['impl']:5} {'accumulate' if p['accumulate'] else 'write':10} {p['size_mb']:>4} MB "
               f"{gbps(b):7.0f} GB/s   copy_ {c or 0:7.0f} GB/s   {pct}")
+    if b["name"].startswith("test_integer_release"):  # integer_noise=True: compute-bound, in draws a second
+        print(f"integer release {b['params']['size_mb']:>4} MB {gbps(b):7.1f} GB/s = "
+              f"{b['extra_info']['bytes'] / 8 / b['stats']['median'] / 1e9:6.2f} G draws/s")
 EOF
 [[ -f "$OUT/bandwidth_summary.txt" ]] && tee -a "$OUT/summary.txt" <"$OUT/bandwidth_summary.txt"
 step norm_cost "$PY" -m bench.norm_cost --device cuda --reps 3

@@ -124,3 +124,13 @@ def test_noise(benchmark, device, size_mb, accumulate, impl):
         _run(benchmark, device, "torch: " + name, lambda: buf.add_(tmp.normal_()), nbytes, size_mb, None)
     else:
         _run(benchmark, device, "torch: " + name, lambda: buf.normal_(), nbytes, size_mb, None)
+
+
+def test_integer_release(benchmark, device, size_mb):
+    """``integer_release_`` (``make_private(integer_noise=True)``) on a float32 buffer of clipped sums:
+    the coupled rounding and an exact discrete Gaussian per element, read and written in place. It is
+    compute-bound (rejection loops: ~2.7 Philox blocks and ~2 trials a draw), so its GB/s is far below
+    the copy's; on a CPU, sizes above 32 MB take seconds a call."""
+    buf = torch.randn(size_mb * (1 << 20) // 4, device=device)
+    _run(benchmark, device, "integer release", lambda: _ops.integer_release_(buf, 1, 2, 0, 1.0, -26, 1 << 27, 1.0),
+         2 * buf.numel() * 4, size_mb, "copy: copy_ (preallocated)")
