@@ -115,6 +115,19 @@ def test_bands_out_of_range_are_refused(bad):
         make(X, Y, bands=bad)
 
 
+def test_a_row_std_outside_the_kernels_range_is_refused_at_make_private():
+    """Rows are drawn at σΔ/(B̄·c₀) (c₀ < 1): under the sum loss σΔ = 9e29 passes the independent
+    draw's range but gives rows above 1e30, which failed the first step's op (review 40 F8); now
+    make_private refuses it, naming the layers."""
+    X, Y = data()
+    c0 = banded.bsr_coefficients(2)[0]
+    assert 9e29 / c0 >= 1e30 > 9e29
+    with pytest.raises(ValueError, match=r"noise='banded' would draw rows outside the kernels' range .*: "
+                                         r"0: rows' std 1\.01e\+30; 2: rows' std 1\.01e\+30"):
+        make(X, Y, bands=2, sigma=9e29, loss_reduction="sum")
+    make(X, Y, bands=2, sigma=8e29, loss_reduction="sum")  # 8e29/c₀ < 1e30: accepted
+
+
 # ----------------------------------------------------------------------------- the noise rows
 @pytest.mark.parametrize("mode, device", [("flat", "cpu"), ("per_layer", "cpu"), ("backprop", "cpu"),
                                           pytest.param("flat", "cuda", marks=pytest.mark.cuda),

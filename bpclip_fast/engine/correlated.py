@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .. import banded
+from .. import _ops, banded
 from ._common import half_precision_dtype
 
 NOISES = ("independent", "banded")
@@ -69,6 +69,27 @@ def prepare(engine, bands: int, optimizer) -> None:
         st.band = engine._band.layer(functools.partial(_key_of_row, engine, index))
         st.band_row = functools.partial(_row, engine)
         st.band_std = std(engine, st)
+
+
+def check_row_std(engine, bands: int, optimizer) -> None:
+    """Every layer's rows are drawn at ``std(engine, st)/c₀`` (:mod:`bpclip_fast.banded`): outside the
+    kernels' range that std failed the first step's op (review 40 F8); it depends on σ, Δ, B̄ and the
+    band's coefficients alone, so ``make_private`` refuses it, before anything is drawn."""
+    if bands == 1:
+        return
+    c0 = float(banded.bsr_coefficients(bands, momentum_of(optimizer))[0])
+    bad = []
+    for st in engine._steps_of:
+        try:
+            row_std = std(engine, st) / c0
+        except RuntimeError:  # a shape-dependent Δ never fixed: its noise is refused at the forward
+            continue
+        if not _ops.noise_std_ok(row_std):
+            bad.append(f"{st.name}: rows' std {row_std:.3g}")
+    if bad:
+        raise ValueError("make_private: noise='banded' would draw rows outside the kernels' range "
+                         f"({_ops.NOISE_STD_RULE}): " + "; ".join(bad) + "; use a clipping norm and noise_multiplier "
+                         "whose product is not so small (or so large), or scale the data or the loss")
 
 
 def _key_of_row(engine, index, row):

@@ -25,8 +25,8 @@ smallest std is computed as ``σΔ`` divided by the largest divisor, as the back
 (``σΔ/d``), so the two round alike at the edge.
 
 Banded noise draws its rows at ``σΔ/(B̄·c₀)`` (:mod:`bpclip_fast.banded`), a std of no batch's
-size: outside the range, its op refuses at the first step whatever the data (an error, not a leak),
-so it is not part of this check.
+size: :func:`bpclip_fast.engine.correlated.check_row_std` refuses it at ``make_private`` when it
+leaves the range (before, its op refused at the first step: review 40 F8).
 """
 
 from __future__ import annotations

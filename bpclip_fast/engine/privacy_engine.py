@@ -254,6 +254,7 @@ class PrivacyEngine:
             st.std_span = (self.gradient_noise_multiplier, span)
             st.checked_shape = st.layer.max_input_shape  # the shape whose Δ the range was checked at
         self._noise_multiplier = sigma
+        correlated.check_row_std(self, r.bands, r.optimizer)
         if r.integer_noise:
             integer.prepare(self, len(self._mode.threshold_attrs), self._thresholds is not None)
 
