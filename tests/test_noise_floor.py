@@ -537,3 +537,24 @@ def test_a_neighbours_sums_are_consistent_with_almost_every_release_pair():
     a billionth of the noise) as with the true ones. Fails today: ~3% of pairs are."""
     y, _, neighbour = _lattice_release()
     assert _pair_consistent(y, neighbour, 1.0).mean() >= 0.99
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x87 is an x86 option")
+def test_x87_arithmetic_is_refused_at_compile_time(tmp_path):
+    """The draws are specified bit for bit only where each operation rounds to its own type; x87
+    (FLT_EVAL_METHOD 2) keeps 80-bit intermediates, so philox.h refuses to compile there (review 45 F8)."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "x87.cpp"
+    src.write_text('#include "bpclip_fast/philox.h"\nint main() { return 0; }\n')
+    include = str(Path(__file__).resolve().parents[1] / "csrc" / "include")
+    ok = subprocess.run([cxx, "-std=c++20", "-I", include, "-c", str(src), "-o", str(tmp_path / "a.o")],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    x87 = subprocess.run([cxx, "-std=c++20", "-mfpmath=387", "-I", include, "-c", str(src), "-o",
+                          str(tmp_path / "b.o")], capture_output=True, text=True)
+    assert x87.returncode != 0 and "FLT_EVAL_METHOD == 0" in x87.stderr

@@ -21,9 +21,17 @@
 // of the ideal normal: P(|Z| > 9.4926) = erfc(9.4926 / sqrt 2) = 2.3e-21 per draw.
 #pragma once
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+// The float and double draws are bit-for-bit specified (the CPU, CUDA and emulated streams and the
+// tests' replicas agree) only where every operation rounds to its own type: x87 arithmetic, which
+// keeps intermediates in 80 bits (FLT_EVAL_METHOD 2), would give other bits (review 45 F8).
+#if !defined(__CUDA_ARCH__) && defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0
+#error "bpclip_fast: the noise's arithmetic needs FLT_EVAL_METHOD == 0 (SSE2 or AVX, not x87); build for x86-64, or with -mfpmath=sse -msse2"
+#endif
 
 #include "bpclip_fast/bits.h"
 #include "bpclip_fast/macros.h"
