@@ -364,3 +364,14 @@ def test_a_pass_that_lands_nothing_then_the_backward_is_released_once():
     _check_grid(engine, 16.0)
     o.step()
     assert len(engine.accountant) == 1
+
+
+def test_make_private_with_epsilon_refuses_pld_before_calibrating():
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    model = _model()
+    engine = PrivacyEngine("pld")
+    with pytest.raises(ValueError, match=r"make_private_with_epsilon: integer_noise=True is not available here: the PLD"):
+        engine.make_private_with_epsilon(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=16), target_epsilon=2.0,
+                                         target_delta=1e-5, epochs=1, integer_noise=True, clipping="flat",
+                                         max_grad_norm=1.0)

@@ -8,6 +8,14 @@ from .. import integer_noise
 from ._common import half_precision_dtype
 
 
+def accountant_problem(accountant_name: str) -> str | None:
+    """Why the accountant cannot charge the integer release (``None`` when it can)."""
+    if accountant_name == "pld":
+        return ("the PLD accountant has no proof for the discrete Gaussian's privacy loss; use "
+                "PrivacyEngine(accountant='rdp') (charged at integer orders) or 'zcdp'")
+    return None
+
+
 def check(r, accountant_name: str, distributed: bool) -> bool:
     """Whether the run releases through integers; a clear error where it cannot yet."""
     if not isinstance(r.integer_noise, bool):
@@ -17,9 +25,8 @@ def check(r, accountant_name: str, distributed: bool) -> bool:
     why = None
     if r.noise != "independent":
         why = "correlated noise (noise='banded') has no integer form yet; use noise='independent'"
-    elif accountant_name == "pld":
-        why = ("the PLD accountant has no proof for the discrete Gaussian's privacy loss; use "
-               "PrivacyEngine(accountant='rdp') (charged at integer orders) or 'zcdp'")
+    elif accountant_problem(accountant_name) is not None:
+        why = accountant_problem(accountant_name)
     elif distributed:
         why = ("DDP is not supported yet (each rank would release its part of the sum before DDP's average, "
                "and a float sum of released parts is not a function of the integers); train in one process")

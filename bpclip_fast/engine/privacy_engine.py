@@ -361,6 +361,9 @@ class PrivacyEngine:
                                                bands=bands)
             extra = {"bands": bands} if bands != 1 else {}
             if kwargs.get("integer_noise") is True:  # calibrated at the orders it is charged at
+                why = integer.accountant_problem(self.accountant_name)
+                if why is not None:  # before a calibration make_private would refuse to use
+                    raise ValueError(f"make_private_with_epsilon: integer_noise=True is not available here: {why}")
                 extra = integer.accountant_kwargs(self.accountant_name, extra)
             # a private PCA in the model is charged by make_private: σ must leave room for it
             events = _pca.events_of(module, "make_private_with_epsilon")
