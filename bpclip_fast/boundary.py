@@ -154,6 +154,7 @@ class LayerStep(BandRelease):
         # of this pass is released into the tensors the backward returns (produced), not by the op.
         self.integer_bits = None
         self._integer_due = None
+        self._integer_landed = False  # a pass of this step landed its release; clearing .grad does not undo it
 
     # ------------------------------------------------------------------ parameters and hooks
     @property
@@ -495,8 +496,10 @@ class LayerStep(BandRelease):
             # loss_reduction="mean": proof in bpclip_fast.engine (clip at C/d, noise σΔ/d, times d/B̄).
             d = float(max(int(rows), 1))
             scale = d / float(self.mean_loss_batch)
-        if self.integer_bits is not None and self.enforce and (self.noised or self._pass_noised):
-            self._refuse_second_integer_backward()
+        if self.integer_bits is not None and self.enforce and self.key is not None and self.lands_now():
+            if self._integer_landed or self._pass_noised:
+                self._refuse_second_integer_backward()
+            self._integer_landed = True
         if self.noised or self._pass_noised or self.key is None:
             return 0, 0, 0.0, d, scale
         std = float(self.layer._bp_noise_multiplier) * float(sensitivity)
@@ -526,8 +529,12 @@ class LayerStep(BandRelease):
         step would land its sum raw on the released integers, where ``.grad/γ`` modulo 1 shows it
         noise-free (review 46 F1, review 47 N1: a second micro-batch, or two forwards and one backward),
         and a draw per backward would release a micro-batch split whose examples move between the
-        passes with one example more or less (review 47 N2: √(4m − 3)·Δ over m passes, charged Δ).
-        Refused before the backward runs, charged (the first release was readable in ``.grad``)."""
+        passes with one example more or less (review 47 N2: √(4m − 3)·Δ over m passes, charged Δ) — and
+        so would clearing ``.grad`` between the passes, or the whole batch released m times (review 48
+        G1): a landing pass after the step's first is refused whatever was cleared in between. Only
+        passes that land count (``torch.autograd.grad`` of the inputs over two forwards is not a
+        release: review 48 G2). Refused before the backward runs, charged (the first release was
+        readable in ``.grad``)."""
         self.check_budget("a backward")
         self.refuse("integer-passes", f"{self.name}'s backward ran a second time in this step under integer_noise=True "
                     "(a micro-batch after the first, or the layer's backward twice in one pass)")
@@ -633,6 +640,7 @@ class LayerStep(BandRelease):
         self._pass_landed = set()
         self._band_due = None
         self._integer_due = None
+        self._integer_landed = False
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""

@@ -375,3 +375,48 @@ def test_make_private_with_epsilon_refuses_pld_before_calibrating():
                                          data_loader=DataLoader(TensorDataset(x, y), batch_size=16), target_epsilon=2.0,
                                          target_delta=1e-5, epochs=1, integer_noise=True, clipping="flat",
                                          max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("clear", ["zero_grad", "set_to_none=False", "grad = None"])
+@pytest.mark.parametrize("what", ["the second half", "the whole batch again"])
+def test_clearing_the_gradient_does_not_allow_a_second_release(clear, what):
+    """Review 48 G1: a clear between two landing passes gave the second a fresh draw, so a loop read
+    one release per pass, charged once (the whole batch m times: a membership test at 0.84 where the
+    charge allows 0.55). A landing pass after the step's first is refused whatever was cleared."""
+    from bpclip_fast.rules import StepRefused
+
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    engine, m, o, dl = _private(_model(), x, y, 16, **MODES["flat"])
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    first = xb[: len(xb) // 2] if what == "the second half" else xb
+    nn.functional.cross_entropy(m(first), yb[: len(first)]).backward()
+    if clear == "zero_grad":
+        o.zero_grad()
+    elif clear == "set_to_none=False":
+        o.zero_grad(set_to_none=False)
+    else:
+        for p in m.parameters():
+            p.grad = None
+    second = xb[len(xb) // 2:] if what == "the second half" else xb
+    with pytest.raises(StepRefused, match=r"integer_noise=True") as info:
+        nn.functional.cross_entropy(m(second), yb[len(xb) - len(second):]).backward()
+    assert info.value.rule == "integer-passes"
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer", "backprop"])
+def test_a_pass_that_lands_nothing_may_run_a_layer_twice(mode):
+    """Review 48 G2: gradients with respect to the inputs over two forwards run each layer's backward
+    twice in a pass that lands nothing: not a release, not refused; the training backward after it is
+    the step's one release."""
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    engine, m, o, dl = _private(_model(), x, y, 16, **MODES[mode])
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    xa = xb.clone().requires_grad_(True)
+    loss = nn.functional.cross_entropy(m(xa[:8]), yb[:8]) + nn.functional.cross_entropy(m(xa[8:]), yb[8:])
+    (gx,) = torch.autograd.grad(loss, xa)
+    nn.functional.cross_entropy(m((xb + 0.01 * gx.sign()).detach()), yb).backward()
+    _check_grid(engine, 16.0)
+    o.step()
+    assert len(engine.accountant) == 1
