@@ -176,6 +176,7 @@ class _Book:
         self.tokens = dict(zip((id(layer) for layer in group.layers), tokens))
         self.entries: list[_Entry] = []
         self.kept_bytes = 0  # the entries' kept per-example gradients (KEPT_BYTES)
+        self.released: set = set()  # ids of the layers a pass released (FlatClipping.release)
 
 
 class _Collector(torch.autograd.Function):
@@ -300,6 +301,17 @@ class FlatClipping:
         book.entries, book.kept_bytes = [], 0
         if not entries:
             return {}
+        reached = {id(e.layer) for e in entries}
+        if book.released and not reached <= book.released:
+            # A later pass over a retained graph that releases layers of the forward an earlier pass did
+            # not (multi-task heads backwarded one loss at a time): its factors would come from those
+            # layers alone, so one example's release would reach √k·C over k passes, charged C (review
+            # 48 G3). A later pass over layers already released is the row rules' (first_landing).
+            _refuse_release([e.layer for e in entries], "flat clipping releases one forward's layers together, once, "
+                            "but a later backward pass over this forward's retained graph reached layers the first "
+                            "did not (one backward per loss of the forward)",
+                            "backward the sum of the forward's losses once")
+        book.released |= reached
         # One pass over the entries for the refusals below (in their order: rows, then bounds).
         ds, rows, layers, loose, bounds = set(), set(), set(), [], []
         max_grad_norm = self.max_grad_norm
