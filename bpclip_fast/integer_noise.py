@@ -130,12 +130,9 @@ def release(params, grads, due: Due) -> None:
 
 
 def release_into(params, due: Due) -> None:
-    """The fallback: every trainable parameter's ``.grad`` (zeros where it has none) released."""
-    first = 0
+    """The fallback: every trainable parameter's ``.grad`` (zeros where it has none) released, at the
+    positions :func:`release` gives it."""
     for p in params:
-        if p is not None and p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            _ops.integer_release_(p.grad, due.seed, due.offset, first, due.multiplier, due.exp, due.sigma,
-                                  1.0 / due.multiplier)
-        first += p.numel() if p is not None else 0
+        if p is not None and p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    release(params, [p.grad if p is not None and p.requires_grad else None for p in params], due)

@@ -28,6 +28,19 @@ static void check_frequency(int64_t hits, int64_t n, double p, const char* what)
   check(fabs(f - p) <= 6 * se + 1e-15, what);
 }
 
+// The frequency of trial(stream) over 2·10^6 elements' own streams (keyed by seed and offset)
+// within 6 standard errors of p.
+template <typename Trial>
+static void bernoulli_frequency(uint64_t seed, uint64_t offset, Trial trial, double p, const char* what) {
+  const int64_t n = 2000000;
+  int64_t hits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    bpclip::DgStream st = bpclip::dg_stream(seed, offset, static_cast<uint64_t>(i), bpclip::kDgTagNoise);
+    hits += trial(st) ? 1 : 0;
+  }
+  check_frequency(hits, n, p, what);
+}
+
 static uint64_t splitmix(uint64_t* x) {
   uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -161,29 +174,17 @@ int main() {
   }
   // The Bernoulli trials against their exact probabilities.
   {
-    struct Case {
-      uint64_t n, d;
-    };
-    const Case cases[] = {{0, 1}, {1, 1}, {1, 2}, {3, 7}, {6, 7}, {(uint64_t{1} << 52) - 1, uint64_t{1} << 52}};
-    for (const Case& c : cases) {
-      const int64_t n = 2000000;
-      int64_t hits = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        DgStream st = dg_stream(13, c.n, static_cast<uint64_t>(i), kDgTagNoise);
-        hits += bernoulli_exp_frac(st, c.n, c.d) ? 1 : 0;
-      }
-      check_frequency(hits, n, exp(-static_cast<double>(c.n) / static_cast<double>(c.d)), "bernoulli_exp_frac");
+    const uint64_t fracs[][2] = {{0, 1}, {1, 1}, {1, 2}, {3, 7}, {6, 7}, {(uint64_t{1} << 52) - 1, uint64_t{1} << 52}};
+    for (const auto& c : fracs) {
+      const double g = static_cast<double>(c[0]) / static_cast<double>(c[1]);
+      bernoulli_frequency(13, c[0], [&](DgStream& st) { return bernoulli_exp_frac(st, c[0], c[1]); }, exp(-g),
+                          "bernoulli_exp_frac");
     }
-    const Case squares[] = {{0, 1}, {1, 2}, {5, 7}, {999, 1000}};
-    for (const Case& c : squares) {
-      const int64_t n = 2000000;
-      int64_t hits = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        DgStream st = dg_stream(14, c.n, static_cast<uint64_t>(i), kDgTagNoise);
-        hits += bernoulli_exp_square(st, c.n, c.d) ? 1 : 0;
-      }
-      const double r = static_cast<double>(c.n) / static_cast<double>(c.d);
-      check_frequency(hits, n, exp(-r * r / 2), "bernoulli_exp_square");
+    const uint64_t squares[][2] = {{0, 1}, {1, 2}, {5, 7}, {999, 1000}};
+    for (const auto& c : squares) {
+      const double r = static_cast<double>(c[0]) / static_cast<double>(c[1]);
+      bernoulli_frequency(14, c[0], [&](DgStream& st) { return bernoulli_exp_square(st, c[0], c[1]); },
+                          exp(-r * r / 2), "bernoulli_exp_square");
     }
   }
   // The discrete Gaussian.
