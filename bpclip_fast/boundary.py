@@ -8,15 +8,20 @@ so that ``DPOptimizer.step()`` can verify it before anything is released:
   The first backward pass whose output lands in a *fresh* gradient (none, or one that was zeroed)
   adds the draw; later passes into the same gradient add none (under ``integer_noise=True`` a later
   backward of the layer in the step is refused instead, ``integer-passes``: its sum would land raw
-  on the released integers). A gradient cleared after it held a
-  draw gets a fresh one (:func:`redraw_seed`), never the same again: code outside ``step()`` may
-  have seen the discarded gradient. The parameters may not change between the passes of a step
+  on the released integers). A landing pass that would need the draw again because the gradient
+  that held it was cleared (``zero_grad``, ``p.grad = None``, zeroed in place) is refused, charged
+  (``redraw``): the cleared gradient was readable, so a fresh draw would be a second release of the
+  batch charged as one (review 48 G1: the whole batch 64 times reached a membership advantage of
+  0.84 where the charge allows 0.55), and the same draw would be the same noise on other sums. A
+  draw that never landed (a pass of ``torch.autograd.grad`` of the inputs, a refused step re-armed)
+  is replaced by a fresh one (:func:`redraw_seed`), never the same again. The parameters may not change between the passes of a step
   (version counters; ``param-edit``), so a manual update cannot release a draw twice either.
 * **The gradient is exactly the layer's own backward outputs.** After every accumulation a
   post-accumulate-grad hook records the gradient tensor (weak reference) and its version counter.
   Any other write — an in-place edit (version), a replacement (identity) — is seen by the next
   backward or by ``step()``. The only edit allowed is zeroing (``zero_grad(set_to_none=False)``,
-  ``p.grad.zero_()``): the layer then starts afresh, the draw is added again, and ``step()``
+  ``p.grad.zero_()``): the layer then starts afresh (a later landing backward in the step is
+  refused, ``redraw``; ``step()`` adds a fresh draw to the zeros), and ``step()``
   verifies on the device that the gradient really was zero (one ``any()`` per edited gradient,
   read with one sync, only when such an edit happened). A pre-hook on each parameter's
   ``AccumulateGrad`` node checks that what is accumulated is the very tensor (same object, same
@@ -137,6 +142,7 @@ class LayerStep(BandRelease):
         self._node_prehooks: dict[int, object] = {}
         self._hooked = None
         self._draws = 0           # draws of this step handed out so far (take_draw)
+        self._draw_landed = False  # a pass of this step landed a draw; clearing .grad does not undo it
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
@@ -260,6 +266,7 @@ class LayerStep(BandRelease):
             elif len(record) > 2:  # sealed (seal_produced): the bits must be those our op returned
                 self.reuse_checks.append(fingerprint(incoming).ne(record[2]))
             if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once
+                self._draw_landed = self._draw_landed or self._pass_noised
                 self.rows += self._pass_rows
                 self.noised = self.noised or self._pass_noised
                 self.books |= self._pass_books
@@ -508,6 +515,8 @@ class LayerStep(BandRelease):
                              f"{self.layer._bp_noise_multiplier!r}")
         if self.band is None and not _ops.noise_std_ok(std / d):  # banded: σΔ/B̄, of no batch's size
             self._refuse_std(rows)
+        if self._draw_landed and self.enforce and self.band is None and self.lands_now():
+            self._refuse_second_draw()
         if self.enforce:
             self._pass_noised = True
         else:
@@ -540,6 +549,22 @@ class LayerStep(BandRelease):
                     "(a micro-batch after the first, or the layer's backward twice in one pass)")
         raise RuntimeError(f"{self.name}: a second backward of this layer in one step under integer_noise=True")
 
+    def _refuse_second_draw(self) -> None:
+        """A landing backward that needs this step's draw again: the gradient that held it was cleared
+        after its pass landed. That gradient was readable (a loop that logs ``.grad`` after each backward
+        and clears it), so a fresh draw would release the batch once more under a charge for one
+        release (review 48 G1: the whole batch 64 times, a membership advantage of 0.84 where the charge
+        allows 0.55), and reusing the draw would be the same noise on another sum (their difference
+        noise-free). Refused before the backward runs, charged (the first release was readable). Banded
+        noise refuses the same loop (``banded-redraw``), integer noise any second landing pass
+        (``integer-passes``)."""
+        self.check_budget("a backward")
+        details = (f"{self.name}: its gradient held this step's noise and was cleared (zero_grad, p.grad = None or "
+                   "zeroed in place), and a later backward pass in the same step would need the noise again")
+        self.refuse("redraw", details)
+        raise RuntimeError(details + "; take one backward per step, or micro-batches without clearing the gradient "
+                           "between them")
+
     def _refuse_std(self, rows) -> None:
         """A std outside the kernels' range (``make_private`` refuses settings that allow one,
         :mod:`bpclip_fast.engine.noise_range`): refused before anything is drawn, charged, and in words
@@ -558,10 +583,11 @@ class LayerStep(BandRelease):
 
     def take_draw(self):
         """``(seed, offset)`` of the next draw of this step: the step's own for the first, then a fresh
-        one (:func:`redraw_seed`) each time a gradient that held a draw was discarded or a pass never
-        landed. A discarded gradient was never released by ``step()``, but code outside it may have
-        seen it (a manual update through ``p.data``, a logged gradient): a fresh draw keeps the two
-        from sharing noise."""
+        one (:func:`redraw_seed`) each time a draw was taken and never landed (a pass that reached no
+        ``.grad``, a refused step re-armed), or at ``step()`` for a gradient cleared after its draw
+        landed (noise on zeros; a landing backward there is refused, :meth:`_refuse_second_draw`). Code
+        outside ``step()`` may have seen a discarded draw's gradient: a fresh one keeps the two from
+        sharing noise."""
         seed, offset = self.key
         k, self._draws = self._draws, self._draws + 1
         return (seed if k == 0 else redraw_seed(seed, offset, k)), offset
@@ -641,6 +667,7 @@ class LayerStep(BandRelease):
         self._band_due = None
         self._integer_due = None
         self._integer_landed = False
+        self._draw_landed = False
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""

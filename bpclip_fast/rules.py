@@ -51,6 +51,9 @@ RULES = {
     "banded-redraw": ("under correlated noise each step's noise row is drawn once per layer and released once",
                       "take one backward per step (or micro-batches without zero_grad between them), and do not "
                       "clear a layer's gradient between its backward and step()"),
+    "redraw": ("each clipped layer's noise is drawn once per step and the batch released once",
+               "take one backward per step (or micro-batches without zero_grad between them), and do not clear a "
+               "layer's gradient between its backward and step()"),
     "integer-passes": ("under integer noise each clipped layer's backward runs once per step, and its release is the "
                        "step's whole clipped sum",
                        "take one backward pass per step over the whole batch (one loss, one backward); to accumulate "

@@ -140,8 +140,8 @@ def _settings_arguments(p, d) -> None:
     g.add_argument("--loss-reduction", choices=("mean", "sum"), default=d.loss_reduction,
                    help="the training loss: the mean or the sum over the batch")
     g.add_argument("--loop", choices=LOOPS, default="plain",
-                   help="training loop: plain; inplace-zero (a first backward thrown away by "
-                        "zero_grad(set_to_none=False)); micro-batches (two accumulated passes)")
+                   help="training loop: plain; inplace-zero (zero_grad(set_to_none=False) before each step's "
+                        "backward); micro-batches (two accumulated passes)")
     g.add_argument("--fillers", type=int, default=d.fillers,
                    help="ordinary examples beside the canaries")
     g.add_argument("--noise", choices=NOISES, default=d.noise,

@@ -22,9 +22,7 @@ and draw — the residual divided by the claimed std is i.i.d. ``N(0, 1)``. The 
   every two parameters of a step (a Philox key used twice — layers sharing a draw, a bias reusing
   its weight's — makes the streams equal from their first element), between neighbouring
   coordinates of one parameter (one draw broadcast over a row), between steps 1, 2 and 3 apart in
-  a run (a draw reused across steps), and between the gradient the ``inplace-zero`` loop throws
-  away and the one it releases (a redraw that reuses the discarded draw: whoever logged the first
-  gradient could subtract the noise of the second).
+  a run (a draw reused across steps).
 
 **Correlated noise** (``make_private(noise="banded", bands=b)``, :mod:`bpclip_fast.banded`): the
 claim is no longer i.i.d. residuals but ``c_0 w_t = σΔ z_t − Σ_{1≤j<b} c_j w_{t−j}`` with the
@@ -146,9 +144,8 @@ class NoiseCheck:
         slack = 2 * eps * (before.abs() + after.abs() + released.abs())
         self.misapplied += int(((before - after) - released).abs().gt(slack).sum())
 
-    def add(self, update: torch.Tensor, xb, vb, discarded: torch.Tensor | None = None) -> None:
-        """One step: its update, its batch, and (``inplace-zero``) the update the discarded
-        gradient would have made."""
+    def add(self, update: torch.Tensor, xb, vb) -> None:
+        """One step: its update and its batch."""
         base = self.expected(xb, vb)
         r = self._whiten((update - base) / self.scale)
         self.pooled.add(r)
@@ -165,8 +162,6 @@ class NoiseCheck:
             if len(self._history) >= lag:
                 self._pair(f"steps {lag} apart", self._history[-lag], r)
         self._history = (self._history + [r])[-max(_LAGS):]
-        if discarded is not None:
-            self._pair("discarded vs released", (discarded - base) / self.scale, r)
 
     def result(self) -> dict:
         """The std ratios with their intervals, the shape test, each correlation, and the verdicts."""
