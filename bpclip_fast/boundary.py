@@ -143,6 +143,7 @@ class LayerStep(BandRelease):
         self._hooked = None
         self._draws = 0           # draws of this step handed out so far (take_draw)
         self._draw_landed = False  # a pass of this step landed a draw; clearing .grad does not undo it
+        self._mixed = False        # some trainable gradients hold the layer's contribution, others not
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
@@ -361,6 +362,7 @@ class LayerStep(BandRelease):
         layer holds a contribution (its gradients are ours), False if it starts afresh."""
         states = self._grad_states(params)
         kinds = {k for _, _, k in states}
+        self._mixed = False
         if kinds == _OURS:
             if self._fingerprints:  # only in steps of several passes
                 for i, p, _ in states:
@@ -370,6 +372,7 @@ class LayerStep(BandRelease):
             return True
         if "ours" in kinds:  # some gradients kept, others edited or dropped: no consistent state
             self.violations.append(("grad-edit", f"only some of {self.name}'s gradients were cleared or edited"))
+            self._mixed = True
             return True
         for i, p, k in states:  # all None or edited: start afresh; an edited one must have been zeroed
             if k == "foreign":
@@ -457,11 +460,12 @@ class LayerStep(BandRelease):
             return
         if not self.lands_now():  # a pass that lands nothing releases nothing, before or after
             return
-        if earlier:  # refused at step(), as the row count's own violations, naming every such layer
-            self.violations.append(("rows", "a second backward pass reached one forward (backward(retain_graph=True) "
-                                    "run again, or a retained graph's backward after its step): its examples were "
-                                    "released twice"))
-            return
+        if earlier:  # refused now: the first release is readable in .grad, and this one would add its sum raw
+            self.check_budget("a backward")
+            details = (f"{self.name}: a second backward pass reached one forward (backward(retain_graph=True) run "
+                       "again, or a retained graph's backward after its step): its examples would be released twice")
+            self.refuse("rows", details)
+            raise RuntimeError(details)
         for holder in holders:
             marks = getattr(holder, "_bp_landed", None)
             if marks is None:
@@ -495,6 +499,7 @@ class LayerStep(BandRelease):
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
                 self._begin_pass(task)
             self._pass_rows += int(rows)
+            self._refuse_before_landing()
         else:
             self.rows += int(rows)
         if self.mean_loss_batch is None:
@@ -515,8 +520,6 @@ class LayerStep(BandRelease):
                              f"{self.layer._bp_noise_multiplier!r}")
         if self.band is None and not _ops.noise_std_ok(std / d):  # banded: σΔ/B̄, of no batch's size
             self._refuse_std(rows)
-        if self._draw_landed and self.enforce and self.band is None and self.lands_now():
-            self._refuse_second_draw()
         if self.enforce:
             self._pass_noised = True
         else:
@@ -549,19 +552,44 @@ class LayerStep(BandRelease):
                     "(a micro-batch after the first, or the layer's backward twice in one pass)")
         raise RuntimeError(f"{self.name}: a second backward of this layer in one step under integer_noise=True")
 
-    def _refuse_second_draw(self) -> None:
-        """A landing backward that needs this step's draw again: the gradient that held it was cleared
-        after its pass landed. That gradient was readable (a loop that logs ``.grad`` after each backward
-        and clears it), so a fresh draw would release the batch once more under a charge for one
-        release (review 48 G1: the whole batch 64 times, a membership advantage of 0.84 where the charge
-        allows 0.55), and reusing the draw would be the same noise on another sum (their difference
-        noise-free). Refused before the backward runs, charged (the first release was readable). Banded
-        noise refuses the same loop (``banded-redraw``), integer noise any second landing pass
-        (``integer-passes``)."""
+    def _refuse_before_landing(self) -> None:
+        """The refusals a landing pass meets before the layer's backward computes anything, because
+        what it would land is readable in ``.grad`` before ``step()`` refuses (review 49):
+
+        * **The step's draw landed and the gradients no longer all hold it** (``redraw``; banded:
+          ``banded-redraw``). Cleared whole (``zero_grad``, ``p.grad = None``, zeroed in place), a
+          fresh draw would release the batch once more under a charge for one (review 48 G1: the whole
+          batch 64 times, a membership advantage of 0.84 where the charge allows 0.55), and the same
+          draw would be the same noise on another sum. Cleared, unfrozen or landed in part (the weight's
+          gradient set to ``None`` and the bias's kept, a weight frozen for the first pass,
+          ``backward(inputs=[bias])``), the layer's draw counts as added, so the parameter without it
+          would receive its clipped sum with no noise at all (review 49 H2).
+        * **More example rows than the batch drawn** (``rows``): a layer used k times in the forward
+          (added after ``make_private``) releases k clipped contributions per example under noise for
+          one (review 49 H3: 2.3·C at k = 4, 37·C at k = 64), and a second backward over the batch lands
+          its sum raw. Named without the counts (they would tell the batch's size).
+
+        Charged (the step's first release was readable). Asked per layer call of a pass; ``lands_now``
+        only when a condition holds (a pass that lands nothing releases nothing)."""
+        over = self.batch_rows is not None and self.rows + self._pass_rows > self.batch_rows()
+        cleared = self._draw_landed and (self._mixed or not self.noised) and self.integer_bits is None
+        if not (over or cleared) or not self.lands_now():
+            return
         self.check_budget("a backward")
-        details = (f"{self.name}: its gradient held this step's noise and was cleared (zero_grad, p.grad = None or "
-                   "zeroed in place), and a later backward pass in the same step would need the noise again")
-        self.refuse("redraw", details)
+        if over:
+            details = (f"{self.name}: this backward pass would bring the layer's example rows in this step past the "
+                       "batch drawn for it (the layer used more than once in the forward, or the batch backwarded "
+                       "again)")
+            self.refuse("rows", details)
+            raise RuntimeError(details)
+        if self._mixed:
+            details = (f"{self.name}: some of its parameters' gradients hold this step's noise and others do not "
+                       "(cleared, zeroed or unfrozen on their own, or reached by another pass's backward(inputs=...)), "
+                       "and this backward would land on them without noise")
+        else:
+            details = (f"{self.name}: its gradient held this step's noise and was cleared (zero_grad, p.grad = None "
+                       "or zeroed in place), and a later backward pass in the same step would need the noise again")
+        self.refuse("redraw" if self.band is None else "banded-redraw", details)
         raise RuntimeError(details + "; take one backward per step, or micro-batches without clearing the gradient "
                            "between them")
 
@@ -585,7 +613,7 @@ class LayerStep(BandRelease):
         """``(seed, offset)`` of the next draw of this step: the step's own for the first, then a fresh
         one (:func:`redraw_seed`) each time a draw was taken and never landed (a pass that reached no
         ``.grad``, a refused step re-armed), or at ``step()`` for a gradient cleared after its draw
-        landed (noise on zeros; a landing backward there is refused, :meth:`_refuse_second_draw`). Code
+        landed (noise on zeros; a landing backward there is refused, :meth:`_refuse_before_landing`). Code
         outside ``step()`` may have seen a discarded draw's gradient: a fresh one keeps the two from
         sharing noise."""
         seed, offset = self.key

@@ -406,14 +406,14 @@ def _strided_zeros_like(p):
 
 @pytest.mark.parametrize("edit", [False, True])
 def test_finding_a_strided_zeroed_grad_between_micro_batches_is_still_checked(edit):
-    """Finding 1, end to end. Zeroing the gradients between passes by assigning zeros (allowed: the
-    zeroed pass is discarded) where a bias's zeros are a stepped view: the next partial pass's
-    fingerprint raised a RuntimeError out of ``backward()``. Now it is fingerprinted, and a one-ulp
-    edit through ``.data`` before the last pass is refused (grad-edit); without it the step goes through."""
+    """Finding 1, end to end. Zeroing the gradients by assigning zeros (allowed before the step's
+    first backward; between two passes of a step it is now refused, ``redraw``, review 48 G1) where a
+    bias's zeros are a stepped view: the next partial pass's fingerprint raised a RuntimeError out of
+    ``backward()``. Now it is fingerprinted, and a one-ulp edit through ``.data`` before the last pass
+    is refused (grad-edit); without it the step goes through."""
     model, opt, loader = _private_mlp(batch=6)
     x, y = next(iter(loader))
     opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
     for p in model.parameters():
         p.grad = _strided_zeros_like(p)
     with warnings.catch_warnings():

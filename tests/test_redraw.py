@@ -9,7 +9,14 @@ advantage of 0.84 where the charge allows 0.55). Such a pass is now refused befo
 (``integer-passes``) refused it already. What stays allowed: micro-batches accumulated without a
 clear, a pass that lands nothing (gradients with respect to the inputs) before the training
 backward, and a clear followed by ``step()`` with no second backward (``step()`` adds a fresh draw to
-the zeros: the batch was released once)."""
+the zeros: the batch was released once).
+Review 49 found what the rule above left readable in ``.grad`` before ``step()`` refused, all now
+refused before the pass computes anything: a clear, freeze or landing of only some of a layer's
+parameters (the layer's draw counted as added, so the parameter without it received its clipped sum
+with no noise: H2), and more example rows than the batch (a layer used k times in the forward, added
+after ``make_private``: k clipped contributions per example under noise for one; a second backward
+over the batch, whose sum landed raw: H3).
+"""
 
 from __future__ import annotations
 
@@ -178,3 +185,120 @@ def test_a_generic_unit_refuses_the_backward_after_a_clear(mode):
         nn.functional.cross_entropy(m(xb), yb).backward()
     assert info.value.rule == "redraw" and info.value.layers == ["1"] and info.value.charged
     assert len(engine.accountant) == 1 and all(p.grad is None for p in m.parameters())
+
+
+def _last(m):
+    """The last Linear's weight and bias."""
+    layers = [mod for mod in m.modules() if isinstance(mod, nn.Linear)]
+    return layers[-1].weight, layers[-1].bias
+
+
+def _refused_before_landing(engine, m, run, rule):
+    with pytest.raises(StepRefused) as info:
+        run()
+    assert info.value.rule == rule and info.value.charged and len(engine.accountant) == 1
+    assert all(p.grad is None for p in m.parameters())
+    return info.value
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["weight.grad = None", "weight.grad.zero_()", "weight frozen for the first pass",
+                                 "backward(inputs=[bias]) first"])
+def test_a_layer_whose_parameters_hold_the_draw_in_part_is_refused(mode, how):
+    """Review 49 H2: the second micro-batch would have landed on the weight with no noise (its .grad
+    the noise-free clipped sum, to 7e-7)."""
+    engine, m, o, dl = _private(mode)
+    w, b = _last(m)
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    if how == "weight frozen for the first pass":
+        w.requires_grad_(False)
+    kw = {"inputs": [b]} if how == "backward(inputs=[bias]) first" else {}
+    nn.functional.cross_entropy(m(xb[:8]), yb[:8]).backward(**kw)
+    if how == "weight.grad = None":
+        w.grad = None
+    elif how == "weight.grad.zero_()":
+        w.grad.zero_()
+    elif how == "weight frozen for the first pass":
+        w.requires_grad_(True)
+    exc = _refused_before_landing(engine, m, lambda: nn.functional.cross_entropy(m(xb[8:]), yb[8:]).backward(),
+                                  "redraw")
+    assert "some of its parameters' gradients hold this step's noise" in str(exc)
+
+
+def test_a_generic_unit_cleared_in_part_is_refused():
+    class Affine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s, self.t = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            return x * self.s + self.t
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3), Affine())
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine()
+        m, o, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                       data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                       noise_multiplier=1.0, noise_seed=7, clipping="flat", max_grad_norm=1.0)
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    nn.functional.cross_entropy(m(xb[:8]), yb[:8]).backward()
+    next(p for n, p in m.named_parameters() if n.endswith(".s")).grad = None
+    _refused_before_landing(engine, m, lambda: nn.functional.cross_entropy(m(xb[8:]), yb[8:]).backward(), "redraw")
+
+
+class _Reused(nn.Module):
+    """``block`` used ``k`` times on one input: once when ``make_private`` inspects it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out, self.k = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3), 1
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(sum(self.block(h) for _ in range(self.k)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_used_four_times_after_make_private_is_refused_before_it_lands(mode):
+    """Review 49 H3: k uses clipped one by one under one draw: 2.3·C per example at k = 4, 37·C at
+    k = 64, readable before step() refused."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    kw = {"clipping": mode, "max_grad_norm": 1.0} if mode != "backprop" else {
+        "clipping": "backprop", "input_clip": 2.0, "grad_clip": 1.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine()
+        model = _Reused()
+        m, o, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                       data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                       noise_multiplier=1.0, noise_seed=7, **kw)
+    next(mod for mod in m.modules() if isinstance(mod, _Reused)).k = 4
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    with pytest.raises(StepRefused) as info:
+        nn.functional.cross_entropy(m(xb), yb).backward()
+    assert info.value.charged and len(engine.accountant) == 1
+    assert all(p.grad is None for p in m.parameters())
+    if mode != "flat":  # flat's book sees the reuse at the forward's release first
+        assert info.value.rule == "rows" and info.value.layers == ["block"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["two forwards", "retain_graph"])
+def test_a_second_backward_over_the_batch_is_refused_before_it_lands(mode, how):
+    """The second pass's sum would land raw on the first release: g2 − g1 the clipped sum, no noise."""
+    engine, m, o, dl = _private(mode)
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    loss = nn.functional.cross_entropy(m(xb), yb)
+    loss.backward(retain_graph=how == "retain_graph")
+    if how == "retain_graph":
+        _refused_before_landing(engine, m, loss.backward, "rows")
+    else:
+        _refused_before_landing(engine, m, lambda: nn.functional.cross_entropy(m(xb), yb).backward(), "rows")
