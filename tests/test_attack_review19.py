@@ -6,7 +6,7 @@ pass over one retained forward.
   ``IndexError``, and another model's book is not consumed by the refusal.
 * Every mode, eager and compiled: ``backward(retain_graph=True)`` run again over a forward of half the batch
   released those examples twice (4 + 4 rows fit a batch of 8, so the row count passed); a retained
-  graph backwarded after the step of its forward likewise. Refused at ``step()`` now
+  graph backwarded after the step of its forward likewise. Refused at the second backward now
   (``first_landing``), while a pass that lands nothing (input gradients, ``backward(inputs=...)`` of
   other layers) before or after the training backward still trains (review 20), and so does
   activation checkpointing that recomputes the forward in each pass (reentrant, or compiled), whose
@@ -159,32 +159,35 @@ def _fixed(mode, model=None):
 
 
 def _half_batch_twice(model, x, y, retain_first=True):
+    """The first pass lands; the second is refused at its backward, before the layers compute (review
+    49: its sum would have landed raw on the first release, readable before ``step()``)."""
     out = model(x[: len(x) // 2])
     loss = F.cross_entropy(out, y[: len(x) // 2])
     loss.backward(retain_graph=retain_first)
-    loss.backward()
+    with pytest.raises(StepRefused) as exc:
+        loss.backward()
+    return exc.value
 
 
 def _second_pass_refused(mode, module, backend=None, around=contextlib.nullcontext):
     """Half the batch backwarded twice through ``module`` under ``mode`` (the model compiled with
-    ``backend`` when given; forward and backward inside ``around()``): refused at ``step()`` as a
-    second landing pass, with nothing left in ``.grad``."""
+    ``backend`` when given; forward and backward inside ``around()``): refused as a second landing
+    pass at its backward, charged, with nothing left in ``.grad``."""
     torch._dynamo.reset()
     try:
         engine, model, opt, loader = _fixed(mode, module)
         run = torch.compile(model, backend=backend) if backend else model
         x, y = next(iter(loader))
         with around():
-            _half_batch_twice(run, x, y)
-        _refused_as_a_second_pass(opt, model)
+            exc = _half_batch_twice(run, x, y)
+        _refused_as_a_second_pass(exc, model)
+        assert exc.charged and len(engine.accountant) == 1
     finally:
         torch._dynamo.reset()
 
 
-def _refused_as_a_second_pass(opt, model):
-    with pytest.raises(StepRefused) as exc:
-        opt.step()
-    assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+def _refused_as_a_second_pass(exc, model):
+    assert exc.rule == "rows" and "second backward pass" in str(exc), exc
     assert all(p.grad is None for p in _inner(model).parameters())
 
 
@@ -203,10 +206,8 @@ def test_a_second_backward_over_one_forward_of_half_the_batch_is_refused_and_cha
     x, y = next(iter(loader))
     assert len(x) == 8
     charged = len(engine.accountant)
-    _half_batch_twice(model, x, y)
-    with pytest.raises(StepRefused) as exc:
-        opt.step()
-    assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
+    exc = _half_batch_twice(model, x, y)
+    assert exc.rule == "rows" and "second backward pass" in str(exc), exc
     assert all(p.grad is None for p in _inner(model).parameters())
     assert len(engine.accountant) == charged + 1  # the sampled batch is charged, as every refusal
 
@@ -253,10 +254,8 @@ def test_a_second_backward_over_one_compiled_forward_of_half_the_batch_is_refuse
         engine, model, opt, loader = _fixed(mode)
         compiled = torch.compile(model)
         x, y = next(iter(loader))
-        with pytest.raises(REFUSED) as exc:
-            _half_batch_twice(compiled, x, y)
-            opt.step()
-        assert "second backward pass" in str(exc.value), exc.value
+        exc = _half_batch_twice(compiled, x, y)
+        assert "second backward pass" in str(exc), exc
         assert all(p.grad is None for p in _inner(model).parameters())
     finally:
         torch._dynamo.reset()
@@ -387,9 +386,8 @@ def test_layers_unfrozen_after_the_step_armed_them_are_marked_on_their_first_pas
         x, y = draw()
         loss = F.cross_entropy(run(x[:4], head=False), y[:4])
         loss.backward(retain_graph=True)
-        loss.backward()
         with pytest.raises(StepRefused) as exc:
-            opt.step()
+            loss.backward()
         assert exc.value.rule == "rows" and "second backward pass" in str(exc.value), exc.value
         assert all(p.grad is None for p in inner.parameters())
     finally:
@@ -491,18 +489,18 @@ def test_half_the_batch_backwarded_twice_compiled_with_other_backends(mode, back
         return
     # Torch 2.14's eager backend runs non-reentrant checkpointing's saved-tensor hooks around the
     # layer's compiled forward op, which refuses them before anything is computed; torch 2.11's
-    # does not, and the second pass is refused at step(). Either way nothing is released.
+    # does not, and the second pass is refused at its backward. Either way nothing is released.
     torch._dynamo.reset()
     try:
         engine, model, opt, loader = _fixed(mode, module)
         x, y = next(iter(loader))
         try:
-            _half_batch_twice(torch.compile(model, backend=backend), x, y)
+            exc = _half_batch_twice(torch.compile(model, backend=backend), x, y)
         except RuntimeError as e:
             assert "saved_tensors_hooks" in str(e), e
             assert all(p.grad is None for p in _inner(model).parameters())
             return
-        _refused_as_a_second_pass(opt, model)
+        _refused_as_a_second_pass(exc, model)
     finally:
         torch._dynamo.reset()
 
