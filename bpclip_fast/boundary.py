@@ -14,8 +14,11 @@ so that ``DPOptimizer.step()`` can verify it before anything is released:
   batch charged as one (review 48 G1: the whole batch 64 times reached a membership advantage of
   0.84 where the charge allows 0.55), and the same draw would be the same noise on other sums. A
   draw that never landed (a pass of ``torch.autograd.grad`` of the inputs, a refused step re-armed)
-  is replaced by a fresh one (:func:`redraw_seed`), never the same again. The parameters may not change between the passes of a step
-  (version counters; ``param-edit``), so a manual update cannot release a draw twice either.
+  is replaced by a fresh one (:func:`redraw_seed`), never the same again. What a loop reads of
+  ``.grad`` between the micro-batches of a step is not covered: the later passes add their sums to
+  the first one's release as they are (review 49 H1; declared accumulation would close it). The
+  parameters may not change between the passes of a step (version counters; ``param-edit``), so a
+  manual update cannot release a draw twice either.
 * **The gradient is exactly the layer's own backward outputs.** After every accumulation a
   post-accumulate-grad hook records the gradient tensor (weak reference) and its version counter.
   Any other write — an in-place edit (version), a replacement (identity) — is seen by the next
