@@ -41,18 +41,38 @@ def _model(mode):
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), norm, nn.Linear(8, 3))
 
 
-def _private(mode, sigma=1.0):
+def _private(mode, sigma=1.0, model=None):
     x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
-    model = _model(mode)
+    model = _model(mode) if model is None else model
     kw = {"clipping": mode, "max_grad_norm": 1.0} if mode != "backprop" else {
         "clipping": "backprop", "input_clip": 2.0, "grad_clip": 1.0}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the explicit noise_seed's warning
+        warnings.simplefilter("ignore")  # the explicit noise_seed's warning, the generic path's notice
         engine = PrivacyEngine()
         m, o, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                        data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
                                        noise_multiplier=sigma, noise_seed=7, **kw)
     return engine, m, o, dl
+
+
+def _refused_before_landing(engine, m, run, rule):
+    """``run()`` raises the charged refusal ``rule`` and leaves no gradient."""
+    with pytest.raises(StepRefused) as info:
+        run()
+    assert info.value.rule == rule and info.value.charged and len(engine.accountant) == 1
+    assert all(p.grad is None for p in m.parameters())
+    return info.value
+
+
+def _clear_and_redo(engine, m, o, dl, run=None):
+    """A landed backward, ``zero_grad``, and the same backward again: refused (``redraw``)."""
+    run = m if run is None else run
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    nn.functional.cross_entropy(run(xb), yb).backward()
+    o.zero_grad()
+    return _refused_before_landing(engine, m, lambda: nn.functional.cross_entropy(run(xb), yb).backward(),
+                                   "redraw")
 
 
 def _clear(how, m, o):
@@ -144,14 +164,7 @@ def test_a_compiled_model_refuses_the_backward_after_a_clear(mode):
     """The compiled layers take their draw through the same step boundary."""
     torch._dynamo.reset()
     engine, m, o, dl = _private(mode)
-    cm = torch.compile(m)
-    xb, yb = next(iter(dl))
-    o.zero_grad()
-    nn.functional.cross_entropy(cm(xb), yb).backward()
-    o.zero_grad()
-    with pytest.raises(StepRefused) as info:
-        nn.functional.cross_entropy(cm(xb), yb).backward()
-    assert info.value.rule == "redraw" and info.value.charged and len(engine.accountant) == 1
+    _clear_and_redo(engine, m, o, dl, torch.compile(m))
 
 
 class _Scale(nn.Module):
@@ -169,36 +182,14 @@ class _Scale(nn.Module):
 def test_a_generic_unit_refuses_the_backward_after_a_clear(mode):
     """The generic unit is the last layer, so its backward is the second pass's first release."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 3), _Scale(3))
-    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the generic path's notice, the explicit noise_seed's warning
-        engine = PrivacyEngine()
-        m, o, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                       data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
-                                       noise_multiplier=1.0, noise_seed=7, clipping=mode, max_grad_norm=1.0)
-    xb, yb = next(iter(dl))
-    o.zero_grad()
-    nn.functional.cross_entropy(m(xb), yb).backward()
-    o.zero_grad()
-    with pytest.raises(StepRefused) as info:
-        nn.functional.cross_entropy(m(xb), yb).backward()
-    assert info.value.rule == "redraw" and info.value.layers == ["1"] and info.value.charged
-    assert len(engine.accountant) == 1 and all(p.grad is None for p in m.parameters())
+    engine, m, o, dl = _private(mode, model=nn.Sequential(nn.Linear(6, 3), _Scale(3)))
+    assert _clear_and_redo(engine, m, o, dl).layers == ["1"]
 
 
 def _last(m):
     """The last Linear's weight and bias."""
     layers = [mod for mod in m.modules() if isinstance(mod, nn.Linear)]
     return layers[-1].weight, layers[-1].bias
-
-
-def _refused_before_landing(engine, m, run, rule):
-    with pytest.raises(StepRefused) as info:
-        run()
-    assert info.value.rule == rule and info.value.charged and len(engine.accountant) == 1
-    assert all(p.grad is None for p in m.parameters())
-    return info.value
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -236,14 +227,7 @@ def test_a_generic_unit_cleared_in_part_is_refused():
             return x * self.s + self.t
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 3), Affine())
-    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = PrivacyEngine()
-        m, o, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                       data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
-                                       noise_multiplier=1.0, noise_seed=7, clipping="flat", max_grad_norm=1.0)
+    engine, m, o, dl = _private("flat", model=nn.Sequential(nn.Linear(6, 3), Affine()))
     xb, yb = next(iter(dl))
     o.zero_grad()
     nn.functional.cross_entropy(m(xb[:8]), yb[:8]).backward()
@@ -268,16 +252,7 @@ def test_a_layer_used_four_times_after_make_private_is_refused_before_it_lands(m
     """Review 49 H3: k uses clipped one by one under one draw: 2.3·C per example at k = 4, 37·C at
     k = 64, readable before step() refused."""
     torch.manual_seed(0)
-    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
-    kw = {"clipping": mode, "max_grad_norm": 1.0} if mode != "backprop" else {
-        "clipping": "backprop", "input_clip": 2.0, "grad_clip": 1.0}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = PrivacyEngine()
-        model = _Reused()
-        m, o, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                       data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
-                                       noise_multiplier=1.0, noise_seed=7, **kw)
+    engine, m, o, dl = _private(mode, model=_Reused())
     next(mod for mod in m.modules() if isinstance(mod, _Reused)).k = 4
     xb, yb = next(iter(dl))
     o.zero_grad()
