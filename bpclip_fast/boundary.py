@@ -261,15 +261,15 @@ class LayerStep(BandRelease, PassRefusals):
         def prehook(grad_outputs):
             incoming = grad_outputs[0]
             if self._foreign_hooks_on(i):
-                self.violations.append(("grad-edit", f"a gradient hook other than the engine's on "
-                                        f"{self._param_name(i)} (it can rewrite the gradient unseen)"))
+                self._refuse_accumulation("grad-edit", f"a gradient hook other than the engine's on "
+                                          f"{self._param_name(i)} (it can rewrite the gradient unseen)")
             if incoming is None:  # nothing accumulates (a flat collector with no entry for this layer)
                 return None
             record = self._produced.pop(i, None)
             if not _same_tensor(record, incoming):
-                self.violations.append((
+                self._refuse_accumulation(
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
-                    "(the parameter is used outside the layer, or a tensor hook changed its gradient)"))
+                    "(the parameter is used outside the layer, or a tensor hook changed its gradient)")
             elif len(record) > 2:  # sealed (seal_produced): the bits must be those our op returned
                 self.reuse_checks.append(fingerprint(incoming).ne(record[2]))
             if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once

@@ -290,6 +290,25 @@ class FlatClipping:
             if book is not None:  # the layers took their tokens; holding them would keep the graph alive
                 book.tokens = {}
 
+    def _refuse_another_layer_set(self, entries) -> None:
+        """A release that would land on another set of layers than the ones holding this step's
+        contribution, or on layers holding different releases: its factors cover only the layers it
+        reached, so one example's gradient over the step is clipped piece by piece (a frozen trunk and
+        k heads, one loss per head over a fresh forward each: √k·C per example in ``.grad``, review 50
+        F2). ``step()`` refuses that state (:meth:`bpclip_fast.modes.flat.Flat.step_problems`); it is
+        refused here before the release computes, since it would be readable in ``.grad`` first. Asked
+        only once a layer holds a contribution (micro-batches), and of the layers this pass lands on."""
+        held = [layer._bp_step for layer in self.layers if layer._bp_step is not None and layer._bp_step.rows]
+        if not held:
+            return
+        landing = {id(e.layer._bp_step) for e in entries if e.layer._bp_step is not None and e.layer._bp_step.lands_now()}
+        if not landing or ({id(st) for st in held} == landing and len({frozenset(st.books) for st in held}) == 1):
+            return
+        _refuse_release([e.layer for e in entries], "under flat clipping every backward pass of a step must land on "
+                        "the layers the step's earlier passes reached, but this one reaches another set (another loss "
+                        "or head per pass, layers frozen in turn, backward(inputs=...)), so no factor would cover an "
+                        "example's whole gradient", "backward the sum of the losses once per micro-batch")
+
     def release(self, book: _Book) -> dict:
         """``{id(parameter): gradient}`` for every layer with an entry: the flat factors from all
         entries' bounds, then each layer's clipped, noised, scaled gradients."""
@@ -331,6 +350,7 @@ class FlatClipping:
             _refuse_release([e.layer for e in loose], f"flat clipping at C = {self.max_grad_norm:g} above the noise "
                             "bound the layers were made private with", "do not change the clipping after make_private",
                             rule="bounds")
+        self._refuse_another_layer_set(entries)
         d = ds.pop()
         scratch = torch.zeros(1, dtype=torch.int64, device=entries[0].bound.device)
 

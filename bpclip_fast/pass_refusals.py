@@ -62,6 +62,8 @@ class PassRefusals:
         if not self.lands_now():  # a pass that lands nothing releases nothing, before or after
             return
         if earlier:  # refused now: the first release is readable in .grad, and this one would add its sum raw
+            if self.on_new_pass is not None and self._gate.task != task:
+                self.on_new_pass()  # first the pass's own checks: one with no batch drawn is refused uncharged
             self.check_budget("a backward")
             details = (f"{self.name}: a second backward pass reached one forward (backward(retain_graph=True) run "
                        "again, or a retained graph's backward after its step): its examples would be released twice")
@@ -138,6 +140,11 @@ class PassRefusals:
                        "again)")
             self.refuse("rows", details)
             raise RuntimeError(details)
+        if self._edited():
+            details = (f"{self.name}'s gradient was changed (not zeroed, not by its backward) between its backward "
+                       "passes")
+            self.refuse("grad-edit", details)
+            raise RuntimeError(details)
         if self._mixed:
             details = (f"{self.name}: some of its parameters' gradients hold this step's noise and others do not "
                        "(cleared, zeroed or unfrozen on their own, or reached by another pass's backward(inputs=...)), "
@@ -148,6 +155,15 @@ class PassRefusals:
         self.refuse("redraw" if self.band is None else "banded-redraw", details)
         raise RuntimeError(details + "; take one backward per step, or micro-batches without clearing the gradient "
                            "between them")
+
+    def _edited(self) -> bool:
+        """Whether a gradient of the layer was changed other than by zeroing since its pass landed: the
+        rule a refusal names (``grad-edit`` rather than ``redraw``). Reads the device, on the refusal's
+        path only (what ``step()`` reads with its one sync)."""
+        if any(bool(flag) for flag in self.edit_checks):
+            return True
+        return any(k == "foreign" and p.grad is not None and bool(p.grad.ne(0).any())
+                   for _, p, k in self._grad_states())
 
     def _refuse_std(self, rows) -> None:
         """A std outside the kernels' range (``make_private`` refuses settings that allow one,
@@ -164,3 +180,13 @@ class PassRefusals:
             self.refuse("bounds", details)
         raise ValueError(details + "; use a clipping norm and noise_multiplier whose product is not so small (or "
                          "so large)")
+
+    def _refuse_accumulation(self, rule: str, details: str) -> None:
+        """In an ``AccumulateGrad`` pre-hook, before the gradient is added to ``.grad``: what arrives is
+        not the layer's own output (a use of the weight outside the layer added after ``make_private``,
+        a layer applied twice to one half of the batch, a tensor hook) or a foreign hook can still edit
+        it. Accumulated, it would be readable before ``step()`` refused it: an unclipped contribution
+        (review 50 F1: a weight's gradient of norm 709 under noise of std 1/16). Charged."""
+        self.check_budget("a backward")
+        self.refuse(rule, details)
+        raise RuntimeError(details)
