@@ -290,24 +290,31 @@ class FlatClipping:
             if book is not None:  # the layers took their tokens; holding them would keep the graph alive
                 book.tokens = {}
 
-    def _refuse_another_layer_set(self, entries) -> None:
-        """A release that would land on another set of layers than the ones holding this step's
-        contribution, or on layers holding different releases: its factors cover only the layers it
-        reached, so one example's gradient over the step is clipped piece by piece (a frozen trunk and
-        k heads, one loss per head over a fresh forward each: √k·C per example in ``.grad``, review 50
-        F2). ``step()`` refuses that state (:meth:`bpclip_fast.modes.flat.Flat.step_problems`); it is
-        refused here before the release computes, since it would be readable in ``.grad`` first. Asked
-        only once a layer holds a contribution (micro-batches), and of the layers this pass lands on."""
-        held = [layer._bp_step for layer in self.layers if layer._bp_step is not None and layer._bp_step.rows]
+    def _refuse_another_layer_set(self, entries, serial: int) -> None:
+        """A release after which the layers holding this step's contribution would not all hold the same
+        releases (books): its factors cover only the layers its forward reached, so one example's
+        gradient over the step would be clipped piece by piece (a frozen trunk and k heads, one loss per
+        head over a fresh forward each: √k·C per example in ``.grad``, review 50 F2). ``step()`` refuses
+        that state (:meth:`bpclip_fast.modes.flat.Flat.step_problems`); it is refused here, before the
+        release computes, since it would be readable in ``.grad`` first. One forward's release split
+        over passes by layer groups (``backward(inputs=...)``) keeps one book everywhere and passes.
+        Asked only once a layer holds a contribution (micro-batches), of the layers this pass lands on."""
+        steps = [layer._bp_step for layer in self.layers]
+        held = [st for st in steps if st is not None and st.enforce and st.rows]  # unenforced (audits): no records
         if not held:
             return
-        landing = {id(e.layer._bp_step) for e in entries if e.layer._bp_step is not None and e.layer._bp_step.lands_now()}
-        if not landing or ({id(st) for st in held} == landing and len({frozenset(st.books) for st in held}) == 1):
+        landing = {id(e.layer._bp_step) for e in entries
+                   if e.layer._bp_step is not None and e.layer._bp_step.enforce and e.layer._bp_step.lands_now()}
+        after = {frozenset(st.books | ({serial} if id(st) in landing else set())) for st in held}
+        held_ids = {id(st) for st in held}
+        after |= {frozenset({serial}) for e in entries if id(e.layer._bp_step) in landing - held_ids}
+        if len(after) < 2:
             return
-        _refuse_release([e.layer for e in entries], "under flat clipping every backward pass of a step must land on "
-                        "the layers the step's earlier passes reached, but this one reaches another set (another loss "
-                        "or head per pass, layers frozen in turn, backward(inputs=...)), so no factor would cover an "
-                        "example's whole gradient", "backward the sum of the losses once per micro-batch")
+        _refuse_release([e.layer for e in entries], "under flat clipping every layer holding this step's "
+                        "contribution must hold the same forwards' releases, but this backward pass would land "
+                        "another forward's release on another set of layers (another loss or head per pass, layers "
+                        "frozen in turn), so no factor would cover an example's whole gradient",
+                        "backward the sum of the losses once per micro-batch")
 
     def release(self, book: _Book) -> dict:
         """``{id(parameter): gradient}`` for every layer with an entry: the flat factors from all
@@ -350,7 +357,7 @@ class FlatClipping:
             _refuse_release([e.layer for e in loose], f"flat clipping at C = {self.max_grad_norm:g} above the noise "
                             "bound the layers were made private with", "do not change the clipping after make_private",
                             rule="bounds")
-        self._refuse_another_layer_set(entries)
+        self._refuse_another_layer_set(entries, book.serial)
         d = ds.pop()
         scratch = torch.zeros(1, dtype=torch.int64, device=entries[0].bound.device)
 

@@ -52,8 +52,9 @@ RULES = {
                       "take one backward per step (or micro-batches without zero_grad between them), and do not "
                       "clear a layer's gradient between its backward and step()"),
     "redraw": ("each clipped layer's noise is drawn once per step and the batch released once",
-               "take one backward per step (or micro-batches without zero_grad between them), and do not clear a "
-               "layer's gradient between its backward and step()"),
+               "take one backward per step (or micro-batches without zero_grad between them) and do not clear a "
+               "layer's gradient between its backward and step(); for an adversarial example's input gradient use "
+               "torch.autograd.grad(loss, x), which lands nothing in .grad"),
     "integer-passes": ("under integer noise each clipped layer's backward runs once per step, and its release is the "
                        "step's whole clipped sum",
                        "take one backward pass per step over the whole batch (one loss, one backward); to accumulate "

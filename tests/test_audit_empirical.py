@@ -18,7 +18,7 @@ largest ε it can certify) exceeds the claim:
 Bugs the ε bounds cannot resolve are the residual noise check's (``bpclip_fast.audit.noise``):
 noise 20% short, one draw for every layer, a draw reused across steps; and clipping above the
 noise's bound is the canaries' reach. (A loop that clears ``.grad`` between two backward passes of a
-step, whose second pass once took a fresh draw, is refused by the engine: ``tests/test_redraw.py``.)
+step, whose second pass once took a fresh draw, is refused by the engine: ``tests/test_refused_before_landing.py``.)
 
 Every run has a fixed seed (inclusion, fillers, noise), so the tests are deterministic.
 """

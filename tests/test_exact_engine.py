@@ -130,7 +130,7 @@ def test_examples_reaching_the_backward_twice_are_refused_and_charged(mode, patt
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_zeroing_between_passes_keeps_one_draw_and_editing_is_refused(mode):
+def test_zeroing_between_passes_is_refused_and_editing_is_refused(mode):
     X, Y = data(n=4)
     engine, model, opt, loader = exact_private(mlp(), X, Y, mode, sigma=1e-20)
     x, y = next(iter(loader))
@@ -138,8 +138,8 @@ def test_zeroing_between_passes_keeps_one_draw_and_editing_is_refused(mode):
     F.cross_entropy(model(x), y).backward()
     for p in model.parameters():
         p.grad.zero_()
-    F.cross_entropy(model(x), y).backward()
-    opt.step()  # the zeroed pass is discarded: one batch's rows, the draw added again
+    # the zeroed pass was a readable release: a second one is refused before it computes (review 48 G1)
+    expect_refused(lambda: F.cross_entropy(model(x), y).backward(), "redraw", "a second release after zeroing")
     x, y = next(iter(loader))
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()

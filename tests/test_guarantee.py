@@ -163,18 +163,22 @@ def test_case1_examples_reaching_a_layer_backward_twice_are_refused_and_charged(
 
     x, y = next(iter(loader))
     opt.zero_grad()
-    if pattern == "retain_graph_two_losses":
-        out = model(x)
-        F.cross_entropy(out, y).backward(retain_graph=True)
-        out.pow(2).mean().backward()
-    elif pattern == "same_batch_as_two_microbatches":
-        for _ in range(2):
-            F.cross_entropy(model(x), y).backward()
-    else:
-        F.cross_entropy(model(torch.cat([x, x])), torch.cat([y, y])).backward()
-    exc = expect_refused(opt.step, "rows", f"{pattern}: every example moved the release by 2Δ (noise for Δ)")
+
+    def attack():
+        if pattern == "retain_graph_two_losses":
+            out = model(x)
+            F.cross_entropy(out, y).backward(retain_graph=True)
+            out.pow(2).mean().backward()
+        elif pattern == "same_batch_as_two_microbatches":
+            for _ in range(2):
+                F.cross_entropy(model(x), y).backward()
+        else:
+            F.cross_entropy(model(torch.cat([x, x])), torch.cat([y, y])).backward()
+        opt.step()
+    exc = expect_refused(attack, "rows", f"{pattern}: every example moved the release by 2Δ (noise for Δ)")
     assert exc.charged
-    assert_names(exc, "fc1", "fc2")
+    # Refused at the first layer the offending backward reaches, before it computes (review 49 H3).
+    assert_names(exc, "fc2")
     assert_charged(engine, 1, model, opt)
 
 
@@ -189,52 +193,71 @@ ZEROINGS = {
 OPT_ZEROING = lambda model, opt: opt.zero_grad(set_to_none=False)  # noqa: E731
 
 
-def adversarial_step(model, opt, loader, zero, eps=0.3):
-    """Backward for x.grad, clear, backward on x_adv, step (the adversarial-training pattern).
-    Returns x_adv and y."""
+def adversarial_step(model, opt, loader, zero=None, eps=0.3):
+    """The adversarial-training pattern: the input's gradient from a first pass, then the step's backward
+    on x_adv, then step. With ``zero``, the first pass is a landing ``backward()`` whose gradients ``zero``
+    clears (refused since review 48 G1: the cleared gradient was a readable release of the batch,
+    ``redraw``); without, ``torch.autograd.grad`` of the input, which lands nothing. Returns x_adv and y."""
     x, y = next(iter(loader))
     opt.zero_grad()
     x = x.clone().requires_grad_(True)
-    F.cross_entropy(model(x), y).backward()
-    x_adv = (x + eps * x.grad.sign()).detach()
-    zero(model, opt)
+    if zero is None:
+        (gx,) = torch.autograd.grad(F.cross_entropy(model(x), y), x)
+    else:
+        F.cross_entropy(model(x), y).backward()
+        gx = x.grad
+    x_adv = (x + eps * gx.sign()).detach()
+    if zero is not None:
+        zero(model, opt)
     F.cross_entropy(model(x_adv), y).backward()
     opt.step()
     return x_adv, y
 
 
-@pytest.mark.parametrize("zeroing", list(ZEROINGS))
-def test_case2_zeroing_between_backward_passes_keeps_exactly_one_draw(zeroing):
+@pytest.mark.parametrize("zeroing", [*ZEROINGS, "opt.zero_grad(set_to_none=False)"])
+def test_case2_zeroing_between_backward_passes_is_refused_as_a_second_release(zeroing):
+    """The first pass's noised gradient was readable in ``.grad``: a fresh draw for the second would be
+    a second release of the batch charged as one (review 48 G1)."""
+    X, Y = data()
+    engine, model, opt, loader = private(mlp(), X, Y, seed=SEED)
+    before = snapshot(model)
+    zero = ZEROINGS.get(zeroing, OPT_ZEROING)
+    exc = expect_refused(lambda: adversarial_step(model, opt, loader, zero), "redraw",
+                         f"{zeroing} between two landing backward passes")
+    assert exc.charged
+    assert_charged(engine, 0, model, opt)
+    assert all(d.abs().max() == 0 for d in moved(model, before).values())
+
+
+def test_case2_the_adversarial_pattern_through_input_gradients_keeps_exactly_one_draw():
     """Two secret seeds must give different updates, differing by two independent draws of std σΔ/B̄."""
     X, Y = data(n=4, d=16, k=4)
     runs = []
     for seed in (SEED, SEED2):
         engine, model, opt, loader = private(mlp(16, 32, 4), X, Y, seed=seed)
         before = snapshot(model)
-        adversarial_step(model, opt, loader, ZEROINGS[zeroing])
+        adversarial_step(model, opt, loader)
         runs.append(moved(model, before))
     diff = flat(runs[0]) - flat(runs[1])
     assert diff.abs().max() > 1e-4, (
-        f"{zeroing} between backward passes: two different noise seeds gave the same update "
+        "two different noise seeds gave the same update "
         f"(max |difference| {diff.abs().max():.3g}): the step was released without noise")
     for layer in ("fc1", "fc2"):
         d = layer_part(runs[0], layer) - layer_part(runs[1], layer)
         std = d.std().item() / math.sqrt(2)
         expected = SIGMA * delta_linear() / 4  # one draw of σΔ, divided by B̄ = 4, lr = 1
         assert 0.7 < std / expected < 1.3, (
-            f"{zeroing}: {layer}'s noise std is {std:.4g}, expected one draw {expected:.4g} "
+            f"{layer}'s noise std is {std:.4g}, expected one draw {expected:.4g} "
             f"(ratio {std / expected:.3f}; 0 = no noise, ~2 = the draw added twice)")
 
 
-@pytest.mark.parametrize("zeroing", list(ZEROINGS))
-def test_case2_zeroing_between_backward_passes_equals_only_the_second_backward(zeroing):
+def test_case2_the_adversarial_pattern_through_input_gradients_equals_only_the_second_backward():
     X, Y = data()
     full = {}
-    for label, zero in ((zeroing, ZEROINGS[zeroing]), ("opt.zero_grad(set_to_none=False)", OPT_ZEROING)):
-        engine, model, opt, loader = private(mlp(), X, Y, seed=SEED)
-        before = snapshot(model)
-        x_adv, y = adversarial_step(model, opt, loader, zero)  # the same x_adv both times (same weights)
-        full[label] = moved(model, before)
+    engine, model, opt, loader = private(mlp(), X, Y, seed=SEED)
+    before = snapshot(model)
+    x_adv, y = adversarial_step(model, opt, loader)
+    full["torch.autograd.grad(loss, x)"] = moved(model, before)
 
     # The legitimate part only: a fresh run from the same weights and seed, one backward on x_adv.
     engine2, model2, opt2, loader2 = private(mlp(), X, Y, seed=SEED)
@@ -244,8 +267,9 @@ def test_case2_zeroing_between_backward_passes_equals_only_the_second_backward(z
     F.cross_entropy(model2(x_adv), y).backward()
     opt2.step()
     ref = moved(model2, before2)
-    # The reference holds the step's first draw; the zeroed gradient got a fresh one (the first was taken by
-    # the discarded backward): the expected update is the reference with the one draw swapped for the other.
+    # The reference holds the step's first draw; the training backward got a fresh one (the first was taken by
+    # the input-gradient pass, which landed nothing): the expected update is the reference with the one draw
+    # swapped for the other.
     redraw_seed = getattr(getattr(bpclip_fast, "boundary", None), "redraw_seed", None)
     std = SIGMA * delta_linear() / len(X)  # one draw of σΔ over B̄ = len(X), lr 1
     expect = {}
@@ -296,15 +320,18 @@ def test_case2_editing_a_clipped_gradient_is_refused(edit):
         first, second = (x[:2], y[:2]), (x[2:], y[2:])
     opt.zero_grad()
     F.cross_entropy(model(first[0]), first[1]).backward()
-    if where.startswith("between"):
-        for p in model.parameters():
-            fn(p)
-    F.cross_entropy(model(second[0]), second[1]).backward()
-    if where == "after":
-        for p in model.parameters():
-            fn(p)
+
+    def rest():  # an edit between passes is refused at the next backward, before it computes (review 49)
+        if where.startswith("between"):
+            for p in model.parameters():
+                fn(p)
+        F.cross_entropy(model(second[0]), second[1]).backward()
+        if where == "after":
+            for p in model.parameters():
+                fn(p)
+        opt.step()
     rules = ("grad-edit", "rows") if where == "between_whole" else "grad-edit"
-    exc = expect_refused(opt.step, rules, f"{edit}: the released gradient is not the clipped sum plus one draw")
+    exc = expect_refused(rest, rules, f"{edit}: the released gradient is not the clipped sum plus one draw")
     assert_charged(engine, 0, model, opt)
     assert exc.charged
 
@@ -526,13 +553,14 @@ def test_case6_make_private_probe_refuses_models_that_break_the_bound(case):
         pytest.fail(f"{case}: make_private (probe=True) accepted a model that breaks the per-example bound")
 
 
-def test_case6_tied_weight_without_probe_is_refused_at_step():
+def test_case6_tied_weight_without_probe_is_refused_before_it_accumulates():
+    """Refused in the AccumulateGrad pre-hook, before the unclipped sum reaches ``.grad`` (review 50 F1)."""
     X, _ = data()
     engine, model, opt, loader = private(TiedAutoencoder(), X, torch.zeros(len(X)), probe=False)
     x, _ = next(iter(loader))
     opt.zero_grad()
-    F.mse_loss(model(x), x).backward()
-    exc = expect_refused(opt.step, "weight-reuse", "enc.weight received an unclipped, un-noised gradient")
+    exc = expect_refused(lambda: F.mse_loss(model(x), x).backward(), "weight-reuse",
+                         "enc.weight received an unclipped, un-noised gradient")
     assert_names(exc, "enc")
     assert_charged(engine, 0, model, opt)
 
@@ -560,8 +588,8 @@ def test_case6_layer_reused_in_a_later_microbatch_is_refused():
     opt.zero_grad()
     F.cross_entropy(model(x[:2]), y[:2]).backward()
     model.uses = 3  # after the first micro-batch's backward has consumed the draw
-    F.cross_entropy(model(x[2:]), y[2:]).backward()
-    exc = expect_refused(opt.step, "rows", "fc applied three times to the second micro-batch: 3Δ per example")
+    exc = expect_refused(lambda: F.cross_entropy(model(x[2:]), y[2:]).backward(), "rows",
+                         "fc applied three times to the second micro-batch: 3Δ per example")
     assert_names(exc, "fc")
     assert_charged(engine, 1, model, opt)
 
@@ -715,8 +743,7 @@ def test_charged_refusals_grow_the_accountant_and_the_older_refusals_do_not():
     x, y = next(iter(loader))
     out = model(x)
     F.cross_entropy(out, y).backward(retain_graph=True)
-    F.cross_entropy(out, y).backward()
-    expect_refused(opt.step, "rows", "two backward passes over the batch")
+    expect_refused(lambda: F.cross_entropy(out, y).backward(), "rows", "two backward passes over the batch")
     assert_charged(engine, 0, model, opt)
     legit_step(model, opt, loader)
     assert len(engine.accountant) == 2
@@ -1087,9 +1114,12 @@ def test_extra_gradient_hook_on_a_clipped_parameter_is_refused():
         p.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
     x, y = next(iter(loader))
     opt.zero_grad()
-    F.cross_entropy(model(x[:2]), y[:2]).backward()
-    F.cross_entropy(model(x[2:]), y[2:]).backward()
-    expect_refused(opt.step, ("grad-edit", "weight-reuse"),
+
+    def train():  # refused at the first accumulation (review 50 F1), or at step()
+        F.cross_entropy(model(x[:2]), y[:2]).backward()
+        F.cross_entropy(model(x[2:]), y[2:]).backward()
+        opt.step()
+    expect_refused(train, ("grad-edit", "weight-reuse"),
                    "a gradient hook changed the layer's gradient: noise clamped to ±1e-3")
     assert_charged(engine, 0, model, opt)
 
@@ -1105,8 +1135,8 @@ def test_extra_zeroing_one_parameter_of_a_layer_between_backward_passes_is_refus
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     model.fc1.weight.grad.zero_()
-    F.cross_entropy(model(x), y).backward()
     try:
+        F.cross_entropy(model(x), y).backward()  # refused here now, before it computes (review 49)
         opt.step()
     except Exception as exc:  # noqa: BLE001
         if StepRefused is not None and isinstance(exc, StepRefused):
@@ -1118,7 +1148,8 @@ def test_extra_zeroing_one_parameter_of_a_layer_between_backward_passes_is_refus
 
 
 def test_extra_grad_replaced_by_zeros_between_passes_is_refused_or_sound():
-    """``p.grad = torch.zeros_like(p)`` between passes: either a grad-edit refusal or a zeroing (fresh draw)."""
+    """``p.grad = torch.zeros_like(p)`` between passes: either a grad-edit refusal, a zeroing refused as a
+    second draw (``redraw``, review 48 G1), or a zeroing with a fresh draw."""
     X, Y = data(n=4, d=16, k=4)
     updates = []
     for seed in (SEED, SEED2):
@@ -1132,7 +1163,7 @@ def test_extra_grad_replaced_by_zeros_between_passes_is_refused_or_sound():
         try:
             adversarial_step(model, opt, loader, replace)
         except Exception as exc:  # noqa: BLE001
-            if StepRefused is not None and isinstance(exc, StepRefused) and exc.rule == "grad-edit":
+            if StepRefused is not None and isinstance(exc, StepRefused) and exc.rule in ("grad-edit", "redraw"):
                 return
             raise
         updates.append(flat(moved(model, before)))
@@ -1222,9 +1253,12 @@ def test_review_post_accumulate_hook_registered_before_make_private_is_refused()
     engine, model, opt, loader = private(model, X, Y)
     x, y = next(iter(loader))
     opt.zero_grad()
-    for xm, ym in ((x[:2], y[:2]), (x[2:], y[2:])):
-        F.cross_entropy(model(xm), ym).backward()
-    expect_refused(opt.step, "grad-edit", "a post-accumulate hook rewrote the private gradients")
+
+    def train():  # refused at the first accumulation, before the hook runs (review 50 F1)
+        for xm, ym in ((x[:2], y[:2]), (x[2:], y[2:])):
+            F.cross_entropy(model(xm), ym).backward()
+        opt.step()
+    expect_refused(train, "grad-edit", "a post-accumulate hook rewrote the private gradients")
     assert_charged(engine, 0, model, opt)
 
 
@@ -1237,8 +1271,7 @@ def test_review_a_pass_restricted_to_the_bias_is_refused():
     opt.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward(retain_graph=True)
-    loss.backward(inputs=[model.fc2.bias])
-    expect_refused(opt.step, "rows", "a second pass on fc2.bias only")
+    expect_refused(lambda: loss.backward(inputs=[model.fc2.bias]), "rows", "a second pass on fc2.bias only")
     assert_charged(engine, 0, model, opt)
 
 
@@ -1354,8 +1387,7 @@ def test_review2_a_refused_step_does_not_hand_its_draw_to_the_next_batch():
     out = model(x)
     F.cross_entropy(out, y).backward(retain_graph=True)
     logged = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    F.cross_entropy(out, y).backward()
-    expect_refused(opt.step, "rows", "a second loss over the same rows")
+    expect_refused(lambda: F.cross_entropy(out, y).backward(), "rows", "a second loss over the same rows")
     x, y = next(iter(loader))  # the same examples (q = 1): the clipped sums are equal, only the draws differ
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -1399,8 +1431,8 @@ def test_review2_a_pass_through_the_frozen_model_does_not_reset_the_row_count():
     xa = x.clone().requires_grad_(True)
     F.cross_entropy(model(xa), y).backward()
     model.requires_grad_(True)
-    F.cross_entropy(model((x + 0.1 * xa.grad.sign()).detach()), y).backward()
-    expect_refused(opt.step, "rows", "two landed passes over the batch around a frozen attack pass")
+    expect_refused(lambda: F.cross_entropy(model((x + 0.1 * xa.grad.sign()).detach()), y).backward(), "rows",
+                   "two landed passes over the batch around a frozen attack pass")
 
 
 def test_review2_zero_grad_is_verified_not_trusted():
@@ -1422,8 +1454,7 @@ def test_review2_zero_grad_is_verified_not_trusted():
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y).backward()
     opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    expect_refused(opt.step, "rows", "zero_grad that cleared nothing")
+    expect_refused(lambda: F.cross_entropy(model(x), y).backward(), "rows", "zero_grad that cleared nothing")
 
 
 def test_review2_a_tensor_hook_removed_before_step_is_still_seen():
@@ -1436,10 +1467,15 @@ def test_review2_a_tensor_hook_removed_before_step_is_still_seen():
     def scale(g):
         g.data.mul_(10)
     handles = [p.register_hook(scale) for p in model.parameters()]
-    F.cross_entropy(model(x[2:]), y[2:]).backward()
-    for h in handles:
-        h.remove()
-    expect_refused(opt.step, ("grad-edit", "weight-reuse"), "a hook scaled the second micro-batch by 10")
+
+    def train():  # refused at the accumulation (review 50 F1), or at step()
+        try:
+            F.cross_entropy(model(x[2:]), y[2:]).backward()
+        finally:
+            for h in handles:
+                h.remove()
+        opt.step()
+    expect_refused(train, ("grad-edit", "weight-reuse"), "a hook scaled the second micro-batch by 10")
 
 
 def test_review2_double_backward_raises_instead_of_dropping_a_term():

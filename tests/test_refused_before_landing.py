@@ -56,10 +56,10 @@ def _private(mode, sigma=1.0, model=None):
 
 
 def _refused_before_landing(engine, m, run, rule):
-    """``run()`` raises the charged refusal ``rule`` and leaves no gradient."""
+    """``run()`` raises the charged refusal ``rule`` (or one of a tuple) and leaves no gradient."""
     with pytest.raises(StepRefused) as info:
         run()
-    assert info.value.rule == rule and info.value.charged and len(engine.accountant) == 1
+    assert info.value.rule in ((rule,) if isinstance(rule, str) else rule) and info.value.charged and len(engine.accountant) == 1
     assert all(p.grad is None for p in m.parameters())
     return info.value
 
@@ -277,3 +277,122 @@ def test_a_second_backward_over_the_batch_is_refused_before_it_lands(mode, how):
         _refused_before_landing(engine, m, loss.backward, "rows")
     else:
         _refused_before_landing(engine, m, lambda: nn.functional.cross_entropy(m(xb), yb).backward(), "rows")
+
+
+# ------------------------------------------------------------------------------------ review 50
+class _Tied(nn.Module):
+    """``fc``'s weight also used raw in the forward once ``use_raw`` is set (after ``make_private``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head, self.use_raw = nn.Linear(6, 6), nn.Linear(6, 3), False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.use_raw:
+            h = h + 1000.0 * nn.functional.linear(x, self.fc.weight)
+        return self.head(h)
+
+
+class _SameHalfTwice(nn.Module):
+    """``l`` applied twice to the first half of the batch once ``twice`` is set: B rows in all."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.twice = nn.Linear(6, 3), False
+
+    def forward(self, x):
+        if not self.twice:
+            return self.l(x)
+        h = len(x) // 2
+        return self.l(x[:h]) + self.l(x[:h])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model, compiled", [("weight used raw", False), ("weight used raw", True),
+                                             ("layer twice on one half", False)])
+def test_a_gradient_that_is_not_the_layers_own_is_refused_before_it_accumulates(model, compiled, mode):
+    """Review 50 F1: the raw use's unclipped gradient (norm 709 under noise of std 1/16), or two clipped
+    contributions per example of the half (2·C), reached ``.grad`` before ``step()`` refused."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    engine, m, o, dl = _private(mode, model=_Tied() if model == "weight used raw" else _SameHalfTwice())
+    inner = next(mod for mod in m.modules() if isinstance(mod, (_Tied, _SameHalfTwice)))
+    if model == "weight used raw":
+        inner.use_raw = True
+    else:
+        inner.twice = True
+    run = torch.compile(m, backend="aot_eager") if compiled else m
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    def backward():
+        out = run(xb)
+        nn.functional.cross_entropy(out, yb[: len(out)]).backward()
+    # flat's release sees the layer's second call in the forward first (its factors pair rows by layer)
+    _refused_before_landing(engine, m, backward, ("weight-reuse", "rows") if mode == "flat" else "weight-reuse")
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.a, self.b, self.task = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3), "a"
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.a(h) if self.task == "a" else self.b(h)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flat_refuses_a_pass_landing_on_other_layers_than_the_first(compiled):
+    """Review 50 F2: a frozen trunk and two heads, one loss per head over a fresh forward each: each
+    pass's factors covered only its head, √2·C per example in ``.grad`` before ``step()`` refused."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = _TwoHeads()
+    model.trunk.requires_grad_(False)
+    engine, m, o, dl = _private("flat", model=model)
+    run = torch.compile(m) if compiled else m
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+
+    def one_loss_per_head():  # compiled: the first pass is refused already (a flat output left out of it)
+        for task in ("a", "b"):
+            m.task = task
+            nn.functional.cross_entropy(run(xb), yb).backward()
+    _refused_before_landing(engine, m, one_loss_per_head, "rows")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_retained_graph_after_its_step_with_no_batch_drawn_is_refused_uncharged(mode):
+    """Review 50 F3: the pass's own check (no batch drawn: uncharged, nothing computed) comes before the
+    second landing's charged refusal, as before the refusal moved into the backward."""
+    engine, m, o, dl = _private(mode)
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    loss = nn.functional.cross_entropy(m(xb), yb)
+    loss.backward(retain_graph=True)
+    o.step()
+    o.zero_grad()
+    with pytest.raises(RuntimeError, match="no batch was drawn") as info:
+        loss.backward()
+    assert not isinstance(info.value, StepRefused) and len(engine.accountant) == 1
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: compiled, a layer called twice on the same rows is merged by "
+                   "the compiler (flat: one call, half the rows) or has the second call's gradient added in place "
+                   "into the layer's output (inductor), so the 2·C per example is refused only at step() (rows, "
+                   "or the sealed fingerprint), after it was readable in .grad")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_compiled_layer_twice_on_one_half_is_refused_before_it_lands(mode):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    engine, m, o, dl = _private(mode, model=_SameHalfTwice())
+    next(mod for mod in m.modules() if isinstance(mod, _SameHalfTwice)).twice = True
+    run = torch.compile(m)
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+
+    def backward():
+        out = run(xb)
+        nn.functional.cross_entropy(out, yb[: len(out)]).backward()
+    _refused_before_landing(engine, m, backward, ("weight-reuse", "rows"))
