@@ -29,7 +29,11 @@ so that ``DPOptimizer.step()`` can verify it before anything is released:
   read with one sync, only when such an edit happened). A pre-hook on each parameter's
   ``AccumulateGrad`` node checks that what is accumulated is the very tensor (same object, same
   version) the layer's backward returned: a contribution from plain code (a tied weight used in
-  ``F.linear``) or from a tensor hook makes a different tensor.
+  ``F.linear``) or from a tensor hook makes a different tensor, refused there, charged, before it is
+  accumulated (review 50 F1: an unclipped use's gradient had been readable in ``.grad`` until
+  ``step()``), and so is a foreign hook found on the parameter. Compiled, a use the compiler adds in
+  place into the layer's output keeps the tensor: its bits are compared at ``step()`` (one sync),
+  after it was readable (open).
 * **Row accounting.** Each layer counts the example rows of its backward passes since its
   gradient was created. The count must be 0 (no contribution) or the number of rows of the batch
   drawn for the step: two backward passes over one forward, the same rows fed twice, a layer
