@@ -170,37 +170,55 @@ def _single_batch_iter(loader):
     return One()
 
 
-def test_noise_once_when_gradients_are_cleared_mid_step():
-    """model.zero_grad() / optimizer.zero_grad() after a backward drop that draw; the step still has exactly one.
-    Without the clearing, the second backward over the same rows is refused (each example would count twice)."""
+CLEARS = ("model", "model_inplace", "tensor_inplace", "optimizer", "optimizer_inplace")
+
+
+def _clear(clear, model, opt):
+    if clear == "model":
+        model.zero_grad()
+    elif clear == "optimizer":
+        opt.zero_grad()
+    elif clear == "optimizer_inplace":
+        opt.zero_grad(set_to_none=False)
+    elif clear == "model_inplace":
+        model.zero_grad(set_to_none=False)
+    elif clear == "tensor_inplace":
+        for p in model.parameters():
+            p.grad.zero_()
+
+
+@pytest.mark.parametrize("clear", ("none", *CLEARS))
+def test_a_second_backward_in_a_step_is_refused_with_or_without_a_clear(clear):
+    """Without a clear the second backward over the same rows counts each example twice (``rows``); with
+    one, the cleared gradient was a readable release and a fresh draw would release the batch again
+    (``redraw``, review 48 G1). Both are refused at that backward, before it computes, charged."""
+    engine, model, opt, loader = zero_data_setup(seed=77)
+    x, y = next(iter(loader))
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    _clear(clear, model, opt)
+    with pytest.raises(StepRefused) as err:
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert err.value.rule == ("rows" if clear == "none" else "redraw")
+    assert err.value.charged and len(engine.accountant) == 1
+    assert torch.equal(before, model[0].weight) and all(p.grad is None for p in model.parameters())
+
+
+def test_a_clear_then_step_adds_a_fresh_draw_once():
+    """model.zero_grad() / optimizer.zero_grad() after the backward drop that draw; ``step()`` adds a fresh
+    one to the zeros (never the dropped one again), and every way of clearing gives the same update."""
     results = []
-    for clear in ("none", "model", "model_inplace", "tensor_inplace", "optimizer", "optimizer_inplace"):
+    for clear in CLEARS:
         engine, model, opt, loader = zero_data_setup(seed=77)
         x, y = next(iter(loader))
         before = model[0].weight.detach().clone()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        if clear == "model":
-            model.zero_grad()
-        elif clear == "optimizer":
-            opt.zero_grad()
-        elif clear == "optimizer_inplace":
-            opt.zero_grad(set_to_none=False)
-        elif clear == "model_inplace":
-            model.zero_grad(set_to_none=False)
-        elif clear == "tensor_inplace":
-            for p in model.parameters():
-                p.grad.zero_()
-        nn.functional.cross_entropy(model(x), y).backward()
-        if clear == "none":
-            with pytest.raises(StepRefused, match="rows") as err:
-                opt.step()
-            assert err.value.rule == "rows" and err.value.charged and len(engine.accountant) == 1
-            assert torch.equal(before, model[0].weight) and all(p.grad is None for p in model.parameters())
-            continue
+        _clear(clear, model, opt)
         opt.step()
+        assert len(engine.accountant) == 1
         results.append((before - model[0].weight).detach())
-        # The discarded backward took the step's first draw; the second backward adds a fresh one.
         std = engine.noise_multiplier * engine._layers[0].sensitivity / engine.expected_batch_size
         fresh = expected_draw(before, redraw_seed(77, 0, 1), 0, 0, std)
         torch.testing.assert_close(results[-1], fresh, rtol=1e-5, atol=1e-7)
@@ -473,9 +491,8 @@ def test_layer_reused_where_the_probe_cannot_see_it_is_refused_in_training():
     model, opt, loader = quiet_make_private(engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1),
                                             probe=False, **kw)
     x, y = next(x for x in loader if len(x[0]) > 1)
-    nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(StepRefused, match=r"lin's backward passes saw \d+ example rows") as err:
-        opt.step()
+    with pytest.raises(StepRefused, match=r"lin: this backward pass would bring the layer's example rows") as err:
+        nn.functional.cross_entropy(model(x), y).backward()  # refused at its second use, before it computes
     assert err.value.rule == "rows" and err.value.layers == ["lin"] and len(engine.accountant) == 1
 
 
