@@ -187,17 +187,23 @@ def _clear(clear, model, opt):
             p.grad.zero_()
 
 
-@pytest.mark.parametrize("clear", ("none", *CLEARS))
-def test_a_second_backward_in_a_step_is_refused_with_or_without_a_clear(clear):
-    """Without a clear the second backward over the same rows counts each example twice (``rows``); with
-    one, the cleared gradient was a readable release and a fresh draw would release the batch again
-    (``redraw``, review 48 G1). Both are refused at that backward, before it computes, charged."""
+def _backward_then_clear(clear):
+    """A zero-data engine (seed 77) after one backward over its batch and ``clear``."""
     engine, model, opt, loader = zero_data_setup(seed=77)
     x, y = next(iter(loader))
     before = model[0].weight.detach().clone()
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     _clear(clear, model, opt)
+    return engine, model, opt, (x, y), before
+
+
+@pytest.mark.parametrize("clear", ("none", *CLEARS))
+def test_a_second_backward_in_a_step_is_refused_with_or_without_a_clear(clear):
+    """Without a clear the second backward over the same rows counts each example twice (``rows``); with
+    one, the cleared gradient was a readable release and a fresh draw would release the batch again
+    (``redraw``, review 48 G1). Both are refused at that backward, before it computes, charged."""
+    engine, model, opt, (x, y), before = _backward_then_clear(clear)
     with pytest.raises(StepRefused) as err:
         nn.functional.cross_entropy(model(x), y).backward()
     assert err.value.rule == ("rows" if clear == "none" else "redraw")
@@ -210,12 +216,7 @@ def test_a_clear_then_step_adds_a_fresh_draw_once():
     one to the zeros (never the dropped one again), and every way of clearing gives the same update."""
     results = []
     for clear in CLEARS:
-        engine, model, opt, loader = zero_data_setup(seed=77)
-        x, y = next(iter(loader))
-        before = model[0].weight.detach().clone()
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        _clear(clear, model, opt)
+        engine, model, opt, _, before = _backward_then_clear(clear)
         opt.step()
         assert len(engine.accountant) == 1
         results.append((before - model[0].weight).detach())

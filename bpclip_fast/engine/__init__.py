@@ -34,9 +34,9 @@ fused into Linear's weight-gradient GEMM at scale 1, else right after it with th
 What may happen between that draw and the release, and what ``step()`` verifies before releasing
 anything, is owned by :mod:`bpclip_fast.boundary` (its module docstring is the argument): one draw
 per gradient (a backward landing after the gradient that held the draw was cleared — ``None`` or
-zeroed — is refused, ``redraw``: it would release the batch again under one charge), no other write to a clipped gradient, no contribution from
-outside the layer, each example row once, the parameters fixed within the step, the Δ fixed at
-``make_private``. A layer no backward reached in this step (an empty batch the loop skipped, an
+zeroed — is refused, ``redraw``: it would release the batch again under one charge), no other
+write to a clipped gradient, no contribution from outside the layer, each example row once, the
+parameters fixed within the step, the Δ fixed at ``make_private``. A layer no backward reached in this step (an empty batch the loop skipped, an
 unused branch) gets draw ``t`` inside ``step()``. A refused step discards every gradient and re-arms
 draw ``t``; nothing was released, and the refusal is charged unless it is one of the two that cannot
 depend on the data (module docstring of :mod:`bpclip_fast.boundary`).
