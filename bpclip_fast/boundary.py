@@ -61,7 +61,6 @@ public accountant). Every :class:`StepRefused` is charged.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -70,6 +69,8 @@ from .band_step import BandRelease
 from .data import derive_seed
 from .fingerprint import fingerprint
 from .graph_nodes import accumulate_node, untraced
+from .held_grads import HeldGrads
+from .held_grads import record as _record
 from .pass_refusals import PassRefusals
 from .rules import RULES, StepRefused
 
@@ -89,10 +90,6 @@ def redraw_seed(seed: int, offset: int, k: int) -> int:
     return derive_seed(seed, "redraw", offset, k)
 
 
-def _record(t):
-    return (weakref.ref(t), t._version)
-
-
 class PassGate:
     """The backward pass (autograd graph task) whose once-per-pass checks (``LayerStep.on_new_pass``)
     already ran, shared by one engine's layers: the later layers of the pass skip the call. Written
@@ -105,7 +102,7 @@ class PassGate:
         self.passes = 0  # backward passes since the layers were last armed (a step, or a refused one)
 
 
-class LayerStep(BandRelease, PassRefusals):
+class LayerStep(BandRelease, PassRefusals, HeldGrads):
     """One clipped layer's part of the current step (see the module docstring).
 
     ``enforce=False`` (layers armed by :func:`bpclip_fast.nn.arm_noise` without the engine): only
@@ -154,6 +151,10 @@ class LayerStep(BandRelease, PassRefusals):
         self._draws = 0           # draws of this step handed out so far (take_draw)
         self._draw_landed = False  # a pass of this step landed a draw; clearing .grad does not undo it
         self._mixed = False        # some trainable gradients hold the layer's contribution, others not
+        self._landed_open = False  # a pass of this step landed where the loop can read it (outside accumulate())
+        self.holder = None         # set by the engine: whether the loop is inside optimizer.accumulate()
+        self._held: dict = {}      # param index -> its gradient, held out of .grad inside accumulate()
+        self._owned: dict = {}     # param index -> weak reference to the copy the engine made of it
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
@@ -270,6 +271,8 @@ class LayerStep(BandRelease, PassRefusals):
             if incoming is None:  # nothing accumulates (a flat collector with no entry for this layer)
                 return None
             record = self._produced.pop(i, None)
+            if self._held:
+                self.put_back(i)  # torch adds to the held gradient
             if not _same_tensor(record, incoming):
                 self._refuse_accumulation(
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
@@ -278,6 +281,7 @@ class LayerStep(BandRelease, PassRefusals):
                 self.reuse_checks.append(fingerprint(incoming).ne(record[2]))
             if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once
                 self._draw_landed = self._draw_landed or self._pass_noised
+                self._landed_open = self._landed_open or not self.holding()
                 self.rows += self._pass_rows
                 self.noised = self.noised or self._pass_noised
                 self.books |= self._pass_books
@@ -322,6 +326,8 @@ class LayerStep(BandRelease, PassRefusals):
             self.landed(i)
             if self.after_backward is not None:
                 self.after_backward.touched(self, i)
+            if self.holding():
+                self.holder.touched(self, i)
         return posthook
 
     def landed(self, i) -> None:
@@ -349,9 +355,9 @@ class LayerStep(BandRelease, PassRefusals):
         states = []
         expected = self._expected
         for i, p in enumerate(self.params if params is None else params):
-            if not p.requires_grad and p.grad is None:
+            g = p.grad if not self._held else self.grad_of(i, p)
+            if not p.requires_grad and g is None:
                 continue
-            g = p.grad
             if g is None:
                 states.append((i, p, "none"))
                 continue
@@ -378,7 +384,7 @@ class LayerStep(BandRelease, PassRefusals):
                 for i, p, _ in states:
                     fp = self._fingerprints.pop(i, None)
                     if fp is not None:
-                        self.edit_checks.append(fingerprint(p.grad).ne(fp))
+                        self.edit_checks.append(fingerprint(self.grad_of(i, p)).ne(fp))
             return True
         if "ours" in kinds:  # some gradients kept, others edited or dropped: no consistent state
             self.violations.append(("grad-edit", f"only some of {self.name}'s gradients were cleared or edited"))
@@ -416,6 +422,8 @@ class LayerStep(BandRelease, PassRefusals):
             self.install_hooks()  # unfrozen within the step: hook what trains now
         if self._pass_landed:
             self.close_pass(params)
+        if self._held:
+            self.check_held(params)
         if self.on_new_pass is not None and self._gate.task != task:
             self.on_new_pass()
         if self.params_moved(params):
@@ -557,9 +565,13 @@ class LayerStep(BandRelease, PassRefusals):
         self._integer_due = None
         self._integer_landed = False
         self._draw_landed = False
+        self._landed_open = False
+        self.drop_held()
 
     def cleared(self) -> None:
-        """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients."""
+        """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients (held ones
+        too: inside ``accumulate()`` they read as unset)."""
+        self.drop_held()
         for i, p in enumerate(self.params):
             if p.grad is not None:
                 self._expected[i] = _record(p.grad)
@@ -574,6 +586,7 @@ class LayerStep(BandRelease, PassRefusals):
 
     def discard(self) -> None:
         self._band_due = None
+        self.drop_held()
         for p in self.params:
             p.grad = None
         self._expected.clear()

@@ -126,12 +126,19 @@ class PassRefusals:
           (added after ``make_private``) releases k clipped contributions per example under noise for
           one (review 49 H3: 2.3·C at k = 4, 37·C at k = 64), and a second backward over the batch lands
           its sum raw. Named without the counts (they would tell the batch's size).
+        * **A second landing pass outside ``optimizer.accumulate()``** (``accumulate``): only the
+          step's first landing pass adds the noise, so the difference of ``.grad`` read before and
+          after this one would be its clipped sum with no noise (review 49 H1: an example's clipped
+          gradient recovered to 4e-7 with micro-batches of B − 1 and 1). Inside the block the passes
+          land where the loop cannot read them (:mod:`bpclip_fast.held_grads`). Under integer noise
+          its own rule refuses every second landing pass, in the block or not (``integer-passes``).
 
         Charged (the step's first release was readable). Asked per layer call of a pass; ``lands_now``
         only when a condition holds (a pass that lands nothing releases nothing)."""
         over = self.batch_rows is not None and self.rows + self._pass_rows > self.batch_rows()
         cleared = self._draw_landed and (self._mixed or not self.noised) and self.integer_bits is None
-        if not (over or cleared) or not self.lands_now():
+        again = self._landed_open and self.integer_bits is None
+        if not (over or cleared or again) or not self.lands_now():
             return
         self.check_budget("a backward")
         if over:
@@ -145,6 +152,12 @@ class PassRefusals:
                        "passes")
             self.refuse("grad-edit", details)
             raise RuntimeError(details)
+        if not (cleared or self._mixed):
+            details = (f"{self.name}: a second backward pass of this step would land on its gradient outside "
+                       "optimizer.accumulate(), where .grad read before it holds the first pass's release and read "
+                       "after it would show this pass's clipped sum without noise")
+            self.refuse("accumulate", details)
+            raise RuntimeError(details + "; run the step's micro-batches inside `with optimizer.accumulate():`")
         if self._mixed:
             details = (f"{self.name}: some of its parameters' gradients hold this step's noise and others do not "
                        "(cleared, zeroed or unfrozen on their own, or reached by another pass's backward(inputs=...)), "

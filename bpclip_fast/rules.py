@@ -49,12 +49,18 @@ RULES = {
                     "use torch.autocast(dtype=torch.bfloat16), which needs no scaler (non-finite examples get clip "
                     "factor 0 with nonfinite='drop'), and call optimizer.step() without a GradScaler"),
     "banded-redraw": ("under correlated noise each step's noise row is drawn once per layer and released once",
-                      "take one backward per step (or micro-batches without zero_grad between them), and do not "
+                      "take one backward per step (or micro-batches inside optimizer.accumulate(), without zero_grad "
+                      "between them), and do not "
                       "clear a layer's gradient between its backward and step()"),
     "redraw": ("each clipped layer's noise is drawn once per step and the batch released once",
-               "take one backward per step (or micro-batches without zero_grad between them) and do not clear a "
+               "take one backward per step (or micro-batches inside optimizer.accumulate(), without zero_grad between "
+               "them) and do not clear a "
                "layer's gradient between its backward and step(); for an adversarial example's input gradient use "
                "torch.autograd.grad(loss, x), which lands nothing in .grad"),
+    "accumulate": ("a step's gradient is readable once, after all of its backward passes: only the first adds the "
+                   "noise",
+                   "run the step's micro-batches inside `with optimizer.accumulate():` (their gradients are held "
+                   "until the block ends), or take one backward per step"),
     "integer-passes": ("under integer noise each clipped layer's backward runs once per step, and its release is the "
                        "step's whole clipped sum",
                        "take one backward pass per step over the whole batch (one loss, one backward); to accumulate "

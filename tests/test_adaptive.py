@@ -228,8 +228,9 @@ def test_each_step_releases_one_noisy_count_per_threshold(mode, microbatches, mo
         before = engine.thresholds()
         expected = _expected_update(engine, model, x, y, mode, before, engine.steps)
         opt.zero_grad()
-        for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
-            ce(model(xm), ym).backward()
+        with opt.accumulate():
+            for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+                ce(model(xm), ym).backward()
         opt.step()
         got = engine.thresholds()
         for name in expected:

@@ -83,7 +83,8 @@ MODES = tuple(CLIPPING)
 
 
 def run(model, batch_size, *, wrap=None, mode="backprop"):
-    """STEPS steps (step 2: two micro-batches; step 4: no backward); returns (engine, model, batch sizes)."""
+    """STEPS steps (step 2: two micro-batches in ``opt.accumulate()``; step 4: no backward); returns
+    (engine, model, batch sizes)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
     if wrap is not None:
         model = wrap(model)
@@ -100,8 +101,11 @@ def run(model, batch_size, *, wrap=None, mode="backprop"):
         sizes.append(len(x))
         opt.zero_grad()
         if step != 4:  # step 4: the loop skips its batch; step() must still add the noise, once globally
-            for xm, ym in zip(x.tensor_split(2 if step == 2 else 1), y.tensor_split(2 if step == 2 else 1)):
-                nn.functional.cross_entropy(model(xm), ym).backward()
+            with opt.accumulate():
+                for xm, ym in zip(x.tensor_split(2 if step == 2 else 1), y.tensor_split(2 if step == 2 else 1)):
+                    nn.functional.cross_entropy(model(xm), ym).backward()
+                    # held out of reach until the block ends, also once DDP's reducer has written it
+                    assert all(p.grad is None for p in model.parameters())
         opt.step()
     return engine, model, sizes
 

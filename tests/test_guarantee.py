@@ -18,6 +18,8 @@ update is minus the released gradient), mean loss.
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import io
 import math
@@ -113,9 +115,15 @@ def legit_step(model, opt, loader, loss_fn=None, microbatches=1):
     loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out, y))
     x, y = next(iter(loader))
     opt.zero_grad()
-    for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
-        loss_fn(model(xm), ym).backward()
+    with accumulating(opt):
+        for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+            loss_fn(model(xm), ym).backward()
     opt.step()
+
+
+def accumulating(opt):
+    """The micro-batches' block for a private optimizer; nothing for a plain one."""
+    return opt.accumulate() if hasattr(opt, "accumulate") else contextlib.nullcontext()
 
 
 def expect_refused(fn, rule, attack):

@@ -34,8 +34,9 @@ def habit_step(model, opt, loader, k=K):
     """The non-private habit: every micro-batch's mean loss divided by the number of micro-batches."""
     x, y = next(iter(loader))
     opt.zero_grad()
-    for xm, ym in zip(x.tensor_split(k), y.tensor_split(k)):
-        (F.cross_entropy(model(xm), ym) / k).backward()
+    with opt.accumulate():
+        for xm, ym in zip(x.tensor_split(k), y.tensor_split(k)):
+            (F.cross_entropy(model(xm), ym) / k).backward()
     opt.step()
 
 
@@ -53,8 +54,9 @@ def test_the_readme_loop_with_uneven_micro_batches_releases_the_clipped_mean(mod
     x, y = next(iter(loader))
     assert [len(m) for m in x.split(3)] == [3, 3, 1]
     opt.zero_grad()
-    for xm, ym in zip(x.split(3), y.split(3)):
-        F.cross_entropy(model(xm), ym).backward()
+    with opt.accumulate():
+        for xm, ym in zip(x.split(3), y.split(3)):
+            F.cross_entropy(model(xm), ym).backward()
     opt.step()
     for k, v in moved(model, before).items():
         torch.testing.assert_close(-v.double(), expect[k] / n, rtol=1e-4, atol=1e-6)

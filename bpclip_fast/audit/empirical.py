@@ -57,7 +57,7 @@ Modes
 Training loops (``loop``): ``"plain"`` (zero_grad, backward, step); ``"inplace-zero"`` (the same with
 ``zero_grad(set_to_none=False)``: each step's backward lands on the last release zeroed in place,
 which must restart the layer and take the step's draw); ``"micro-batches"`` (two micro-batches
-accumulated into one step). A loop that clears a gradient between two backward passes of one step is
+accumulated into one step inside ``optimizer.accumulate()``). A loop that clears a gradient between two backward passes of one step is
 refused by the engine (``redraw``), so it is not one to audit.
 """
 
@@ -272,8 +272,9 @@ def _one_step(s: Settings, model, optimizer, xb, vb) -> None:
     optimizer.zero_grad(set_to_none=s.loop != "inplace-zero")
     if s.loop == "micro-batches":
         half = (len(xb) + 1) // 2
-        _backward(s, model, xb[:half], vb[:half])
-        _backward(s, model, xb[half:], vb[half:])
+        with optimizer.accumulate():
+            _backward(s, model, xb[:half], vb[:half])
+            _backward(s, model, xb[half:], vb[half:])
     else:
         _backward(s, model, xb, vb)
     optimizer.step()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..graph_nodes import untraced
-from . import budget, checkpoint, guards, refusal, thresholds
+from . import accumulation, budget, checkpoint, guards, refusal, thresholds
 from ._common import NO_PICKLE, accounting
 from .verify import fallback_noise, verify
 
@@ -69,6 +69,14 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         guards.after_zero_grad(self.engine)
 
+    def accumulate(self):
+        """``with optimizer.accumulate():`` around the backward passes of one step's micro-batches. Inside
+        it ``.grad`` stays unset (``None``) while the engine holds what the passes land; at its end the
+        whole step's gradient is in ``.grad``, as one backward over the batch would leave it. Outside it
+        a second landing backward in a step is refused (rule ``accumulate``): reads of ``.grad``
+        between micro-batches would show their clipped sums without noise."""
+        return accumulation.accumulating(self.engine)
+
     # torch.amp.GradScaler then leaves the gradients alone and hands itself to step(grad_scaler=...),
     # which refuses it before anything is released (its own unscale_ would edit the noised gradients).
     _step_supports_amp_scaling = True
@@ -78,6 +86,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, grad_scaler=None):
         """The step boundary: every check passes before anything is released; a refusal discards
         the step (``StepRefused``, charged unless it cannot depend on the data)."""
+        accumulation.refuse_step_inside(self.engine)
         if grad_scaler is not None:
             self._refuse_grad_scaler()
         loss = None
@@ -136,8 +145,8 @@ class DPOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"DPOptimizer.step(): {delivered} batches were drawn from the private data loader since the last "
                 "step; every step must use exactly one (the accountant assumes one fresh sampled batch per step). "
-                "To accumulate gradients, split one batch into micro-batches (for x_mb in x.split(m): "
-                "loss(model(x_mb)).backward()) and step once; for a larger batch raise the loader's batch_size. "
+                "To accumulate gradients, split one batch into micro-batches (with optimizer.accumulate(): for x_mb "
+                "in x.split(m): loss(model(x_mb)).backward()) and step once; for a larger batch raise the loader's batch_size. "
                 "The gradients of this step were discarded (this refusal depends only on the loop, not on the "
                 "data, and is not charged).")
 

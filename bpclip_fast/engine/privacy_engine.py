@@ -16,7 +16,7 @@ from .. import pca as _pca
 from .. import nn as bnn
 from .. import validate as _validate
 from ..boundary import LayerStep, PassGate, StepRefused  # noqa: F401  (StepRefused: re-exported)
-from . import (arguments, budget, checkpoint, correlated, distributed, guards, integer, model_checks, noise_range, refusal,
+from . import (accumulation, arguments, budget, checkpoint, correlated, distributed, guards, integer, model_checks, noise_range, refusal,
                seeds, thresholds)
 from .optimizer import DPOptimizer
 from ._common import NO_PICKLE, InsecureSeedWarning, accounting, positive
@@ -280,6 +280,7 @@ class PrivacyEngine:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
         recorder = distributed.DistributedRecorder() if self.distributed else None
         self._pass_gate = PassGate()  # the backward pass guards.check_new_pass last ran in
+        self._holder = accumulation.Holder(deferred=recorder is not None)  # optimizer.accumulate()
         self._steps_of = []
         for name, layer in layers:
             layer._bp_name = name
@@ -291,6 +292,7 @@ class PrivacyEngine:
             st.batch_rows = functools.partial(guards.batch_rows, self)
             st.on_new_pass = functools.partial(guards.check_new_pass, self)
             st._gate = self._pass_gate
+            st.holder = self._holder
             st.budget = functools.partial(budget.require, self)
             layer._bp_step = st
             self._steps_of.append(st)

@@ -1,0 +1,279 @@
+"""Declared accumulation (review 49 H1): ``.grad`` between micro-batches showed their clipped sums.
+
+Only a step's first landing backward adds the noise, so before ``optimizer.accumulate()`` the
+difference of ``.grad`` read before and after a later micro-batch was that micro-batch's clipped
+sum without noise: with micro-batches of ``B − 1`` and 1, one example's clipped gradient. Now the
+micro-batches of a step run inside ``with optimizer.accumulate():``, where nothing they land is
+readable (``.grad`` stays ``None``, and a tensor the loop kept from before the block is not added to)
+until the block ends; outside it a second landing pass is refused before it runs, charged
+(``accumulate``). The step itself is unchanged: the block's gradient is the one a single backward
+over the batch leaves, checked in float64 against the noise-free per-example truth.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bpclip_fast import PrivacyEngine
+from bpclip_fast.rules import RULES, StepRefused
+
+MODES = ("flat", "per_layer", "backprop")
+F = nn.functional
+
+
+class _Scale(nn.Module):
+    """A module no fused layer covers: trained by the generic exact path."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.s
+
+
+def _private(mode, sigma=1.0, dtype=torch.float32, seed=7, generic=False, **extra):
+    torch.manual_seed(0)
+    tail = [_Scale(3)] if generic else []
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), *tail).to(dtype)
+    x, y = torch.randn(64, 6, dtype=dtype), torch.randint(0, 3, (64,))
+    kw = {"clipping": mode, "max_grad_norm": 1.0} if mode != "backprop" else {
+        "clipping": "backprop", "input_clip": 2.0, "grad_clip": 1.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the explicit noise_seed's warning
+        engine = PrivacyEngine()
+        m, o, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                       data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                       noise_multiplier=sigma, noise_seed=seed, **kw, **extra)
+    return engine, m, o, dl
+
+
+def _grads(m):
+    return [p.grad.detach().double().clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_of_the_step_is_readable_inside_the_block(mode):
+    """After each micro-batch ``.grad`` is None, and a gradient tensor the loop kept from the last step
+    (``zero_grad(set_to_none=False)``) is not added to; at the block's end ``.grad`` holds the step."""
+    engine, m, o, dl = _private(mode)
+    it = iter(dl)
+    xb, yb = next(it)
+    o.zero_grad()
+    F.cross_entropy(m(xb), yb).backward()
+    o.step()
+    o.zero_grad(set_to_none=False)
+    kept = [p.grad for p in m.parameters()]
+    assert all(g is not None and not g.any() for g in kept)
+    xb, yb = next(it)
+    with o.accumulate():
+        for xm, ym in zip(xb.split(5), yb.split(5)):
+            F.cross_entropy(m(xm), ym).backward()
+            assert all(p.grad is None for p in m.parameters())
+            seen = [g.clone() for g in kept]
+        # only the first pass may have touched the kept tensors (it carries the step's noise)
+        for g, s in zip(kept, seen):
+            assert torch.equal(g, s)
+    assert all(p.grad is not None for p in m.parameters())
+    assert all(p.grad is not g for p, g in zip(m.parameters(), kept))
+    o.step()
+    assert engine.steps == 2 and len(engine.accountant) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_block_releases_what_one_backward_releases(mode):
+    """In float64, the same noise key: three uneven micro-batches inside the block leave the gradient one
+    backward over the (Poisson) batch leaves, to float64 rounding of sums of its ~16 terms."""
+    one = _private(mode, dtype=torch.float64)
+    blk = _private(mode, dtype=torch.float64)
+    (_, m1, o1, dl1), (_, m2, o2, dl2) = one, blk
+    xb, yb = next(iter(dl1))
+    xb2, yb2 = next(iter(dl2))
+    assert torch.equal(xb, xb2)
+    o1.zero_grad()
+    F.cross_entropy(m1(xb), yb).backward()
+    o2.zero_grad()
+    with o2.accumulate():
+        cuts = [len(xb) // 2, len(xb) - 2]  # uneven, one of them small
+        for xm, ym in zip(xb.tensor_split(cuts), yb.tensor_split(cuts)):
+            F.cross_entropy(m2(xm), ym).backward()
+    # the same terms summed in another grouping: |error| ≤ n·ε·Σ|terms| with n ≤ 32 rows and
+    # Σ|terms| ≤ 2 (a clipped mean, each term ≤ C/B̄ = O(1/16), and the noise added once, in both)
+    tol = 64 * torch.finfo(torch.float64).eps
+    for a, b in zip(_grads(m1), _grads(m2)):
+        assert torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_landing_pass_outside_the_block_is_refused_before_it_lands(mode):
+    """Review 49 H1's loop: micro-batches of B − 1 and 1 with ``.grad`` read between them. The second
+    pass is refused before it computes, charged, and leaves no gradient."""
+    engine, m, o, dl = _private(mode, sigma=1.0)
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    F.cross_entropy(m(xb[:-1]), yb[:-1]).backward()
+    with pytest.raises(StepRefused) as info:
+        F.cross_entropy(m(xb[-1:]), yb[-1:]).backward()
+    assert info.value.rule == "accumulate" and info.value.charged and len(engine.accountant) == 1
+    assert RULES["accumulate"][1] in str(info.value)
+    assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.parametrize("where", ("before", "after"))
+def test_a_pass_outside_the_block_in_the_same_step_is_refused(where):
+    """A pass before the block was readable, so the block's passes would add to a read release; a pass
+    after it would add to the block's release."""
+    engine, m, o, dl = _private("flat")
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+
+    def outside():
+        F.cross_entropy(m(xb[:8]), yb[:8]).backward()
+
+    def block():
+        with o.accumulate():
+            F.cross_entropy(m(xb[8:]), yb[8:]).backward()
+
+    first, second = (outside, block) if where == "before" else (block, outside)
+    first()
+    with pytest.raises(StepRefused) as info:
+        second()
+    assert info.value.rule == "accumulate" and info.value.charged
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_a_gradient_written_inside_the_block_is_refused():
+    """The loop cannot set ``.grad`` while the engine holds the step's: the next pass, or the block's end."""
+    for at_end in (False, True):
+        engine, m, o, dl = _private("per_layer")
+        xb, yb = next(iter(dl))
+        o.zero_grad()
+        with pytest.raises(StepRefused) as info:
+            with o.accumulate():
+                F.cross_entropy(m(xb[:8]), yb[:8]).backward()
+                m[0].weight.grad = torch.zeros_like(m[0].weight)
+                if not at_end:
+                    F.cross_entropy(m(xb[8:]), yb[8:]).backward()
+        assert info.value.rule == "grad-edit" and info.value.charged
+        assert all(p.grad is None for p in m.parameters())
+
+
+def test_zero_grad_inside_the_block_then_a_pass_is_a_redraw():
+    """Cleared inside the block, the held gradients are dropped; a later landing pass would need the
+    step's draw again (the first pass's gradient may have been read through a kept tensor)."""
+    engine, m, o, dl = _private("backprop")
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    with pytest.raises(StepRefused) as info:
+        with o.accumulate():
+            F.cross_entropy(m(xb[:8]), yb[:8]).backward()
+            o.zero_grad()
+            F.cross_entropy(m(xb[8:]), yb[8:]).backward()
+    assert info.value.rule == "redraw"
+
+
+def test_step_inside_the_block_is_refused_uncharged_and_the_block_still_ends_well():
+    engine, m, o, dl = _private("flat")
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    with o.accumulate():
+        F.cross_entropy(m(xb), yb).backward()
+        with pytest.raises(RuntimeError, match="inside optimizer.accumulate"):
+            o.step()
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with o.accumulate():
+                pass
+        assert len(engine.accountant) == 0 and all(p.grad is None for p in m.parameters())
+    o.step()
+    assert engine.steps == 1 and len(engine.accountant) == 1
+
+
+def test_a_hook_inside_the_pass_cannot_read_a_landed_gradient():
+    """An activation hook of an earlier layer runs after the later layer's gradient landed in the same
+    pass: the gradient is held at once, so the hook sees ``None`` (per_layer: the layers are called one
+    by one)."""
+    engine, m, o, dl = _private("per_layer")
+    xb, yb = next(iter(dl))
+    seen = []
+
+    def hook(g):
+        seen.append(m[2].weight.grad)
+        return g
+
+    o.zero_grad()
+    with o.accumulate():
+        for xm, ym in zip(xb.split(8), yb.split(8)):
+            h = m[1](m[0](xm))
+            h.register_hook(hook)
+            F.cross_entropy(m[2](h), ym).backward()
+    assert len(seen) == 2 and all(g is None for g in seen)
+    assert m[2].weight.grad is not None
+
+
+def test_integer_noise_refuses_a_second_pass_in_the_block_too():
+    """Integer noise releases the layer's whole sum once: its own rule stays."""
+    engine, m, o, dl = _private("flat", integer_noise=True)
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    with pytest.raises(StepRefused) as info:
+        with o.accumulate():
+            F.cross_entropy(m(xb[:8]), yb[:8]).backward()
+            F.cross_entropy(m(xb[8:]), yb[8:]).backward()
+    assert info.value.rule == "integer-passes"
+
+
+def test_one_backward_in_the_block_and_input_gradients_outside_it_are_fine():
+    """A pass that lands nothing (``torch.autograd.grad`` of the input) is no release, inside or out."""
+    engine, m, o, dl = _private("per_layer")
+    xb, yb = next(iter(dl))
+    x = xb.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(F.cross_entropy(m(x), yb), x)
+    o.zero_grad()
+    with o.accumulate():
+        F.cross_entropy(m(xb + 0.01 * gx.sign()), yb).backward()
+        (gx,) = torch.autograd.grad(F.cross_entropy(m(x), yb), x)
+    o.step()
+    assert engine.steps == 1
+
+
+@pytest.mark.parametrize("kind", ["compiled", "generic"])
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_compiled_and_generic_layers_are_held_too(kind, mode):
+    """A compiled model (the layers' custom ops) and a generic unit: ``.grad`` unset between the
+    micro-batches, and the block's gradient the one backward's, in float64 (tolerance as above)."""
+    released = []
+    for block in (False, True):
+        engine, m, o, dl = _private(mode, dtype=torch.float64, generic=kind == "generic")
+        run = torch.compile(m, backend="aot_eager") if kind == "compiled" else m
+        xb, yb = next(iter(dl))
+        o.zero_grad()
+        if block:
+            with o.accumulate():
+                for xm, ym in zip(xb.tensor_split(2), yb.tensor_split(2)):
+                    F.cross_entropy(run(xm), ym).backward()
+                    assert all(p.grad is None for p in m.parameters())
+        else:
+            F.cross_entropy(run(xb), yb).backward()
+        released.append(_grads(m))
+    tol = 64 * torch.finfo(torch.float64).eps
+    for a, b in zip(*released):
+        assert torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+def test_banded_noise_holds_its_gradients_too():
+    """Correlated noise adds the step's row in the first landing pass, like the other noises."""
+    engine, m, o, dl = _private("flat", noise="banded", bands=2)
+    for xb, yb in dl:
+        o.zero_grad()
+        with o.accumulate():
+            for xm, ym in zip(xb.tensor_split(2), yb.tensor_split(2)):
+                F.cross_entropy(m(xm), ym).backward()
+                assert all(p.grad is None for p in m.parameters())
+        assert all(p.grad is not None for p in m.parameters())
+        o.step()
+    assert engine.steps == 4
