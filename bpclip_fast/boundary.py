@@ -14,10 +14,11 @@ so that ``DPOptimizer.step()`` can verify it before anything is released:
   batch charged as one (review 48 G1: the whole batch 64 times reached a membership advantage of
   0.84 where the charge allows 0.55), and the same draw would be the same noise on other sums. A
   draw that never landed (a pass of ``torch.autograd.grad`` of the inputs, a refused step re-armed)
-  is replaced by a fresh one (:func:`redraw_seed`), never the same again. What a loop reads of
-  ``.grad`` between the micro-batches of a step is not covered: the later passes add their sums to
-  the first one's release as they are (review 49 H1; declared accumulation would close it). The
-  parameters may not change between the passes of a step (version counters; ``param-edit``), so a
+  is replaced by a fresh one (:func:`redraw_seed`), never the same again. The later passes of a
+  step add their sums to the first one's release as they are, so a second landing pass is refused
+  unless the passes run inside ``optimizer.accumulate()``, where what they compute for the
+  parameters stays in the engine until the block ends (:mod:`bpclip_fast.held_grads`; review 49
+  H1). The parameters may not change between the passes of a step (version counters; ``param-edit``), so a
   manual update cannot release a draw twice either.
 * **The gradient is exactly the layer's own backward outputs.** After every accumulation a
   post-accumulate-grad hook records the gradient tensor (weak reference) and its version counter.
@@ -153,8 +154,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self._mixed = False        # some trainable gradients hold the layer's contribution, others not
         self._landed_open = False  # a pass of this step landed where the loop can read it (outside accumulate())
         self.holder = None         # set by the engine: whether the loop is inside optimizer.accumulate()
-        self._held: dict = {}      # param index -> its gradient, held out of .grad inside accumulate()
-        self._owned: dict = {}     # param index -> weak reference to the copy the engine made of it
+        self._held: dict = {}      # param index -> the sum its passes computed inside accumulate() (held_grads)
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
@@ -271,8 +271,6 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
             if incoming is None:  # nothing accumulates (a flat collector with no entry for this layer)
                 return None
             record = self._produced.pop(i, None)
-            if self._held:
-                self.put_back(i)  # torch adds to the held gradient
             if not _same_tensor(record, incoming):
                 self._refuse_accumulation(
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
@@ -326,8 +324,6 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
             self.landed(i)
             if self.after_backward is not None:
                 self.after_backward.touched(self, i)
-            if self.holding():
-                self.holder.touched(self, i)
         return posthook
 
     def landed(self, i) -> None:
@@ -336,10 +332,11 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         if g is None:  # an undefined gradient reached AccumulateGrad: nothing landed
             return
         self._expected[i] = _record(g)
-        # Micro-batching: more passes will add to this gradient. A write through ``p.grad.data``
-        # bypasses the version counter, so the bits are summed now and compared when the next pass
-        # starts (one read of the gradient, only in steps of several passes).
-        if self.batch_rows is not None and 0 < self.rows + self._pass_rows < self.batch_rows():
+        # A pass over part of the batch: a write through ``p.grad.data`` bypasses the version counter,
+        # so the bits are summed now and compared when the next pass starts (one read of the gradient,
+        # only after such a pass; none inside accumulate(), where the gradient is held out of reach).
+        if (self.batch_rows is not None and 0 < self.rows + self._pass_rows < self.batch_rows()
+                and not self.holding()):
             self._fingerprints[i] = fingerprint(g)
         else:
             self._fingerprints.pop(i, None)
@@ -355,9 +352,9 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         states = []
         expected = self._expected
         for i, p in enumerate(self.params if params is None else params):
-            g = p.grad if not self._held else self.grad_of(i, p)
-            if not p.requires_grad and g is None:
+            if not p.requires_grad and p.grad is None:
                 continue
+            g = p.grad
             if g is None:
                 states.append((i, p, "none"))
                 continue
@@ -367,6 +364,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         return states
 
     def _restart(self) -> None:
+        self.drop_held()
         self.rows = 0
         self.noised = False
         self.books = set()
@@ -384,7 +382,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
                 for i, p, _ in states:
                     fp = self._fingerprints.pop(i, None)
                     if fp is not None:
-                        self.edit_checks.append(fingerprint(self.grad_of(i, p)).ne(fp))
+                        self.edit_checks.append(fingerprint(p.grad).ne(fp))
             return True
         if "ours" in kinds:  # some gradients kept, others edited or dropped: no consistent state
             self.violations.append(("grad-edit", f"only some of {self.name}'s gradients were cleared or edited"))
@@ -422,8 +420,6 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
             self.install_hooks()  # unfrozen within the step: hook what trains now
         if self._pass_landed:
             self.close_pass(params)
-        if self._held:
-            self.check_held(params)
         if self.on_new_pass is not None and self._gate.task != task:
             self.on_new_pass()
         if self.params_moved(params):
@@ -502,7 +498,8 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
     def produced(self, grads) -> None:
         """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check;
         under correlated noise, first makes the row this pass drew into them; under integer noise,
-        first releases this pass's draw into them (in place, before anything records them)."""
+        first releases this pass's draw into them (in place, before anything records them); inside
+        ``optimizer.accumulate()``, then keeps them and returns zeros (:mod:`bpclip_fast.held_grads`)."""
         integer_due = self._integer_due
         if integer_due is not None:
             self._integer_due = None
@@ -517,6 +514,8 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
                 self.make_band(row, std, grads)
         if not self.enforce:
             return
+        if self.holding():
+            self.keep(grads)  # the pass's sum stays in the engine; autograd gets zeros
         for i, g in enumerate(grads):
             if g is not None:
                 self._produced[i] = _record(g)
@@ -566,12 +565,10 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self._integer_landed = False
         self._draw_landed = False
         self._landed_open = False
-        self.drop_held()
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients (held ones
-        too: inside ``accumulate()`` they read as unset)."""
-        self.drop_held()
+        too: what it held inside ``accumulate()``)."""
         for i, p in enumerate(self.params):
             if p.grad is not None:
                 self._expected[i] = _record(p.grad)

@@ -1,26 +1,29 @@
-"""Declared accumulation, the layer's half: inside ``optimizer.accumulate()`` the gradients a backward
-lands are taken out of ``.grad`` and held where the loop cannot read them, until the block ends.
+"""Declared accumulation, the layer's half: inside ``optimizer.accumulate()`` the engine keeps what each
+backward pass computes for the layer's parameters, and what the pass returns to autograd is zero, until
+the block ends and ``.grad`` receives the sum.
 
 Why. The step's noise is added once, by its first landing backward; a later micro-batch adds its
-clipped sum as it is. Had ``.grad`` been readable between two micro-batches, the difference of two
-reads would be that micro-batch's clipped sum with no noise (review 49 H1: an example's clipped
-gradient recovered to 4e-7). Inside the block nothing of the step is readable until all its passes
-have landed, so the loop sees one release, ``Σ_i c_i + N``, the same as one backward over the batch.
-Outside the block a second landing pass of a step is refused (``accumulate``,
+clipped sum as it is. Had that sum been readable, the difference of two reads would be a
+micro-batch's clipped sum with no noise (review 49 H1: an example's clipped gradient recovered to
+4e-7). Inside the block nothing a pass computes for a parameter leaves the engine until all the
+step's passes have run, so the loop sees one release, ``Σ_i c_i + N``, the same as one backward over
+the batch. Outside the block a second landing pass of a step is refused (``accumulate``,
 :meth:`~bpclip_fast.pass_refusals.PassRefusals._refuse_before_landing`).
 
-How. A landed gradient is held the moment it lands (the post-accumulate hook; under DDP once the
-reducer has written it, at the end of the pass: :class:`bpclip_fast.engine.accumulation.Holder`),
-and put back in the ``AccumulateGrad`` pre-hook of the next pass that lands on it, just before
-torch adds to it, and at the end of the block. Held, a gradient is a copy the engine made: the
-tensor torch accumulated into may be one the loop kept a reference to (``g = p.grad`` after
-``zero_grad(set_to_none=False)``), through which it would read the later passes' sums. The records
-(:meth:`~bpclip_fast.boundary.LayerStep._grad_states`) read a held gradient as the parameter's, so
-every check of the step sees what it would see without the block. A gradient written by the loop
-while one is held is refused (``grad-edit``): the two cannot both be the step's.
+How. :meth:`~bpclip_fast.boundary.LayerStep.produced`, the one point every clipped layer's backward
+(fused, flat collector, generic unit, compiled op) passes its parameter gradients through before it
+returns them, adds them to the layer's held sum and zeroes them in place (:meth:`HeldGrads.keep`).
+So everything downstream — autograd's node hooks, ``AccumulateGrad`` and its hooks, ``.grad``, a
+tensor the loop kept from before the block, another thread — sees zeros (review 51 R1, R2, R4: a
+first design that took ``.grad`` out after each accumulation still let each of them see a pass's
+raw sum). The step's records, row counts and draws proceed as without the block (a landed pass of
+zeros is a landed pass); :meth:`HeldGrads.release_held` brings the records in line with ``.grad`` as
+the block leaves it (a clear inside the block drops what was held, as a clear drops a gradient) and
+writes ``.grad + held`` as a new tensor. Under DDP the block is refused
+(:func:`bpclip_fast.engine.accumulation.accumulating`): the reducer would average the zeros.
 
-A mixin of :class:`bpclip_fast.boundary.LayerStep` (its state: ``_held``, ``_owned``,
-``_expected``, ``_fingerprints``, ``holder``), like :mod:`bpclip_fast.pass_refusals`."""
+A mixin of :class:`bpclip_fast.boundary.LayerStep` (its state: ``_held``, ``_expected``, ``holder``),
+like :mod:`bpclip_fast.pass_refusals`."""
 
 from __future__ import annotations
 
@@ -40,67 +43,39 @@ class HeldGrads:
         holder = self.holder
         return holder is not None and holder.active
 
-    def hold(self, i: int) -> None:
-        """Takes parameter ``i``'s landed gradient out of ``.grad`` (after its records were taken). A
-        tensor the engine did not make is copied first: the loop may hold a reference to it."""
-        p = self._param(i)
-        g = p.grad
-        if g is None:
-            return
-        owned = self._owned.get(i)
-        if owned is None or owned() is not g:
-            g = g.clone()
-            self._owned[i] = weakref.ref(g)
-        self._held[i] = g
-        self._expected[i] = record(g)
-        self._fingerprints.pop(i, None)  # no .data write can reach a held copy
-        p.grad = None
-
-    def grad_of(self, i: int, p):
-        """What parameter ``i`` holds as gradient now: ``.grad``, or the held copy while ``.grad`` is
-        unset."""
-        g = p.grad
-        if g is None and self._held:
-            return self._held.get(i)
-        return g
-
-    def put_back(self, i: int) -> None:
-        """In the ``AccumulateGrad`` pre-hook: the held gradient back in ``.grad``, for torch to add to."""
-        held = self._held.pop(i, None)
-        if held is None:
-            return
-        p = self._param(i)
-        if p.grad is not None:
-            self._held[i] = held
-            self._refuse_written(i)
-        p.grad = held
-
-    def check_held(self, params) -> None:
-        """At a pass's first visit: a held gradient's ``.grad`` must still be unset."""
-        for i in self._held:
-            if params[i].grad is not None:
-                self._refuse_written(i)
+    def keep(self, grads) -> None:
+        """Adds the parameter gradients this backward computed to the held sum, then zeroes them in
+        place, before anything outside the engine can see them (zeroed second, a tensor returned for
+        two parameters adds once)."""
+        held = self._held
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            h = held.get(i)
+            if h is None:
+                held[i] = g.detach().clone()
+            else:
+                h.add_(g.detach())
+            g.detach().zero_()
 
     def release_held(self) -> None:
-        """The end of the block: every held gradient back in ``.grad``, released; a later landing pass
-        in the step is refused (``accumulate``)."""
-        for i in list(self._held):
-            if self._param(i).grad is not None:
-                self._refuse_written(i)
-        for i, held in list(self._held.items()):
-            self._param(i).grad = held
-        self._held.clear()
+        """The end of the block: ``.grad`` becomes ``.grad + held`` (a new tensor: one the loop kept is
+        not written), recorded as the layer's own where ``.grad`` was. A later landing pass in the step is
+        refused (``accumulate``)."""
+        if self._held:
+            self.sync_with_grads()  # a clear inside the block restarts the layer and drops what it held
+        held, self._held = self._held, {}
+        expected = self._expected
+        for i, h in held.items():
+            p = self._param(i)
+            g = p.grad
+            rec = expected.get(i)
+            ours = g is None or (rec is not None and rec[0]() is g and g._version == rec[1])
+            p.grad = h if g is None else g + h
+            if ours:
+                expected[i] = record(p.grad)
         if self.rows > 0 or self.noised:
             self._landed_open = True
 
     def drop_held(self) -> None:
-        self._held.clear()
-        self._owned.clear()
-
-    def _refuse_written(self, i: int) -> None:
-        self.check_budget("a gradient written inside optimizer.accumulate()")
-        details = (f"{self._param_name(i)}.grad was written inside optimizer.accumulate() while the engine held "
-                   "its accumulated gradient")
-        self.refuse("grad-edit", details)
-        raise RuntimeError(details + "; leave .grad alone inside the block (clear it with optimizer.zero_grad() "
-                           "before the block)")
+        self._held = {}

@@ -348,8 +348,9 @@ def _micro_batches_step(model, opt, x, y, cached):
     into the first (the cached storage of the first is p.grad, in use)."""
     opt.zero_grad(set_to_none=True)
     h = len(x) // 2 + 1
-    for sl in (slice(0, h), slice(h, None)):
-        _poisoned_backward(nn.functional.cross_entropy(model(x[sl]), y[sl], reduction="sum"), cached)
+    with opt.accumulate():
+        for sl in (slice(0, h), slice(h, None)):
+            _poisoned_backward(nn.functional.cross_entropy(model(x[sl]), y[sl], reduction="sum"), cached)
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     opt.step()
     return grads

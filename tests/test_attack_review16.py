@@ -327,37 +327,38 @@ def _private_mlp(batch=4, mode="flat", model=None):
             noise_multiplier=1.0, max_grad_norm=1.0, clipping=mode, noise_seed=1, probe=False)
 
 
-def _step_refused_iff(opt, edit):
-    """The step is refused as grad-edit exactly when the loop edited a gradient."""
-    if edit:
-        with pytest.raises(StepRefused) as exc:
-            opt.step()
-        assert exc.value.rule == "grad-edit"
-    else:
-        opt.step()
-
-
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_an_edit_through_data_between_micro_batches_is_refused(mode, autocast, monkeypatch):
-    """End to end (eager, grad-edit): one ulp written through ``p.grad.data`` between the two
-    micro-batch passes of a batch (no version counter moves: only the fingerprint sees it) is
-    refused; without the edit the same step goes through. Under CPU autocast too."""
-    spy = _Spy(monkeypatch)
-    for edit in (False, True):
+    """End to end (eager): one ulp written through ``p.grad.data`` between the two micro-batch passes
+    of a batch (no version counter moves) was caught by the fingerprint. Since declared accumulation
+    there is nothing to write between them: inside ``optimizer.accumulate()`` ``.grad`` is zero until
+    the block ends (and the step goes through), and outside it the second pass is refused
+    before it runs (``accumulate``) whatever was written. Under CPU autocast too; no fingerprint is
+    ever taken while tracing."""
+    _Spy(monkeypatch)
+    for block in (True, False):
         model, opt, loader = _private_mlp(mode=mode)
         x, y = next(iter(loader))
         opt.zero_grad()
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+        first = model[0].weight if hasattr(model, "__getitem__") else model._module[0].weight
+        if block:
+            with opt.accumulate():
+                with ctx:
+                    F.cross_entropy(model(x[:2]), y[:2]).backward()
+                assert not first.grad.any()  # the block's passes land zeros; the engine keeps their sums
+                with ctx:
+                    F.cross_entropy(model(x[2:]), y[2:]).backward()
+            opt.step()
+            continue
         with ctx:
             F.cross_entropy(model(x[:2]), y[:2]).backward()
-        if edit:
-            d = model[0].weight.grad.data if hasattr(model, "__getitem__") else model._module[0].weight.grad.data
-            d.view(torch.int32)[1, 2] += 1
-        with ctx:
-            F.cross_entropy(model(x[2:]), y[2:]).backward()
-        _step_refused_iff(opt, edit)
-    assert spy.calls > 0
+        first.grad.data.view(torch.int32)[1, 2] += 1
+        with pytest.raises(StepRefused) as exc:
+            with ctx:
+                F.cross_entropy(model(x[2:]), y[2:]).backward()
+        assert exc.value.rule == "accumulate"
 
 
 @pytest.mark.parametrize("mode", ["flat", "per_layer"])
@@ -409,8 +410,10 @@ def test_finding_a_strided_zeroed_grad_between_micro_batches_is_still_checked(ed
     """Finding 1, end to end. Zeroing the gradients by assigning zeros (allowed before the step's
     first backward; between two passes of a step it is now refused, ``redraw``, review 48 G1) where a
     bias's zeros are a stepped view: the next partial pass's fingerprint raised a RuntimeError out of
-    ``backward()``. Now it is fingerprinted, and a one-ulp edit through ``.data`` before the last pass
-    is refused (grad-edit); without it the step goes through."""
+    ``backward()``. A partial pass over such zeros is fingerprinted without error; a one-ulp edit
+    through ``.data`` before the last pass, outside ``optimizer.accumulate()``, is refused before that
+    pass runs (``accumulate``: the rule of any second landing pass there); inside the block the
+    stepped zeros are accumulated into, held, and the step goes through."""
     model, opt, loader = _private_mlp(batch=6)
     x, y = next(iter(loader))
     opt.zero_grad()
@@ -418,13 +421,19 @@ def test_finding_a_strided_zeroed_grad_between_micro_batches_is_still_checked(ed
         p.grad = _strided_zeros_like(p)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the gradient layout contract
+        if not edit:
+            with opt.accumulate():
+                F.cross_entropy(model(x[:3]), y[:3]).backward()
+                F.cross_entropy(model(x[3:]), y[3:]).backward()
+            opt.step()
+            return
         F.cross_entropy(model(x[:3]), y[:3]).backward()
-        if edit:
-            bias = [p for p in model.parameters() if p.dim() == 1][0]
-            assert bias.grad.stride() == (2,)
-            bias.grad.data.view(torch.int32)[::2][0] += 1  # one ulp of element 0
-        F.cross_entropy(model(x[3:]), y[3:]).backward()
-    _step_refused_iff(opt, edit)
+        bias = [p for p in model.parameters() if p.dim() == 1][0]
+        assert bias.grad.stride() == (2,)
+        bias.grad.data.view(torch.int32)[::2][0] += 1  # one ulp of element 0
+        with pytest.raises(StepRefused) as exc:
+            F.cross_entropy(model(x[3:]), y[3:]).backward()
+        assert exc.value.rule == "accumulate"
 
 
 # ------------------------------------------------------------------------------------ the emulated CUDA kernel

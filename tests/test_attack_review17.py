@@ -146,9 +146,10 @@ def test_a_prehook_in_the_second_micro_batch_is_refused(mode):
     engine, model, opt, loader = _private(mode)
     w = _inner(model)[2].weight
     x, y = next(iter(loader))
-    F.cross_entropy(model(x[:4]), y[:4]).backward()
-    h = _accumulate_node(w).register_prehook(lambda gr: (gr[0] + 1000.0,))
-    _may_refuse(lambda: F.cross_entropy(model(x[4:]), y[4:]).backward())
+    with opt.accumulate():
+        F.cross_entropy(model(x[:4]), y[:4]).backward()
+        h = _accumulate_node(w).register_prehook(lambda gr: (gr[0] + 1000.0,))
+        _may_refuse(lambda: F.cross_entropy(model(x[4:]), y[4:]).backward())
     h.remove()
     _refused_and_charged(engine, model, opt)
 

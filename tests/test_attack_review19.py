@@ -440,8 +440,9 @@ def _honest_passes_train(mode, module, parts, compiled=False):
         engine, model, opt, loader = _fixed(mode, module)
         run = torch.compile(model) if compiled else model
         x, y = next(iter(loader))
-        for part in parts:
-            F.cross_entropy(run(x[part]), y[part]).backward()
+        with opt.accumulate():
+            for part in parts:
+                F.cross_entropy(run(x[part]), y[part]).backward()
         opt.step()
         assert len(engine.accountant) == 1
         assert all(p.grad is not None for p in _inner(model).parameters())
@@ -532,8 +533,9 @@ def test_micro_batches_through_reentrant_checkpointing_around_a_compiled_body_st
     try:
         engine, model, opt, loader = _fixed(mode, _AroundCompiled("aot_eager"))
         x, y = next(iter(loader))
-        for half in (slice(0, 4), slice(4, 8)):
-            F.cross_entropy(model(x[half]), y[half]).backward()
+        with opt.accumulate():
+            for half in (slice(0, 4), slice(4, 8)):
+                F.cross_entropy(model(x[half]), y[half]).backward()
         opt.step()
         assert len(engine.accountant) == 1
         assert all(p.grad is not None for p in _inner(model).parameters())

@@ -3,11 +3,12 @@
 Only a step's first landing backward adds the noise, so before ``optimizer.accumulate()`` the
 difference of ``.grad`` read before and after a later micro-batch was that micro-batch's clipped
 sum without noise: with micro-batches of ``B − 1`` and 1, one example's clipped gradient. Now the
-micro-batches of a step run inside ``with optimizer.accumulate():``, where nothing they land is
-readable (``.grad`` stays ``None``, and a tensor the loop kept from before the block is not added to)
-until the block ends; outside it a second landing pass is refused before it runs, charged
-(``accumulate``). The step itself is unchanged: the block's gradient is the one a single backward
-over the batch leaves, checked in float64 against the noise-free per-example truth.
+micro-batches of a step run inside ``with optimizer.accumulate():``, where the engine keeps what
+each pass computes for the parameters and everything downstream of the layers' backward sees zeros
+(``.grad``, a tensor the loop kept from before the block, autograd node hooks, ``AccumulateGrad``'s
+hooks: review 51 R1, R2) until the block ends; outside it a second landing pass is refused before
+it runs, charged (``accumulate``). The step itself is unchanged: the block's gradient is the one a
+single backward over the batch leaves, in float64.
 """
 
 from __future__ import annotations
@@ -57,10 +58,17 @@ def _grads(m):
     return [p.grad.detach().double().clone() for p in m.parameters()]
 
 
+def _nothing_readable(m):
+    """Every ``.grad`` unset or zero: what a pass inside the block leaves."""
+    return all(p.grad is None or not p.grad.any() for p in m.parameters())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_nothing_of_the_step_is_readable_inside_the_block(mode):
-    """After each micro-batch ``.grad`` is None, and a gradient tensor the loop kept from the last step
-    (``zero_grad(set_to_none=False)``) is not added to; at the block's end ``.grad`` holds the step."""
+    """After each micro-batch ``.grad`` is zero, and a gradient tensor the loop kept from the last step
+    (``zero_grad(set_to_none=False)``) stays zero, also after the block (review 51 R1: the first pass
+    had added its release into it, and the final ``.grad`` minus it was the other micro-batches' sum);
+    at the block's end ``.grad`` holds the step, in a new tensor."""
     engine, m, o, dl = _private(mode)
     it = iter(dl)
     xb, yb = next(it)
@@ -74,13 +82,11 @@ def test_nothing_of_the_step_is_readable_inside_the_block(mode):
     with o.accumulate():
         for xm, ym in zip(xb.split(5), yb.split(5)):
             F.cross_entropy(m(xm), ym).backward()
-            assert all(p.grad is None for p in m.parameters())
-            seen = [g.clone() for g in kept]
-        # only the first pass may have touched the kept tensors (it carries the step's noise)
-        for g, s in zip(kept, seen):
-            assert torch.equal(g, s)
-    assert all(p.grad is not None for p in m.parameters())
+            assert _nothing_readable(m)
+            assert not any(g.any() for g in kept)
+    assert all(p.grad is not None and p.grad.any() for p in m.parameters())
     assert all(p.grad is not g for p, g in zip(m.parameters(), kept))
+    assert not any(g.any() for g in kept)
     o.step()
     assert engine.steps == 2 and len(engine.accountant) == 2
 
@@ -148,17 +154,20 @@ def test_a_pass_outside_the_block_in_the_same_step_is_refused(where):
 
 
 def test_a_gradient_written_inside_the_block_is_refused():
-    """The loop cannot set ``.grad`` while the engine holds the step's: the next pass, or the block's end."""
+    """A gradient the loop writes inside the block is not the layer's: refused at the next pass, or at
+    ``step()`` after the block (``grad-edit``), charged."""
     for at_end in (False, True):
         engine, m, o, dl = _private("per_layer")
         xb, yb = next(iter(dl))
         o.zero_grad()
         with pytest.raises(StepRefused) as info:
             with o.accumulate():
-                F.cross_entropy(m(xb[:8]), yb[:8]).backward()
-                m[0].weight.grad = torch.zeros_like(m[0].weight)
+                first = xb[:8] if not at_end else xb  # at the end: all the rows landed, only the write is wrong
+                F.cross_entropy(m(first), yb[:len(first)]).backward()
+                m[0].weight.grad = torch.ones_like(m[0].weight)
                 if not at_end:
                     F.cross_entropy(m(xb[8:]), yb[8:]).backward()
+            o.step()
         assert info.value.rule == "grad-edit" and info.value.charged
         assert all(p.grad is None for p in m.parameters())
 
@@ -188,15 +197,14 @@ def test_step_inside_the_block_is_refused_uncharged_and_the_block_still_ends_wel
         with pytest.raises(RuntimeError, match="do not nest"):
             with o.accumulate():
                 pass
-        assert len(engine.accountant) == 0 and all(p.grad is None for p in m.parameters())
+        assert len(engine.accountant) == 0 and _nothing_readable(m)
     o.step()
     assert engine.steps == 1 and len(engine.accountant) == 1
 
 
 def test_a_hook_inside_the_pass_cannot_read_a_landed_gradient():
     """An activation hook of an earlier layer runs after the later layer's gradient landed in the same
-    pass: the gradient is held at once, so the hook sees ``None`` (per_layer: the layers are called one
-    by one)."""
+    pass: it sees zero (per_layer: the layers are called one by one)."""
     engine, m, o, dl = _private("per_layer")
     xb, yb = next(iter(dl))
     seen = []
@@ -211,8 +219,8 @@ def test_a_hook_inside_the_pass_cannot_read_a_landed_gradient():
             h = m[1](m[0](xm))
             h.register_hook(hook)
             F.cross_entropy(m[2](h), ym).backward()
-    assert len(seen) == 2 and all(g is None for g in seen)
-    assert m[2].weight.grad is not None
+    assert len(seen) == 2 and all(g is None or not g.any() for g in seen)
+    assert m[2].weight.grad.any()
 
 
 def test_integer_noise_refuses_a_second_pass_in_the_block_too():
@@ -256,7 +264,7 @@ def test_compiled_and_generic_layers_are_held_too(kind, mode):
             with o.accumulate():
                 for xm, ym in zip(xb.tensor_split(2), yb.tensor_split(2)):
                     F.cross_entropy(run(xm), ym).backward()
-                    assert all(p.grad is None for p in m.parameters())
+                    assert _nothing_readable(m)
         else:
             F.cross_entropy(run(xb), yb).backward()
         released.append(_grads(m))
@@ -273,7 +281,42 @@ def test_banded_noise_holds_its_gradients_too():
         with o.accumulate():
             for xm, ym in zip(xb.tensor_split(2), yb.tensor_split(2)):
                 F.cross_entropy(m(xm), ym).backward()
-                assert all(p.grad is None for p in m.parameters())
-        assert all(p.grad is not None for p in m.parameters())
+                assert _nothing_readable(m)
+        assert all(p.grad is not None and p.grad.any() for p in m.parameters())
         o.step()
     assert engine.steps == 4
+
+
+def _walk(fn, seen):
+    if fn is None or id(fn) in seen:
+        return
+    seen.add(id(fn))
+    yield fn
+    for nxt, _ in fn.next_functions:
+        yield from _walk(nxt, seen)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_node_hooks_inside_the_block_see_only_zeros_for_the_parameters(mode):
+    """Review 51 R2: a post-hook on every node of the graph (the layers' backward nodes, whose outputs
+    include the parameters' gradients, and the parameters' ``AccumulateGrad`` nodes, which receive
+    them) saw each pass's clipped sum, the second without noise. Every parameter-shaped tensor they
+    see inside the block is zero; the step still goes through (these hooks are not the layers')."""
+    engine, m, o, dl = _private(mode)
+    shapes = {tuple(p.shape) for p in m.parameters()}
+    xb, yb = next(iter(dl))
+    seen = []
+
+    def hook(grad_inputs, grad_outputs):
+        seen.extend(t for t in (*grad_inputs, *grad_outputs) if t is not None and tuple(t.shape) in shapes)
+
+    o.zero_grad()
+    with o.accumulate():
+        for xm, ym in zip(xb.tensor_split([len(xb) - 1]), yb.tensor_split([len(yb) - 1])):
+            loss = F.cross_entropy(m(xm), ym)
+            for node in _walk(loss.grad_fn, set()):
+                node.register_hook(hook)
+            loss.backward()
+    assert len(seen) >= 2 * len(shapes) and not any(t.any() for t in seen)
+    o.step()
+    assert engine.steps == 1

@@ -1,6 +1,7 @@
 """PrivacyEngine end to end (single process): usage, noise once per step, sampling, accounting, budget,
 checkpoints, validation, loss reduction. Multi-process runs: tests/test_distributed.py."""
 
+import contextlib
 import math
 import warnings
 
@@ -48,9 +49,10 @@ def train_steps(model, opt, loader, steps, *, microbatches=1, loss_fn=nn.functio
             it = iter(loader)
             x, y = next(it)
         opt.zero_grad()
-        for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
-            if len(xm):
-                loss_fn(model(xm), ym).backward()
+        with opt.accumulate() if hasattr(opt, "accumulate") else contextlib.nullcontext():
+            for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+                if len(xm):
+                    loss_fn(model(xm), ym).backward()
         opt.step()
         if on_step is not None:
             on_step()

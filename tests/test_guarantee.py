@@ -302,24 +302,29 @@ def bnn_noise(like, seed, offset, std):
     return _ops.philox_noise_(torch.zeros_like(like), seed, offset, std)
 
 
+# Inside optimizer.accumulate() the passes land zeros (the engine keeps their sums), so an edit between
+# them that keeps zeros zero (a product) is a zeroing, and the next pass is refused as a second release
+# of the step (redraw); one that makes them nonzero is an edit (grad-edit).
+_ZEROING = "redraw"
 GRAD_EDITS = {
-    # name: (where, edit of one parameter). Micro-batches x[:2] and x[2:]: the rows add up, only the edit is wrong.
-    "p.grad.mul_(2) between backward passes": ("between", lambda p: p.grad.mul_(2)),
+    # name: (where, edit of one parameter[, rule]). Micro-batches x[:2] and x[2:] in the block: the rows add up,
+    # only the edit is wrong.
+    "p.grad.mul_(2) between backward passes": ("between", lambda p: p.grad.mul_(2), _ZEROING),
     "p.grad.add_(t) between backward passes": ("between", lambda p: p.grad.add_(torch.full_like(p.grad, 0.01))),
-    "p.grad = p.grad * 2 between backward passes": ("between", lambda p: setattr(p, "grad", p.grad * 2)),
+    "p.grad = p.grad * 2 between backward passes": ("between", lambda p: setattr(p, "grad", p.grad * 2), _ZEROING),
     "p.grad.add_(t) after the last backward": ("after", lambda p: p.grad.add_(torch.full_like(p.grad, 0.01))),
     "p.grad = p.grad * 2 after the last backward": ("after", lambda p: setattr(p, "grad", p.grad * 2)),
     # Two passes over the WHOLE batch around an edit: an edit mistaken for a zeroing (row count reset, draw
     # re-added) would let the second pass's rows add up and release the edited tensor; without a reset the
     # rows are 2B. Either refusal is sound here.
     "p.grad.copy_(t) between two whole-batch passes": ("between_whole", lambda p: p.grad.copy_(torch.ones_like(p))),
-    "p.grad.mul_(2) between two whole-batch passes": ("between_whole", lambda p: p.grad.mul_(2)),
+    "p.grad.mul_(2) between two whole-batch passes": ("between_whole", lambda p: p.grad.mul_(2), _ZEROING),
 }
 
 
 @pytest.mark.parametrize("edit", list(GRAD_EDITS))
 def test_case2_editing_a_clipped_gradient_is_refused(edit):
-    where, fn = GRAD_EDITS[edit]
+    where, fn, *zeroing = GRAD_EDITS[edit]
     X, Y = data()
     engine, model, opt, loader = private(mlp(), X, Y)
     x, y = next(iter(loader))
@@ -327,18 +332,25 @@ def test_case2_editing_a_clipped_gradient_is_refused(edit):
     if where != "between_whole":
         first, second = (x[:2], y[:2]), (x[2:], y[2:])
     opt.zero_grad()
+    block = accumulating(opt)  # the micro-batches' block, open across both passes
+    block.__enter__()
     F.cross_entropy(model(first[0]), first[1]).backward()
 
     def rest():  # an edit between passes is refused at the next backward, before it computes (review 49)
-        if where.startswith("between"):
-            for p in model.parameters():
-                fn(p)
-        F.cross_entropy(model(second[0]), second[1]).backward()
+        try:
+            if where.startswith("between"):
+                for p in model.parameters():
+                    fn(p)
+            F.cross_entropy(model(second[0]), second[1]).backward()
+        finally:
+            block.__exit__(None, None, None)
         if where == "after":
             for p in model.parameters():
                 fn(p)
         opt.step()
     rules = ("grad-edit", "rows") if where == "between_whole" else "grad-edit"
+    if zeroing:
+        rules = zeroing[0]
     exc = expect_refused(rest, rules, f"{edit}: the released gradient is not the clipped sum plus one draw")
     assert_charged(engine, 0, model, opt)
     assert exc.charged
@@ -594,10 +606,11 @@ def test_case6_layer_reused_in_a_later_microbatch_is_refused():
     legit_step(model, opt, loader, microbatches=2)
     x, y = next(iter(loader))
     opt.zero_grad()
-    F.cross_entropy(model(x[:2]), y[:2]).backward()
-    model.uses = 3  # after the first micro-batch's backward has consumed the draw
-    exc = expect_refused(lambda: F.cross_entropy(model(x[2:]), y[2:]).backward(), "rows",
-                         "fc applied three times to the second micro-batch: 3Δ per example")
+    with accumulating(opt):
+        F.cross_entropy(model(x[:2]), y[:2]).backward()
+        model.uses = 3  # after the first micro-batch's backward has consumed the draw
+        exc = expect_refused(lambda: F.cross_entropy(model(x[2:]), y[2:]).backward(), "rows",
+                             "fc applied three times to the second micro-batch: 3Δ per example")
     assert_names(exc, "fc")
     assert_charged(engine, 1, model, opt)
 
@@ -1471,6 +1484,8 @@ def test_review2_a_tensor_hook_removed_before_step_is_still_seen():
     engine, model, opt, loader = private(mlp(), X, Y)
     x, y = next(iter(loader))
     opt.zero_grad()
+    block = accumulating(opt)
+    block.__enter__()
     F.cross_entropy(model(x[:2]), y[:2]).backward()
     def scale(g):
         g.data.mul_(10)
@@ -1482,6 +1497,7 @@ def test_review2_a_tensor_hook_removed_before_step_is_still_seen():
         finally:
             for h in handles:
                 h.remove()
+            block.__exit__(None, None, None)
         opt.step()
     expect_refused(train, ("grad-edit", "weight-reuse"), "a hook scaled the second micro-batch by 10")
 

@@ -116,12 +116,13 @@ def test_a_backward_after_the_draw_was_cleared_is_refused_and_charged(mode, clea
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_micro_batches_without_a_clear_are_one_draw(mode):
+def test_micro_batches_in_the_block_without_a_clear_are_one_draw(mode):
     engine, m, o, dl = _private(mode)
     xb, yb = next(iter(dl))
     o.zero_grad()
-    for part in (slice(0, 8), slice(8, None)):
-        nn.functional.cross_entropy(m(xb[part]), yb[part]).backward()
+    with o.accumulate():
+        for part in (slice(0, 8), slice(8, None)):
+            nn.functional.cross_entropy(m(xb[part]), yb[part]).backward()
     o.step()
     assert len(engine.accountant) == 1 and all(st._draws == 0 for st in engine._steps_of)
 

@@ -280,7 +280,7 @@ class PrivacyEngine:
         """Each layer's step state (``boundary.LayerStep``), wired to the engine's checks."""
         recorder = distributed.DistributedRecorder() if self.distributed else None
         self._pass_gate = PassGate()  # the backward pass guards.check_new_pass last ran in
-        self._holder = accumulation.Holder(deferred=recorder is not None)  # optimizer.accumulate()
+        self._holder = accumulation.Holder()  # optimizer.accumulate()
         self._steps_of = []
         for name, layer in layers:
             layer._bp_name = name
