@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops
+from . import _ops, rules
 
 
 class PassRefusals:
@@ -148,8 +148,7 @@ class PassRefusals:
             self.refuse("rows", details)
             raise RuntimeError(details)
         if self._edited():
-            details = (f"{self.name}'s gradient was changed (not zeroed, not by its backward) between its backward "
-                       "passes")
+            details = rules.edited(self.name)
             self.refuse("grad-edit", details)
             raise RuntimeError(details)
         if not (cleared or self._mixed):

@@ -7,7 +7,7 @@ charged)."""
 
 from __future__ import annotations
 
-__all__ = ["RULES", "StepRefused"]
+__all__ = ["RULES", "StepRefused", "edited"]
 
 # rule -> what it protects and what to do instead (the second half of every message).
 RULES = {
@@ -68,6 +68,12 @@ RULES = {
     "nonfinite": ("strict non-finite mode: no example may be non-finite",
                   "clean the data, or use nonfinite='drop' (the default), which gives such examples clip factor 0"),
 }
+
+
+def edited(name: str) -> str:
+    """The ``grad-edit`` details for a gradient found changed other than by zeroing or its backward
+    (the pass that finds it and ``step()`` say it alike)."""
+    return f"{name}'s gradient was changed (not zeroed, not by its backward) between its backward passes"
 
 
 class StepRefused(RuntimeError):

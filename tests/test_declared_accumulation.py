@@ -249,8 +249,8 @@ def test_one_backward_in_the_block_and_input_gradients_outside_it_are_fine():
     assert engine.steps == 1
 
 
-@pytest.mark.parametrize("kind", ["compiled", "generic"])
-@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+@pytest.mark.parametrize("kind, mode", [("compiled", "flat"), ("compiled", "per_layer"), ("compiled", "backprop"),
+                                        ("generic", "flat"), ("generic", "per_layer")])
 def test_compiled_and_generic_layers_are_held_too(kind, mode):
     """A compiled model (the layers' custom ops) and a generic unit: ``.grad`` unset between the
     micro-batches, and the block's gradient the one backward's, in float64 (tolerance as above)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ops, integer_noise
+from .. import _ops, integer_noise, rules
 from . import correlated, distributed, refusal
 from .guards import any_outside, outside_params, owned_ids
 
@@ -77,8 +77,7 @@ def _edited(checks):
     return [("weight-reuse", f"{name}'s gradient is not its layer's own output: the compiled graph added another "
              "use of the parameter to it (the parameter is used outside the layer); use it only through its layer",
              [name]) if kind == "reuse" else
-            ("grad-edit", f"{name}'s gradient was changed (not zeroed, not by its backward) "
-             "between its backward passes or after them", [name])
+            ("grad-edit", rules.edited(name) + " or after them", [name])
             for name, kind in bad]
 
 
