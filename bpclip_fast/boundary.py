@@ -144,6 +144,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self.batch_rows = None       # callable: rows of the batch drawn for the step (set by the engine)
         self._produced: dict[int, tuple] = {}      # param index -> record of what our backward returned
         self._nodes = []
+        self._node_of: dict = {}  # param index -> its hooked AccumulateGrad node
         self._handles = []
         self._ours = frozenset()  # ids of our hook handles (foreign hooks are any others)
         # param index -> weak reference to its AccumulateGrad node's pre-hook dict (ours and any other)
@@ -220,6 +221,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
                 continue
             node = accumulate_node(p)
             self._nodes.append(node)
+            self._node_of[i] = node
             self._handles.append(p.register_hook(untraced(self._make_tensorhook(i, node))))
             prehook = node.register_prehook(untraced(self._make_prehook(i)))
             self._handles.append(prehook)
@@ -231,6 +233,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         for h in self._handles:
             h.remove()
         self._handles, self._nodes, self._ours = [], [], frozenset()
+        self._node_of = {}
         self._node_prehooks = {}
 
     def _make_tensorhook(self, i, node):
@@ -498,8 +501,9 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
     def produced(self, grads) -> None:
         """Records the tensors the backward returns for (weight, bias), for the AccumulateGrad check;
         under correlated noise, first makes the row this pass drew into them; under integer noise,
-        first releases this pass's draw into them (in place, before anything records them); inside
-        ``optimizer.accumulate()``, then keeps them and returns zeros (:mod:`bpclip_fast.held_grads`)."""
+        first releases this pass's draw into them (in place, before anything records them); then
+        hands autograd zeros where the pass lands nothing and inside ``optimizer.accumulate()``
+        (:meth:`~bpclip_fast.held_grads.HeldGrads.hand_over`)."""
         integer_due = self._integer_due
         if integer_due is not None:
             self._integer_due = None
@@ -514,8 +518,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
                 self.make_band(row, std, grads)
         if not self.enforce:
             return
-        if self.holding():
-            self.keep(grads)  # the pass's sum stays in the engine; autograd gets zeros
+        self.hand_over(grads)  # inside accumulate() and for a pass that lands nothing here: zeros
         for i, g in enumerate(grads):
             if g is not None:
                 self._produced[i] = _record(g)

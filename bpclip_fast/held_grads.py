@@ -12,7 +12,7 @@ the batch. Outside the block a second landing pass of a step is refused (``accum
 
 How. :meth:`~bpclip_fast.boundary.LayerStep.produced`, the one point every clipped layer's backward
 (fused, flat collector, generic unit, compiled op) passes its parameter gradients through before it
-returns them, adds them to the layer's held sum and zeroes them in place (:meth:`HeldGrads.keep`).
+returns them, adds them to the layer's held sum and zeroes them in place (:meth:`HeldGrads.hand_over`).
 So everything downstream — autograd's node hooks, ``AccumulateGrad`` and its hooks, ``.grad``, a
 tensor the loop kept from before the block, another thread — sees zeros (review 51 R1, R2, R4: a
 first design that took ``.grad`` out after each accumulation still let each of them see a pass's
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 
 def record(t):
     """``(weak reference, version)`` of a gradient tensor: what the step's records compare against."""
@@ -43,20 +45,41 @@ class HeldGrads:
         holder = self.holder
         return holder is not None and holder.active
 
-    def keep(self, grads) -> None:
-        """Adds the parameter gradients this backward computed to the held sum, then zeroes them in
-        place, before anything outside the engine can see them (zeroed second, a tensor returned for
-        two parameters adds once)."""
+    def hand_over(self, grads) -> None:
+        """What autograd receives of the parameter gradients this backward computed, in place, before
+        anything outside the engine can see them (a node's post-hook gets them as it returns):
+
+        * a parameter this pass does not accumulate into ``.grad`` (``torch.autograd.grad`` of the
+          input, ``backward(inputs=...)`` of others) gets zeros: nobody needs its gradient, which
+          after the step's noise landed is the batch's clipped sum without noise (review 52: an input
+          gradient's pass after the training backward showed it to a hook on the layer's node), and
+          inside the block it must not join the sum either (its rows are never counted: the batch
+          twice for an adversarial example's input gradient);
+        * inside ``optimizer.accumulate()`` the others are added to the held sum, then zeroed
+          (zeroed second, a tensor returned for two parameters adds once)."""
+        holding = self.holding()
         held = self._held
         for i, g in enumerate(grads):
             if g is None:
                 continue
-            h = held.get(i)
-            if h is None:
-                held[i] = g.detach().clone()
-            else:
-                h.add_(g.detach())
-            g.detach().zero_()
+            if not self._lands_on(i):
+                g.detach().zero_()
+            elif holding:
+                h = held.get(i)
+                if h is None:
+                    held[i] = g.detach().clone()
+                else:
+                    h.add_(g.detach())
+                g.detach().zero_()
+
+    def _lands_on(self, i: int) -> bool:
+        node = self._node_of.get(i)
+        if node is None:
+            return False
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # asked inside torch.autograd.grad of a parameter: a capture, refused elsewhere
+            return False
 
     def release_held(self) -> None:
         """The end of the block: ``.grad`` becomes ``.grad + held`` (a new tensor: one the loop kept is

@@ -13,6 +13,7 @@ single backward over the batch leaves, in float64.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -320,3 +321,35 @@ def test_node_hooks_inside_the_block_see_only_zeros_for_the_parameters(mode):
     assert len(seen) >= 2 * len(shapes) and not any(t.any() for t in seen)
     o.step()
     assert engine.steps == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block", [False, True])
+def test_a_pass_that_lands_nothing_adds_nothing_and_shows_nothing(mode, block):
+    """``torch.autograd.grad`` of the input after the training backward (an adversarial example's
+    gradient): the layers compute their parameters' gradients and autograd drops them. Inside the
+    block they must not join the held sum (their rows are never counted: the batch would count twice),
+    in or out of it a hook on the layers' nodes must not see them (after the noise landed they are
+    the batch's clipped sum without noise), and the released gradient is bit for bit the one without
+    that pass (review 52)."""
+    released = []
+    for extra in (False, True):
+        engine, m, o, dl = _private(mode, dtype=torch.float64)
+        xb, yb = next(iter(dl))
+        o.zero_grad()
+        with o.accumulate() if block else contextlib.nullcontext():
+            F.cross_entropy(m(xb), yb).backward()
+            if extra:
+                x = xb.clone().requires_grad_(True)
+                loss = F.cross_entropy(m(x), yb)
+                shapes, seen = {tuple(p.shape) for p in m.parameters()}, []
+                for node in _walk(loss.grad_fn, set()):
+                    node.register_hook(lambda gi, go: seen.extend(
+                        t for t in gi if t is not None and tuple(t.shape) in shapes))
+                torch.autograd.grad(loss, x)
+                # (flat's collector releases nothing for a pass that lands on no layer: nothing to see)
+                assert (mode == "flat" or seen) and not any(t.any() for t in seen)
+        released.append(_grads(m))
+        o.step()
+    for a, b in zip(*released):
+        assert torch.equal(a, b)
