@@ -156,6 +156,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self._landed_open = False  # a pass of this step landed where the loop can read it (outside accumulate())
         self.holder = None         # set by the engine: whether the loop is inside optimizer.accumulate()
         self._held: dict = {}      # param index -> the sum its passes computed inside accumulate() (held_grads)
+        self._pass_held: dict = {}  # the same, of the pass in progress: joins _held when the pass lands
         self.on_refuse = None     # set by the engine: charges, discards and raises StepRefused
         self.after_backward = None  # DistributedRecorder under DDP
         self.on_new_pass = None     # set by the engine: refuses a backward after a second batch was drawn
@@ -279,7 +280,10 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
                     "weight-reuse", f"{self._param_name(i)} received a gradient that is not its layer's own output "
                     "(the parameter is used outside the layer, or a tensor hook changed its gradient)")
             elif len(record) > 2:  # sealed (seal_produced): the bits must be those our op returned
-                self.reuse_checks.append(fingerprint(incoming).ne(record[2]))
+                if self.holding():  # inside accumulate(): zeros, checked now (they land before step())
+                    self._refuse_unzeroed(i, incoming)
+                else:
+                    self.reuse_checks.append(fingerprint(incoming).ne(record[2]))
             if not self._pass_landed:  # the pass's contribution lands now: its rows and draw count once
                 self._draw_landed = self._draw_landed or self._pass_noised
                 self._landed_open = self._landed_open or not self.holding()
@@ -290,6 +294,8 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
                     self.counts = self._pass_counts if self.counts is None else self.counts + self._pass_counts
                 self._pass_rows, self._pass_noised, self._pass_books = 0, False, set()
                 self._pass_counts = None
+            if self._pass_held:
+                self.commit_held(i)
             self._pass_landed.add(i)
             return None
         return prehook
@@ -336,10 +342,9 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
             return
         self._expected[i] = _record(g)
         # A pass over part of the batch: a write through ``p.grad.data`` bypasses the version counter,
-        # so the bits are summed now and compared when the next pass starts (one read of the gradient,
-        # only after such a pass; none inside accumulate(), where the gradient is held out of reach).
-        if (self.batch_rows is not None and 0 < self.rows + self._pass_rows < self.batch_rows()
-                and not self.holding()):
+        # so the bits are summed now and compared when the next pass starts or the block ends (one
+        # read of the gradient, only after such a pass).
+        if self.batch_rows is not None and 0 < self.rows + self._pass_rows < self.batch_rows():
             self._fingerprints[i] = fingerprint(g)
         else:
             self._fingerprints.pop(i, None)
@@ -431,14 +436,18 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self._task, self._pass_rows, self._pass_noised, self._pass_books = task, 0, False, set()
         self._pass_counts = None
         self._integer_due = None  # a draw whose tensors never reached produced() is not carried into a new pass
+        self._pass_held = {}      # a pass that never landed (it raised on the way) adds nothing to the block's sum
 
-    def begin_backward(self, rows: int, sensitivity: float):
+    def begin_backward(self, rows: int, sensitivity: float, again_ok: bool = False):
         """``(seed, offset, std, d, scale)`` for one backward pass over ``rows`` example rows:
-        clip at ``C/d``, add noise of std ``std`` (0: none), multiply ``[∇W, ∇b]`` by ``scale``."""
+        clip at ``C/d``, add noise of std ``std`` (0: none), multiply ``[∇W, ∇b]`` by ``scale``.
+        ``again_ok``: a second call of the layer in one pass is released with the first (flat's book)."""
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
                 self._begin_pass(task)
+            elif not again_ok:
+                self._refuse_second_call()
             self._pass_rows += int(rows)
             self._refuse_before_landing()
         else:

@@ -507,7 +507,7 @@ def example_backward(grad_out: torch.Tensor, weight: torch.Tensor, saved: list[t
     g = grad_out.contiguous()
     if book is not None:  # the book may hold these until the release (see exact_backward)
         g, saved = g.clone(), [t.clone() for t in saved]
-    step_args = exact._step_args(lay, g.shape[0], lay._bp_noise_bound)
+    step_args = exact._step_args(lay, g.shape[0], lay._bp_noise_bound, book)
     examples = lay._examples(tuple(saved), g, pmask)
     bound = exact_examples.example_bound(lay, examples, pmask, book)
     out = exact._clip(lay, book, bound, (None, None), examples, step_args, exact.EXAMPLES, grad_out.dtype)

@@ -506,7 +506,7 @@ def clip_params(layer, x, g, geometry, mask, book, sensitivity, own_inputs=False
     non-finite count), then :func:`_clip`. ``own_inputs``: a flat book holds copies of ``x`` and
     ``g`` (a compiled graph reuses their buffers once the op returns, and the release would scale
     other data by factors computed from these norms)."""
-    step_args = _step_args(layer, g.shape[0], sensitivity)
+    step_args = _step_args(layer, g.shape[0], sensitivity, book)
     bound, kept = _norms(layer, x, g, geometry, mask, layer._bp_nonfinite[1:2] if book is not None else None, book)
     held = (None, None) if kept is not None else (x, g)
     if own_inputs and book is not None and kept is None:
@@ -537,12 +537,13 @@ def _clip(layer, book, bound, held, kept, step_args, geometry, data_dtype):
     return grads
 
 
-def _step_args(layer, rows, sensitivity):
+def _step_args(layer, rows, sensitivity, book=None):
     """``(seed, offset, std, d, scale)`` of this backward (``boundary.LayerStep.begin_backward``);
-    no noise and no scaling for a layer that was never armed."""
+    no noise and no scaling for a layer that was never armed. ``book``: flat's, which releases the
+    layer's calls of one forward together (a second call in a pass is one more entry)."""
     if layer._bp_step is None:
         return 0, 0, 0.0, 1.0, 1.0
-    return layer._bp_step.begin_backward(rows, sensitivity)
+    return layer._bp_step.begin_backward(rows, sensitivity, again_ok=book is not None)
 
 
 def _flat_book(layer):

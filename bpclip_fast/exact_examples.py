@@ -57,7 +57,7 @@ class _Tap(torch.autograd.Function):
         if not any(mask):
             return grad_out, None, None, *nones
         g = grad_out.contiguous()
-        step_args = _step_args(layer, g.shape[0], ctx.sensitivity)
+        step_args = _step_args(layer, g.shape[0], ctx.sensitivity, book)
         examples = layer._examples(saved, g, mask)
         bound = example_bound(layer, examples, mask, book)
         out = _clip(layer, book, bound, (None, None), examples, step_args, EXAMPLES, ctx.dtype)

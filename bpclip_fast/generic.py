@@ -133,7 +133,7 @@ class _Unit(torch.autograd.Function):
         per_example = _per_example(outs, gs, dims, st.rows, leaves)
         _isolate_nonfinite(st, per_example, grads, mask)
         _release_graph(ctx)
-        step_args = exact._step_args(layer, st.rows, st.sensitivity)
+        step_args = exact._step_args(layer, st.rows, st.sensitivity, book)
         kept = examples.DenseExamples(per_example, None, st.dtype)
         bound = exact_examples.example_bound(layer, kept, (True, False), book)
         out = exact._clip(layer, book, bound, (None, None), kept, step_args, exact.EXAMPLES, st.dtype)

@@ -55,10 +55,13 @@ class HeldGrads:
           gradient's pass after the training backward showed it to a hook on the layer's node), and
           inside the block it must not join the sum either (its rows are never counted: the batch
           twice for an adversarial example's input gradient);
-        * inside ``optimizer.accumulate()`` the others are added to the held sum, then zeroed
-          (zeroed second, a tensor returned for two parameters adds once)."""
+        * inside ``optimizer.accumulate()`` the others are added to the pass's sum, then zeroed
+          (zeroed second, a tensor returned for two parameters adds once); the pass's sum joins the
+          block's in the ``AccumulateGrad`` pre-hook, where the pass's rows are counted
+          (:meth:`commit_held`), so a pass that raises on the way adds nothing (review 52 S1: an
+          aborted and retried micro-batch had counted twice, 21 times after 20 aborts)."""
         holding = self.holding()
-        held = self._held
+        held = self._pass_held
         for i, g in enumerate(grads):
             if g is None:
                 continue
@@ -71,6 +74,28 @@ class HeldGrads:
                 else:
                     h.add_(g.detach())
                 g.detach().zero_()
+
+    def commit_held(self, i: int) -> None:
+        """Parameter ``i``'s part of the pass lands (its ``AccumulateGrad`` pre-hook, checks passed)."""
+        h = self._pass_held.pop(i, None)
+        if h is None:
+            return
+        total = self._held.get(i)
+        if total is None:
+            self._held[i] = h
+        else:
+            total.add_(h)
+
+    def _refuse_unzeroed(self, i: int, incoming) -> None:
+        """A compiled layer's output reaches ``AccumulateGrad`` inside the block: it must still be the
+        zeros :meth:`hand_over` left. Inductor adds a plain use's gradient into that buffer in place
+        (same tensor, same version), which outside the block the sealed fingerprint finds at
+        ``step()``; here ``.grad`` would hold it alone, unclipped and without noise, before then
+        (review 52 S2). One device read per parameter per pass, only compiled and inside the block."""
+        if bool(incoming.ne(0).any()):
+            self._refuse_accumulation("weight-reuse", f"{self._param_name(i)} received a gradient that is not its "
+                                      "layer's own output (the compiled graph added another use of the parameter "
+                                      "to it)")
 
     def _lands_on(self, i: int) -> bool:
         node = self._node_of.get(i)
@@ -102,3 +127,4 @@ class HeldGrads:
 
     def drop_held(self) -> None:
         self._held = {}
+        self._pass_held = {}

@@ -193,6 +193,21 @@ class PassRefusals:
         raise ValueError(details + "; use a clipping norm and noise_multiplier whose product is not so small (or "
                          "so large)")
 
+    def _refuse_second_call(self) -> None:
+        """The layer's backward called a second time in one pass (the layer used twice in the forward,
+        added after ``make_private``): only the first call takes the step's draw, so the second returns
+        its rows' clipped sum without noise, which a hook on its node reads before the ``AccumulateGrad``
+        pre-hook refuses the sum of the two (review 52 S3). Refused before it computes, charged, where
+        the pass lands on the layer (flat's book releases a layer's calls together and is exempt; a
+        pass that lands nothing hands autograd zeros)."""
+        if not self.lands_now():
+            return
+        self.check_budget("a backward")
+        details = (f"{self.name}'s backward ran twice in one backward pass (the layer is used twice in the "
+                   "forward); only its first use is covered by the step's noise")
+        self.refuse("weight-reuse", details)
+        raise RuntimeError(details)
+
     def _refuse_accumulation(self, rule: str, details: str) -> None:
         """In an ``AccumulateGrad`` pre-hook, before the gradient is added to ``.grad``: what arrives is
         not the layer's own output (a use of the weight outside the layer added after ``make_private``,

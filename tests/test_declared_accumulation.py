@@ -39,10 +39,10 @@ class _Scale(nn.Module):
         return x * self.s
 
 
-def _private(mode, sigma=1.0, dtype=torch.float32, seed=7, generic=False, **extra):
+def _private(mode, sigma=1.0, dtype=torch.float32, seed=7, generic=False, model=None, **extra):
     torch.manual_seed(0)
     tail = [_Scale(3)] if generic else []
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), *tail).to(dtype)
+    model = (model or nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), *tail)).to(dtype)
     x, y = torch.randn(64, 6, dtype=dtype), torch.randint(0, 3, (64,))
     kw = {"clipping": mode, "max_grad_norm": 1.0} if mode != "backprop" else {
         "clipping": "backprop", "input_clip": 2.0, "grad_clip": 1.0}
@@ -353,3 +353,122 @@ def test_a_pass_that_lands_nothing_adds_nothing_and_shows_nothing(mode, block):
         o.step()
     for a, b in zip(*released):
         assert torch.equal(a, b)
+
+
+_LAYER_NODE = {"flat": "_CollectorBackward", "per_layer": "_ExactLayerBackward", "backprop": "_ClippedLinearBackward"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_pass_that_raises_after_the_layer_computed_adds_nothing(mode):
+    """Review 52 S1: a hook on a layer's backward node that raises once (a NaN guard), after the layer
+    computed its sum and before the pass landed, then the same micro-batch retried. The aborted pass's
+    sum had joined the block's: the last example twice. Now the block's gradient equals one backward
+    over the batch in float64 (tolerance as above), after one abort or three."""
+    for aborts in (1, 3):
+        released = []
+        for attack in (False, True):
+            engine, m, o, dl = _private(mode, dtype=torch.float64)
+            xb, yb = next(iter(dl))
+            o.zero_grad()
+            with o.accumulate():
+                F.cross_entropy(m(xb[:-1]), yb[:-1]).backward()
+                for _ in range(aborts if attack else 0):
+                    loss = F.cross_entropy(m(xb[-1:]), yb[-1:])
+                    node = next(n for n in _walk(loss.grad_fn, set()) if type(n).__name__ == _LAYER_NODE[mode])
+
+                    def boom(gi, go):
+                        raise FloatingPointError("a non-finite guard")
+
+                    node.register_hook(boom)
+                    with pytest.raises(FloatingPointError):
+                        loss.backward()
+                F.cross_entropy(m(xb[-1:]), yb[-1:]).backward()
+            released.append(_grads(m))
+            o.step()
+        tol = 64 * torch.finfo(torch.float64).eps
+        for a, b in zip(*released):
+            assert torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+class _TwiceOnHalves(nn.Module):
+    """The last layer applied to each half of the batch: a second use, added after make_private."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.split = nn.Linear(6, 8), nn.Linear(8, 3), False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if not self.split:
+            return self.fc2(h)
+        k = len(h) // 2
+        return torch.cat([self.fc2(h[:k]), self.fc2(h[k:])])
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "backprop"])
+@pytest.mark.parametrize("block", [False, True])
+def test_a_layer_called_twice_in_one_pass_is_refused_before_its_second_call_computes(mode, block):
+    """Review 52 S3: only a layer's first call in a pass takes the step's draw, and a hook on the
+    second call's node read its rows' clipped sum without noise before the pre-hook refused the two
+    calls' sum. Refused now at the second call, before it computes (``weight-reuse``, charged)."""
+    engine, m, o, dl = _private(mode, model=_TwiceOnHalves())
+    m.split = True
+    xb, yb = next(iter(dl))
+    seen = []
+    o.zero_grad()
+    with pytest.raises(StepRefused) as info:
+        with o.accumulate() if block else contextlib.nullcontext():
+            loss = F.cross_entropy(m(xb), yb)
+            for node in _walk(loss.grad_fn, set()):
+                if type(node).__name__ == _LAYER_NODE[mode]:
+                    node.register_hook(lambda gi, go: seen.append(gi))
+            loss.backward()
+    assert info.value.rule == "weight-reuse" and info.value.charged
+    assert len(seen) <= 1  # the call that ran first took the draw; the other never computed
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_a_compiled_plain_use_of_a_weight_is_refused_before_it_lands_in_the_block():
+    """Review 52 S2: inductor adds a plain use's gradient into the buffer the layer returned, after it
+    was zeroed, so ``.grad`` would hold the unclipped gradient alone. Refused in the pre-hook inside the
+    block (``weight-reuse``), before anything lands."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.tie = nn.Linear(6, 8), nn.Linear(8, 3), False
+
+        def forward(self, x):
+            out = self.fc2(torch.tanh(self.fc1(x)))
+            return out * (1 + 0.5 * self.fc2.weight.square().sum()) if self.tie else out
+
+    torch._dynamo.reset()
+    try:
+        engine, m, o, dl = _private("per_layer", model=Tied())
+        m.tie = True
+        run = torch.compile(m, backend="inductor")
+        xb, yb = next(iter(dl))
+        o.zero_grad()
+        with pytest.raises(StepRefused) as info:
+            with o.accumulate():
+                F.cross_entropy(run(xb[:8]), yb[:8]).backward()
+        assert info.value.rule == "weight-reuse" and info.value.charged
+        assert all(p.grad is None for p in m.parameters())
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_data_write_between_the_blocks_passes_is_refused():
+    """Review 52 S5: the zeros ``.grad`` holds inside the block, written through ``.data`` (no version
+    bump), are fingerprinted between the passes like any gradient: refused at the next pass or at
+    ``step()`` (``grad-edit``)."""
+    engine, m, o, dl = _private("per_layer")
+    xb, yb = next(iter(dl))
+    o.zero_grad()
+    with pytest.raises(StepRefused) as info:
+        with o.accumulate():
+            F.cross_entropy(m(xb[:8]), yb[:8]).backward()
+            m[0].weight.grad.data.add_(1.0)
+            F.cross_entropy(m(xb[8:]), yb[8:]).backward()
+        o.step()
+    assert info.value.rule == "grad-edit" and info.value.charged
