@@ -121,6 +121,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         # The backward pass in progress (autograd graph task): its rows and draw count once its
         # output lands in .grad (a pass of torch.autograd.grad(loss, x) never lands).
         self._task = None
+        self._tasks: set = set()  # every pass whose backward reached the layer this step (kept through resets)
         self._pass_rows = 0
         self._pass_noised = False
         self._pass_landed: set = set()
@@ -445,7 +446,10 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
+                if task in self._tasks and not again_ok:  # the pass was current before: a reset in between
+                    self._refuse_second_call()
                 self._begin_pass(task)
+                self._tasks.add(task)
             elif not again_ok:
                 self._refuse_second_call()
             self._pass_rows += int(rows)
@@ -577,6 +581,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self._integer_landed = False
         self._draw_landed = False
         self._landed_open = False
+        self._tasks = set()
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients (held ones

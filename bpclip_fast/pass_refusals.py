@@ -199,7 +199,10 @@ class PassRefusals:
         its rows' clipped sum without noise, which a hook on its node reads before the ``AccumulateGrad``
         pre-hook refuses the sum of the two (review 52 S3). Refused before it computes, charged, where
         the pass lands on the layer (flat's book releases a layer's calls together and is exempt; a
-        pass that lands nothing hands autograd zeros)."""
+        pass that lands nothing hands autograd zeros). "In one pass" is the set of passes whose backward
+        reached the layer in this step, kept until the next step: a hook between two calls that reset
+        the layer (``zero_grad()``) or ran a nested pass through it had made each call look like a
+        new pass with a fresh draw, K releases of one sum for one charge (review 53 T1)."""
         if not self.lands_now():
             return
         self.check_budget("a backward")

@@ -472,3 +472,51 @@ def test_a_data_write_between_the_blocks_passes_is_refused():
             F.cross_entropy(m(xb[8:]), yb[8:]).backward()
         o.step()
     assert info.value.rule == "grad-edit" and info.value.charged
+
+
+class _Many(nn.Module):
+    """The last layer called k times, each call seeing the single call's upstream gradient (added after
+    make_private): k computations of one clipped sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.k = nn.Linear(6, 8), nn.Linear(8, 3), 1
+
+    def forward(self, x):
+        self.h = torch.tanh(self.fc1(x))
+        if self.k == 1:
+            return self.fc2(self.h)
+        self.calls = [self.fc2(self.h) for _ in range(self.k)]
+        return self.calls[0] + sum(c - c.detach() for c in self.calls[1:])
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "backprop"])
+@pytest.mark.parametrize("reset", ["zero_grad", "nested pass"])
+def test_a_reset_between_two_calls_of_a_layer_does_not_make_a_new_pass(mode, reset):
+    """Review 53 T1: a hook on each call's node that resets the layer between calls (``zero_grad()``, or
+    a nested backward through it that lands nothing) made every call look like a new pass with a fresh
+    draw: k noisy copies of one sum for one charge, averaged to noise σ/√k. The passes a layer's
+    backward ran in are kept for the step: the second call is refused before it computes, whatever ran
+    in between, and only one (noised) sum was ever computed."""
+    engine, m, o, dl = _private(mode, model=_Many())
+    xb, yb = next(iter(dl))
+    m.k = 8
+    reads = []
+    o.zero_grad()
+    out = m(xb)
+    spare_in = m.h.detach().requires_grad_(True)
+    spare_loss = m.fc2(spare_in).sum()
+
+    def hook(gi, go):
+        reads.append(gi[1])
+        if reset == "zero_grad":
+            o.zero_grad()
+        else:
+            torch.autograd.grad(spare_loss, spare_in, retain_graph=True)
+
+    for c in m.calls:
+        c.grad_fn.register_hook(hook)
+    with pytest.raises(StepRefused) as info:
+        F.cross_entropy(out, yb).backward()
+    assert info.value.rule == "weight-reuse" and info.value.charged and len(engine.accountant) == 1
+    assert len(reads) == 1

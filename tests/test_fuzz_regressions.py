@@ -232,3 +232,18 @@ def test_kept_release_is_tied_to_the_kept_values_when_the_allowance_is_spent(see
                    values_g=("subnormal", "normal", "normal", "normal", "normal"), seed=seed,
                    norm_method="auto", conv_norm="l15", bound=0.001, gamma=0.01)
     fb.check(case)
+
+
+def test_group_norm_statistics_do_not_depend_on_the_batch_layout():
+    """Found by the fuzzer (seed 58, twenty-third session): a channels-last input to InstanceNorm3d
+    under flat in float64, an upstream gradient constant along the last dimension and huge (2e14), so
+    example 1's weight gradient ``Σ g·x̂`` is the last bits of an ``x̂`` that cancels (x̂ ≈ [1, −1]).
+    ``native_group_norm`` reduces a channels-last input in another order than a contiguous one, and the
+    batch of one left after removing example 0 is contiguous too: example 1's clipped gradient turned
+    from +C to −C, so the removal moved the release by 2·C. Every example's statistics are now computed
+    from the contiguous input (``layers/norms.py``, ``_group_norm_layout``; GroupNorm shares it)."""
+    case = fb.Case(kind="instance_norm3d", mode="flat", dtype=torch.float64, clip_fn="clip", bias=False,
+                   geometry={"channels": 2}, shape=(2, 1, 1, 2), batch=2, layout="channels_last",
+                   layout_g="broadcast", values_x=("scaled", "scaled"), values_g=("normal", "huge"), seed=131,
+                   norm_method="auto", conv_norm="l15", bound=0.001, gamma=1e-06)
+    fb.check(case)
