@@ -443,15 +443,16 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         """``(seed, offset, std, d, scale)`` for one backward pass over ``rows`` example rows:
         clip at ``C/d``, add noise of std ``std`` (0: none), multiply ``[∇W, ∇b]`` by ``scale``.
         ``again_ok``: a second call of the layer in one pass is released with the first (flat's book)."""
+        second = False
         if self.enforce:
             task = torch._C._current_graph_task_id()
             if task != self._task:  # a new backward pass (a second use of the layer in one pass is not)
-                if task in self._tasks and not again_ok:  # the pass was current before: a reset in between
-                    self._refuse_second_call()
+                second = task in self._tasks  # the pass was current before: a reset in between
                 self._begin_pass(task)
                 self._tasks.add(task)
-            elif not again_ok:
-                self._refuse_second_call()
+            else:
+                second = True
+            second = second and not again_ok
             self._pass_rows += int(rows)
             self._refuse_before_landing()
         else:
@@ -466,6 +467,8 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
             if self._integer_landed or self._pass_noised:
                 self._refuse_second_integer_backward()
             self._integer_landed = True
+        if second:  # after the rules that name the case more closely (rows past the batch, integer passes)
+            self._refuse_second_call()
         if self.noised or self._pass_noised or self.key is None:
             return 0, 0, 0.0, d, scale
         std = float(self.layer._bp_noise_multiplier) * float(sensitivity)

@@ -101,8 +101,8 @@ def test_power_is_the_statistics_power():
 def _patch_sensitivity(monkeypatch, change):
     original = boundary.LayerStep.begin_backward
 
-    def begin_backward(self, rows, sensitivity):
-        return original(self, rows, change(sensitivity, rows))
+    def begin_backward(self, rows, sensitivity, **kw):
+        return original(self, rows, change(sensitivity, rows), **kw)
 
     monkeypatch.setattr(boundary.LayerStep, "begin_backward", begin_backward)
 
@@ -180,8 +180,8 @@ def _plant_noise(monkeypatch, draw):
     original = boundary.LayerStep.begin_backward
     pending = {}
 
-    def begin_backward(self, rows, sensitivity):
-        seed, offset, std, d, scale = original(self, rows, sensitivity)
+    def begin_backward(self, rows, sensitivity, **kw):
+        seed, offset, std, d, scale = original(self, rows, sensitivity, **kw)
         if std > 0:
             pending[id(self)] = (self.layer, seed, offset, std * scale)
         return seed, offset, 0.0, d, scale
@@ -248,8 +248,8 @@ def test_parameters_moved_by_other_than_the_released_gradient_are_caught(monkeyp
     original = boundary.LayerStep.begin_backward
     pending = []
 
-    def begin_backward(self, rows, sensitivity):
-        seed, offset, std, d, scale = original(self, rows, sensitivity)
+    def begin_backward(self, rows, sensitivity, **kw):
+        seed, offset, std, d, scale = original(self, rows, sensitivity, **kw)
         if std > 0:
             pending.append((self.layer, seed, offset, std * scale))
         return seed, offset, 0.0, d, scale
