@@ -23,20 +23,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bpclip_fast import PrivacyEngine
 from bpclip_fast.rules import RULES, StepRefused
+from test_refused_before_landing import _Scale
 
 MODES = ("flat", "per_layer", "backprop")
+# One backward against micro-batches, float64: the same terms summed in another grouping, |error| ≤
+# n·ε·Σ|terms| with n ≤ 32 rows and Σ|terms| ≤ 2 (a clipped mean, each term ≤ C/B̄ = O(1/16), and the
+# noise added once, in both).
+_F64_GROUPING = 64 * torch.finfo(torch.float64).eps
 F = nn.functional
-
-
-class _Scale(nn.Module):
-    """A module no fused layer covers: trained by the generic exact path."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.s = nn.Parameter(torch.ones(n))
-
-    def forward(self, x):
-        return x * self.s
 
 
 def _private(mode, sigma=1.0, dtype=torch.float32, seed=7, generic=False, model=None, **extra):
@@ -109,9 +103,7 @@ def test_the_block_releases_what_one_backward_releases(mode):
         cuts = [len(xb) // 2, len(xb) - 2]  # uneven, one of them small
         for xm, ym in zip(xb.tensor_split(cuts), yb.tensor_split(cuts)):
             F.cross_entropy(m2(xm), ym).backward()
-    # the same terms summed in another grouping: |error| ≤ n·ε·Σ|terms| with n ≤ 32 rows and
-    # Σ|terms| ≤ 2 (a clipped mean, each term ≤ C/B̄ = O(1/16), and the noise added once, in both)
-    tol = 64 * torch.finfo(torch.float64).eps
+    tol = _F64_GROUPING
     for a, b in zip(_grads(m1), _grads(m2)):
         assert torch.allclose(a, b, rtol=tol, atol=tol)
 
@@ -173,18 +165,26 @@ def test_a_gradient_written_inside_the_block_is_refused():
         assert all(p.grad is None for p in m.parameters())
 
 
-def test_zero_grad_inside_the_block_then_a_pass_is_a_redraw():
-    """Cleared inside the block, the held gradients are dropped; a later landing pass would need the
-    step's draw again (the first pass's gradient may have been read through a kept tensor)."""
-    engine, m, o, dl = _private("backprop")
+@pytest.mark.parametrize("mode", ["per_layer", "backprop"])
+@pytest.mark.parametrize("between, rule", [("zero_grad", "redraw"), (".data write", "grad-edit")])
+def test_what_the_loop_does_between_the_blocks_passes_is_refused(mode, between, rule):
+    """``zero_grad()`` between the block's passes drops what the block held, and the next landing pass
+    would need the step's draw again (``redraw``). A write through ``.data`` into the zeros ``.grad``
+    holds (no version bump) is fingerprinted between the passes like any gradient (review 52 S5):
+    refused at the next pass or at ``step()`` (``grad-edit``). Both charged."""
+    engine, m, o, dl = _private(mode)
     xb, yb = next(iter(dl))
     o.zero_grad()
     with pytest.raises(StepRefused) as info:
         with o.accumulate():
             F.cross_entropy(m(xb[:8]), yb[:8]).backward()
-            o.zero_grad()
+            if between == "zero_grad":
+                o.zero_grad()
+            else:
+                m[0].weight.grad.data.add_(1.0)
             F.cross_entropy(m(xb[8:]), yb[8:]).backward()
-    assert info.value.rule == "redraw"
+        o.step()
+    assert info.value.rule == rule and info.value.charged
 
 
 def test_step_inside_the_block_is_refused_uncharged_and_the_block_still_ends_well():
@@ -269,7 +269,7 @@ def test_compiled_and_generic_layers_are_held_too(kind, mode):
         else:
             F.cross_entropy(run(xb), yb).backward()
         released.append(_grads(m))
-    tol = 64 * torch.finfo(torch.float64).eps
+    tol = _F64_GROUPING
     for a, b in zip(*released):
         assert torch.allclose(a, b, rtol=tol, atol=tol)
 
@@ -385,7 +385,7 @@ def test_a_pass_that_raises_after_the_layer_computed_adds_nothing(mode):
                 F.cross_entropy(m(xb[-1:]), yb[-1:]).backward()
             released.append(_grads(m))
             o.step()
-        tol = 64 * torch.finfo(torch.float64).eps
+        tol = _F64_GROUPING
         for a, b in zip(*released):
             assert torch.allclose(a, b, rtol=tol, atol=tol)
 
@@ -456,22 +456,6 @@ def test_a_compiled_plain_use_of_a_weight_is_refused_before_it_lands_in_the_bloc
         assert all(p.grad is None for p in m.parameters())
     finally:
         torch._dynamo.reset()
-
-
-def test_a_data_write_between_the_blocks_passes_is_refused():
-    """Review 52 S5: the zeros ``.grad`` holds inside the block, written through ``.data`` (no version
-    bump), are fingerprinted between the passes like any gradient: refused at the next pass or at
-    ``step()`` (``grad-edit``)."""
-    engine, m, o, dl = _private("per_layer")
-    xb, yb = next(iter(dl))
-    o.zero_grad()
-    with pytest.raises(StepRefused) as info:
-        with o.accumulate():
-            F.cross_entropy(m(xb[:8]), yb[:8]).backward()
-            m[0].weight.grad.data.add_(1.0)
-            F.cross_entropy(m(xb[8:]), yb[8:]).backward()
-        o.step()
-    assert info.value.rule == "grad-edit" and info.value.charged
 
 
 class _Many(nn.Module):
