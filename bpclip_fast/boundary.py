@@ -155,6 +155,8 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self._draw_landed = False  # a pass of this step landed a draw; clearing .grad does not undo it
         self._mixed = False        # some trainable gradients hold the layer's contribution, others not
         self._landed_open = False  # a pass of this step landed where the loop can read it (outside accumulate())
+        self._draw_shown = False   # the pass's draw went to a landing pass outside accumulate() (its sum readable)
+        self._dropped_draw = False  # a pass of this step took such a draw and never landed
         self.holder = None         # set by the engine: whether the loop is inside optimizer.accumulate()
         self._held: dict = {}      # param index -> the sum its passes computed inside accumulate() (held_grads)
         self._pass_held: dict = {}  # the same, of the pass in progress: joins _held when the pass lands
@@ -427,6 +429,9 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         trainable = tuple([p.requires_grad for p in params])
         if self._hooked != trainable:
             self.install_hooks()  # unfrozen within the step: hook what trains now
+        # the last pass took a draw for a landing and never landed: a hook on the layer's node saw its
+        # noised sum and dropped it (or the pass raised after the layer computed)
+        self._dropped_draw = self._dropped_draw or (self._pass_noised and self._draw_shown)
         if self._pass_landed:
             self.close_pass(params)
         if self.on_new_pass is not None and self._gate.task != task:
@@ -479,6 +484,7 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
             self._refuse_std(rows)
         if self.enforce:
             self._pass_noised = True
+            self._draw_shown = self.lands_now() and not self.holding()  # its sum leaves the op as it is
         else:
             self.noised = True
         seed, offset = self.take_draw()
@@ -585,6 +591,9 @@ class LayerStep(BandRelease, PassRefusals, HeldGrads):
         self._draw_landed = False
         self._landed_open = False
         self._tasks = set()
+        self._pass_noised = False
+        self._draw_shown = False
+        self._dropped_draw = False
 
     def cleared(self) -> None:
         """The private optimizer's zero_grad just cleared (or zeroed) this layer's gradients (held ones

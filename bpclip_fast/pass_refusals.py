@@ -132,13 +132,19 @@ class PassRefusals:
           gradient recovered to 4e-7 with micro-batches of B − 1 and 1). Inside the block the passes
           land where the loop cannot read them (:mod:`bpclip_fast.held_grads`). Under integer noise
           its own rule refuses every second landing pass, in the block or not (``integer-passes``).
+        * **A landing pass after one that took the draw for a landing and never landed** (``redraw``):
+          a hook on the layer's backward node read the pass's noised sum and returned ``None`` for the
+          parameters, so nothing landed and each new pass took a fresh draw: K noisy copies of one sum
+          for one charge (review 54 U1, noise down by √K). Inside the block the pass hands autograd
+          zeros, so nothing was shown and a retry stays allowed.
 
         Charged (the step's first release was readable). Asked per layer call of a pass; ``lands_now``
         only when a condition holds (a pass that lands nothing releases nothing)."""
         over = self.batch_rows is not None and self.rows + self._pass_rows > self.batch_rows()
         cleared = self._draw_landed and (self._mixed or not self.noised) and self.integer_bits is None
         again = self._landed_open and self.integer_bits is None
-        if not (over or cleared or again) or not self.lands_now():
+        dropped = self._dropped_draw
+        if not (over or cleared or again or dropped) or not self.lands_now():
             return
         self.check_budget("a backward")
         if over:
@@ -150,6 +156,13 @@ class PassRefusals:
         if self._edited():
             details = rules.edited(self.name)
             self.refuse("grad-edit", details)
+            raise RuntimeError(details)
+        if dropped and not (cleared or self._mixed):
+            details = (f"{self.name}: an earlier backward pass of this step took the step's noise for a landing "
+                       "and never landed (a hook on the layer's backward node dropped its gradient, or the pass "
+                       "raised after the layer computed), so its noised sum could be read; this pass would take "
+                       "a fresh draw, a second release of the batch")
+            self.refuse("redraw", details)
             raise RuntimeError(details)
         if not (cleared or self._mixed):
             details = (f"{self.name}: a second backward pass of this step would land on its gradient outside "

@@ -502,5 +502,35 @@ def test_a_reset_between_two_calls_of_a_layer_does_not_make_a_new_pass(mode, res
         c.grad_fn.register_hook(hook)
     with pytest.raises(StepRefused) as info:
         F.cross_entropy(out, yb).backward()
-    assert info.value.rule == "weight-reuse" and info.value.charged and len(engine.accountant) == 1
+    # the second call, seen as a new pass, is refused before it computes by the first rule that sees
+    # it: a pass after a draw taken for a landing that never landed (review 54) or a call in a pass
+    # the layer already ran in
+    assert info.value.rule in ("redraw", "weight-reuse") and info.value.charged and len(engine.accountant) == 1
+    assert len(reads) == 1
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "backprop"])
+def test_a_pass_whose_gradient_a_hook_dropped_does_not_get_a_fresh_draw(mode):
+    """Review 54 U1: a hook on the layer's backward node read the pass's noised sum and returned
+    ``None`` for the parameters, so nothing landed and the next pass over the batch took a fresh draw:
+    K forwards gave K noisy copies of one sum (noise down by √K) for one charge, the last one landed
+    and the step went through. The pass after a draw that was taken for a landing and never landed is
+    refused before it computes (``redraw``, charged); only one sum was ever read."""
+    engine, m, o, dl = _private(mode)
+    xb, yb = next(iter(dl))
+    reads = []
+
+    def drop(gi, go):  # read the parameters' gradients, land nothing
+        reads.append(gi[1])
+        return tuple(None if j in (1, 2) else t for j, t in enumerate(gi))
+
+    m[0].register_forward_hook(lambda mod, i, y: y.grad_fn.register_hook(
+        lambda gi, go: tuple(None if j in (1, 2) else t for j, t in enumerate(gi))) and None)
+    m[2].register_forward_hook(lambda mod, i, y: y.grad_fn.register_hook(drop) and None)
+    o.zero_grad()
+    F.cross_entropy(m(xb), yb).backward()
+    assert len(reads) == 1 and all(p.grad is None for p in m.parameters())
+    with pytest.raises(StepRefused) as info:
+        F.cross_entropy(m(xb), yb).backward()
+    assert info.value.rule == "redraw" and info.value.charged and len(engine.accountant) == 1
     assert len(reads) == 1
