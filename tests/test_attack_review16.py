@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from bpclip_fast import PrivacyEngine, StepRefused, boundary
+from bpclip_fast import PrivacyEngine, StepRefused, boundary, layer_hooks
 from bpclip_fast.fingerprint import fingerprint as _fingerprint
 from test_attack_review3 import _private_plain_use  # review 3's weight used in plain code
 
@@ -299,7 +299,8 @@ def test_the_op_is_traceable_and_fake_gives_a_cpu_int64_scalar():
 # ------------------------------------------------------------------------------------ end to end
 
 class _Spy:
-    """Counts ``_fingerprint`` calls made by the step boundary; asserts none runs while tracing."""
+    """Counts ``_fingerprint`` calls made by the step boundary and its hooks; asserts none runs while
+    tracing."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
@@ -312,7 +313,8 @@ class _Spy:
             self.calls += 1
             return real(t)
 
-        monkeypatch.setattr(boundary, "fingerprint", spy)
+        for module in (boundary, layer_hooks):  # the step's records and its parameter hooks
+            monkeypatch.setattr(module, "fingerprint", spy)
 
 
 def _private_mlp(batch=4, mode="flat", model=None):
